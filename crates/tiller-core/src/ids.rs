@@ -1,0 +1,74 @@
+//! Identifiers. Opaque, cheap to copy, and printable; how they are written on
+//! the wire is the edges' business.
+
+use std::fmt;
+
+use uuid::Uuid;
+
+macro_rules! uuid_id {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub struct $name(Uuid);
+
+        impl $name {
+            /// A fresh random id.
+            pub fn new() -> Self {
+                Self(Uuid::new_v4())
+            }
+
+            /// Parses the canonical hyphenated form written by `Display`.
+            pub fn parse(s: &str) -> Option<Self> {
+                Uuid::try_parse(s).ok().map(Self)
+            }
+
+            /// Builds an id from raw bits (tests and property models use this
+            /// to get small, readable ids).
+            pub fn from_u128(v: u128) -> Self {
+                Self(Uuid::from_u128(v))
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.hyphenated().fmt(f)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}({})", stringify!($name), self.0.hyphenated())
+            }
+        }
+    };
+}
+
+uuid_id!(
+    /// One session: a conversation with its own log, queue and turns.
+    SessionId
+);
+uuid_id!(
+    /// One admitted (or refused) request to run a turn.
+    PromptId
+);
+uuid_id!(
+    /// One steer: text injected into a running turn.
+    SteerId
+);
+
+/// One run of a prompt by an engine. Monotonic per session, so a signal from
+/// an older turn is recognised as stale by comparison alone.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
+pub struct TurnId(pub u64);
+
+impl fmt::Display for TurnId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}

@@ -1,0 +1,18 @@
+//! Pure cores of Tiller.
+//!
+//! Everything here is sans-IO: no tokio, no clock reads (time is an input),
+//! no serialization formats, no SQL. Actors feed inputs to these cores and
+//! carry out the effects they return. That is what lets the property tests
+//! check "every admitted prompt gets exactly one terminal" over arbitrary
+//! interleavings.
+
+mod ids;
+mod terminal;
+pub mod turn;
+
+pub use ids::{PromptId, SessionId, SteerId, TurnId};
+pub use terminal::{ErrorKind, Origin, StopReason, Terminal};
+pub use turn::{
+    Effect, IdleBehavior, Input, Millis, Rejection, SessionCore, Signal, SteerDropReason,
+    SteerOutcome, SteerReceipt, SteerRefusal, TurnConfig, WatchdogKind,
+};

@@ -1,0 +1,169 @@
+//! Origins and terminals: where a prompt came from and how it ended.
+
+use std::fmt;
+
+/// Where a prompt entered the daemon. Decided by the daemon from the ingress,
+/// never from anything the caller wrote.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Origin {
+    /// A person, through ACP or the Web Shell.
+    Interactive,
+    /// An authenticated channel ingress.
+    Channel,
+    /// A cron job fire.
+    Cron,
+    /// A background notification.
+    Notification,
+    /// A goal continuation.
+    Goal,
+}
+
+impl Origin {
+    /// Stable lower-case name, used as a metric label and in the log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Origin::Interactive => "interactive",
+            Origin::Channel => "channel",
+            Origin::Cron => "cron",
+            Origin::Notification => "notification",
+            Origin::Goal => "goal",
+        }
+    }
+
+    /// Parses [`Origin::as_str`].
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "interactive" => Origin::Interactive,
+            "channel" => Origin::Channel,
+            "cron" => Origin::Cron,
+            "notification" => Origin::Notification,
+            "goal" => Origin::Goal,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a completed turn stopped (the ACP stop reasons).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum StopReason {
+    EndTurn,
+    MaxTokens,
+    MaxTurnRequests,
+    Refusal,
+    Cancelled,
+}
+
+impl StopReason {
+    /// The snake_case name ACP and the event log use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::EndTurn => "end_turn",
+            StopReason::MaxTokens => "max_tokens",
+            StopReason::MaxTurnRequests => "max_turn_requests",
+            StopReason::Refusal => "refusal",
+            StopReason::Cancelled => "cancelled",
+        }
+    }
+
+    /// Parses [`StopReason::as_str`].
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "end_turn" => StopReason::EndTurn,
+            "max_tokens" => StopReason::MaxTokens,
+            "max_turn_requests" => StopReason::MaxTurnRequests,
+            "refusal" => StopReason::Refusal,
+            "cancelled" => StopReason::Cancelled,
+            _ => return None,
+        })
+    }
+}
+
+/// The machine-readable kind of a failed turn. Clients localize from this,
+/// never from the English message.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum ErrorKind {
+    /// The engine said it was done without producing a result.
+    NoResult,
+    /// The model stream broke.
+    ModelStreamInterrupted,
+    /// The engine task died.
+    EngineCrashed,
+    /// No signal for `stall_timeout`.
+    Stalled,
+    /// The daemon died while the prompt was in flight.
+    DaemonRestarted,
+    /// The session actor failed and was restarted while the prompt was in flight.
+    SessionRestarted,
+}
+
+impl ErrorKind {
+    /// The snake_case `errorKind` clients see.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::NoResult => "no_result",
+            ErrorKind::ModelStreamInterrupted => "model_stream_interrupted",
+            ErrorKind::EngineCrashed => "engine_crashed",
+            ErrorKind::Stalled => "stalled",
+            ErrorKind::DaemonRestarted => "daemon_restarted",
+            ErrorKind::SessionRestarted => "session_restarted",
+        }
+    }
+
+    /// Parses [`ErrorKind::as_str`].
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "no_result" => ErrorKind::NoResult,
+            "model_stream_interrupted" => ErrorKind::ModelStreamInterrupted,
+            "engine_crashed" => ErrorKind::EngineCrashed,
+            "stalled" => ErrorKind::Stalled,
+            "daemon_restarted" => ErrorKind::DaemonRestarted,
+            "session_restarted" => ErrorKind::SessionRestarted,
+            _ => return None,
+        })
+    }
+
+    /// A plain-English message older clients can show as is.
+    pub fn default_message(self) -> &'static str {
+        match self {
+            ErrorKind::NoResult => "The agent stopped without producing a result.",
+            ErrorKind::ModelStreamInterrupted => "The model stream was interrupted.",
+            ErrorKind::EngineCrashed => "The engine crashed while running this turn.",
+            ErrorKind::Stalled => "The turn made no progress and was stopped.",
+            ErrorKind::DaemonRestarted => "The daemon restarted while this turn was running.",
+            ErrorKind::SessionRestarted => "The session restarted while this turn was running.",
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The one outcome of an admitted prompt.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Terminal {
+    /// The turn completed; ACP answers `session/prompt` with this stop reason.
+    Completed(StopReason),
+    /// The turn failed; ACP answers with a JSON-RPC error carrying `kind`.
+    Failed { kind: ErrorKind, message: String },
+}
+
+impl Terminal {
+    /// A failure with the kind's default message.
+    pub fn failed(kind: ErrorKind) -> Self {
+        Terminal::Failed {
+            kind,
+            message: kind.default_message().to_owned(),
+        }
+    }
+
+    /// Label for the `outcome` metric label: a stop reason or an error kind.
+    pub fn outcome_label(&self) -> &'static str {
+        match self {
+            Terminal::Completed(r) => r.as_str(),
+            Terminal::Failed { kind, .. } => kind.as_str(),
+        }
+    }
+}

@@ -1,0 +1,408 @@
+//! Conformance cases of `turn-lifecycle.md`, at the core level.
+
+use super::*;
+
+const CFG: TurnConfig = TurnConfig {
+    steer_receipt_timeout: 100,
+    cancel_grace: 20,
+    stall_timeout: 1_000,
+    max_queued_prompts: 2,
+};
+
+/// A core plus the clock, recording every effect.
+struct Harness {
+    core: SessionCore,
+    now: Millis,
+    log: Vec<Effect>,
+}
+
+impl Harness {
+    fn new() -> Self {
+        Self {
+            core: SessionCore::new(CFG, 0),
+            now: 0,
+            log: Vec::new(),
+        }
+    }
+
+    fn at(&mut self, now: Millis, input: Input) -> Vec<Effect> {
+        self.now = now;
+        let fx = self.core.on(now, input);
+        self.log.extend(fx.iter().cloned());
+        fx
+    }
+
+    fn feed(&mut self, input: Input) -> Vec<Effect> {
+        self.at(self.now, input)
+    }
+
+    fn prompt(&mut self, n: u128) -> PromptId {
+        let p = PromptId::from_u128(n);
+        self.feed(Input::Prompt {
+            prompt: p,
+            origin: Origin::Interactive,
+        });
+        p
+    }
+
+    fn sig(&mut self, turn: u64, signal: Signal) -> Vec<Effect> {
+        self.feed(Input::Signal {
+            turn: TurnId(turn),
+            signal,
+        })
+    }
+
+    fn steer(&mut self, n: u128) -> SteerId {
+        let s = SteerId::from_u128(n);
+        self.feed(Input::Steer {
+            steer: s,
+            idle_behavior: IdleBehavior::PromptRequired,
+        });
+        s
+    }
+
+    fn terminals(&self) -> Vec<(PromptId, Terminal)> {
+        self.log
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Settled {
+                    prompt, terminal, ..
+                } => Some((*prompt, terminal.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn settled(fx: &[Effect]) -> Option<Terminal> {
+    fx.iter().find_map(|e| match e {
+        Effect::Settled { terminal, .. } => Some(terminal.clone()),
+        _ => None,
+    })
+}
+
+const END: Terminal = Terminal::Completed(StopReason::EndTurn);
+
+#[test]
+fn case1_result_settles_without_idle() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), Some(END));
+    assert_eq!(settled(&h.sig(1, Signal::Idle)), None, "the idle is stale now");
+    assert_eq!(h.terminals().len(), 1);
+}
+
+#[test]
+fn case2_idle_without_result_is_no_result() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    assert_eq!(
+        settled(&h.sig(1, Signal::Idle)),
+        Some(Terminal::failed(ErrorKind::NoResult))
+    );
+}
+
+#[test]
+fn case3_steer_consumed_then_idle_fails_at_first_idle() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let s = h.steer(10);
+    h.sig(1, Signal::SteerReceipt(s, SteerReceipt::Consumed));
+    assert_eq!(
+        settled(&h.sig(1, Signal::Idle)),
+        Some(Terminal::failed(ErrorKind::NoResult))
+    );
+    assert!(h.sig(1, Signal::Idle).contains(&Effect::Stale { turn: TurnId(1) }));
+}
+
+#[test]
+fn case4_steer_result_idle_drops_steer_and_ends() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let s = h.steer(10);
+    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), None);
+    let fx = h.sig(1, Signal::Idle);
+    assert!(fx.contains(&Effect::SteerDropped {
+        steer: s,
+        reason: SteerDropReason::TurnEnded
+    }));
+    assert_eq!(settled(&fx), Some(END));
+}
+
+#[test]
+fn case5_result_without_idle_plain_and_steered() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), Some(END));
+
+    let mut h = Harness::new();
+    h.prompt(1);
+    let s = h.steer(10);
+    h.sig(1, Signal::SteerReceipt(s, SteerReceipt::Consumed));
+    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), Some(END));
+}
+
+#[test]
+fn case6_stale_signals_change_nothing() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    h.sig(1, Signal::Result(StopReason::EndTurn));
+    h.prompt(2); // turn 2
+    for stale in [Signal::Idle, Signal::Result(StopReason::Refusal)] {
+        assert_eq!(h.sig(1, stale), vec![Effect::Stale { turn: TurnId(1) }]);
+    }
+    assert_eq!(settled(&h.sig(2, Signal::Result(StopReason::EndTurn))), Some(END));
+    assert_eq!(h.terminals().len(), 2);
+}
+
+#[test]
+fn case7_steer_then_silence_is_bounded() {
+    // Steer and a result, then silence: settles at the receipt timeout.
+    let mut h = Harness::new();
+    h.prompt(1);
+    h.steer(10);
+    h.at(5, Input::Signal {
+        turn: TurnId(1),
+        signal: Signal::Result(StopReason::EndTurn),
+    });
+    assert_eq!(settled(&h.at(104, Input::Tick)), None);
+    assert_eq!(settled(&h.at(105, Input::Tick)), Some(END));
+
+    // Steer and total silence: the stall bound ends it.
+    let mut h = Harness::new();
+    h.prompt(1);
+    h.steer(10);
+    assert_eq!(settled(&h.at(999, Input::Tick)), None);
+    assert_eq!(
+        settled(&h.at(1_000, Input::Tick)),
+        Some(Terminal::failed(ErrorKind::Stalled))
+    );
+}
+
+#[test]
+fn case8_cancel_then_silence_settles_within_grace() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let fx = h.at(10, Input::Cancel);
+    assert!(fx.contains(&Effect::AbortEngine {
+        turn: TurnId(1),
+        teardown: false
+    }));
+    assert!(fx.contains(&Effect::ArmTimer { at: Some(30) }));
+    assert_eq!(settled(&h.at(29, Input::Tick)), None);
+    let fx = h.at(30, Input::Tick);
+    assert_eq!(settled(&fx), Some(Terminal::Completed(StopReason::Cancelled)));
+    assert!(fx.contains(&Effect::AbortEngine {
+        turn: TurnId(1),
+        teardown: true
+    }));
+}
+
+#[test]
+fn cancel_wins_over_a_racing_result_or_failure() {
+    for racing in [
+        Signal::Result(StopReason::EndTurn),
+        Signal::Failed(ErrorKind::ModelStreamInterrupted, "x".into()),
+        Signal::Idle,
+    ] {
+        let mut h = Harness::new();
+        h.prompt(1);
+        h.feed(Input::Cancel);
+        assert_eq!(
+            settled(&h.sig(1, racing)),
+            Some(Terminal::Completed(StopReason::Cancelled))
+        );
+    }
+}
+
+#[test]
+fn cancel_cancels_queued_prompts_each_once_and_repeat_extends_nothing() {
+    let mut h = Harness::new();
+    let p1 = h.prompt(1);
+    let p2 = h.prompt(2);
+    let p3 = h.prompt(3);
+    h.at(10, Input::Cancel);
+    let fx = h.at(15, Input::Cancel);
+    assert!(!fx.iter().any(|e| matches!(e, Effect::ArmTimer { .. })));
+    h.at(30, Input::Tick);
+    let t = h.terminals();
+    let cancelled = Terminal::Completed(StopReason::Cancelled);
+    assert_eq!(
+        t,
+        vec![(p2, cancelled.clone()), (p3, cancelled.clone()), (p1, cancelled)]
+    );
+    assert_eq!(h.log.last(), Some(&Effect::ArmTimer { at: None }));
+    assert!(h.log.contains(&Effect::Idle));
+}
+
+#[test]
+fn cancel_with_nothing_running_is_a_noop() {
+    let mut h = Harness::new();
+    assert!(h.feed(Input::Cancel).is_empty());
+}
+
+#[test]
+fn queue_is_fifo_and_bounded() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let p2 = h.prompt(2);
+    let p3 = h.prompt(3);
+    let fx = h.feed(Input::Prompt {
+        prompt: PromptId::from_u128(4),
+        origin: Origin::Interactive,
+    });
+    assert_eq!(
+        fx,
+        vec![Effect::Rejected {
+            prompt: PromptId::from_u128(4),
+            reason: Rejection::Overloaded
+        }]
+    );
+    let fx = h.sig(1, Signal::Result(StopReason::EndTurn));
+    assert!(fx.contains(&Effect::StartTurn {
+        prompt: p2,
+        turn: TurnId(2),
+        origin: Origin::Interactive
+    }));
+    let fx = h.sig(2, Signal::Result(StopReason::EndTurn));
+    assert!(fx.contains(&Effect::StartTurn {
+        prompt: p3,
+        turn: TurnId(3),
+        origin: Origin::Interactive
+    }));
+    let fx = h.sig(3, Signal::Result(StopReason::EndTurn));
+    assert_eq!(fx.iter().filter(|e| **e == Effect::Idle).count(), 1);
+}
+
+#[test]
+fn idle_comes_after_the_terminal() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let fx = h.sig(1, Signal::Result(StopReason::EndTurn));
+    let settled_at = fx
+        .iter()
+        .position(|e| matches!(e, Effect::Settled { .. }))
+        .unwrap();
+    let idle_at = fx.iter().position(|e| *e == Effect::Idle).unwrap();
+    assert!(settled_at < idle_at);
+}
+
+#[test]
+fn steering_outcomes() {
+    let mut h = Harness::new();
+    let s = SteerId::from_u128(1);
+    let fx = h.feed(Input::Steer {
+        steer: s,
+        idle_behavior: IdleBehavior::PromptRequired,
+    });
+    assert_eq!(
+        fx,
+        vec![Effect::SteerAnswer {
+            steer: s,
+            outcome: SteerOutcome::PromptRequired(SteerRefusal::NoRunningTurn)
+        }]
+    );
+    let p = PromptId::from_u128(9);
+    let fx = h.feed(Input::Steer {
+        steer: s,
+        idle_behavior: IdleBehavior::StartNewTurn(p),
+    });
+    assert_eq!(
+        fx[0],
+        Effect::SteerAnswer {
+            steer: s,
+            outcome: SteerOutcome::StartedNewTurn { prompt: p }
+        }
+    );
+    let fx = h.steer(2);
+    let _ = fx;
+    h.feed(Input::Cancel);
+    let s3 = SteerId::from_u128(3);
+    let fx = h.feed(Input::Steer {
+        steer: s3,
+        idle_behavior: IdleBehavior::PromptRequired,
+    });
+    assert_eq!(
+        fx,
+        vec![Effect::SteerAnswer {
+            steer: s3,
+            outcome: SteerOutcome::PromptRequired(SteerRefusal::TurnCancelling)
+        }]
+    );
+}
+
+#[test]
+fn dropped_receipt_after_result_settles() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let s = h.steer(10);
+    h.sig(1, Signal::Result(StopReason::MaxTokens));
+    let fx = h.sig(1, Signal::SteerReceipt(s, SteerReceipt::Dropped));
+    assert_eq!(
+        settled(&fx),
+        Some(Terminal::Completed(StopReason::MaxTokens))
+    );
+}
+
+#[test]
+fn consumed_receipt_after_result_waits_for_a_new_result() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let s = h.steer(10);
+    h.sig(1, Signal::Result(StopReason::EndTurn));
+    assert_eq!(settled(&h.sig(1, Signal::SteerReceipt(s, SteerReceipt::Consumed))), None);
+    // The cleared result no longer bounds the turn by the receipt timer.
+    assert_eq!(settled(&h.at(500, Input::Tick)), None);
+    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), Some(END));
+}
+
+#[test]
+fn engine_failure_settles_with_its_kind() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let fx = h.sig(
+        1,
+        Signal::Failed(ErrorKind::ModelStreamInterrupted, "broken pipe".into()),
+    );
+    assert_eq!(
+        settled(&fx),
+        Some(Terminal::Failed {
+            kind: ErrorKind::ModelStreamInterrupted,
+            message: "broken pipe".into()
+        })
+    );
+}
+
+#[test]
+fn stall_is_measured_from_the_last_signal_of_the_turn() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    h.at(900, Input::Signal {
+        turn: TurnId(1),
+        signal: Signal::Update,
+    });
+    // A stale signal is not progress.
+    h.at(950, Input::Signal {
+        turn: TurnId(0),
+        signal: Signal::Update,
+    });
+    assert_eq!(settled(&h.at(1_899, Input::Tick)), None);
+    assert_eq!(
+        settled(&h.at(1_900, Input::Tick)),
+        Some(Terminal::failed(ErrorKind::Stalled))
+    );
+}
+
+#[test]
+fn restored_core_continues_turn_ids() {
+    let mut core = SessionCore::new(CFG, 41);
+    let fx = core.on(0, Input::Prompt {
+        prompt: PromptId::from_u128(1),
+        origin: Origin::Interactive,
+    });
+    assert!(fx.contains(&Effect::StartTurn {
+        prompt: PromptId::from_u128(1),
+        turn: TurnId(42),
+        origin: Origin::Interactive
+    }));
+}

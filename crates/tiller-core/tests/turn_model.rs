@@ -1,0 +1,352 @@
+//! Property model of the session turn core.
+//!
+//! Random interleavings of prompts, steers, cancels, every engine signal
+//! (current, stale, duplicated, out of order), receipts and timer firings.
+//! After every step the five invariants of `turn-lifecycle.md` are checked,
+//! and a silent-engine drain proves that nothing can park.
+//!
+//! Cases: `PROPTEST_CASES` (default 10,000 here). Long run:
+//! `PROPTEST_CASES=1000000 cargo test --release -p tiller-core --test turn_model`.
+
+use std::collections::{HashMap, HashSet};
+
+use proptest::prelude::*;
+use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
+use tiller_core::{
+    Effect, ErrorKind, IdleBehavior, Input, Millis, Origin, PromptId, SessionCore, Signal,
+    SteerId, SteerOutcome, SteerReceipt, StopReason, Terminal, TurnConfig, TurnId,
+};
+
+const CFG: TurnConfig = TurnConfig {
+    steer_receipt_timeout: 50,
+    cancel_grace: 20,
+    stall_timeout: 400,
+    max_queued_prompts: 3,
+};
+
+#[derive(Clone, Debug)]
+enum SigKind {
+    Update,
+    ToolBatch,
+    Result(StopReason),
+    Idle,
+    Failed,
+    /// A receipt for the n-th steer ever sent (may be unknown or settled).
+    Receipt(usize, bool),
+}
+
+#[derive(Clone, Debug)]
+enum Which {
+    Current,
+    /// A turn `n` behind the newest (stale unless n == 0).
+    Behind(u64),
+    /// A turn from the future (never valid).
+    Ahead,
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Prompt(Origin),
+    Steer { start_new: bool },
+    Cancel,
+    Signal(Which, SigKind),
+    /// Repeat the last signal as is.
+    Duplicate,
+    Advance(Millis),
+}
+
+struct Model;
+
+impl ReferenceStateMachine for Model {
+    type State = ();
+    type Transition = Step;
+
+    fn init_state() -> BoxedStrategy<()> {
+        Just(()).boxed()
+    }
+
+    fn transitions(_: &()) -> BoxedStrategy<Step> {
+        let stop = prop_oneof![
+            Just(StopReason::EndTurn),
+            Just(StopReason::MaxTokens),
+            Just(StopReason::Refusal),
+        ];
+        let kind = prop_oneof![
+            3 => Just(SigKind::Update),
+            1 => Just(SigKind::ToolBatch),
+            3 => stop.prop_map(SigKind::Result),
+            3 => Just(SigKind::Idle),
+            1 => Just(SigKind::Failed),
+            3 => (0usize..8, any::<bool>()).prop_map(|(n, c)| SigKind::Receipt(n, c)),
+        ];
+        let which = prop_oneof![
+            8 => Just(Which::Current),
+            2 => (1u64..3).prop_map(Which::Behind),
+            1 => Just(Which::Ahead),
+        ];
+        let origin = prop_oneof![
+            4 => Just(Origin::Interactive),
+            1 => Just(Origin::Cron),
+        ];
+        prop_oneof![
+            4 => origin.prop_map(Step::Prompt),
+            3 => any::<bool>().prop_map(|start_new| Step::Steer { start_new }),
+            2 => Just(Step::Cancel),
+            10 => (which, kind).prop_map(|(w, k)| Step::Signal(w, k)),
+            1 => Just(Step::Duplicate),
+            3 => prop_oneof![1u64..30, 30u64..500].prop_map(Step::Advance),
+        ]
+        .boxed()
+    }
+
+    fn apply(state: (), _: &Step) {
+        state
+    }
+}
+
+/// The core under test plus everything the invariants need to remember.
+#[derive(Clone)]
+struct Sut {
+    core: SessionCore,
+    now: Millis,
+    next_id: u128,
+    /// Admitted prompts (queued or started).
+    admitted: HashSet<PromptId>,
+    /// Refused prompts: they must never get a terminal.
+    rejected: HashSet<PromptId>,
+    /// Terminal(s) seen per prompt.
+    terminals: HashMap<PromptId, Vec<Terminal>>,
+    /// Prompts whose turn had a cancel before it settled.
+    cancel_first: HashSet<PromptId>,
+    /// Every turn that has settled.
+    settled_turns: HashSet<TurnId>,
+    /// Turn id per started prompt.
+    turn_of: HashMap<PromptId, TurnId>,
+    /// Steers sent, in order.
+    steers: Vec<SteerId>,
+    /// The last signal fed, for `Duplicate`.
+    last_signal: Option<(TurnId, Signal)>,
+}
+
+impl Sut {
+    fn new() -> Self {
+        Self {
+            core: SessionCore::new(CFG, 0),
+            now: 0,
+            next_id: 1,
+            admitted: HashSet::new(),
+            rejected: HashSet::new(),
+            terminals: HashMap::new(),
+            cancel_first: HashSet::new(),
+            settled_turns: HashSet::new(),
+            turn_of: HashMap::new(),
+            steers: Vec::new(),
+            last_signal: None,
+        }
+    }
+
+    fn fresh(&mut self) -> u128 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// Feeds the core and checks the per-batch invariants.
+    fn feed(&mut self, input: Input) {
+        let stale_target = match &input {
+            Input::Signal { turn, .. } if self.core.active().map(|(_, t)| t) != Some(*turn) => {
+                Some(*turn)
+            }
+            _ => None,
+        };
+        if matches!(input, Input::Cancel)
+            && let Some((p, _)) = self.core.active()
+        {
+            self.cancel_first.insert(p);
+        }
+        let fx = self.core.on(self.now, input);
+
+        if let Some(turn) = stale_target {
+            // Invariant 2: a signal for any other turn changes nothing.
+            assert!(
+                fx.iter().all(|e| matches!(e, Effect::Stale { .. }
+                    | Effect::Settled { .. } | Effect::StartTurn { .. } | Effect::Idle
+                    | Effect::AbortEngine { .. } | Effect::WatchdogFired { .. }
+                    | Effect::SteerDropped { .. } | Effect::ArmTimer { .. })),
+                "stale signal produced {fx:?}"
+            );
+            assert!(fx.contains(&Effect::Stale { turn }));
+        }
+
+        for (i, e) in fx.iter().enumerate() {
+            match e {
+                Effect::Queued { prompt, .. } => {
+                    assert!(self.admitted.insert(*prompt));
+                }
+                Effect::StartTurn { prompt, turn, .. } => {
+                    self.admitted.insert(*prompt);
+                    assert!(self.turn_of.insert(*prompt, *turn).is_none(), "started twice");
+                }
+                Effect::Rejected { prompt, .. } => {
+                    assert!(!self.admitted.contains(prompt));
+                    self.rejected.insert(*prompt);
+                }
+                Effect::Settled {
+                    prompt,
+                    turn,
+                    terminal,
+                    ..
+                } => {
+                    assert!(self.admitted.contains(prompt), "terminal for unadmitted prompt");
+                    self.terminals
+                        .entry(*prompt)
+                        .or_default()
+                        .push(terminal.clone());
+                    if let Some(t) = turn {
+                        assert!(self.settled_turns.insert(*t));
+                    }
+                    // Invariant 5: cancellation wins.
+                    if self.cancel_first.contains(prompt) {
+                        assert_eq!(*terminal, Terminal::Completed(StopReason::Cancelled));
+                    }
+                    // Invariant 4: a terminal is followed by the next start or Idle.
+                    if turn.is_some() {
+                        let rest = &fx[i + 1..];
+                        assert!(
+                            rest.iter()
+                                .any(|e| matches!(e, Effect::StartTurn { .. } | Effect::Idle)),
+                            "terminal not followed by start or idle: {fx:?}"
+                        );
+                    }
+                }
+                Effect::Idle => {
+                    assert!(self.core.active().is_none(), "idle while a turn runs");
+                    assert_eq!(self.core.queued().count(), 0, "idle with queued prompts");
+                }
+                Effect::Deliver { turn } => {
+                    assert!(!self.settled_turns.contains(turn));
+                }
+                Effect::SteerAnswer {
+                    outcome: SteerOutcome::StartedNewTurn { prompt },
+                    ..
+                } => {
+                    self.admitted.insert(*prompt);
+                }
+                _ => {}
+            }
+        }
+        // Invariant 1 (at most one): never two terminals for one prompt.
+        for (p, t) in &self.terminals {
+            assert_eq!(t.len(), 1, "prompt {p:?} got {t:?}");
+        }
+    }
+
+    fn current_turn(&self) -> TurnId {
+        self.core.last_turn()
+    }
+}
+
+struct TurnCoreTest;
+
+impl StateMachineTest for TurnCoreTest {
+    type SystemUnderTest = Sut;
+    type Reference = Model;
+
+    fn init_test(_: &()) -> Sut {
+        Sut::new()
+    }
+
+    fn apply(mut sut: Sut, _: &(), step: Step) -> Sut {
+        match step {
+            Step::Prompt(origin) => {
+                let prompt = PromptId::from_u128(sut.fresh());
+                sut.feed(Input::Prompt { prompt, origin });
+            }
+            Step::Steer { start_new } => {
+                let steer = SteerId::from_u128(sut.fresh());
+                sut.steers.push(steer);
+                let idle_behavior = if start_new {
+                    IdleBehavior::StartNewTurn(PromptId::from_u128(sut.fresh()))
+                } else {
+                    IdleBehavior::PromptRequired
+                };
+                sut.feed(Input::Steer {
+                    steer,
+                    idle_behavior,
+                });
+            }
+            Step::Cancel => sut.feed(Input::Cancel),
+            Step::Signal(which, kind) => {
+                let newest = sut.current_turn().0;
+                let turn = TurnId(match which {
+                    Which::Current => newest,
+                    Which::Behind(n) => newest.saturating_sub(n),
+                    Which::Ahead => newest + 1,
+                });
+                let signal = match kind {
+                    SigKind::Update => Signal::Update,
+                    SigKind::ToolBatch => Signal::ToolBatch,
+                    SigKind::Result(r) => Signal::Result(r),
+                    SigKind::Idle => Signal::Idle,
+                    SigKind::Failed => {
+                        Signal::Failed(ErrorKind::ModelStreamInterrupted, "broken".into())
+                    }
+                    SigKind::Receipt(n, consumed) => {
+                        let steer = sut
+                            .steers
+                            .get(n)
+                            .copied()
+                            .unwrap_or(SteerId::from_u128(u128::MAX));
+                        let r = if consumed {
+                            SteerReceipt::Consumed
+                        } else {
+                            SteerReceipt::Dropped
+                        };
+                        Signal::SteerReceipt(steer, r)
+                    }
+                };
+                sut.last_signal = Some((turn, signal.clone()));
+                sut.feed(Input::Signal { turn, signal });
+            }
+            Step::Duplicate => {
+                if let Some((turn, signal)) = sut.last_signal.clone() {
+                    sut.feed(Input::Signal { turn, signal });
+                }
+            }
+            Step::Advance(ms) => {
+                sut.now += ms;
+                sut.feed(Input::Tick);
+            }
+        }
+        sut
+    }
+
+    fn check_invariants(sut: &Sut, _: &()) {
+        // Invariant 3: with the engine silent from here on, everything admitted
+        // settles, each turn within the largest timer of the config.
+        let mut drain = sut.clone();
+        let bound = CFG.stall_timeout.max(CFG.cancel_grace).max(CFG.steer_receipt_timeout);
+        let mut rounds = 0;
+        while drain.core.active().is_some() {
+            rounds += 1;
+            assert!(rounds <= CFG.max_queued_prompts + 2, "a turn parked");
+            drain.now += bound;
+            drain.feed(Input::Tick);
+        }
+        for p in &drain.admitted {
+            assert!(drain.terminals.contains_key(p), "prompt {p:?} stranded");
+        }
+        for p in &drain.rejected {
+            assert!(!drain.terminals.contains_key(p));
+        }
+    }
+}
+
+prop_state_machine! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000),
+        max_shrink_iters: 10_000,
+        .. ProptestConfig::default()
+    })]
+    #[test]
+    fn every_admitted_prompt_gets_exactly_one_terminal(sequential 1..40 => TurnCoreTest);
+}
