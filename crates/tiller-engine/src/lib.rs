@@ -1,1 +1,142 @@
-//! placeholder
+//! Engines drive a model backend for one turn and report TurnId-tagged
+//! signals to their session. They never execute tools: a tool batch goes to
+//! the session's pipeline and the results come back as [`EngineInput`].
+
+mod script;
+mod scripted;
+
+use std::sync::Arc;
+
+use tiller_core::{ErrorKind, SteerId, SteerReceipt, StopReason, TurnId};
+use tokio::sync::mpsc;
+
+pub use script::{Script, ScriptError, Step, ToolStep};
+pub use scripted::ScriptedEngine;
+
+/// Content an engine streams for a turn.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Update {
+    /// Agent text.
+    Text(String),
+    /// Agent thought.
+    Thought(String),
+}
+
+/// One tool call requested by an engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCall {
+    /// Unique within the session; ties `tool_call` to its updates.
+    pub id: String,
+    /// The tool's name.
+    pub name: String,
+    /// Its arguments.
+    pub input: serde_json::Value,
+    /// For the scripted engine: the outcome the simulated execution returns.
+    pub simulated: Option<ToolOutput>,
+}
+
+/// What a tool call returned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolOutput {
+    /// Whether the call succeeded.
+    pub ok: bool,
+    /// Its output (or error text).
+    pub output: String,
+}
+
+/// The result of one call in a batch, in the batch's order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ToolResult {
+    /// The call it answers.
+    pub id: String,
+    /// The output.
+    pub output: ToolOutput,
+}
+
+/// A signal from an engine, tagged with the turn it belongs to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineSignal {
+    /// The turn this signal belongs to; any other turn treats it as stale.
+    pub turn: TurnId,
+    /// What happened.
+    pub kind: SignalKind,
+}
+
+/// The signal kinds of `turn-lifecycle.md`, with their content.
+#[derive(Clone, Debug, PartialEq)]
+pub enum SignalKind {
+    Update(Update),
+    ToolBatch(Vec<ToolCall>),
+    Result(StopReason),
+    Idle,
+    SteerReceipt(SteerId, SteerReceipt),
+    Failed(ErrorKind, String),
+}
+
+/// Messages from the session to a running engine.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineInput {
+    /// The results of the last tool batch.
+    ToolResults(Vec<ToolResult>),
+    /// A steer injected into the turn.
+    Steer { id: SteerId, text: String },
+    /// Stop: emit `Result(cancelled)` and `Idle` and end.
+    Abort,
+}
+
+/// Where an engine sends its signals (the session's mailbox).
+pub type SignalSink = Arc<dyn Fn(EngineSignal) + Send + Sync>;
+
+/// A prompt checked by the engine before it is admitted.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PreparedPrompt {
+    /// The prompt's text (text blocks joined).
+    pub text: String,
+    /// The script, when the prompt is one.
+    pub script: Option<Script>,
+}
+
+/// A running engine turn.
+pub struct EngineHandle {
+    /// Inputs to the engine task.
+    tx: mpsc::UnboundedSender<EngineInput>,
+    /// The task, so teardown can stop an engine that ignores `Abort`.
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl EngineHandle {
+    /// Wraps a spawned engine task and its input channel.
+    pub fn new(tx: mpsc::UnboundedSender<EngineInput>, task: tokio::task::JoinHandle<()>) -> Self {
+        Self { tx, task }
+    }
+
+    /// Sends an input; an engine that has finished ignores it.
+    pub fn send(&self, input: EngineInput) {
+        let _ = self.tx.send(input);
+    }
+
+    /// Stops the task now (after `cancel_grace`, a stall, or a settle).
+    pub fn teardown(&self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for EngineHandle {
+    fn drop(&mut self) {
+        // An engine never outlives its turn.
+        self.task.abort();
+    }
+}
+
+/// A model backend.
+pub trait Engine: Send + Sync + 'static {
+    /// The engine's name in config and `session/new`.
+    fn name(&self) -> &'static str;
+
+    /// Checks a prompt before admission. A malformed script is refused here,
+    /// so it never becomes an engine crash.
+    fn prepare(&self, text: &str) -> Result<PreparedPrompt, ScriptError>;
+
+    /// Starts a turn. Must be called inside a tokio runtime.
+    fn start(&self, turn: TurnId, prompt: PreparedPrompt, sink: SignalSink) -> EngineHandle;
+}

@@ -1,1 +1,567 @@
-//! placeholder
+//! Tiller's store: sessions and an ordered per-session event log in SQLite
+//! (WAL). The only crate that knows SQL.
+//!
+//! All SQLite work runs on one dedicated thread that owns the connection;
+//! callers talk to it through a channel, so blocking I/O never runs on the
+//! async workers. Commands are executed in the order they are sent, appends
+//! that arrive together are committed in one transaction, and a reader
+//! always sees every append sent before it.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc as std_mpsc;
+use std::time::Instant;
+
+use rusqlite::{Connection, OptionalExtension, params};
+use tiller_core::{PromptId, SessionId, TurnId};
+use tokio::sync::oneshot;
+
+/// Store failures. Messages say what happened and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot open the store at {path}: {source} (check the path and its permissions)")]
+    Open {
+        path: PathBuf,
+        source: rusqlite::Error,
+    },
+    #[error("store error: {0}")]
+    Sql(String),
+    #[error("the store thread has stopped (the daemon is shutting down)")]
+    Closed,
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> Self {
+        StoreError::Sql(e.to_string())
+    }
+}
+
+/// A session row.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionRecord {
+    /// The session.
+    pub id: SessionId,
+    /// Its working directory.
+    pub cwd: String,
+    /// A title, if any.
+    pub title: Option<String>,
+    /// Creation time, ms since the Unix epoch.
+    pub created_ms: i64,
+    /// Last append, ms since the Unix epoch.
+    pub updated_ms: i64,
+    /// Closed sessions are kept (their log stays readable) but not listed.
+    pub closed: bool,
+}
+
+/// One stored event. The payload is opaque JSON to the store.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoredEvent {
+    /// The session whose log holds it.
+    pub session: SessionId,
+    /// Position in that log, from 1, without gaps.
+    pub seq: u64,
+    /// Time of the event, ms since the Unix epoch.
+    pub ts_ms: i64,
+    /// Its type (`agent_message_chunk`, `turn_complete`, ...).
+    pub kind: String,
+    /// The prompt it belongs to, if any.
+    pub prompt: Option<PromptId>,
+    /// The turn it belongs to, if any.
+    pub turn: Option<TurnId>,
+    /// The payload, as JSON text.
+    pub data: String,
+}
+
+/// What a session's log looks like at load time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LogHead {
+    /// The last sequence number (0 when empty).
+    pub last_seq: u64,
+    /// The highest turn id used (0 when none).
+    pub last_turn: u64,
+}
+
+/// One page of sessions.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SessionPage {
+    pub sessions: Vec<SessionRecord>,
+    /// Pass back to get the next page; `None` at the end.
+    pub next_cursor: Option<String>,
+}
+
+type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
+
+/// The closed set of commands the store thread handles.
+enum Cmd {
+    CreateSession(SessionRecord, Reply<()>),
+    GetSession(SessionId, Reply<Option<(SessionRecord, LogHead)>>),
+    ListSessions {
+        cursor: Option<i64>,
+        limit: usize,
+        reply: Reply<SessionPage>,
+    },
+    CloseSession(SessionId, Reply<()>),
+    /// Appends; `reply` (if any) answers after the commit.
+    Append(StoredEvent, Option<Reply<()>>),
+    Events {
+        session: SessionId,
+        after: u64,
+        limit: usize,
+        reply: Reply<Vec<StoredEvent>>,
+    },
+}
+
+/// A handle to the store thread. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    /// Commands to the thread; the thread ends when every handle is dropped.
+    tx: std_mpsc::Sender<Cmd>,
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at `path` and starts its thread.
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        let open_err = |source| StoreError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let conn = Connection::open(path).map_err(open_err)?;
+        migrate(&conn).map_err(open_err)?;
+        let (tx, rx) = std_mpsc::channel();
+        std::thread::Builder::new()
+            .name("tiller-store".into())
+            .spawn(move || run(conn, rx))
+            .expect("spawn the store thread");
+        Ok(Store { tx })
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Cmd) -> Result<T, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(make(reply)).map_err(|_| StoreError::Closed)?;
+        rx.await.map_err(|_| StoreError::Closed)?
+    }
+
+    /// Stores a new session (durable when this returns).
+    pub async fn create_session(&self, rec: SessionRecord) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::CreateSession(rec, r)).await
+    }
+
+    /// A session and the head of its log.
+    pub async fn get_session(
+        &self,
+        id: SessionId,
+    ) -> Result<Option<(SessionRecord, LogHead)>, StoreError> {
+        self.ask(|r| Cmd::GetSession(id, r)).await
+    }
+
+    /// Open sessions, most recently created first; `cursor` from a previous page.
+    pub async fn list_sessions(
+        &self,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<SessionPage, StoreError> {
+        let cursor = cursor.and_then(|c| c.parse::<i64>().ok());
+        self.ask(|reply| Cmd::ListSessions {
+            cursor,
+            limit: limit.clamp(1, 1000),
+            reply,
+        })
+        .await
+    }
+
+    /// Marks a session closed.
+    pub async fn close_session(&self, id: SessionId) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::CloseSession(id, r)).await
+    }
+
+    /// Appends without waiting. Ordered with every other command.
+    pub fn append(&self, event: StoredEvent) {
+        let _ = self.tx.send(Cmd::Append(event, None));
+    }
+
+    /// Appends and waits for the commit (durable before acknowledged).
+    pub async fn append_durable(&self, event: StoredEvent) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::Append(event, Some(r))).await
+    }
+
+    /// Events of a session with `seq > after`, oldest first.
+    pub async fn events_after(
+        &self,
+        session: SessionId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<StoredEvent>, StoreError> {
+        self.ask(|reply| Cmd::Events {
+            session,
+            after,
+            limit,
+            reply,
+        })
+        .await
+    }
+}
+
+const SCHEMA: &[&str] = &[
+    // v1
+    "CREATE TABLE sessions (
+        n INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        cwd TEXT NOT NULL,
+        title TEXT,
+        created_ms INTEGER NOT NULL,
+        updated_ms INTEGER NOT NULL,
+        closed INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE TABLE events (
+        session_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        ts_ms INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        prompt_id TEXT,
+        turn_id INTEGER,
+        data TEXT NOT NULL,
+        PRIMARY KEY (session_id, seq)
+    ) WITHOUT ROWID;",
+];
+
+fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    // WAL + NORMAL: a commit survives a process crash (kill -9); the last
+    // commits may be lost on power failure. See ARCHITECTURE.md.
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    for (i, sql) in SCHEMA.iter().enumerate().skip(version as usize) {
+        let tx = conn.unchecked_transaction()?;
+        tx.execute_batch(sql)?;
+        tx.pragma_update(None, "user_version", i as i64 + 1)?;
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+/// Most appends committed in one transaction.
+const MAX_BATCH: usize = 512;
+
+fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
+    let mut pending: Option<Cmd> = None;
+    loop {
+        let cmd = match pending.take() {
+            Some(c) => c,
+            None => match rx.recv() {
+                Ok(c) => c,
+                Err(_) => return, // every handle dropped
+            },
+        };
+        match cmd {
+            Cmd::Append(first, reply) => {
+                let mut batch = vec![(first, reply)];
+                while batch.len() < MAX_BATCH {
+                    match rx.try_recv() {
+                        Ok(Cmd::Append(e, r)) => batch.push((e, r)),
+                        Ok(other) => {
+                            pending = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                let started = Instant::now();
+                let result = append_batch(&mut conn, &batch);
+                metrics::histogram!("tiller_store_write_seconds")
+                    .record(started.elapsed().as_secs_f64());
+                if let Err(e) = &result {
+                    tracing::error!(error = %e, events = batch.len(), "store append failed");
+                }
+                for (_, reply) in batch {
+                    if let Some(reply) = reply {
+                        let _ = reply.send(match &result {
+                            Ok(()) => Ok(()),
+                            Err(e) => Err(StoreError::Sql(e.to_string())),
+                        });
+                    }
+                }
+            }
+            Cmd::CreateSession(rec, reply) => {
+                let _ = reply.send(create_session(&conn, &rec).map_err(Into::into));
+            }
+            Cmd::GetSession(id, reply) => {
+                let _ = reply.send(get_session(&conn, id).map_err(Into::into));
+            }
+            Cmd::ListSessions {
+                cursor,
+                limit,
+                reply,
+            } => {
+                let _ = reply.send(list_sessions(&conn, cursor, limit).map_err(Into::into));
+            }
+            Cmd::CloseSession(id, reply) => {
+                let r = conn
+                    .execute(
+                        "UPDATE sessions SET closed = 1 WHERE id = ?1",
+                        params![id.to_string()],
+                    )
+                    .map(drop);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::Events {
+                session,
+                after,
+                limit,
+                reply,
+            } => {
+                let _ = reply.send(events_after(&conn, session, after, limit).map_err(Into::into));
+            }
+        }
+    }
+}
+
+fn append_batch(
+    conn: &mut Connection,
+    batch: &[(StoredEvent, Option<Reply<()>>)],
+) -> rusqlite::Result<()> {
+    let tx = conn.transaction()?;
+    {
+        let mut insert = tx.prepare_cached(
+            "INSERT INTO events (session_id, seq, ts_ms, kind, prompt_id, turn_id, data)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        )?;
+        let mut touch =
+            tx.prepare_cached("UPDATE sessions SET updated_ms = ?2 WHERE id = ?1")?;
+        let mut last: Option<(SessionId, i64)> = None;
+        for (e, _) in batch {
+            insert.execute(params![
+                e.session.to_string(),
+                e.seq as i64,
+                e.ts_ms,
+                e.kind,
+                e.prompt.map(|p| p.to_string()),
+                e.turn.map(|t| t.0 as i64),
+                e.data,
+            ])?;
+            if let Some((s, ts)) = last
+                && s != e.session
+            {
+                touch.execute(params![s.to_string(), ts])?;
+            }
+            last = Some((e.session, e.ts_ms));
+        }
+        if let Some((s, ts)) = last {
+            touch.execute(params![s.to_string(), ts])?;
+        }
+    }
+    tx.commit()
+}
+
+fn create_session(conn: &Connection, rec: &SessionRecord) -> rusqlite::Result<()> {
+    conn.execute(
+        "INSERT INTO sessions (id, cwd, title, created_ms, updated_ms, closed)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        params![
+            rec.id.to_string(),
+            rec.cwd,
+            rec.title,
+            rec.created_ms,
+            rec.updated_ms,
+            rec.closed
+        ],
+    )
+    .map(drop)
+}
+
+fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
+    let id: String = r.get("id")?;
+    Ok(SessionRecord {
+        id: SessionId::parse(&id).ok_or_else(|| {
+            rusqlite::Error::InvalidColumnType(0, "id".into(), rusqlite::types::Type::Text)
+        })?,
+        cwd: r.get("cwd")?,
+        title: r.get("title")?,
+        created_ms: r.get("created_ms")?,
+        updated_ms: r.get("updated_ms")?,
+        closed: r.get("closed")?,
+    })
+}
+
+fn get_session(
+    conn: &Connection,
+    id: SessionId,
+) -> rusqlite::Result<Option<(SessionRecord, LogHead)>> {
+    let Some(rec) = conn
+        .query_row(
+            "SELECT id, cwd, title, created_ms, updated_ms, closed FROM sessions WHERE id = ?1",
+            params![id.to_string()],
+            session_row,
+        )
+        .optional()?
+    else {
+        return Ok(None);
+    };
+    let (last_seq, last_turn): (i64, i64) = conn.query_row(
+        "SELECT COALESCE(MAX(seq), 0), COALESCE(MAX(turn_id), 0) FROM events WHERE session_id = ?1",
+        params![id.to_string()],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )?;
+    Ok(Some((
+        rec,
+        LogHead {
+            last_seq: last_seq as u64,
+            last_turn: last_turn as u64,
+        },
+    )))
+}
+
+fn list_sessions(
+    conn: &Connection,
+    cursor: Option<i64>,
+    limit: usize,
+) -> rusqlite::Result<SessionPage> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT n, id, cwd, title, created_ms, updated_ms, closed FROM sessions
+         WHERE closed = 0 AND n < ?1 ORDER BY n DESC LIMIT ?2",
+    )?;
+    let mut rows = stmt.query(params![cursor.unwrap_or(i64::MAX), limit as i64 + 1])?;
+    let mut sessions = Vec::new();
+    let mut last_n = None;
+    let mut more = false;
+    while let Some(r) = rows.next()? {
+        if sessions.len() == limit {
+            more = true;
+            break;
+        }
+        last_n = Some(r.get::<_, i64>("n")?);
+        sessions.push(session_row(r)?);
+    }
+    Ok(SessionPage {
+        sessions,
+        next_cursor: if more {
+            last_n.map(|n| n.to_string())
+        } else {
+            None
+        },
+    })
+}
+
+fn events_after(
+    conn: &Connection,
+    session: SessionId,
+    after: u64,
+    limit: usize,
+) -> rusqlite::Result<Vec<StoredEvent>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT seq, ts_ms, kind, prompt_id, turn_id, data FROM events
+         WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+    )?;
+    let rows = stmt.query_map(
+        params![session.to_string(), after as i64, limit as i64],
+        |r| {
+            let prompt: Option<String> = r.get(3)?;
+            let turn: Option<i64> = r.get(4)?;
+            Ok(StoredEvent {
+                session,
+                seq: r.get::<_, i64>(0)? as u64,
+                ts_ms: r.get(1)?,
+                kind: r.get(2)?,
+                prompt: prompt.as_deref().and_then(PromptId::parse),
+                turn: turn.map(|t| TurnId(t as u64)),
+                data: r.get(5)?,
+            })
+        },
+    )?;
+    rows.collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(n: i64) -> SessionRecord {
+        SessionRecord {
+            id: SessionId::new(),
+            cwd: "/tmp".into(),
+            title: None,
+            created_ms: n,
+            updated_ms: n,
+            closed: false,
+        }
+    }
+
+    fn ev(session: SessionId, seq: u64) -> StoredEvent {
+        StoredEvent {
+            session,
+            seq,
+            ts_ms: 10 + seq as i64,
+            kind: "agent_message_chunk".into(),
+            prompt: Some(PromptId::from_u128(3)),
+            turn: Some(TurnId(seq)),
+            data: format!("{{\"n\":{seq}}}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn sessions_and_events_round_trip_and_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let store = Store::open(&path).unwrap();
+        let a = rec(1);
+        let b = rec(2);
+        store.create_session(a.clone()).await.unwrap();
+        store.create_session(b.clone()).await.unwrap();
+        for seq in 1..=5 {
+            store.append(ev(a.id, seq));
+        }
+        store.append_durable(ev(a.id, 6)).await.unwrap();
+        drop(store);
+
+        let store = Store::open(&path).unwrap();
+        let (got, head) = store.get_session(a.id).await.unwrap().unwrap();
+        assert_eq!(got.id, a.id);
+        assert_eq!(got.updated_ms, 16, "appends touch updated_ms");
+        assert_eq!(
+            head,
+            LogHead {
+                last_seq: 6,
+                last_turn: 6
+            }
+        );
+        let events = store.events_after(a.id, 2, 3).await.unwrap();
+        assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![3, 4, 5]);
+        assert_eq!(events[0], ev(a.id, 3));
+        assert!(store.get_session(SessionId::new()).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn duplicate_seq_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let a = rec(1);
+        store.create_session(a.clone()).await.unwrap();
+        store.append_durable(ev(a.id, 1)).await.unwrap();
+        assert!(store.append_durable(ev(a.id, 1)).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn listing_pages_newest_first_and_skips_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let recs: Vec<_> = (0..5).map(rec).collect();
+        for r in &recs {
+            store.create_session(r.clone()).await.unwrap();
+        }
+        store.close_session(recs[3].id).await.unwrap();
+        let p1 = store.list_sessions(None, 2).await.unwrap();
+        assert_eq!(
+            p1.sessions.iter().map(|s| s.id).collect::<Vec<_>>(),
+            vec![recs[4].id, recs[2].id]
+        );
+        let p2 = store
+            .list_sessions(p1.next_cursor.as_deref(), 2)
+            .await
+            .unwrap();
+        assert_eq!(
+            p2.sessions.iter().map(|s| s.id).collect::<Vec<_>>(),
+            vec![recs[1].id, recs[0].id]
+        );
+        assert_eq!(p2.next_cursor, None);
+    }
+}

@@ -1,0 +1,333 @@
+//! The scripted engine's script format (`interfaces.md`), parsed strictly:
+//! every error names the step and what is wrong with it.
+
+use serde_json::{Map, Value};
+use tiller_core::StopReason;
+
+/// A parsed script.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Script {
+    /// The steps, with `result end_turn` and `idle` appended when the
+    /// script has no `result`, `idle`, `fail` or `hang` step.
+    pub steps: Vec<Step>,
+}
+
+/// One simulated tool call.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolStep {
+    pub name: String,
+    pub input: Value,
+    pub ok: bool,
+    pub output: String,
+}
+
+/// One script step.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    Say(String),
+    Think(String),
+    Tools(Vec<ToolStep>),
+    SleepMs(u64),
+    Result(StopReason),
+    Idle,
+    Fail(String),
+    Hang,
+    AwaitSteer(u64),
+    ConsumeSteer,
+    DropSteer,
+    Stale(Box<Step>),
+    Repeat { times: u32, steps: Vec<Step> },
+}
+
+/// A script that could not be parsed. The message names the bad step.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid script: {path}: {message}")]
+pub struct ScriptError {
+    /// Where: `script[2].tool.outcome`.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+fn err(path: &str, message: impl Into<String>) -> ScriptError {
+    ScriptError {
+        path: path.to_owned(),
+        message: message.into(),
+    }
+}
+
+impl Script {
+    /// Reads a prompt's text: `Ok(None)` when it is not a script (the demo
+    /// reply), `Err` when it is a script with a bad step.
+    pub fn from_prompt(text: &str) -> Result<Option<Script>, ScriptError> {
+        let trimmed = text.trim_start();
+        if !trimmed.starts_with('{') {
+            return Ok(None);
+        }
+        let Ok(Value::Object(obj)) = serde_json::from_str::<Value>(trimmed) else {
+            return Ok(None);
+        };
+        let Some(steps) = obj.get("script") else {
+            return Ok(None);
+        };
+        Script::parse_steps(steps).map(Some)
+    }
+
+    /// Parses the value of `script`.
+    pub fn parse_steps(steps: &Value) -> Result<Script, ScriptError> {
+        let mut steps = parse_list(steps, "script")?;
+        if !steps.iter().any(Step::ends_turn) {
+            steps.push(Step::Result(StopReason::EndTurn));
+            steps.push(Step::Idle);
+        }
+        Ok(Script { steps })
+    }
+}
+
+impl Step {
+    fn ends_turn(&self) -> bool {
+        match self {
+            Step::Result(_) | Step::Idle | Step::Fail(_) | Step::Hang => true,
+            Step::Repeat { steps, .. } => steps.iter().any(Step::ends_turn),
+            _ => false,
+        }
+    }
+}
+
+fn parse_list(v: &Value, path: &str) -> Result<Vec<Step>, ScriptError> {
+    let Value::Array(items) = v else {
+        return Err(err(path, "expected an array of steps"));
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, s)| parse_step(s, &format!("{path}[{i}]")))
+        .collect()
+}
+
+fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
+    let Value::Object(obj) = v else {
+        return Err(err(path, "expected an object with one key"));
+    };
+    if obj.len() != 1 {
+        return Err(err(path, format!("expected one key, found {}", obj.len())));
+    }
+    let (key, val) = obj.iter().next().expect("one key");
+    let here = format!("{path}.{key}");
+    let here = here.as_str();
+    Ok(match key.as_str() {
+        "say" => Step::Say(string(val, here)?),
+        "think" => Step::Think(string(val, here)?),
+        "tool" => Step::Tools(vec![tool(val, here)?]),
+        "tools" => {
+            let Value::Array(calls) = val else {
+                return Err(err(here, "expected an array of tool calls"));
+            };
+            if calls.is_empty() {
+                return Err(err(here, "expected at least one tool call"));
+            }
+            Step::Tools(
+                calls
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| tool(c, &format!("{here}[{i}]")))
+                    .collect::<Result<_, _>>()?,
+            )
+        }
+        "sleep_ms" => Step::SleepMs(uint(val, here)?),
+        "result" => {
+            let s = string(val, here)?;
+            Step::Result(StopReason::parse(&s).ok_or_else(|| {
+                err(
+                    here,
+                    format!(
+                        "unknown stop reason `{s}` (expected end_turn, max_tokens, \
+                         max_turn_requests, refusal or cancelled)"
+                    ),
+                )
+            })?)
+        }
+        "idle" => {
+            flag(val, here)?;
+            Step::Idle
+        }
+        "fail" => Step::Fail(string(val, here)?),
+        "hang" => {
+            flag(val, here)?;
+            Step::Hang
+        }
+        "await_steer" => Step::AwaitSteer(uint(val, here)?),
+        "consume_steer" => {
+            flag(val, here)?;
+            Step::ConsumeSteer
+        }
+        "drop_steer" => {
+            flag(val, here)?;
+            Step::DropSteer
+        }
+        "stale" => {
+            let inner = parse_step(val, here)?;
+            match inner {
+                Step::Say(_)
+                | Step::Think(_)
+                | Step::Result(_)
+                | Step::Idle
+                | Step::Fail(_)
+                | Step::Tools(_) => Step::Stale(Box::new(inner)),
+                _ => return Err(err(here, "only a signal step can be stale")),
+            }
+        }
+        "repeat" => {
+            let Value::Object(r) = val else {
+                return Err(err(here, "expected {\"times\": N, \"steps\": [...]}"));
+            };
+            let times = r
+                .get("times")
+                .ok_or_else(|| err(here, "missing `times`"))
+                .and_then(|t| uint(t, &format!("{here}.times")))?;
+            let times = u32::try_from(times)
+                .ok()
+                .filter(|t| *t <= 10_000)
+                .ok_or_else(|| err(here, "`times` must be at most 10000"))?;
+            let steps = r
+                .get("steps")
+                .ok_or_else(|| err(here, "missing `steps`"))
+                .and_then(|s| parse_list(s, &format!("{here}.steps")))?;
+            if let Some(extra) = r.keys().find(|k| *k != "times" && *k != "steps") {
+                return Err(err(here, format!("unknown field `{extra}`")));
+            }
+            Step::Repeat { times, steps }
+        }
+        other => return Err(err(path, format!("unknown step `{other}`"))),
+    })
+}
+
+fn string(v: &Value, path: &str) -> Result<String, ScriptError> {
+    v.as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| err(path, "expected a string"))
+}
+
+fn uint(v: &Value, path: &str) -> Result<u64, ScriptError> {
+    v.as_u64()
+        .ok_or_else(|| err(path, "expected a non-negative integer"))
+}
+
+fn flag(v: &Value, path: &str) -> Result<(), ScriptError> {
+    match v {
+        Value::Bool(true) => Ok(()),
+        _ => Err(err(path, "expected true")),
+    }
+}
+
+fn tool(v: &Value, path: &str) -> Result<ToolStep, ScriptError> {
+    let Value::Object(t) = v else {
+        return Err(err(path, "expected {\"name\", \"input\", \"outcome\", \"output\"}"));
+    };
+    check_keys(t, path, &["name", "input", "outcome", "output"])?;
+    let name = t
+        .get("name")
+        .ok_or_else(|| err(path, "missing `name`"))
+        .and_then(|n| string(n, &format!("{path}.name")))?;
+    let ok = match t.get("outcome").map(Value::as_str) {
+        None | Some(Some("ok")) => true,
+        Some(Some("error")) => false,
+        _ => return Err(err(&format!("{path}.outcome"), "expected \"ok\" or \"error\"")),
+    };
+    let output = match t.get("output") {
+        None => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => other.to_string(),
+    };
+    Ok(ToolStep {
+        name,
+        input: t.get("input").cloned().unwrap_or(Value::Object(Map::new())),
+        ok,
+        output,
+    })
+}
+
+fn check_keys(obj: &Map<String, Value>, path: &str, allowed: &[&str]) -> Result<(), ScriptError> {
+    match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(k) => Err(err(path, format!("unknown field `{k}`"))),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_scripts_are_demo_prompts() {
+        for text in ["hello", "{not json", "{\"a\": 1}", "[1,2]"] {
+            assert_eq!(Script::from_prompt(text), Ok(None), "{text}");
+        }
+    }
+
+    #[test]
+    fn every_step_parses() {
+        let text = r#"{"script": [
+            {"say": "a"}, {"think": "b"},
+            {"tool": {"name": "read", "input": {"p": 1}, "outcome": "error", "output": "nope"}},
+            {"tools": [{"name": "x"}, {"name": "y", "output": {"k": 2}}]},
+            {"sleep_ms": 5}, {"await_steer": 10}, {"consume_steer": true}, {"drop_steer": true},
+            {"stale": {"idle": true}}, {"repeat": {"times": 2, "steps": [{"say": "r"}]}},
+            {"result": "max_tokens"}, {"idle": true}, {"fail": "boom"}, {"hang": true}
+        ]}"#;
+        let s = Script::from_prompt(text).unwrap().unwrap();
+        assert_eq!(s.steps.len(), 14);
+        assert_eq!(
+            s.steps[2],
+            Step::Tools(vec![ToolStep {
+                name: "read".into(),
+                input: serde_json::json!({"p": 1}),
+                ok: false,
+                output: "nope".into()
+            }])
+        );
+        assert_eq!(s.steps[8], Step::Stale(Box::new(Step::Idle)));
+        assert_eq!(s.steps[10], Step::Result(StopReason::MaxTokens));
+    }
+
+    #[test]
+    fn result_and_idle_are_appended_when_missing() {
+        let s = Script::from_prompt(r#"{"script": [{"say": "hi"}]}"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            s.steps,
+            vec![
+                Step::Say("hi".into()),
+                Step::Result(StopReason::EndTurn),
+                Step::Idle
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_steps_are_named() {
+        let cases = [
+            (r#"{"script": 3}"#, "script"),
+            (r#"{"script": [{"say": "a"}, {"dance": 1}]}"#, "script[1]"),
+            (r#"{"script": [{"say": 1}]}"#, "script[0].say"),
+            (r#"{"script": [{"result": "done"}]}"#, "script[0].result"),
+            (r#"{"script": [{"tool": {"input": {}}}]}"#, "script[0].tool"),
+            (
+                r#"{"script": [{"tools": [{"name": "a", "outcome": "maybe"}]}]}"#,
+                "script[0].tools[0].outcome",
+            ),
+            (r#"{"script": [{"sleep_ms": -1}]}"#, "script[0].sleep_ms"),
+            (r#"{"script": [{"say": "a", "think": "b"}]}"#, "script[0]"),
+            (r#"{"script": [{"stale": {"sleep_ms": 1}}]}"#, "script[0].stale"),
+            (
+                r#"{"script": [{"repeat": {"times": 2, "steps": [{"x": 1}]}}]}"#,
+                "script[0].repeat.steps[0]",
+            ),
+        ];
+        for (text, path) in cases {
+            let e = Script::from_prompt(text).unwrap_err();
+            assert_eq!(e.path, path, "{text}: {e}");
+        }
+    }
+}
