@@ -213,7 +213,9 @@ enum Phase {
     Running,
     /// Cancel received at this time; the turn settles `cancelled` at the
     /// engine's next signal or at `at + cancel_grace`.
-    Cancelling { at: Millis },
+    Cancelling {
+        at: Millis,
+    },
 }
 
 /// The one unsettled turn.

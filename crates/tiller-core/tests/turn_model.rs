@@ -13,8 +13,8 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use tiller_core::{
-    Effect, ErrorKind, IdleBehavior, Input, Millis, Origin, PromptId, SessionCore, Signal,
-    SteerId, SteerOutcome, SteerReceipt, StopReason, Terminal, TurnConfig, TurnId,
+    Effect, ErrorKind, IdleBehavior, Input, Millis, Origin, PromptId, SessionCore, Signal, SteerId,
+    SteerOutcome, SteerReceipt, StopReason, Terminal, TurnConfig, TurnId,
 };
 
 const CFG: TurnConfig = TurnConfig {
@@ -47,7 +47,9 @@ enum Which {
 #[derive(Clone, Debug)]
 enum Step {
     Prompt(Origin),
-    Steer { start_new: bool },
+    Steer {
+        start_new: bool,
+    },
     Cancel,
     Signal(Which, SigKind),
     /// Repeat the last signal as is.
@@ -168,10 +170,17 @@ impl Sut {
         if let Some(turn) = stale_target {
             // Invariant 2: a signal for any other turn changes nothing.
             assert!(
-                fx.iter().all(|e| matches!(e, Effect::Stale { .. }
-                    | Effect::Settled { .. } | Effect::StartTurn { .. } | Effect::Idle
-                    | Effect::AbortEngine { .. } | Effect::WatchdogFired { .. }
-                    | Effect::SteerDropped { .. } | Effect::ArmTimer { .. })),
+                fx.iter().all(|e| matches!(
+                    e,
+                    Effect::Stale { .. }
+                        | Effect::Settled { .. }
+                        | Effect::StartTurn { .. }
+                        | Effect::Idle
+                        | Effect::AbortEngine { .. }
+                        | Effect::WatchdogFired { .. }
+                        | Effect::SteerDropped { .. }
+                        | Effect::ArmTimer { .. }
+                )),
                 "stale signal produced {fx:?}"
             );
             assert!(fx.contains(&Effect::Stale { turn }));
@@ -184,7 +193,10 @@ impl Sut {
                 }
                 Effect::StartTurn { prompt, turn, .. } => {
                     self.admitted.insert(*prompt);
-                    assert!(self.turn_of.insert(*prompt, *turn).is_none(), "started twice");
+                    assert!(
+                        self.turn_of.insert(*prompt, *turn).is_none(),
+                        "started twice"
+                    );
                 }
                 Effect::Rejected { prompt, .. } => {
                     assert!(!self.admitted.contains(prompt));
@@ -196,7 +208,10 @@ impl Sut {
                     terminal,
                     ..
                 } => {
-                    assert!(self.admitted.contains(prompt), "terminal for unadmitted prompt");
+                    assert!(
+                        self.admitted.contains(prompt),
+                        "terminal for unadmitted prompt"
+                    );
                     self.terminals
                         .entry(*prompt)
                         .or_default()
@@ -324,7 +339,10 @@ impl StateMachineTest for TurnCoreTest {
         // Invariant 3: with the engine silent from here on, everything admitted
         // settles, each turn within the largest timer of the config.
         let mut drain = sut.clone();
-        let bound = CFG.stall_timeout.max(CFG.cancel_grace).max(CFG.steer_receipt_timeout);
+        let bound = CFG
+            .stall_timeout
+            .max(CFG.cancel_grace)
+            .max(CFG.steer_receipt_timeout);
         let mut rounds = 0;
         while drain.core.active().is_some() {
             rounds += 1;

@@ -222,7 +222,10 @@ fn flag(v: &Value, path: &str) -> Result<(), ScriptError> {
 
 fn tool(v: &Value, path: &str) -> Result<ToolStep, ScriptError> {
     let Value::Object(t) = v else {
-        return Err(err(path, "expected {\"name\", \"input\", \"outcome\", \"output\"}"));
+        return Err(err(
+            path,
+            "expected {\"name\", \"input\", \"outcome\", \"output\"}",
+        ));
     };
     check_keys(t, path, &["name", "input", "outcome", "output"])?;
     let name = t
@@ -232,7 +235,12 @@ fn tool(v: &Value, path: &str) -> Result<ToolStep, ScriptError> {
     let ok = match t.get("outcome").map(Value::as_str) {
         None | Some(Some("ok")) => true,
         Some(Some("error")) => false,
-        _ => return Err(err(&format!("{path}.outcome"), "expected \"ok\" or \"error\"")),
+        _ => {
+            return Err(err(
+                &format!("{path}.outcome"),
+                "expected \"ok\" or \"error\"",
+            ));
+        }
     };
     let output = match t.get("output") {
         None => String::new(),
@@ -319,7 +327,10 @@ mod tests {
             ),
             (r#"{"script": [{"sleep_ms": -1}]}"#, "script[0].sleep_ms"),
             (r#"{"script": [{"say": "a", "think": "b"}]}"#, "script[0]"),
-            (r#"{"script": [{"stale": {"sleep_ms": 1}}]}"#, "script[0].stale"),
+            (
+                r#"{"script": [{"stale": {"sleep_ms": 1}}]}"#,
+                "script[0].stale",
+            ),
             (
                 r#"{"script": [{"repeat": {"times": 2, "steps": [{"x": 1}]}}]}"#,
                 "script[0].repeat.steps[0]",

@@ -195,7 +195,10 @@ impl Run {
                 let deadline = tokio::time::Instant::now() + Duration::from_millis(ms);
                 while self.steers.is_empty() {
                     let got = self
-                        .wait(tokio::time::timeout_at(deadline, std::future::pending::<()>()))
+                        .wait(tokio::time::timeout_at(
+                            deadline,
+                            std::future::pending::<()>(),
+                        ))
                         .await?;
                     if got.is_err() {
                         break; // MS passed
@@ -324,12 +327,17 @@ mod tests {
         assert_eq!(seen.lock().unwrap().len(), 2, "waits for tool results");
         h.send(EngineInput::ToolResults(vec![]));
         let got = settle_until(&seen, 5).await;
-        assert_eq!(got[2].kind, SignalKind::Update(Update::Text("after".into())));
+        assert_eq!(
+            got[2].kind,
+            SignalKind::Update(Update::Text("after".into()))
+        );
     }
 
     #[tokio::test(start_paused = true)]
     async fn consumed_steer_script_runs_next() {
-        let (h, seen) = start(r#"{"script": [{"await_steer": 1000}, {"consume_steer": true}, {"say": "tail"}]}"#);
+        let (h, seen) = start(
+            r#"{"script": [{"await_steer": 1000}, {"consume_steer": true}, {"say": "tail"}]}"#,
+        );
         let id = SteerId::from_u128(1);
         h.send(EngineInput::Steer {
             id,

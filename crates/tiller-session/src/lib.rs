@@ -1,1 +1,272 @@
-//! placeholder
+//! Sessions: the session actor, the registry that supervises them, the tool
+//! pipeline and the event fan-out. Knows nothing of ACP or HTTP JSON: edges
+//! use the [`Sessions`] and [`SessionHandle`] facades and map
+//! [`EventRecord`]s to their own wire shapes.
+
+mod actor;
+pub mod event;
+mod registry;
+mod tools;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ractor::{Actor, ActorRef};
+use tiller_core::{Origin, PromptId, SessionId, SteerId, SteerOutcome, TurnConfig};
+use tiller_engine::{Engine, ScriptError};
+use tiller_store::{SessionPage, Store, StoreError};
+use tokio::sync::oneshot;
+
+pub use actor::{SessionMsg, Settlement};
+pub use event::{EventBody, EventRecord, ToolStatus};
+use registry::{Registry, RegistryArgs, RegistryMsg};
+
+/// Session-level settings.
+#[derive(Clone, Debug)]
+pub struct SessionConfig {
+    /// Turn timers and the prompt queue bound.
+    pub turn: TurnConfig,
+    /// Most live sessions in the process.
+    pub max_sessions: usize,
+}
+
+/// Why a session could not be found or created.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("unknown session {0}")]
+    Unknown(SessionId),
+    #[error("too many live sessions (limit {0}); close some or raise limits.max_sessions")]
+    TooManySessions(usize),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("the session stopped; open it again")]
+    Stopped,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+/// Why a prompt (or steer) was not admitted.
+#[derive(Debug, thiserror::Error)]
+pub enum PromptRefused {
+    #[error(transparent)]
+    Invalid(#[from] ScriptError),
+    #[error("the prompt queue is full; retry when the running turn ends")]
+    Overloaded,
+    #[error("the session is closed")]
+    SessionClosed,
+}
+
+/// The answer to a steer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SteerAnswer {
+    pub steer: SteerId,
+    pub outcome: SteerOutcome,
+}
+
+/// Identifies one attached subscriber.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SubscriberId(pub u64);
+
+/// Receives a session's events as they are published. `deliver` must not
+/// block: a subscriber that cannot keep up returns `false` and is detached,
+/// so it never slows the session or the other subscribers.
+pub trait Subscriber: Send + 'static {
+    fn deliver(&self, event: &Arc<EventRecord>) -> bool;
+}
+
+/// Entry point for edges: create, open, list sessions.
+#[derive(Clone)]
+pub struct Sessions {
+    registry: ActorRef<RegistryMsg>,
+    store: Store,
+    next_subscriber: Arc<AtomicU64>,
+}
+
+impl Sessions {
+    /// Starts the registry.
+    pub async fn start(
+        store: Store,
+        engine: Arc<dyn Engine>,
+        config: SessionConfig,
+    ) -> Result<Sessions, SessionError> {
+        let args = RegistryArgs {
+            store: store.clone(),
+            engine,
+            config: Arc::new(config),
+        };
+        let (registry, _) = Actor::spawn(None, Registry, args)
+            .await
+            .map_err(|e| SessionError::Internal(e.to_string()))?;
+        Ok(Sessions {
+            registry,
+            store,
+            next_subscriber: Arc::new(AtomicU64::new(1)),
+        })
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> RegistryMsg,
+    ) -> Result<T, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.registry
+            .send_message(make(tx))
+            .map_err(|_| SessionError::Stopped)?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Creates a session.
+    pub async fn create(
+        &self,
+        cwd: String,
+        title: Option<String>,
+    ) -> Result<SessionHandle, SessionError> {
+        let (id, actor) = self
+            .ask(|reply| RegistryMsg::Create { cwd, title, reply })
+            .await??;
+        Ok(SessionHandle { id, actor })
+    }
+
+    /// Finds a live session or loads it from the store.
+    pub async fn open(&self, id: SessionId) -> Result<SessionHandle, SessionError> {
+        let actor = self.ask(|reply| RegistryMsg::Open { id, reply }).await??;
+        Ok(SessionHandle { id, actor })
+    }
+
+    /// Open sessions, newest first.
+    pub async fn list(
+        &self,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<SessionPage, SessionError> {
+        Ok(self.store.list_sessions(cursor, limit).await?)
+    }
+
+    /// The stored record of a session.
+    pub async fn record(&self, id: SessionId) -> Result<tiller_store::SessionRecord, SessionError> {
+        match self.store.get_session(id).await? {
+            Some((rec, _)) => Ok(rec),
+            None => Err(SessionError::Unknown(id)),
+        }
+    }
+
+    /// Events with `seq > after`, oldest first.
+    pub async fn events_after(
+        &self,
+        id: SessionId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<EventRecord>, SessionError> {
+        let rows = self.store.events_after(id, after, limit).await?;
+        Ok(rows.iter().filter_map(EventRecord::from_stored).collect())
+    }
+
+    /// A fresh subscriber id.
+    pub fn subscriber_id(&self) -> SubscriberId {
+        SubscriberId(self.next_subscriber.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Live sessions.
+    pub async fn live(&self) -> usize {
+        self.ask(RegistryMsg::Live).await.unwrap_or(0)
+    }
+
+    /// Graceful shutdown: cancel running turns, wait (bounded) for them to
+    /// settle, stop every actor, flush the store.
+    pub async fn shutdown(&self) {
+        let _ = self.ask(RegistryMsg::Shutdown).await;
+        self.registry.stop_children(None);
+        self.registry.stop(None);
+        if let Err(e) = self.store.flush().await {
+            tracing::error!(error = %e, "store flush at shutdown failed");
+        }
+    }
+}
+
+/// A live session.
+#[derive(Clone)]
+pub struct SessionHandle {
+    id: SessionId,
+    actor: ActorRef<SessionMsg>,
+}
+
+impl SessionHandle {
+    /// The session's id.
+    pub fn id(&self) -> SessionId {
+        self.id
+    }
+
+    fn send(&self, msg: SessionMsg) -> Result<(), SessionError> {
+        self.actor
+            .send_message(msg)
+            .map_err(|_| SessionError::Stopped)
+    }
+
+    /// Submits a prompt. Returns once it is stored (or refused), with a
+    /// receiver for its terminal.
+    pub async fn prompt(
+        &self,
+        text: String,
+        origin: Origin,
+    ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
+    {
+        let (atx, arx) = oneshot::channel();
+        let (stx, srx) = oneshot::channel();
+        self.send(SessionMsg::Prompt {
+            text,
+            origin,
+            admitted: Some(atx),
+            settled: Some(stx),
+        })?;
+        let admitted = arx.await.map_err(|_| SessionError::Stopped)?;
+        Ok(admitted.map(|p| (p, srx)))
+    }
+
+    /// Steers the running turn.
+    pub async fn steer(
+        &self,
+        text: String,
+        prompt_required: bool,
+    ) -> Result<Result<SteerAnswer, PromptRefused>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Steer {
+            text,
+            prompt_required,
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Cancels the running turn and the queued interactive prompts.
+    pub fn cancel(&self) -> Result<(), SessionError> {
+        self.send(SessionMsg::Cancel)
+    }
+
+    /// Attaches a subscriber; returns the last sequence number it will not
+    /// receive live (replay up to it from the store).
+    pub async fn subscribe(
+        &self,
+        id: SubscriberId,
+        subscriber: Box<dyn Subscriber>,
+    ) -> Result<u64, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Subscribe {
+            id,
+            subscriber,
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Detaches a subscriber.
+    pub fn unsubscribe(&self, id: SubscriberId) {
+        let _ = self.send(SessionMsg::Unsubscribe(id));
+    }
+
+    /// Closes the session.
+    pub async fn close(&self) -> Result<(), SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Close(tx))?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+}

@@ -108,6 +108,8 @@ enum Cmd {
         limit: usize,
         reply: Reply<Vec<StoredEvent>>,
     },
+    /// Answers once every earlier command is done.
+    Flush(Reply<()>),
 }
 
 /// A handle to the store thread. Cheap to clone.
@@ -181,6 +183,11 @@ impl Store {
     /// Appends and waits for the commit (durable before acknowledged).
     pub async fn append_durable(&self, event: StoredEvent) -> Result<(), StoreError> {
         self.ask(|r| Cmd::Append(event, Some(r))).await
+    }
+
+    /// Waits until every command sent before it is committed.
+    pub async fn flush(&self) -> Result<(), StoreError> {
+        self.ask(Cmd::Flush).await
     }
 
     /// Events of a session with `seq > after`, oldest first.
@@ -304,6 +311,9 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
                     .map(drop);
                 let _ = reply.send(r.map_err(Into::into));
             }
+            Cmd::Flush(reply) => {
+                let _ = reply.send(Ok(()));
+            }
             Cmd::Events {
                 session,
                 after,
@@ -326,8 +336,7 @@ fn append_batch(
             "INSERT INTO events (session_id, seq, ts_ms, kind, prompt_id, turn_id, data)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )?;
-        let mut touch =
-            tx.prepare_cached("UPDATE sessions SET updated_ms = ?2 WHERE id = ?1")?;
+        let mut touch = tx.prepare_cached("UPDATE sessions SET updated_ms = ?2 WHERE id = ?1")?;
         let mut last: Option<(SessionId, i64)> = None;
         for (e, _) in batch {
             insert.execute(params![
@@ -525,7 +534,10 @@ mod tests {
             }
         );
         let events = store.events_after(a.id, 2, 3).await.unwrap();
-        assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![3, 4, 5]);
+        assert_eq!(
+            events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![3, 4, 5]
+        );
         assert_eq!(events[0], ev(a.id, 3));
         assert!(store.get_session(SessionId::new()).await.unwrap().is_none());
     }

@@ -87,8 +87,15 @@ const END: Terminal = Terminal::Completed(StopReason::EndTurn);
 fn case1_result_settles_without_idle() {
     let mut h = Harness::new();
     h.prompt(1);
-    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), Some(END));
-    assert_eq!(settled(&h.sig(1, Signal::Idle)), None, "the idle is stale now");
+    assert_eq!(
+        settled(&h.sig(1, Signal::Result(StopReason::EndTurn))),
+        Some(END)
+    );
+    assert_eq!(
+        settled(&h.sig(1, Signal::Idle)),
+        None,
+        "the idle is stale now"
+    );
     assert_eq!(h.terminals().len(), 1);
 }
 
@@ -112,7 +119,10 @@ fn case3_steer_consumed_then_idle_fails_at_first_idle() {
         settled(&h.sig(1, Signal::Idle)),
         Some(Terminal::failed(ErrorKind::NoResult))
     );
-    assert!(h.sig(1, Signal::Idle).contains(&Effect::Stale { turn: TurnId(1) }));
+    assert!(
+        h.sig(1, Signal::Idle)
+            .contains(&Effect::Stale { turn: TurnId(1) })
+    );
 }
 
 #[test]
@@ -120,7 +130,10 @@ fn case4_steer_result_idle_drops_steer_and_ends() {
     let mut h = Harness::new();
     h.prompt(1);
     let s = h.steer(10);
-    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), None);
+    assert_eq!(
+        settled(&h.sig(1, Signal::Result(StopReason::EndTurn))),
+        None
+    );
     let fx = h.sig(1, Signal::Idle);
     assert!(fx.contains(&Effect::SteerDropped {
         steer: s,
@@ -133,13 +146,19 @@ fn case4_steer_result_idle_drops_steer_and_ends() {
 fn case5_result_without_idle_plain_and_steered() {
     let mut h = Harness::new();
     h.prompt(1);
-    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), Some(END));
+    assert_eq!(
+        settled(&h.sig(1, Signal::Result(StopReason::EndTurn))),
+        Some(END)
+    );
 
     let mut h = Harness::new();
     h.prompt(1);
     let s = h.steer(10);
     h.sig(1, Signal::SteerReceipt(s, SteerReceipt::Consumed));
-    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), Some(END));
+    assert_eq!(
+        settled(&h.sig(1, Signal::Result(StopReason::EndTurn))),
+        Some(END)
+    );
 }
 
 #[test]
@@ -151,7 +170,10 @@ fn case6_stale_signals_change_nothing() {
     for stale in [Signal::Idle, Signal::Result(StopReason::Refusal)] {
         assert_eq!(h.sig(1, stale), vec![Effect::Stale { turn: TurnId(1) }]);
     }
-    assert_eq!(settled(&h.sig(2, Signal::Result(StopReason::EndTurn))), Some(END));
+    assert_eq!(
+        settled(&h.sig(2, Signal::Result(StopReason::EndTurn))),
+        Some(END)
+    );
     assert_eq!(h.terminals().len(), 2);
 }
 
@@ -161,10 +183,13 @@ fn case7_steer_then_silence_is_bounded() {
     let mut h = Harness::new();
     h.prompt(1);
     h.steer(10);
-    h.at(5, Input::Signal {
-        turn: TurnId(1),
-        signal: Signal::Result(StopReason::EndTurn),
-    });
+    h.at(
+        5,
+        Input::Signal {
+            turn: TurnId(1),
+            signal: Signal::Result(StopReason::EndTurn),
+        },
+    );
     assert_eq!(settled(&h.at(104, Input::Tick)), None);
     assert_eq!(settled(&h.at(105, Input::Tick)), Some(END));
 
@@ -191,7 +216,10 @@ fn case8_cancel_then_silence_settles_within_grace() {
     assert!(fx.contains(&Effect::ArmTimer { at: Some(30) }));
     assert_eq!(settled(&h.at(29, Input::Tick)), None);
     let fx = h.at(30, Input::Tick);
-    assert_eq!(settled(&fx), Some(Terminal::Completed(StopReason::Cancelled)));
+    assert_eq!(
+        settled(&fx),
+        Some(Terminal::Completed(StopReason::Cancelled))
+    );
     assert!(fx.contains(&Effect::AbortEngine {
         turn: TurnId(1),
         teardown: true
@@ -229,7 +257,11 @@ fn cancel_cancels_queued_prompts_each_once_and_repeat_extends_nothing() {
     let cancelled = Terminal::Completed(StopReason::Cancelled);
     assert_eq!(
         t,
-        vec![(p2, cancelled.clone()), (p3, cancelled.clone()), (p1, cancelled)]
+        vec![
+            (p2, cancelled.clone()),
+            (p3, cancelled.clone()),
+            (p1, cancelled)
+        ]
     );
     assert_eq!(h.log.last(), Some(&Effect::ArmTimer { at: None }));
     assert!(h.log.contains(&Effect::Idle));
@@ -350,10 +382,16 @@ fn consumed_receipt_after_result_waits_for_a_new_result() {
     h.prompt(1);
     let s = h.steer(10);
     h.sig(1, Signal::Result(StopReason::EndTurn));
-    assert_eq!(settled(&h.sig(1, Signal::SteerReceipt(s, SteerReceipt::Consumed))), None);
+    assert_eq!(
+        settled(&h.sig(1, Signal::SteerReceipt(s, SteerReceipt::Consumed))),
+        None
+    );
     // The cleared result no longer bounds the turn by the receipt timer.
     assert_eq!(settled(&h.at(500, Input::Tick)), None);
-    assert_eq!(settled(&h.sig(1, Signal::Result(StopReason::EndTurn))), Some(END));
+    assert_eq!(
+        settled(&h.sig(1, Signal::Result(StopReason::EndTurn))),
+        Some(END)
+    );
 }
 
 #[test]
@@ -377,15 +415,21 @@ fn engine_failure_settles_with_its_kind() {
 fn stall_is_measured_from_the_last_signal_of_the_turn() {
     let mut h = Harness::new();
     h.prompt(1);
-    h.at(900, Input::Signal {
-        turn: TurnId(1),
-        signal: Signal::Update,
-    });
+    h.at(
+        900,
+        Input::Signal {
+            turn: TurnId(1),
+            signal: Signal::Update,
+        },
+    );
     // A stale signal is not progress.
-    h.at(950, Input::Signal {
-        turn: TurnId(0),
-        signal: Signal::Update,
-    });
+    h.at(
+        950,
+        Input::Signal {
+            turn: TurnId(0),
+            signal: Signal::Update,
+        },
+    );
     assert_eq!(settled(&h.at(1_899, Input::Tick)), None);
     assert_eq!(
         settled(&h.at(1_900, Input::Tick)),
@@ -396,10 +440,13 @@ fn stall_is_measured_from_the_last_signal_of_the_turn() {
 #[test]
 fn restored_core_continues_turn_ids() {
     let mut core = SessionCore::new(CFG, 41);
-    let fx = core.on(0, Input::Prompt {
-        prompt: PromptId::from_u128(1),
-        origin: Origin::Interactive,
-    });
+    let fx = core.on(
+        0,
+        Input::Prompt {
+            prompt: PromptId::from_u128(1),
+            origin: Origin::Interactive,
+        },
+    );
     assert!(fx.contains(&Effect::StartTurn {
         prompt: PromptId::from_u128(1),
         turn: TurnId(42),

@@ -1,0 +1,765 @@
+//! The session actor: a thin shell around [`SessionCore`]. It stores and
+//! publishes events, runs the engine and the tool pipeline, and carries out
+//! the core's effects. Every rule about turns lives in the core.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tiller_core::{
+    Effect, IdleBehavior, Input, Millis, Origin, PromptId, Rejection, SessionCore, SessionId,
+    Signal, SteerDropReason, SteerId, SteerOutcome, Terminal, TurnId,
+};
+use tiller_engine::{
+    Engine, EngineHandle, EngineInput, EngineSignal, PreparedPrompt, SignalKind, Update,
+};
+use tiller_store::{LogHead, Store};
+use tokio::sync::oneshot;
+use tracing::{Instrument, Span};
+
+use crate::event::{EventBody, EventRecord};
+use crate::tools;
+use crate::{PromptRefused, SessionConfig, SteerAnswer, Subscriber, SubscriberId};
+
+/// How a prompt's terminal is reported to its owner.
+#[derive(Debug)]
+pub struct Settlement {
+    /// The prompt.
+    pub prompt: PromptId,
+    /// Its one terminal.
+    pub terminal: Terminal,
+}
+
+/// The closed set of messages a session handles.
+pub enum SessionMsg {
+    /// Run a prompt. `admitted` answers once it is stored (or refused);
+    /// `settled` answers with its terminal.
+    Prompt {
+        text: String,
+        origin: Origin,
+        admitted: Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
+        settled: Option<oneshot::Sender<Settlement>>,
+    },
+    /// Steer the running turn.
+    Steer {
+        text: String,
+        prompt_required: bool,
+        reply: oneshot::Sender<Result<SteerAnswer, PromptRefused>>,
+    },
+    /// `session/cancel`.
+    Cancel,
+    /// A signal from this session's engine.
+    Engine(EngineSignal),
+    /// A timer armed by the core fired.
+    Tick,
+    /// Attach a subscriber; answers with the last sequence number already
+    /// published (every later event goes to the subscriber).
+    Subscribe {
+        id: SubscriberId,
+        subscriber: Box<dyn Subscriber>,
+        reply: oneshot::Sender<u64>,
+    },
+    /// Detach a subscriber.
+    Unsubscribe(SubscriberId),
+    /// Close the session: cancel what runs, refuse new prompts, stop when idle.
+    Close(oneshot::Sender<()>),
+    /// Daemon shutdown: cancel what runs; answer once idle.
+    Drain(oneshot::Sender<()>),
+}
+
+/// What a session needs to start.
+pub struct SessionArgs {
+    pub id: SessionId,
+    pub head: LogHead,
+    pub engine: Arc<dyn Engine>,
+    pub store: Store,
+    pub config: Arc<SessionConfig>,
+}
+
+/// A prompt admitted but not yet settled.
+struct Pending {
+    /// The engine's view of the prompt (taken when its turn starts).
+    prepared: Option<PreparedPrompt>,
+    /// The owner's terminal port.
+    settled: Option<oneshot::Sender<Settlement>>,
+    /// When it was admitted, for `turn_duration_seconds`.
+    admitted_at: Millis,
+    /// It waited in the queue, so its start is announced when it starts.
+    queued: bool,
+}
+
+/// The running engine and the turn it serves.
+struct RunningEngine {
+    turn: TurnId,
+    handle: EngineHandle,
+    /// The turn's tracing span.
+    span: Span,
+}
+
+/// The session actor's state.
+pub struct SessionState {
+    id: SessionId,
+    core: SessionCore,
+    engine: Arc<dyn Engine>,
+    store: Store,
+    /// The last sequence number published.
+    seq: u64,
+    /// Prompts admitted and not settled.
+    pending: HashMap<PromptId, Pending>,
+    /// Text of steers that may still be dropped (for `steer_dropped`).
+    steers: HashMap<SteerId, String>,
+    /// At most one engine runs.
+    running: Option<RunningEngine>,
+    /// Attached subscribers.
+    subscribers: Vec<(SubscriberId, Box<dyn Subscriber>)>,
+    /// The wake-up timer the core asked for.
+    timer: Option<tokio::task::JoinHandle<Result<(), ractor::MessagingErr<SessionMsg>>>>,
+    /// The actor's clock origin (time is an input to the core).
+    epoch: tokio::time::Instant,
+    /// When a cancel arrived, for `cancel_latency_seconds`.
+    cancel_at: Option<tokio::time::Instant>,
+    /// Set by `Close`: refuse prompts, stop when idle.
+    closing: bool,
+    /// Answered at the next idle (daemon shutdown).
+    drained: Vec<oneshot::Sender<()>>,
+    /// The session span.
+    span: Span,
+}
+
+/// See the module docs.
+pub struct SessionActor;
+
+impl Actor for SessionActor {
+    type Msg = SessionMsg;
+    type State = SessionState;
+    type Arguments = SessionArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<SessionMsg>,
+        args: SessionArgs,
+    ) -> Result<SessionState, ActorProcessingErr> {
+        let span = tracing::info_span!("session", session = %args.id);
+        Ok(SessionState {
+            id: args.id,
+            core: SessionCore::new(args.config.turn.clone(), args.head.last_turn),
+            engine: args.engine,
+            store: args.store,
+            seq: args.head.last_seq,
+            pending: HashMap::new(),
+            steers: HashMap::new(),
+            running: None,
+            subscribers: Vec::new(),
+            timer: None,
+            epoch: tokio::time::Instant::now(),
+            cancel_at: None,
+            closing: false,
+            drained: Vec::new(),
+            span,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<SessionMsg>,
+        msg: SessionMsg,
+        st: &mut SessionState,
+    ) -> Result<(), ActorProcessingErr> {
+        let span = st.span.clone();
+        st.handle(&myself, msg).instrument(span).await;
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<SessionMsg>,
+        st: &mut SessionState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(t) = st.timer.take() {
+            t.abort();
+        }
+        Ok(())
+    }
+}
+
+impl SessionState {
+    fn now(&self) -> Millis {
+        self.epoch.elapsed().as_millis() as Millis
+    }
+
+    async fn handle(&mut self, myself: &ActorRef<SessionMsg>, msg: SessionMsg) {
+        match msg {
+            SessionMsg::Prompt {
+                text,
+                origin,
+                admitted,
+                settled,
+            } => self.prompt(myself, text, origin, admitted, settled).await,
+            SessionMsg::Steer {
+                text,
+                prompt_required,
+                reply,
+            } => self.steer(myself, text, prompt_required, reply).await,
+            SessionMsg::Cancel => {
+                if self.core.active().is_some() && !self.core.is_cancelling() {
+                    self.cancel_at = Some(tokio::time::Instant::now());
+                }
+                self.feed(myself, Input::Cancel, None).await;
+            }
+            SessionMsg::Engine(sig) => {
+                let signal = core_signal(&sig.kind);
+                self.feed(
+                    myself,
+                    Input::Signal {
+                        turn: sig.turn,
+                        signal,
+                    },
+                    Some(sig.kind),
+                )
+                .await;
+            }
+            SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
+            SessionMsg::Subscribe {
+                id,
+                subscriber,
+                reply,
+            } => {
+                self.subscribers.push((id, subscriber));
+                metrics::gauge!("tiller_subscribers_active").increment(1.0);
+                let _ = reply.send(self.seq);
+            }
+            SessionMsg::Unsubscribe(id) => {
+                let before = self.subscribers.len();
+                self.subscribers.retain(|(s, _)| *s != id);
+                let removed = before - self.subscribers.len();
+                metrics::gauge!("tiller_subscribers_active").decrement(removed as f64);
+            }
+            SessionMsg::Drain(reply) => {
+                if self.core.active().is_none() {
+                    let _ = reply.send(());
+                } else {
+                    self.drained.push(reply);
+                    self.cancel_at = Some(tokio::time::Instant::now());
+                    self.feed(myself, Input::Cancel, None).await;
+                }
+            }
+            SessionMsg::Close(reply) => {
+                if !self.closing {
+                    self.closing = true;
+                    self.feed(myself, Input::Cancel, None).await;
+                    self.publish_durable(None, None, EventBody::SessionClosed)
+                        .await;
+                    if let Err(e) = self.store.close_session(self.id).await {
+                        tracing::error!(error = %e, "cannot mark the session closed");
+                    }
+                }
+                let _ = reply.send(());
+                if self.core.active().is_none() {
+                    myself.stop(Some("closed".into()));
+                }
+            }
+        }
+    }
+
+    async fn prompt(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        text: String,
+        origin: Origin,
+        admitted: Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
+        settled: Option<oneshot::Sender<Settlement>>,
+    ) {
+        let refuse = |admitted: Option<oneshot::Sender<_>>, why| {
+            if let Some(a) = admitted {
+                let _ = a.send(Err(why));
+            }
+        };
+        if self.closing {
+            return refuse(admitted, PromptRefused::SessionClosed);
+        }
+        let prepared = match self.engine.prepare(&text) {
+            Ok(p) => p,
+            Err(e) => return refuse(admitted, PromptRefused::Invalid(e)),
+        };
+        let prompt = PromptId::new();
+        self.pending.insert(
+            prompt,
+            Pending {
+                prepared: Some(prepared),
+                settled,
+                admitted_at: self.now(),
+                queued: false,
+            },
+        );
+        let fx = self.core.on(self.now(), Input::Prompt { prompt, origin });
+        if let Some(Effect::Rejected { reason, .. }) = fx.first() {
+            self.pending.remove(&prompt);
+            let Rejection::Overloaded = reason;
+            return refuse(admitted, PromptRefused::Overloaded);
+        }
+        metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
+            .increment(1);
+        // Durable before acknowledged: the admission event is committed first.
+        let admission = match &fx[..] {
+            [Effect::Queued { depth, .. }, ..] => EventBody::PromptQueued {
+                origin: origin.as_str().into(),
+                depth: *depth,
+                text: text.clone(),
+            },
+            _ => EventBody::PromptStarted {
+                origin: origin.as_str().into(),
+            },
+        };
+        if let EventBody::PromptQueued { .. } = admission {
+            metrics::gauge!("tiller_prompt_queue_depth").increment(1.0);
+            if let Some(p) = self.pending.get_mut(&prompt) {
+                p.queued = true;
+            }
+        }
+        self.publish_durable(Some(prompt), None, admission).await;
+        if let Some(a) = admitted {
+            let _ = a.send(Ok(prompt));
+        }
+        // A start effect publishes `user_message` and runs the engine.
+        self.apply(myself, fx, None).await;
+    }
+
+    async fn steer(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        text: String,
+        prompt_required: bool,
+        reply: oneshot::Sender<Result<SteerAnswer, PromptRefused>>,
+    ) {
+        if self.closing {
+            let _ = reply.send(Err(PromptRefused::SessionClosed));
+            return;
+        }
+        let steer = SteerId::new();
+        let idle_behavior = if prompt_required {
+            IdleBehavior::PromptRequired
+        } else {
+            // Validate now: a steer that becomes a prompt obeys prompt rules.
+            let prepared = match self.engine.prepare(&text) {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = reply.send(Err(PromptRefused::Invalid(e)));
+                    return;
+                }
+            };
+            let prompt = PromptId::new();
+            self.pending.insert(
+                prompt,
+                Pending {
+                    prepared: Some(prepared),
+                    settled: None,
+                    admitted_at: self.now(),
+                    queued: false,
+                },
+            );
+            IdleBehavior::StartNewTurn(prompt)
+        };
+        let fx = self.core.on(
+            self.now(),
+            Input::Steer {
+                steer,
+                idle_behavior,
+            },
+        );
+        let mut answer = None;
+        for e in &fx {
+            if let Effect::SteerAnswer { outcome, .. } = e {
+                answer = Some(*outcome);
+            }
+        }
+        let outcome = answer.expect("the core answers every steer");
+        // An unused prompt reservation is released.
+        if let IdleBehavior::StartNewTurn(p) = idle_behavior
+            && !matches!(outcome, SteerOutcome::StartedNewTurn { .. })
+        {
+            self.pending.remove(&p);
+        }
+        metrics::counter!("tiller_steers_total", "outcome" => steer_outcome_label(&outcome))
+            .increment(1);
+        match outcome {
+            SteerOutcome::Injected { turn } => {
+                self.steers.insert(steer, text.clone());
+                self.publish_durable(
+                    self.core.active().map(|(p, _)| p),
+                    Some(turn),
+                    EventBody::SteerAccepted {
+                        steer_id: steer.to_string(),
+                        text: text.clone(),
+                    },
+                )
+                .await;
+            }
+            SteerOutcome::StartedNewTurn { prompt } => {
+                metrics::counter!("tiller_prompts_admitted_total", "origin" => "interactive")
+                    .increment(1);
+                self.publish_durable(
+                    Some(prompt),
+                    None,
+                    EventBody::PromptStarted {
+                        origin: Origin::Interactive.as_str().into(),
+                    },
+                )
+                .await;
+            }
+            SteerOutcome::PromptRequired(_) => {}
+        }
+        let _ = reply.send(Ok(SteerAnswer { steer, outcome }));
+        let steer_text = text;
+        self.apply_with_steer(myself, fx, steer, steer_text).await;
+    }
+
+    async fn apply_with_steer(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        fx: Vec<Effect>,
+        steer: SteerId,
+        text: String,
+    ) {
+        for e in &fx {
+            if let Effect::ForwardSteer { turn, steer: s } = e
+                && *s == steer
+                && let Some(run) = self.running.as_ref().filter(|r| r.turn == *turn)
+            {
+                run.handle.send(EngineInput::Steer {
+                    id: steer,
+                    text: text.clone(),
+                });
+            }
+        }
+        self.apply(myself, fx, None).await;
+    }
+
+    async fn feed(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        input: Input,
+        content: Option<SignalKind>,
+    ) {
+        let fx = self.core.on(self.now(), input);
+        self.apply(myself, fx, content).await;
+    }
+
+    /// Carries out the core's effects in order.
+    async fn apply(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        fx: Vec<Effect>,
+        mut content: Option<SignalKind>,
+    ) {
+        for e in fx {
+            match e {
+                Effect::Queued { .. }
+                | Effect::Rejected { .. }
+                | Effect::SteerAnswer { .. }
+                | Effect::ForwardSteer { .. } => {} // handled by the caller
+                Effect::StartTurn {
+                    prompt,
+                    turn,
+                    origin,
+                } => self.start_turn(myself, prompt, turn, origin).await,
+                Effect::Deliver { turn } => {
+                    if let Some(kind) = content.take() {
+                        self.deliver(turn, kind).await;
+                    }
+                }
+                Effect::SteerConsumed { steer } => {
+                    self.steers.remove(&steer);
+                    metrics::counter!("tiller_steer_receipts_total", "kind" => "consumed")
+                        .increment(1);
+                    let (p, t) = self.active_ids();
+                    self.publish(
+                        p,
+                        t,
+                        EventBody::SteerConsumed {
+                            steer_id: steer.to_string(),
+                        },
+                    );
+                }
+                Effect::SteerDropped { steer, reason } => {
+                    let text = self.steers.remove(&steer).unwrap_or_default();
+                    match reason {
+                        SteerDropReason::Engine => {
+                            metrics::counter!("tiller_steer_receipts_total", "kind" => "dropped")
+                                .increment(1);
+                        }
+                        SteerDropReason::ReceiptTimeout => {
+                            metrics::counter!("tiller_steer_receipt_timeouts_total").increment(1);
+                        }
+                        _ => {}
+                    }
+                    let (p, t) = self.active_ids();
+                    self.publish(
+                        p,
+                        t,
+                        EventBody::SteerDropped {
+                            steer_id: steer.to_string(),
+                            text,
+                            reason: drop_reason_label(reason).into(),
+                        },
+                    );
+                }
+                Effect::AbortEngine { turn, teardown } => {
+                    if let Some(run) = self.running.as_ref().filter(|r| r.turn == turn) {
+                        run.handle.send(EngineInput::Abort);
+                        if teardown {
+                            run.handle.teardown();
+                        }
+                    }
+                }
+                Effect::Settled {
+                    prompt,
+                    turn,
+                    origin,
+                    terminal,
+                } => self.settle(prompt, turn, origin, terminal).await,
+                Effect::Stale { .. } => {
+                    metrics::counter!("tiller_stale_signals_total").increment(1);
+                }
+                Effect::WatchdogFired { kind } => {
+                    let kind = match kind {
+                        tiller_core::WatchdogKind::Stall => "stall",
+                        tiller_core::WatchdogKind::CancelGrace => "cancel_grace",
+                        tiller_core::WatchdogKind::SteerReceipt => "steer_receipt",
+                    };
+                    tracing::warn!(kind, "watchdog fired");
+                    metrics::counter!("tiller_watchdog_fired_total", "kind" => kind).increment(1);
+                }
+                Effect::ArmTimer { at } => self.arm(myself, at),
+                Effect::Idle => {
+                    tracing::debug!("session idle");
+                    for d in self.drained.drain(..) {
+                        let _ = d.send(());
+                    }
+                    if self.closing {
+                        myself.stop(Some("closed".into()));
+                    }
+                }
+            }
+        }
+    }
+
+    fn active_ids(&self) -> (Option<PromptId>, Option<TurnId>) {
+        match self.core.active() {
+            Some((p, t)) => (Some(p), Some(t)),
+            None => (None, None),
+        }
+    }
+
+    async fn start_turn(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        prompt: PromptId,
+        turn: TurnId,
+        origin: Origin,
+    ) {
+        let Some((prepared, queued)) = self
+            .pending
+            .get_mut(&prompt)
+            .and_then(|p| Some((p.prepared.take()?, p.queued)))
+        else {
+            tracing::error!(%prompt, "started a prompt with no content");
+            return;
+        };
+        let span = tracing::info_span!(parent: &self.span, "turn", %turn, %prompt, origin = origin.as_str());
+        span.in_scope(|| tracing::info!("turn started"));
+        // A queued prompt already has its admission event; announce the start.
+        if queued {
+            metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
+            self.publish(
+                Some(prompt),
+                Some(turn),
+                EventBody::PromptStarted {
+                    origin: origin.as_str().into(),
+                },
+            );
+        }
+        self.publish(
+            Some(prompt),
+            Some(turn),
+            EventBody::UserMessage {
+                text: prepared.text.clone(),
+            },
+        );
+        let actor = myself.clone();
+        let sink: tiller_engine::SignalSink = Arc::new(move |sig| {
+            let _ = actor.send_message(SessionMsg::Engine(sig));
+        });
+        let handle = {
+            let _g = span.enter();
+            self.engine.start(turn, prepared, sink)
+        };
+        self.running = Some(RunningEngine { turn, handle, span });
+    }
+
+    async fn deliver(&mut self, turn: TurnId, kind: SignalKind) {
+        let prompt = self.core.active().map(|(p, _)| p);
+        match kind {
+            SignalKind::Update(Update::Text(text)) => {
+                self.publish(prompt, Some(turn), EventBody::AgentMessageChunk { text });
+            }
+            SignalKind::Update(Update::Thought(text)) => {
+                self.publish(prompt, Some(turn), EventBody::AgentThoughtChunk { text });
+            }
+            SignalKind::ToolBatch(calls) => {
+                let (events, results) = tools::run_batch(&calls);
+                for body in events {
+                    self.publish(prompt, Some(turn), body);
+                }
+                if let Some(run) = self.running.as_ref().filter(|r| r.turn == turn) {
+                    run.handle.send(EngineInput::ToolResults(results));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    async fn settle(
+        &mut self,
+        prompt: PromptId,
+        turn: Option<TurnId>,
+        origin: Origin,
+        terminal: Terminal,
+    ) {
+        let now = self.now();
+        let pending = self.pending.remove(&prompt);
+        if turn.is_none() {
+            // A queued prompt settled without running.
+            metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
+        }
+        if let Some(run) = self.running.take_if(|r| Some(r.turn) == turn) {
+            run.span
+                .in_scope(|| tracing::info!(outcome = terminal.outcome_label(), "turn settled"));
+            drop(run); // the engine never outlives its turn
+        }
+        if terminal == Terminal::Completed(tiller_core::StopReason::Cancelled)
+            && let Some(at) = self.cancel_at.take()
+            && turn.is_some()
+        {
+            metrics::histogram!("tiller_cancel_latency_seconds").record(at.elapsed().as_secs_f64());
+        }
+        let body = match &terminal {
+            Terminal::Completed(r) => EventBody::TurnComplete {
+                stop_reason: r.as_str().into(),
+            },
+            Terminal::Failed { kind, message } => EventBody::TurnError {
+                error_kind: kind.as_str().into(),
+                message: message.clone(),
+            },
+        };
+        self.publish_durable(Some(prompt), turn, body).await;
+        metrics::counter!(
+            "tiller_turns_settled_total",
+            "origin" => origin.as_str(),
+            "outcome" => terminal.outcome_label()
+        )
+        .increment(1);
+        if let Some(p) = pending {
+            metrics::histogram!("tiller_turn_duration_seconds", "origin" => origin.as_str())
+                .record(now.saturating_sub(p.admitted_at) as f64 / 1000.0);
+            if let Some(tx) = p.settled {
+                let _ = tx.send(Settlement { prompt, terminal });
+            }
+        }
+    }
+
+    fn arm(&mut self, myself: &ActorRef<SessionMsg>, at: Option<Millis>) {
+        if let Some(t) = self.timer.take() {
+            t.abort();
+        }
+        if let Some(at) = at {
+            let delay = Duration::from_millis(at.saturating_sub(self.now()));
+            self.timer = Some(myself.send_after(delay, || SessionMsg::Tick));
+        }
+    }
+
+    fn record(
+        &mut self,
+        prompt: Option<PromptId>,
+        turn: Option<TurnId>,
+        body: EventBody,
+    ) -> Arc<EventRecord> {
+        self.seq += 1;
+        Arc::new(EventRecord {
+            session: self.id,
+            seq: self.seq,
+            ts_ms: unix_ms(),
+            prompt,
+            turn,
+            body,
+        })
+    }
+
+    fn fan_out(&mut self, rec: &Arc<EventRecord>) {
+        metrics::counter!("tiller_events_published_total").increment(1);
+        let before = self.subscribers.len();
+        self.subscribers.retain(|(_, s)| s.deliver(rec));
+        let evicted = before - self.subscribers.len();
+        if evicted > 0 {
+            metrics::counter!("tiller_subscriber_evictions_total").increment(evicted as u64);
+            metrics::gauge!("tiller_subscribers_active").decrement(evicted as f64);
+        }
+    }
+
+    /// Appends an event (ordered, not awaited) and fans it out.
+    fn publish(&mut self, prompt: Option<PromptId>, turn: Option<TurnId>, body: EventBody) {
+        let rec = self.record(prompt, turn, body);
+        self.store.append(rec.to_stored());
+        self.fan_out(&rec);
+    }
+
+    /// Appends an event, waits for the commit, then fans it out.
+    async fn publish_durable(
+        &mut self,
+        prompt: Option<PromptId>,
+        turn: Option<TurnId>,
+        body: EventBody,
+    ) {
+        let rec = self.record(prompt, turn, body);
+        if let Err(e) = self.store.append_durable(rec.to_stored()).await {
+            tracing::error!(error = %e, seq = rec.seq, "durable append failed");
+        }
+        self.fan_out(&rec);
+    }
+}
+
+fn core_signal(kind: &SignalKind) -> Signal {
+    match kind {
+        SignalKind::Update(_) => Signal::Update,
+        SignalKind::ToolBatch(_) => Signal::ToolBatch,
+        SignalKind::Result(r) => Signal::Result(*r),
+        SignalKind::Idle => Signal::Idle,
+        SignalKind::SteerReceipt(s, r) => Signal::SteerReceipt(*s, *r),
+        SignalKind::Failed(k, m) => Signal::Failed(*k, m.clone()),
+    }
+}
+
+fn steer_outcome_label(o: &SteerOutcome) -> &'static str {
+    match o {
+        SteerOutcome::Injected { .. } => "injected",
+        SteerOutcome::PromptRequired(_) => "prompt_required",
+        SteerOutcome::StartedNewTurn { .. } => "started_new_turn",
+    }
+}
+
+fn drop_reason_label(r: SteerDropReason) -> &'static str {
+    match r {
+        SteerDropReason::Engine => "engine",
+        SteerDropReason::TurnEnded => "turn_ended",
+        SteerDropReason::ReceiptTimeout => "receipt_timeout",
+        SteerDropReason::Cancelled => "cancelled",
+    }
+}
+
+/// Wall-clock time for event timestamps (display only; ordering is `seq`).
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,193 @@
+//! The session event log's entries.
+//!
+//! `EventBody` is deliberately `Serialize`: its JSON is the durable payload
+//! format of the log (the store treats it as opaque text). Wire shapes (ACP
+//! `session/update`, the HTTP envelope) are made from it by the edges.
+
+use serde::{Deserialize, Serialize};
+use tiller_core::{PromptId, SessionId, TurnId};
+use tiller_store::StoredEvent;
+
+/// Status of a tool call, as ACP names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolStatus {
+    Pending,
+    InProgress,
+    Completed,
+    Failed,
+}
+
+/// One entry of a session's log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(
+    tag = "type",
+    rename_all = "snake_case",
+    rename_all_fields = "camelCase"
+)]
+pub enum EventBody {
+    /// A prompt was admitted behind the running turn.
+    PromptQueued {
+        origin: String,
+        depth: usize,
+        text: String,
+    },
+    /// A prompt's turn started.
+    PromptStarted { origin: String },
+    /// The prompt's text, as the user sent it.
+    UserMessage { text: String },
+    /// Streamed agent text.
+    AgentMessageChunk { text: String },
+    /// Streamed agent thought.
+    AgentThoughtChunk { text: String },
+    /// A tool call was requested.
+    ToolCall {
+        tool_call_id: String,
+        name: String,
+        input: serde_json::Value,
+        status: ToolStatus,
+    },
+    /// A tool call changed status.
+    ToolCallUpdate {
+        tool_call_id: String,
+        status: ToolStatus,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        output: Option<String>,
+    },
+    /// A steer joined the running turn.
+    SteerAccepted { steer_id: String, text: String },
+    /// The engine made the steer part of the conversation.
+    SteerConsumed { steer_id: String },
+    /// The steer was dropped; clients may resend `text`.
+    SteerDropped {
+        steer_id: String,
+        text: String,
+        reason: String,
+    },
+    /// A prompt completed.
+    TurnComplete { stop_reason: String },
+    /// A prompt failed.
+    TurnError { error_kind: String, message: String },
+    /// The session was closed.
+    SessionClosed,
+}
+
+impl EventBody {
+    /// The `type` name.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            EventBody::PromptQueued { .. } => "prompt_queued",
+            EventBody::PromptStarted { .. } => "prompt_started",
+            EventBody::UserMessage { .. } => "user_message",
+            EventBody::AgentMessageChunk { .. } => "agent_message_chunk",
+            EventBody::AgentThoughtChunk { .. } => "agent_thought_chunk",
+            EventBody::ToolCall { .. } => "tool_call",
+            EventBody::ToolCallUpdate { .. } => "tool_call_update",
+            EventBody::SteerAccepted { .. } => "steer_accepted",
+            EventBody::SteerConsumed { .. } => "steer_consumed",
+            EventBody::SteerDropped { .. } => "steer_dropped",
+            EventBody::TurnComplete { .. } => "turn_complete",
+            EventBody::TurnError { .. } => "turn_error",
+            EventBody::SessionClosed => "session_closed",
+        }
+    }
+}
+
+/// An event with its place in the log.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventRecord {
+    /// The session.
+    pub session: SessionId,
+    /// Sequence number in the session's log, from 1.
+    pub seq: u64,
+    /// Time, ms since the Unix epoch.
+    pub ts_ms: i64,
+    /// The prompt it belongs to.
+    pub prompt: Option<PromptId>,
+    /// The turn it belongs to.
+    pub turn: Option<TurnId>,
+    /// What happened.
+    pub body: EventBody,
+}
+
+impl EventRecord {
+    /// The store's row for this event.
+    pub fn to_stored(&self) -> StoredEvent {
+        StoredEvent {
+            session: self.session,
+            seq: self.seq,
+            ts_ms: self.ts_ms,
+            kind: self.body.kind().to_owned(),
+            prompt: self.prompt,
+            turn: self.turn,
+            data: serde_json::to_string(&self.body).expect("events serialize"),
+        }
+    }
+
+    /// Reads a stored row back. Rows this version does not know are skipped
+    /// (`None`), so an older binary can read a newer log.
+    pub fn from_stored(e: &StoredEvent) -> Option<Self> {
+        let body = serde_json::from_str(&e.data).ok()?;
+        Some(EventRecord {
+            session: e.session,
+            seq: e.seq,
+            ts_ms: e.ts_ms,
+            prompt: e.prompt,
+            turn: e.turn,
+            body,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_round_trip_through_the_store_format() {
+        let bodies = vec![
+            EventBody::PromptQueued {
+                origin: "interactive".into(),
+                depth: 1,
+                text: "t".into(),
+            },
+            EventBody::ToolCall {
+                tool_call_id: "a".into(),
+                name: "n".into(),
+                input: serde_json::json!({"x": 1}),
+                status: ToolStatus::Pending,
+            },
+            EventBody::ToolCallUpdate {
+                tool_call_id: "a".into(),
+                status: ToolStatus::Failed,
+                output: Some("no".into()),
+            },
+            EventBody::TurnError {
+                error_kind: "no_result".into(),
+                message: "m".into(),
+            },
+            EventBody::SessionClosed,
+        ];
+        for (i, body) in bodies.into_iter().enumerate() {
+            let rec = EventRecord {
+                session: SessionId::from_u128(1),
+                seq: i as u64 + 1,
+                ts_ms: 5,
+                prompt: Some(PromptId::from_u128(2)),
+                turn: Some(TurnId(3)),
+                body,
+            };
+            let stored = rec.to_stored();
+            assert_eq!(stored.kind, rec.body.kind());
+            assert_eq!(EventRecord::from_stored(&stored), Some(rec));
+        }
+        let json = serde_json::to_value(EventBody::TurnComplete {
+            stop_reason: "end_turn".into(),
+        })
+        .unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"type": "turn_complete", "stopReason": "end_turn"})
+        );
+    }
+}

@@ -1,0 +1,214 @@
+//! The session registry: creates, finds and loads sessions, enforces the
+//! session limit, and supervises the session actors.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tiller_core::SessionId;
+use tiller_engine::Engine;
+use tiller_store::{LogHead, SessionRecord, Store};
+use tokio::sync::oneshot;
+
+use crate::SessionConfig;
+use crate::SessionError;
+use crate::actor::{SessionActor, SessionArgs, SessionMsg};
+
+/// The closed set of messages the registry handles.
+pub enum RegistryMsg {
+    /// Create and start a new session.
+    Create {
+        cwd: String,
+        title: Option<String>,
+        reply: oneshot::Sender<Result<(SessionId, ActorRef<SessionMsg>), SessionError>>,
+    },
+    /// Find a live session or load it from the store.
+    Open {
+        id: SessionId,
+        reply: oneshot::Sender<Result<ActorRef<SessionMsg>, SessionError>>,
+    },
+    /// How many sessions are live.
+    Live(oneshot::Sender<usize>),
+    /// Cancel every running turn and wait (bounded) until all are idle.
+    Shutdown(oneshot::Sender<()>),
+}
+
+/// What the registry needs.
+pub struct RegistryArgs {
+    pub store: Store,
+    pub engine: Arc<dyn Engine>,
+    pub config: Arc<SessionConfig>,
+}
+
+/// The registry's state.
+pub struct RegistryState {
+    store: Store,
+    engine: Arc<dyn Engine>,
+    config: Arc<SessionConfig>,
+    /// Live sessions.
+    live: HashMap<SessionId, ActorRef<SessionMsg>>,
+    /// Reverse map for supervision events.
+    by_actor: HashMap<ActorId, SessionId>,
+}
+
+/// See the module docs.
+pub struct Registry;
+
+impl Actor for Registry {
+    type Msg = RegistryMsg;
+    type State = RegistryState;
+    type Arguments = RegistryArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<RegistryMsg>,
+        args: RegistryArgs,
+    ) -> Result<RegistryState, ActorProcessingErr> {
+        Ok(RegistryState {
+            store: args.store,
+            engine: args.engine,
+            config: args.config,
+            live: HashMap::new(),
+            by_actor: HashMap::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<RegistryMsg>,
+        msg: RegistryMsg,
+        st: &mut RegistryState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            RegistryMsg::Create { cwd, title, reply } => {
+                let _ = reply.send(st.create(&myself, cwd, title).await);
+            }
+            RegistryMsg::Open { id, reply } => {
+                let _ = reply.send(st.open(&myself, id).await);
+            }
+            RegistryMsg::Live(reply) => {
+                let _ = reply.send(st.live.len());
+            }
+            RegistryMsg::Shutdown(reply) => {
+                let mut waits = Vec::new();
+                for actor in st.live.values() {
+                    let (tx, rx) = oneshot::channel();
+                    if actor.send_message(SessionMsg::Drain(tx)).is_ok() {
+                        waits.push(rx);
+                    }
+                }
+                // Every turn settles within cancel_grace; allow a margin.
+                let bound =
+                    Duration::from_millis(st.config.turn.cancel_grace) + Duration::from_secs(1);
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(bound, futures_join_all(waits)).await;
+                    let _ = reply.send(());
+                });
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _myself: ActorRef<RegistryMsg>,
+        evt: SupervisionEvent,
+        st: &mut RegistryState,
+    ) -> Result<(), ActorProcessingErr> {
+        // ractor's default stops the supervisor when a child dies; a session
+        // failing must never take the others down.
+        match evt {
+            SupervisionEvent::ActorTerminated(cell, _, _) => st.forget(cell.get_id()),
+            SupervisionEvent::ActorFailed(cell, err) => {
+                tracing::error!(error = %err, "session actor failed; it reloads from the store on next use");
+                st.forget(cell.get_id());
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+async fn futures_join_all(waits: Vec<oneshot::Receiver<()>>) {
+    for w in waits {
+        let _ = w.await;
+    }
+}
+
+impl RegistryState {
+    fn forget(&mut self, actor: ActorId) {
+        if let Some(id) = self.by_actor.remove(&actor) {
+            self.live.remove(&id);
+            metrics::gauge!("tiller_sessions_active").set(self.live.len() as f64);
+        }
+    }
+
+    async fn spawn(
+        &mut self,
+        myself: &ActorRef<RegistryMsg>,
+        id: SessionId,
+        head: LogHead,
+    ) -> Result<ActorRef<SessionMsg>, SessionError> {
+        if self.live.len() >= self.config.max_sessions {
+            return Err(SessionError::TooManySessions(self.config.max_sessions));
+        }
+        let args = SessionArgs {
+            id,
+            head,
+            engine: self.engine.clone(),
+            store: self.store.clone(),
+            config: self.config.clone(),
+        };
+        let (actor, _) = Actor::spawn_linked(None, SessionActor, args, myself.get_cell())
+            .await
+            .map_err(|e| SessionError::Internal(e.to_string()))?;
+        self.by_actor.insert(actor.get_id(), id);
+        self.live.insert(id, actor.clone());
+        metrics::gauge!("tiller_sessions_active").set(self.live.len() as f64);
+        Ok(actor)
+    }
+
+    async fn create(
+        &mut self,
+        myself: &ActorRef<RegistryMsg>,
+        cwd: String,
+        title: Option<String>,
+    ) -> Result<(SessionId, ActorRef<SessionMsg>), SessionError> {
+        if self.live.len() >= self.config.max_sessions {
+            return Err(SessionError::TooManySessions(self.config.max_sessions));
+        }
+        let id = SessionId::new();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
+        self.store
+            .create_session(SessionRecord {
+                id,
+                cwd,
+                title,
+                created_ms: now,
+                updated_ms: now,
+                closed: false,
+            })
+            .await?;
+        metrics::counter!("tiller_sessions_created_total").increment(1);
+        let actor = self.spawn(myself, id, LogHead::default()).await?;
+        Ok((id, actor))
+    }
+
+    async fn open(
+        &mut self,
+        myself: &ActorRef<RegistryMsg>,
+        id: SessionId,
+    ) -> Result<ActorRef<SessionMsg>, SessionError> {
+        if let Some(actor) = self.live.get(&id) {
+            return Ok(actor.clone());
+        }
+        match self.store.get_session(id).await? {
+            Some((rec, head)) if !rec.closed => self.spawn(myself, id, head).await,
+            _ => Err(SessionError::Unknown(id)),
+        }
+    }
+}

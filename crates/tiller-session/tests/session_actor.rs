@@ -1,0 +1,238 @@
+//! The session actor and registry, driven through the `Sessions` facade with
+//! the scripted engine and a real store.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tiller_core::{ErrorKind, Origin, StopReason, Terminal, TurnConfig};
+use tiller_engine::ScriptedEngine;
+use tiller_session::{EventBody, EventRecord, PromptRefused, SessionConfig, Sessions, Subscriber};
+use tiller_store::Store;
+
+struct Collect(Arc<Mutex<Vec<Arc<EventRecord>>>>);
+
+impl Subscriber for Collect {
+    fn deliver(&self, e: &Arc<EventRecord>) -> bool {
+        self.0.lock().unwrap().push(e.clone());
+        true
+    }
+}
+
+async fn sessions(dir: &tempfile::TempDir) -> Sessions {
+    let store = Store::open(&dir.path().join("t.db")).unwrap();
+    let config = SessionConfig {
+        turn: TurnConfig {
+            steer_receipt_timeout: 200,
+            cancel_grace: 200,
+            stall_timeout: 2_000,
+            max_queued_prompts: 2,
+        },
+        max_sessions: 3,
+    };
+    Sessions::start(store, Arc::new(ScriptedEngine), config)
+        .await
+        .unwrap()
+}
+
+fn kinds(events: &[Arc<EventRecord>]) -> Vec<&'static str> {
+    events.iter().map(|e| e.body.kind()).collect()
+}
+
+#[tokio::test]
+async fn demo_prompt_streams_and_completes_and_is_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sub = s.subscriber_id();
+    assert_eq!(
+        h.subscribe(sub, Box::new(Collect(seen.clone())))
+            .await
+            .unwrap(),
+        0
+    );
+    let (prompt, settled) = h
+        .prompt("hello".into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    let done = settled.await.unwrap();
+    assert_eq!(done.prompt, prompt);
+    assert_eq!(done.terminal, Terminal::Completed(StopReason::EndTurn));
+    let events = seen.lock().unwrap().clone();
+    let k = kinds(&events);
+    assert_eq!(k[..2], ["prompt_started", "user_message"]);
+    assert_eq!(*k.last().unwrap(), "turn_complete");
+    assert!(k.iter().filter(|k| **k == "agent_message_chunk").count() >= 2);
+    let seqs: Vec<u64> = events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
+    let stored = s.events_after(h.id(), 0, 1000).await.unwrap();
+    assert_eq!(stored.len(), events.len());
+    assert_eq!(stored.last().unwrap().body, events.last().unwrap().body);
+}
+
+#[tokio::test]
+async fn cancel_during_sleep_is_prompt_and_queued_prompts_are_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let sleep = r#"{"script": [{"sleep_ms": 60000}]}"#;
+    let (_, first) = h
+        .prompt(sleep.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    let (_, second) = h
+        .prompt(sleep.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    let (_, third) = h
+        .prompt(sleep.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    let over = h.prompt(sleep.into(), Origin::Interactive).await.unwrap();
+    assert!(matches!(over, Err(PromptRefused::Overloaded)));
+    h.cancel().unwrap();
+    let cancelled = Terminal::Completed(StopReason::Cancelled);
+    for rx in [first, second, third] {
+        let t = tokio::time::timeout(Duration::from_secs(1), rx)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.terminal, cancelled);
+    }
+}
+
+#[tokio::test]
+async fn hang_is_torn_down_after_cancel_grace_and_silence_stalls() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"hang": true}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    h.cancel().unwrap();
+    let t = tokio::time::timeout(Duration::from_secs(2), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(t.terminal, Terminal::Completed(StopReason::Cancelled));
+
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"hang": true}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let t = tokio::time::timeout(Duration::from_secs(5), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(t.terminal, Terminal::failed(ErrorKind::Stalled));
+}
+
+#[tokio::test]
+async fn malformed_script_is_refused_and_the_session_keeps_working() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let bad = h
+        .prompt(r#"{"script": [{"jump": 1}]}"#.into(), Origin::Interactive)
+        .await
+        .unwrap();
+    match bad {
+        Err(PromptRefused::Invalid(e)) => assert_eq!(e.path, "script[0]"),
+        other => panic!("{other:?}"),
+    }
+    let (_, rx) = h
+        .prompt(r#"{"script": [{"say": "ok"}]}"#.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+}
+
+#[tokio::test]
+async fn sessions_reload_after_restart_with_history_and_fresh_turn_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let id;
+    {
+        let s = sessions(&dir).await;
+        let h = s.create("/w".into(), Some("t".into())).await.unwrap();
+        id = h.id();
+        let (_, rx) = h
+            .prompt(
+                r#"{"script": [{"say": "one"}]}"#.into(),
+                Origin::Interactive,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        rx.await.unwrap();
+        s.shutdown().await;
+    }
+    let s = sessions(&dir).await;
+    let page = s.list(None, 10).await.unwrap();
+    assert_eq!(page.sessions.len(), 1);
+    assert_eq!(page.sessions[0].id, id);
+    let h = s.open(id).await.unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let last = h
+        .subscribe(s.subscriber_id(), Box::new(Collect(seen.clone())))
+        .await
+        .unwrap();
+    let history = s.events_after(id, 0, 1000).await.unwrap();
+    assert_eq!(history.len() as u64, last);
+    assert!(
+        history
+            .iter()
+            .any(|e| e.body == EventBody::AgentMessageChunk { text: "one".into() })
+    );
+    let (_, rx) = h
+        .prompt("again".into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    rx.await.unwrap();
+    let live = seen.lock().unwrap().clone();
+    assert_eq!(live[0].seq, last + 1, "no gap between replay and live");
+    assert!(live[0].turn.is_none() || live[0].turn.unwrap().0 >= 2);
+    assert!(
+        live.iter().filter_map(|e| e.turn).all(|t| t.0 == 2),
+        "turn ids continue after restart"
+    );
+}
+
+#[tokio::test]
+async fn closed_sessions_refuse_prompts_and_vanish_from_the_list() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    h.close().await.unwrap();
+    assert!(s.list(None, 10).await.unwrap().sessions.is_empty());
+    assert!(s.open(h.id()).await.is_err());
+}
+
+#[tokio::test]
+async fn the_session_limit_is_enforced() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    for _ in 0..3 {
+        s.create("/tmp".into(), None).await.unwrap();
+    }
+    assert!(s.create("/tmp".into(), None).await.is_err());
+    assert_eq!(s.live().await, 3);
+}
