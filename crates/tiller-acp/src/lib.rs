@@ -1,1 +1,171 @@
-//! placeholder
+//! The ACP edge: the only crate that imports `agent-client-protocol`.
+//!
+//! It uses the crate's schema types for every ACP message, and runs its own
+//! small JSON-RPC layer (see ARCHITECTURE.md for why): one connection loop
+//! ([`conn::serve`]) shared by stdio, the unix socket and WebSocket.
+
+pub mod conn;
+pub mod jsonrpc;
+mod map;
+
+use std::sync::Arc;
+
+use tiller_session::Sessions;
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::UnixListener;
+use tokio::sync::{Semaphore, mpsc, watch};
+
+pub use conn::{AcpConfig, Frame, serve};
+
+/// Reads newline-delimited messages, enforcing `max` bytes per message
+/// without ever buffering more than that. Ends when the reader does.
+pub async fn read_lines<R: AsyncRead + Unpin>(reader: R, max: usize, tx: mpsc::Sender<Frame>) {
+    let mut reader = BufReader::new(reader);
+    let mut line: Vec<u8> = Vec::new();
+    // Bytes of the current message, counted even while discarding it.
+    let mut size = 0usize;
+    loop {
+        let buf = match reader.fill_buf().await {
+            Ok([]) | Err(_) => return,
+            Ok(b) => b,
+        };
+        let (chunk, found) = match buf.iter().position(|b| *b == b'\n') {
+            Some(i) => (&buf[..i], true),
+            None => (buf, false),
+        };
+        size += chunk.len();
+        if size <= max {
+            line.extend_from_slice(chunk);
+        } else {
+            line.clear(); // discarding: the message is too large
+        }
+        let used = chunk.len() + usize::from(found);
+        reader.consume(used);
+        if found {
+            let frame = if size > max {
+                Frame::TooLarge(size)
+            } else {
+                let text = String::from_utf8_lossy(&line).trim().to_owned();
+                line.clear();
+                if text.is_empty() {
+                    size = 0;
+                    continue;
+                }
+                Frame::Text(text)
+            };
+            size = 0;
+            if tx.send(frame).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Writes one message per line.
+pub async fn write_lines<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Receiver<String>) {
+    while let Some(msg) = rx.recv().await {
+        if writer.write_all(msg.as_bytes()).await.is_err()
+            || writer.write_all(b"\n").await.is_err()
+            || writer.flush().await.is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// Serves ACP over a newline-delimited byte stream (stdio, unix socket).
+pub async fn serve_stream<R, W>(
+    sessions: Sessions,
+    config: AcpConfig,
+    transport: &'static str,
+    reader: R,
+    writer: W,
+) where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let (in_tx, in_rx) = mpsc::channel(64);
+    let (out_tx, out_rx) = mpsc::channel(256);
+    let max = config.max_message_bytes;
+    let reading = tokio::spawn(read_lines(reader, max, in_tx));
+    let writing = tokio::spawn(write_lines(writer, out_rx));
+    serve(sessions, config, transport, in_rx, out_tx).await;
+    reading.abort();
+    let _ = writing.await;
+}
+
+/// Accepts ACP connections on a unix socket until `shutdown` turns true.
+/// At most `permits` connections are served at once (shared with the other
+/// transports); over that a client gets a one-line error and is closed.
+pub async fn serve_unix(
+    listener: UnixListener,
+    sessions: Sessions,
+    config: AcpConfig,
+    permits: Arc<Semaphore>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, _) = match accepted {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "unix accept failed");
+                        continue;
+                    }
+                };
+                let Ok(permit) = permits.clone().try_acquire_owned() else {
+                    tokio::spawn(refuse(stream));
+                    continue;
+                };
+                let sessions = sessions.clone();
+                let config = config.clone();
+                tokio::spawn(async move {
+                    let (r, w) = stream.into_split();
+                    serve_stream(sessions, config, "unix", r, w).await;
+                    drop(permit);
+                });
+            }
+            _ = shutdown.changed() => return,
+        }
+    }
+}
+
+async fn refuse(mut stream: tokio::net::UnixStream) {
+    let e = jsonrpc::RpcError::new(
+        jsonrpc::code::OVERLOADED,
+        "too many connections (limits.max_connections); retry later",
+    )
+    .with_data(serde_json::json!({ "errorKind": "overloaded", "retryable": true }));
+    let msg = jsonrpc::error(&serde_json::Value::Null, &e);
+    let _ = stream.write_all(format!("{msg}\n").as_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn frames(input: &'static [u8], max: usize) -> Vec<String> {
+        let (tx, mut rx) = mpsc::channel(16);
+        read_lines(input, max, tx).await;
+        let mut out = Vec::new();
+        while let Some(f) = rx.recv().await {
+            out.push(match f {
+                Frame::Text(t) => t,
+                Frame::TooLarge(n) => format!("TOO LARGE {n}"),
+            });
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn lines_are_split_and_oversized_ones_reported() {
+        assert_eq!(frames(b"a\n\nbb\r\n", 10).await, vec!["a", "bb"]);
+        assert_eq!(
+            frames(b"0123456789abc\nok\n", 10).await,
+            vec!["TOO LARGE 13", "ok"]
+        );
+        assert_eq!(frames(b"0123456789\n", 10).await, vec!["0123456789"]);
+    }
+}

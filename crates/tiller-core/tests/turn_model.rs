@@ -101,9 +101,7 @@ impl ReferenceStateMachine for Model {
         .boxed()
     }
 
-    fn apply(state: (), _: &Step) {
-        state
-    }
+    fn apply(_: (), _: &Step) {}
 }
 
 /// The core under test plus everything the invariants need to remember.

@@ -1,1 +1,114 @@
-//! placeholder
+//! The HTTP edge: health and readiness, Prometheus metrics, and ACP over
+//! WebSocket at `/acp` (one JSON-RPC message per text frame).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use futures::{SinkExt, StreamExt};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tiller_acp::{AcpConfig, Frame};
+use tiller_session::Sessions;
+use tokio::sync::{Semaphore, mpsc};
+
+/// What the HTTP handlers share.
+#[derive(Clone)]
+pub struct AppState {
+    /// The sessions every edge serves.
+    pub sessions: Sessions,
+    /// ACP connection settings.
+    pub acp: AcpConfig,
+    /// Renders `/metrics`.
+    pub metrics: PrometheusHandle,
+    /// The connection cap, shared with the unix socket.
+    pub permits: Arc<Semaphore>,
+    /// False until start-up is complete, and again during shutdown.
+    pub ready: Arc<AtomicBool>,
+}
+
+/// The router.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/acp", get(acp_upgrade))
+        .with_state(state)
+}
+
+async fn readyz(State(st): State<AppState>) -> Response {
+    if st.ready.load(Ordering::Acquire) {
+        "ready\n".into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()
+    }
+}
+
+async fn metrics(State(st): State<AppState>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        st.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn acp_upgrade(State(st): State<AppState>, ws: WebSocketUpgrade) -> Response {
+    let Ok(permit) = st.permits.clone().try_acquire_owned() else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many connections (limits.max_connections); retry later\n",
+        )
+            .into_response();
+    };
+    // The protocol limit sits above ours so an oversized message gets a
+    // JSON-RPC error instead of a dropped connection.
+    let cap = st.acp.max_message_bytes.saturating_mul(4).max(1 << 20);
+    ws.max_message_size(cap)
+        .max_frame_size(cap)
+        .on_upgrade(move |socket| async move {
+            serve_ws(socket, st.sessions, st.acp).await;
+            drop(permit);
+        })
+}
+
+/// Serves ACP on an upgraded WebSocket.
+pub async fn serve_ws(socket: WebSocket, sessions: Sessions, config: AcpConfig) {
+    let (mut sink, mut stream) = socket.split();
+    let (in_tx, in_rx) = mpsc::channel(64);
+    let (out_tx, mut out_rx) = mpsc::channel::<String>(256);
+    let max = config.max_message_bytes;
+    let reading = tokio::spawn(async move {
+        while let Some(Ok(msg)) = stream.next().await {
+            let frame = match msg {
+                Message::Text(t) if t.len() > max => Frame::TooLarge(t.len()),
+                Message::Text(t) => Frame::Text(t.to_string()),
+                Message::Binary(b) if b.len() > max => Frame::TooLarge(b.len()),
+                Message::Binary(b) => Frame::Text(String::from_utf8_lossy(&b).into_owned()),
+                Message::Close(_) => break,
+                Message::Ping(_) | Message::Pong(_) => continue,
+            };
+            if in_tx.send(frame).await.is_err() {
+                break;
+            }
+        }
+    });
+    let writing = tokio::spawn(async move {
+        while let Some(msg) = out_rx.recv().await {
+            if sink.send(Message::Text(msg.into())).await.is_err() {
+                break;
+            }
+        }
+        let _ = sink.close().await;
+    });
+    tiller_acp::serve(sessions, config, "websocket", in_rx, out_tx).await;
+    reading.abort();
+    let _ = writing.await;
+}

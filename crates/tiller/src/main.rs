@@ -1,1 +1,190 @@
-fn main() {}
+//! `tiller`: the daemon and its command line. Thin: parse, configure, wire
+//! the crates together, wait for a signal. Business rules live elsewhere.
+
+mod config;
+mod daemon;
+mod relay;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::Config;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "tiller",
+    version,
+    about = "A host for coding-agent sessions (ACP, Web Shell, metrics)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the daemon.
+    Serve {
+        /// Config file (default: the embedded defaults, see config/tiller.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// HTTP listen address (server.listen).
+        #[arg(long)]
+        listen: Option<String>,
+        /// ACP unix socket path (server.socket).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+        /// Data directory (store.data_dir).
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+        /// Default engine (engine.default).
+        #[arg(long)]
+        engine: Option<String>,
+        /// Client token (server.token).
+        #[arg(long)]
+        token: Option<String>,
+    },
+    /// Speak ACP on stdio: relay to a running daemon, or run a private one.
+    Acp {
+        /// `unix:PATH` or `ws://HOST:PORT/acp` (default: the unix socket in
+        /// the default data directory).
+        #[arg(long)]
+        connect: Option<String>,
+        /// Token for a WebSocket daemon.
+        #[arg(long)]
+        token: Option<String>,
+        /// Run a private in-process daemon instead of relaying.
+        #[arg(long)]
+        embedded: bool,
+        /// Config file (for --embedded, and to find the default socket).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Data directory (for --embedded, and to find the default socket).
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+    },
+    /// Configuration tools.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ConfigCommand {
+    /// Check a config file (default: the embedded defaults) and the
+    /// environment overrides; exit 2 naming the bad key.
+    Check { path: Option<PathBuf> },
+}
+
+/// Loads the config and applies command-line overrides (as env-style
+/// overrides, so errors name the key the same way).
+fn load_config(
+    path: Option<&std::path::Path>,
+    overrides: &[(&str, Option<String>)],
+) -> Result<Config, config::ConfigError> {
+    let mut env: Vec<(String, String)> = std::env::vars().collect();
+    for (key, value) in overrides {
+        if let Some(v) = value {
+            // Quoted so paths and addresses stay strings.
+            env.push((key.to_string(), toml_string(v)));
+        }
+    }
+    Config::load(path, env)
+}
+
+fn toml_string(s: &str) -> String {
+    toml::Value::String(s.to_owned()).to_string()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve {
+            config,
+            listen,
+            socket,
+            data_dir,
+            engine,
+            token,
+        } => {
+            let overrides = [
+                ("TILLER_SERVER__LISTEN", listen),
+                (
+                    "TILLER_SERVER__SOCKET",
+                    socket.map(|p| p.display().to_string()),
+                ),
+                (
+                    "TILLER_STORE__DATA_DIR",
+                    data_dir.map(|p| p.display().to_string()),
+                ),
+                ("TILLER_ENGINE__DEFAULT", engine),
+                ("TILLER_SERVER__TOKEN", token),
+            ];
+            let cfg = match load_config(config.as_deref(), &overrides) {
+                Ok(c) => c,
+                Err(e) => return config_error(&e),
+            };
+            daemon::init_tracing(&cfg);
+            exit(runtime().block_on(daemon::serve(cfg)))
+        }
+        Command::Acp {
+            connect,
+            token,
+            embedded,
+            config,
+            data_dir,
+        } => {
+            let overrides = [(
+                "TILLER_STORE__DATA_DIR",
+                data_dir.map(|p| p.display().to_string()),
+            )];
+            let cfg = match load_config(config.as_deref(), &overrides) {
+                Ok(c) => c,
+                Err(e) => return config_error(&e),
+            };
+            if embedded {
+                daemon::init_tracing(&cfg);
+                exit(runtime().block_on(daemon::embedded(cfg)))
+            } else {
+                let target =
+                    connect.unwrap_or_else(|| format!("unix:{}", cfg.socket_path().display()));
+                exit(runtime().block_on(relay::run(&target, token.as_deref())))
+            }
+        }
+        Command::Config {
+            command: ConfigCommand::Check { path },
+        } => match load_config(path.as_deref(), &[]) {
+            Ok(_) => {
+                eprintln!("config ok");
+                ExitCode::SUCCESS
+            }
+            Err(e) => config_error(&e),
+        },
+    }
+}
+
+fn config_error(e: &config::ConfigError) -> ExitCode {
+    eprintln!("tiller: config error: {e}");
+    ExitCode::from(2)
+}
+
+fn exit(r: anyhow::Result<()>) -> ExitCode {
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tiller: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("tiller-worker")
+        .build()
+        .expect("start the tokio runtime")
+}

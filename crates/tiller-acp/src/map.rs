@@ -1,0 +1,143 @@
+//! Mapping between the session log and ACP's wire types.
+
+use agent_client_protocol::v1::schema::{
+    ContentBlock, ContentChunk, SessionNotification, SessionUpdate, StopReason as AcpStop,
+    ToolCall, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
+};
+use serde_json::{Value, json};
+use tiller_core::{PromptId, SessionId, StopReason, Terminal};
+use tiller_session::{EventBody, EventRecord, ToolStatus};
+
+use crate::jsonrpc::{RpcError, code};
+
+/// The `session/update` an event shows as, if any.
+pub fn session_update(rec: &EventRecord) -> Option<SessionNotification> {
+    let update = match &rec.body {
+        EventBody::UserMessage { text } => {
+            SessionUpdate::UserMessageChunk(ContentChunk::new(ContentBlock::from(text.clone())))
+        }
+        EventBody::AgentMessageChunk { text } => {
+            SessionUpdate::AgentMessageChunk(ContentChunk::new(ContentBlock::from(text.clone())))
+        }
+        EventBody::AgentThoughtChunk { text } => {
+            SessionUpdate::AgentThoughtChunk(ContentChunk::new(ContentBlock::from(text.clone())))
+        }
+        EventBody::ToolCall {
+            tool_call_id,
+            name,
+            input,
+            status,
+        } => SessionUpdate::ToolCall(
+            ToolCall::new(tool_call_id.clone(), name.clone())
+                .kind(ToolKind::Other)
+                .status(tool_status(*status))
+                .raw_input(input.clone()),
+        ),
+        EventBody::ToolCallUpdate {
+            tool_call_id,
+            status,
+            output,
+        } => {
+            let mut fields = ToolCallUpdateFields::new().status(tool_status(*status));
+            if let Some(out) = output {
+                fields = fields.raw_output(Value::String(out.clone()));
+            }
+            SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(tool_call_id.clone(), fields))
+        }
+        _ => return None,
+    };
+    Some(SessionNotification::new(rec.session.to_string(), update))
+}
+
+fn tool_status(s: ToolStatus) -> ToolCallStatus {
+    match s {
+        ToolStatus::Pending => ToolCallStatus::Pending,
+        ToolStatus::InProgress => ToolCallStatus::InProgress,
+        ToolStatus::Completed => ToolCallStatus::Completed,
+        ToolStatus::Failed => ToolCallStatus::Failed,
+    }
+}
+
+/// `_tiller/*` notifications an event produces for live subscribers.
+pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)> {
+    let session = rec.session.to_string();
+    let prompt = rec.prompt.map(|p| p.to_string());
+    match &rec.body {
+        EventBody::TurnComplete { stop_reason } => Some((
+            "_tiller/turn_settled",
+            json!({ "sessionId": session, "promptId": prompt, "stopReason": stop_reason }),
+        )),
+        EventBody::TurnError {
+            error_kind,
+            message,
+        } => Some((
+            "_tiller/turn_settled",
+            json!({
+                "sessionId": session,
+                "promptId": prompt,
+                "error": { "errorKind": error_kind, "message": message },
+            }),
+        )),
+        EventBody::SteerDropped {
+            steer_id,
+            text,
+            reason,
+        } => Some((
+            "_tiller/steer_dropped",
+            json!({
+                "sessionId": session,
+                "steerId": steer_id,
+                "prompt": [{ "type": "text", "text": text }],
+                "reason": reason,
+            }),
+        )),
+        _ => None,
+    }
+}
+
+fn acp_stop(r: StopReason) -> AcpStop {
+    match r {
+        StopReason::EndTurn => AcpStop::EndTurn,
+        StopReason::MaxTokens => AcpStop::MaxTokens,
+        StopReason::MaxTurnRequests => AcpStop::MaxTurnRequests,
+        StopReason::Refusal => AcpStop::Refusal,
+        StopReason::Cancelled => AcpStop::Cancelled,
+    }
+}
+
+/// The `session/prompt` answer for a terminal.
+pub fn prompt_result(
+    session: SessionId,
+    prompt: PromptId,
+    terminal: &Terminal,
+) -> Result<Value, RpcError> {
+    match terminal {
+        Terminal::Completed(r) => Ok(serde_json::to_value(
+            agent_client_protocol::v1::schema::PromptResponse::new(acp_stop(*r)),
+        )
+        .expect("serialize")),
+        Terminal::Failed { kind, message } => {
+            Err(
+                RpcError::new(code::INTERNAL_ERROR, message.clone()).with_data(json!({
+                    "errorKind": kind.as_str(),
+                    "sessionId": session.to_string(),
+                    "promptId": prompt.to_string(),
+                })),
+            )
+        }
+    }
+}
+
+/// The text of a prompt's content blocks (text and resource text joined).
+pub fn prompt_text(blocks: &[ContentBlock]) -> String {
+    let mut out = String::new();
+    for b in blocks {
+        if let ContentBlock::Text(t) = b {
+            if !out.is_empty() {
+                out.push('\n');
+            }
+            out.push_str(&t.text);
+        }
+    }
+    out
+}

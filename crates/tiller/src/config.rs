@@ -1,0 +1,365 @@
+//! Configuration: TOML with documented defaults (`config/tiller.toml`),
+//! environment overrides `TILLER_SECTION__KEY`, unknown keys rejected with
+//! their path.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The embedded default, identical to `Config::default()` (tested).
+pub const DEFAULT_TOML: &str = include_str!("../../../config/tiller.toml");
+
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub server: Server,
+    pub store: StoreCfg,
+    pub engine: EngineCfg,
+    pub turn: Turn,
+    pub limits: Limits,
+    pub log: Log,
+    pub metrics: Metrics,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Server {
+    pub listen: SocketAddr,
+    pub socket: String,
+    pub token: String,
+    pub allowed_origins: Vec<String>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreCfg {
+    pub data_dir: String,
+    pub path: String,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineCfg {
+    pub default: String,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Turn {
+    #[serde(with = "humantime_serde")]
+    pub steer_receipt_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    pub cancel_grace: Duration,
+    #[serde(with = "humantime_serde")]
+    pub stall_timeout: Duration,
+    pub max_queued_prompts: usize,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    pub max_sessions: usize,
+    pub max_connections: usize,
+    pub max_message_bytes: usize,
+    pub subscriber_queue: usize,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Log {
+    pub level: String,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Metrics {
+    pub enabled: bool,
+}
+
+impl Default for Server {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 4141)),
+            socket: String::new(),
+            token: String::new(),
+            allowed_origins: Vec::new(),
+        }
+    }
+}
+
+impl Default for EngineCfg {
+    fn default() -> Self {
+        Self {
+            default: "scripted".into(),
+        }
+    }
+}
+
+impl Default for Turn {
+    fn default() -> Self {
+        Self {
+            steer_receipt_timeout: Duration::from_secs(10),
+            cancel_grace: Duration::from_secs(2),
+            stall_timeout: Duration::from_secs(600),
+            max_queued_prompts: 8,
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_sessions: 100_000,
+            max_connections: 1024,
+            max_message_bytes: 4 * 1024 * 1024,
+            subscriber_queue: 4096,
+        }
+    }
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Self {
+            level: "info".into(),
+        }
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self { enabled: true }
+    }
+}
+
+/// A configuration that cannot be used. The message names the key.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+/// Engines this build knows.
+pub const ENGINES: &[&str] = &["scripted"];
+
+impl Config {
+    /// Reads `path` (or the embedded defaults when `None`), then applies
+    /// `env` overrides (`TILLER_SECTION__KEY=value`), then validates.
+    pub fn load(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let (text, origin) = match path {
+            Some(p) => (
+                std::fs::read_to_string(p).map_err(|e| {
+                    ConfigError(format!("cannot read config file {}: {e}", p.display()))
+                })?,
+                p.display().to_string(),
+            ),
+            None => (DEFAULT_TOML.to_owned(), "the embedded defaults".to_owned()),
+        };
+        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+            ConfigError(format!("{origin}: {}", e.message().trim()))
+        })?;
+        let mut from_env = Vec::new();
+        for (key, raw) in env {
+            let Some(rest) = key.strip_prefix("TILLER_") else {
+                continue;
+            };
+            if !rest.contains("__") {
+                continue;
+            }
+            let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+            set_path(&mut table, &path, env_value(&raw))
+                .map_err(|e| ConfigError(format!("environment variable {key}: {e}")))?;
+            from_env.push((path.join("."), key));
+        }
+        let config: Config =
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+                let at = e.path().to_string();
+                let source = from_env
+                    .iter()
+                    .find(|(p, _)| at.starts_with(p.as_str()) || p.starts_with(at.as_str()))
+                    .map(|(_, k)| format!("environment variable {k}"))
+                    .unwrap_or_else(|| origin.clone());
+                let inner = e.into_inner().to_string();
+                let inner = inner.lines().next().unwrap_or_default().trim();
+                ConfigError(format!("{source}: key `{at}`: {inner}"))
+            })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !ENGINES.contains(&self.engine.default.as_str()) {
+            return Err(ConfigError(format!(
+                "key `engine.default`: unknown engine `{}` (known: {})",
+                self.engine.default,
+                ENGINES.join(", ")
+            )));
+        }
+        for (key, zero) in [
+            ("turn.max_queued_prompts", self.turn.max_queued_prompts == 0),
+            ("limits.max_sessions", self.limits.max_sessions == 0),
+            ("limits.max_connections", self.limits.max_connections == 0),
+            (
+                "limits.max_message_bytes",
+                self.limits.max_message_bytes < 1024,
+            ),
+            ("limits.subscriber_queue", self.limits.subscriber_queue < 16),
+            ("turn.cancel_grace", self.turn.cancel_grace.is_zero()),
+            ("turn.stall_timeout", self.turn.stall_timeout.is_zero()),
+            (
+                "turn.steer_receipt_timeout",
+                self.turn.steer_receipt_timeout.is_zero(),
+            ),
+        ] {
+            if zero {
+                return Err(ConfigError(format!("key `{key}`: value is too small")));
+            }
+        }
+        if !self.server.listen.ip().is_loopback() && self.server.token.is_empty() {
+            return Err(ConfigError(format!(
+                "key `server.token`: listening on {} (not loopback) needs a token; \
+                 set server.token or pass --token",
+                self.server.listen
+            )));
+        }
+        Ok(())
+    }
+
+    /// The data directory.
+    pub fn data_dir(&self) -> PathBuf {
+        if !self.store.data_dir.is_empty() {
+            return PathBuf::from(&self.store.data_dir);
+        }
+        if let Some(x) = std::env::var_os("XDG_DATA_HOME").filter(|x| !x.is_empty()) {
+            return PathBuf::from(x).join("tiller");
+        }
+        let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+        PathBuf::from(home).join(".local/share/tiller")
+    }
+
+    /// The SQLite database file.
+    pub fn db_path(&self) -> PathBuf {
+        if self.store.path.is_empty() {
+            self.data_dir().join("tiller.db")
+        } else {
+            PathBuf::from(&self.store.path)
+        }
+    }
+
+    /// The ACP unix socket.
+    pub fn socket_path(&self) -> PathBuf {
+        if self.server.socket.is_empty() {
+            self.data_dir().join("tiller.sock")
+        } else {
+            PathBuf::from(&self.server.socket)
+        }
+    }
+
+    /// The turn core's timers.
+    pub fn turn_config(&self) -> tiller_core::TurnConfig {
+        tiller_core::TurnConfig {
+            steer_receipt_timeout: self.turn.steer_receipt_timeout.as_millis() as u64,
+            cancel_grace: self.turn.cancel_grace.as_millis() as u64,
+            stall_timeout: self.turn.stall_timeout.as_millis() as u64,
+            max_queued_prompts: self.turn.max_queued_prompts,
+        }
+    }
+}
+
+/// An environment value as TOML when it parses as one, else as a string.
+fn env_value(raw: &str) -> toml::Value {
+    format!("v = {raw}")
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_owned()))
+}
+
+fn set_path(table: &mut toml::Table, path: &[String], value: toml::Value) -> Result<(), String> {
+    let (last, parents) = path.split_last().ok_or("empty key")?;
+    let mut t = table;
+    for p in parents {
+        let entry = t
+            .entry(p.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        t = entry
+            .as_table_mut()
+            .ok_or_else(|| format!("`{p}` is not a section"))?;
+    }
+    t.insert(last.clone(), value);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_str(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(&p, text).unwrap();
+        Config::load(
+            Some(&p),
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+    }
+
+    #[test]
+    fn the_documented_file_is_the_embedded_default() {
+        assert_eq!(load_str(DEFAULT_TOML, &[]).unwrap(), Config::default());
+        assert_eq!(Config::load(None, []).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn env_overrides_apply() {
+        let c = load_str(
+            "",
+            &[
+                ("TILLER_TURN__CANCEL_GRACE", "150ms"),
+                ("TILLER_LIMITS__MAX_SESSIONS", "7"),
+                ("TILLER_SERVER__LISTEN", "127.0.0.1:9"),
+                ("TILLER_UNRELATED", "x"),
+                ("HOME", "/h"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.turn.cancel_grace, Duration::from_millis(150));
+        assert_eq!(c.limits.max_sessions, 7);
+        assert_eq!(c.server.listen.port(), 9);
+    }
+
+    #[test]
+    fn bad_configs_name_the_key() {
+        type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str);
+        let cases: &[Case<'_>] = &[
+            ("[turn]\ncancel_grac = \"1s\"\n", &[], "turn.cancel_grac"),
+            ("[nope]\n", &[], "nope"),
+            (
+                "[turn]\ncancel_grace = \"soon\"\n",
+                &[],
+                "turn.cancel_grace",
+            ),
+            (
+                "[limits]\nmax_sessions = \"many\"\n",
+                &[],
+                "limits.max_sessions",
+            ),
+            ("[engine]\ndefault = \"gpt\"\n", &[], "engine.default"),
+            ("", &[("TILLER_TURN__BOGUS", "1")], "TILLER_TURN__BOGUS"),
+            ("[server]\nlisten = \"0.0.0.0:4141\"\n", &[], "server.token"),
+            (
+                "[turn]\nmax_queued_prompts = 0\n",
+                &[],
+                "turn.max_queued_prompts",
+            ),
+            ("this is not toml", &[], "c.toml"),
+        ];
+        for (text, env, want) in cases {
+            let e = load_str(text, env).unwrap_err().0;
+            assert!(e.contains(want), "{text:?} -> {e}");
+            assert!(!e.contains('\n'), "one line: {e}");
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! Wiring: store, engine, sessions, listeners, signals, shutdown.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use metrics_exporter_prometheus::PrometheusBuilder;
+use tiller_acp::AcpConfig;
+use tiller_engine::{Engine, ScriptedEngine};
+use tiller_session::{SessionConfig, Sessions};
+use tiller_store::Store;
+use tokio::sync::{Semaphore, watch};
+
+use crate::config::Config;
+
+/// Logs go to stderr (stdout is ACP's in `tiller acp --embedded`).
+pub fn init_tracing(cfg: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// The configured engine (`Config::load` has checked the name; the
+/// scripted engine is the only one this build has).
+fn engine(_cfg: &Config) -> Arc<dyn Engine> {
+    Arc::new(ScriptedEngine)
+}
+
+fn acp_config(cfg: &Config) -> AcpConfig {
+    AcpConfig {
+        max_message_bytes: cfg.limits.max_message_bytes,
+        subscriber_queue: cfg.limits.subscriber_queue,
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+    }
+}
+
+async fn start_sessions(cfg: &Config, db: &std::path::Path) -> anyhow::Result<Sessions> {
+    if let Some(dir) = db.parent() {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
+    }
+    let store = tokio::task::block_in_place(|| Store::open(db))?;
+    let sessions = Sessions::start(
+        store,
+        engine(cfg),
+        SessionConfig {
+            turn: cfg.turn_config(),
+            max_sessions: cfg.limits.max_sessions,
+        },
+    )
+    .await?;
+    Ok(sessions)
+}
+
+/// `tiller serve`.
+pub async fn serve(cfg: Config) -> anyhow::Result<()> {
+    let metrics = PrometheusBuilder::new()
+        .install_recorder()
+        .context("cannot install the metrics recorder")?;
+    metrics::gauge!("tiller_sessions_active").set(0.0);
+    for t in ["unix", "websocket"] {
+        metrics::gauge!("tiller_connections_active", "transport" => t).set(0.0);
+    }
+
+    let db = cfg.db_path();
+    let sessions = start_sessions(&cfg, &db).await?;
+    let acp = acp_config(&cfg);
+    let permits = Arc::new(Semaphore::new(cfg.limits.max_connections));
+    let ready = Arc::new(AtomicBool::new(false));
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    let listener = tokio::net::TcpListener::bind(cfg.server.listen)
+        .await
+        .with_context(|| format!("cannot listen on {} (server.listen)", cfg.server.listen))?;
+    let socket_path = cfg.socket_path();
+    let unix = bind_unix(&socket_path)?;
+
+    let state = tiller_http::AppState {
+        sessions: sessions.clone(),
+        acp: acp.clone(),
+        metrics,
+        permits: permits.clone(),
+        ready: ready.clone(),
+    };
+    let mut http_stop = stop_rx.clone();
+    let http = tokio::spawn(async move {
+        let app = tiller_http::router(state);
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = http_stop.changed().await;
+            })
+            .await
+    });
+    let unix_task = tokio::spawn(tiller_acp::serve_unix(
+        unix,
+        sessions.clone(),
+        acp,
+        permits,
+        stop_rx,
+    ));
+
+    ready.store(true, Ordering::Release);
+    tracing::info!(
+        listen = %cfg.server.listen,
+        socket = %socket_path.display(),
+        store = %db.display(),
+        engine = %cfg.engine.default,
+        version = env!("CARGO_PKG_VERSION"),
+        "tiller is ready"
+    );
+
+    wait_for_signal().await;
+    tracing::info!("shutting down: settling in-flight turns");
+    ready.store(false, Ordering::Release);
+    let _ = stop_tx.send(true);
+    sessions.shutdown().await;
+    let _ = unix_task.await;
+    let _ = std::fs::remove_file(&socket_path);
+    // Open WebSockets do not end on their own; give them a moment.
+    let _ = tokio::time::timeout(Duration::from_secs(2), http).await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// `tiller acp --embedded`: a private daemon speaking ACP on stdio.
+pub async fn embedded(cfg: Config) -> anyhow::Result<()> {
+    let db = if cfg.store.path.is_empty() {
+        cfg.data_dir().join("embedded.db")
+    } else {
+        cfg.db_path()
+    };
+    let sessions = start_sessions(&cfg, &db).await?;
+    tiller_acp::serve_stream(
+        sessions.clone(),
+        acp_config(&cfg),
+        "stdio",
+        tokio::io::stdin(),
+        tokio::io::stdout(),
+    )
+    .await;
+    sessions.shutdown().await;
+    Ok(())
+}
+
+fn bind_unix(path: &std::path::Path) -> anyhow::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!(
+                "another daemon is listening on {} (server.socket); stop it or choose another socket",
+                path.display()
+            );
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
+    }
+    let listener = tokio::net::UnixListener::bind(path).with_context(|| {
+        format!(
+            "cannot bind the ACP socket {} (server.socket)",
+            path.display()
+        )
+    })?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("install the SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
