@@ -18,9 +18,11 @@ use crate::config::Config;
 pub fn init_tracing(cfg: &Config) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
+    use std::io::IsTerminal as _;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
 }
 
@@ -76,6 +78,7 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(cfg.server.listen)
         .await
         .with_context(|| format!("cannot listen on {} (server.listen)", cfg.server.listen))?;
+    let bound = listener.local_addr()?;
     let socket_path = cfg.socket_path();
     let unix = bind_unix(&socket_path)?;
 
@@ -105,7 +108,7 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
 
     ready.store(true, Ordering::Release);
     tracing::info!(
-        listen = %cfg.server.listen,
+        listen = %bound,
         socket = %socket_path.display(),
         store = %db.display(),
         engine = %cfg.engine.default,

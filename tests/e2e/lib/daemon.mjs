@@ -1,0 +1,244 @@
+// Helpers that start the real `tiller` binary and connect real ACP clients
+// (the official TypeScript SDK) over its three transports.
+
+import { spawn } from "node:child_process";
+import { mkdtempSync, existsSync } from "node:fs";
+import net from "node:net";
+import os from "node:os";
+import path from "node:path";
+import { Readable, Writable } from "node:stream";
+import { fileURLToPath } from "node:url";
+
+import { client, ndJsonStream } from "@agentclientprotocol/sdk";
+import { createWebSocketStream } from "@agentclientprotocol/sdk/experimental/ws-client";
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+export const repo = path.resolve(here, "../../..");
+export const bin = process.env.TILLER_BIN ?? path.join(repo, "target/debug/tiller");
+
+if (!existsSync(bin)) {
+  throw new Error(`no tiller binary at ${bin}: run \`cargo build\` first (scripts/test does)`);
+}
+
+export function tempDir() {
+  return mkdtempSync(path.join(os.tmpdir(), "tiller-e2e-"));
+}
+
+/** Short timers so the tests exercise every bound quickly. */
+export const fastTimers = {
+  TILLER_TURN__CANCEL_GRACE: "300ms",
+  TILLER_TURN__STEER_RECEIPT_TIMEOUT: "300ms",
+  TILLER_TURN__STALL_TIMEOUT: "3s",
+};
+
+/**
+ * Starts `tiller serve` on a free port with its own data directory.
+ * Resolves once the daemon logs that it is ready.
+ */
+export async function startDaemon({ dataDir = tempDir(), env = {}, args = [] } = {}) {
+  const child = spawn(
+    bin,
+    ["serve", "--data-dir", dataDir, "--listen", "127.0.0.1:0", ...args],
+    {
+      env: { ...process.env, RUST_LOG: "info", ...fastTimers, ...env },
+      stdio: ["ignore", "ignore", "pipe"],
+    },
+  );
+  let log = "";
+  const listen = await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`daemon did not start:\n${log}`)), 15000);
+    child.stderr.on("data", (d) => {
+      log += d.toString();
+      const m = log.match(/tiller is ready listen=(\S+)/);
+      if (m) {
+        clearTimeout(timer);
+        resolve(m[1]);
+      }
+    });
+    child.on("exit", (code) => {
+      clearTimeout(timer);
+      reject(new Error(`daemon exited with ${code}:\n${log}`));
+    });
+  });
+  const exited = new Promise((resolve) => child.on("exit", (code, signal) => resolve({ code, signal })));
+  return {
+    child,
+    dataDir,
+    listen,
+    http: `http://${listen}`,
+    ws: `ws://${listen}/acp`,
+    socket: path.join(dataDir, "tiller.sock"),
+    log: () => log,
+    exited,
+    async stop(signal = "SIGTERM") {
+      child.kill(signal);
+      return exited;
+    },
+  };
+}
+
+/**
+ * A client connection that records every notification it receives.
+ * `conn.agent.request(...)` sends requests.
+ */
+export function connectStream(stream, onClose = () => {}) {
+  const updates = [];
+  const ext = [];
+  const waiters = [];
+  const notify = () => {
+    for (const w of [...waiters]) w();
+  };
+  const app = client()
+    .onNotification("session/update", ({ params }) => {
+      updates.push(params);
+      notify();
+    })
+    .onNotification("*", ({ method, params }) => {
+      ext.push({ method, params });
+      notify();
+    });
+  const conn = app.connect(stream);
+  conn.closed.then(onClose, onClose);
+  return {
+    conn,
+    agent: conn.agent,
+    updates,
+    ext,
+    request: (method, params) => conn.agent.request(method, params),
+    notify: (method, params) => conn.agent.notify(method, params),
+    /** Waits until `pred()` holds (re-checked on every notification). */
+    async until(pred, ms = 5000) {
+      if (pred()) return;
+      await new Promise((resolve, reject) => {
+        const timer = setTimeout(() => {
+          waiters.splice(waiters.indexOf(check), 1);
+          reject(new Error("condition not met in time"));
+        }, ms);
+        const check = () => {
+          if (pred()) {
+            clearTimeout(timer);
+            waiters.splice(waiters.indexOf(check), 1);
+            resolve();
+          }
+        };
+        waiters.push(check);
+      });
+    },
+    close: () => conn.close(),
+  };
+}
+
+/** ACP over the daemon's unix socket. */
+export async function connectUnix(daemon) {
+  const sock = net.connect(daemon.socket);
+  await new Promise((resolve, reject) => {
+    sock.once("connect", resolve);
+    sock.once("error", reject);
+  });
+  const stream = ndJsonStream(Writable.toWeb(sock), Readable.toWeb(sock));
+  const c = connectStream(stream, () => sock.destroy());
+  const close = c.close;
+  c.close = () => {
+    close();
+    sock.destroy();
+  };
+  return c;
+}
+
+/** ACP over WebSocket at /acp. */
+export async function connectWs(daemon) {
+  return connectStream(createWebSocketStream(daemon.ws));
+}
+
+/** ACP over stdio, through `tiller acp` relaying to the daemon. */
+export async function connectStdio(daemon, extraArgs = []) {
+  const child = spawn(bin, ["acp", "--connect", `unix:${daemon.socket}`, ...extraArgs], {
+    stdio: ["pipe", "pipe", "inherit"],
+  });
+  const stream = ndJsonStream(Writable.toWeb(child.stdin), Readable.toWeb(child.stdout));
+  const c = connectStream(stream);
+  const close = c.close;
+  c.close = () => {
+    close();
+    child.kill();
+  };
+  c.child = child;
+  return c;
+}
+
+export const transports = {
+  stdio: connectStdio,
+  unix: connectUnix,
+  websocket: connectWs,
+};
+
+export async function initialize(c) {
+  return c.request("initialize", { protocolVersion: 1, clientCapabilities: {} });
+}
+
+export async function newSession(c, cwd = "/tmp") {
+  const res = await c.request("session/new", { cwd, mcpServers: [] });
+  return res.sessionId;
+}
+
+export function script(steps) {
+  return JSON.stringify({ script: steps });
+}
+
+export function textPrompt(sessionId, text) {
+  return { sessionId, prompt: [{ type: "text", text }] };
+}
+
+/** The agent text a connection saw for a session, joined. */
+export function agentText(c, sessionId) {
+  return c.updates
+    .filter((u) => u.sessionId === sessionId && u.update.sessionUpdate === "agent_message_chunk")
+    .map((u) => u.update.content.text)
+    .join("");
+}
+
+/** Raw newline-delimited JSON-RPC over the unix socket, for malformed input. */
+export async function rawUnix(daemon) {
+  const sock = net.connect(daemon.socket);
+  await new Promise((resolve, reject) => {
+    sock.once("connect", resolve);
+    sock.once("error", reject);
+  });
+  let buf = "";
+  const messages = [];
+  const waiters = [];
+  sock.on("data", (d) => {
+    buf += d.toString();
+    let i;
+    while ((i = buf.indexOf("\n")) >= 0) {
+      const line = buf.slice(0, i);
+      buf = buf.slice(i + 1);
+      if (line.trim()) messages.push(JSON.parse(line));
+      for (const w of [...waiters]) w();
+    }
+  });
+  return {
+    send: (text) => sock.write(text + "\n"),
+    async next(pred = () => true, ms = 5000) {
+      const find = () => {
+        const i = messages.findIndex(pred);
+        return i >= 0 ? messages.splice(i, 1)[0] : undefined;
+      };
+      const found = find();
+      if (found) return found;
+      return new Promise((resolve, reject) => {
+        const timer = setTimeout(() => reject(new Error("no matching message")), ms);
+        const check = () => {
+          const m = find();
+          if (m) {
+            clearTimeout(timer);
+            waiters.splice(waiters.indexOf(check), 1);
+            resolve(m);
+          }
+        };
+        waiters.push(check);
+      });
+    },
+    close: () => sock.destroy(),
+  };
+}
