@@ -194,14 +194,13 @@ impl Run {
             Step::AwaitSteer(ms) => {
                 let deadline = tokio::time::Instant::now() + Duration::from_millis(ms);
                 while self.steers.is_empty() {
-                    let got = self
-                        .wait(tokio::time::timeout_at(
-                            deadline,
-                            std::future::pending::<()>(),
-                        ))
-                        .await?;
-                    if got.is_err() {
-                        break; // MS passed
+                    tokio::select! {
+                        () = tokio::time::sleep_until(deadline) => break, // MS passed
+                        input = self.rx.recv() => match input {
+                            Some(EngineInput::Steer { id, text }) => self.steers.push_back((id, text)),
+                            Some(EngineInput::ToolResults(_)) => {}
+                            Some(EngineInput::Abort) | None => return Err(Aborted),
+                        },
                     }
                 }
             }
@@ -344,6 +343,10 @@ mod tests {
             text: r#"{"script": [{"say": "steered"}]}"#.into(),
         });
         let got = settle_until(&seen, 5).await;
+        assert!(
+            t0.elapsed() < Duration::from_millis(1000),
+            "await_steer returns when the steer arrives, not at its deadline"
+        );
         let kinds: Vec<_> = got.into_iter().map(|s| s.kind).collect();
         assert_eq!(
             kinds,

@@ -117,6 +117,9 @@ pub struct SessionState {
     timer: Option<tokio::task::JoinHandle<Result<(), ractor::MessagingErr<SessionMsg>>>>,
     /// The actor's clock origin (time is an input to the core).
     epoch: tokio::time::Instant,
+    /// When the message being handled arrived, for `settle_latency_seconds`
+    /// (deciding input to terminal sent).
+    input_at: tokio::time::Instant,
     /// When a cancel arrived, for `cancel_latency_seconds`.
     cancel_at: Option<tokio::time::Instant>,
     /// Set by `Close`: refuse prompts, stop when idle.
@@ -153,6 +156,7 @@ impl Actor for SessionActor {
             subscribers: Vec::new(),
             timer: None,
             epoch: tokio::time::Instant::now(),
+            input_at: tokio::time::Instant::now(),
             cancel_at: None,
             closing: false,
             drained: Vec::new(),
@@ -189,6 +193,7 @@ impl SessionState {
     }
 
     async fn handle(&mut self, myself: &ActorRef<SessionMsg>, msg: SessionMsg) {
+        self.input_at = tokio::time::Instant::now();
         match msg {
             SessionMsg::Prompt {
                 text,
@@ -666,6 +671,8 @@ impl SessionState {
                 let _ = tx.send(Settlement { prompt, terminal });
             }
         }
+        metrics::histogram!("tiller_settle_latency_seconds")
+            .record(self.input_at.elapsed().as_secs_f64());
     }
 
     fn arm(&mut self, myself: &ActorRef<SessionMsg>, at: Option<Millis>) {
