@@ -334,6 +334,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn consumed_steer_script_runs_next() {
+        let t0 = tokio::time::Instant::now();
         let (h, seen) = start(
             r#"{"script": [{"await_steer": 1000}, {"consume_steer": true}, {"say": "tail"}]}"#,
         );
