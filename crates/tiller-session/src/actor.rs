@@ -171,7 +171,9 @@ impl Actor for SessionActor {
         st: &mut SessionState,
     ) -> Result<(), ActorProcessingErr> {
         let span = st.span.clone();
-        st.handle(&myself, msg).instrument(span).await;
+        // Boxed: the handling future exists only while a message is being
+        // handled, so an idle session's task stays small.
+        Box::pin(st.handle(&myself, msg).instrument(span)).await;
         Ok(())
     }
 
