@@ -1,3 +1,4 @@
+#![allow(clippy::print_stdout)] // a load generator prints its figures
 //! Load generator: what an idle session costs. Creates N live sessions
 //! (default 100,000) through the registry with a real store, then prints the
 //! resident memory per session and the creation rate.
