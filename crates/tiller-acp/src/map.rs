@@ -2,7 +2,7 @@
 
 use agent_client_protocol::v1::schema::{
     ContentBlock, ContentChunk, SessionNotification, SessionUpdate, StopReason as AcpStop,
-    ToolCall, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
+    ToolCall, ToolCallContent, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
@@ -37,9 +37,23 @@ pub fn session_update(rec: &EventRecord) -> Option<SessionNotification> {
             tool_call_id,
             status,
             output,
+            error,
         } => {
             let mut fields = ToolCallUpdateFields::new().status(tool_status(*status));
-            if let Some(out) = output {
+            if let Some(e) = error {
+                // Skipped by loop protection: the reason as content, and
+                // structured details clients can localize from.
+                fields = fields
+                    .content(vec![ToolCallContent::from(ContentBlock::from(
+                        e.message.clone(),
+                    ))])
+                    .raw_output(json!({
+                        "error": e.message,
+                        "errorKind": e.error_kind,
+                        "loopType": e.loop_type,
+                        "code": e.code,
+                    }));
+            } else if let Some(out) = output {
                 fields = fields.raw_output(Value::String(out.clone()));
             }
             SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(tool_call_id.clone(), fields))
@@ -70,14 +84,21 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
         EventBody::TurnError {
             error_kind,
             message,
-        } => Some((
-            "_tiller/turn_settled",
-            json!({
-                "sessionId": session,
-                "promptId": prompt,
-                "error": { "errorKind": error_kind, "message": message },
-            }),
-        )),
+            loop_type,
+            code,
+        } => {
+            let mut error = json!({ "errorKind": error_kind, "message": message });
+            if let Some(t) = loop_type {
+                error["loopType"] = json!(t);
+            }
+            if let Some(c) = code {
+                error["code"] = json!(c);
+            }
+            Some((
+                "_tiller/turn_settled",
+                json!({ "sessionId": session, "promptId": prompt, "error": error }),
+            ))
+        }
         EventBody::SteerDropped {
             steer_id,
             text,
@@ -117,13 +138,16 @@ pub fn prompt_result(
         )
         .expect("serialize")),
         Terminal::Failed { kind, message } => {
-            Err(
-                RpcError::new(code::INTERNAL_ERROR, message.clone()).with_data(json!({
-                    "errorKind": kind.as_str(),
-                    "sessionId": session.to_string(),
-                    "promptId": prompt.to_string(),
-                })),
-            )
+            let mut data = json!({
+                "errorKind": kind.as_str(),
+                "sessionId": session.to_string(),
+                "promptId": prompt.to_string(),
+            });
+            if let Some(t) = kind.loop_type() {
+                data["loopType"] = json!(t.as_str());
+                data["code"] = json!("LOOP_DETECTED");
+            }
+            Err(RpcError::new(code::INTERNAL_ERROR, message.clone()).with_data(data))
         }
     }
 }

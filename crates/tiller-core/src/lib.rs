@@ -7,10 +7,12 @@
 //! interleavings.
 
 mod ids;
+pub mod loop_guard;
 mod terminal;
 pub mod turn;
 
 pub use ids::{PromptId, SessionId, SteerId, TurnId};
+pub use loop_guard::{CallKey, CallOutcome, LoopConfig, LoopGuard, LoopType};
 pub use terminal::{ErrorKind, Origin, StopReason, Terminal};
 pub use turn::{
     Effect, IdleBehavior, Input, Millis, Rejection, SessionCore, Signal, SteerDropReason,

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use crate::LoopType;
+
 /// Where a prompt entered the daemon. Decided by the daemon from the ingress,
 /// never from anything the caller wrote.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -94,6 +96,8 @@ pub enum ErrorKind {
     DaemonRestarted,
     /// The session actor failed and was restarted while the prompt was in flight.
     SessionRestarted,
+    /// Loop protection stopped an interactive turn.
+    LoopDetected(LoopType),
 }
 
 impl ErrorKind {
@@ -106,32 +110,36 @@ impl ErrorKind {
             ErrorKind::Stalled => "stalled",
             ErrorKind::DaemonRestarted => "daemon_restarted",
             ErrorKind::SessionRestarted => "session_restarted",
+            ErrorKind::LoopDetected(_) => "loop_detected",
         }
     }
 
-    /// Parses [`ErrorKind::as_str`].
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "no_result" => ErrorKind::NoResult,
-            "model_stream_interrupted" => ErrorKind::ModelStreamInterrupted,
-            "engine_crashed" => ErrorKind::EngineCrashed,
-            "stalled" => ErrorKind::Stalled,
-            "daemon_restarted" => ErrorKind::DaemonRestarted,
-            "session_restarted" => ErrorKind::SessionRestarted,
-            _ => return None,
-        })
+    /// The loop type, for `loop_detected`.
+    pub fn loop_type(self) -> Option<LoopType> {
+        match self {
+            ErrorKind::LoopDetected(t) => Some(t),
+            _ => None,
+        }
     }
 
     /// A plain-English message older clients can show as is.
-    pub fn default_message(self) -> &'static str {
-        match self {
+    pub fn default_message(self) -> String {
+        let s = match self {
             ErrorKind::NoResult => "The agent stopped without producing a result.",
             ErrorKind::ModelStreamInterrupted => "The model stream was interrupted.",
             ErrorKind::EngineCrashed => "The engine crashed while running this turn.",
             ErrorKind::Stalled => "The turn made no progress and was stopped.",
             ErrorKind::DaemonRestarted => "The daemon restarted while this turn was running.",
             ErrorKind::SessionRestarted => "The session restarted while this turn was running.",
-        }
+            ErrorKind::LoopDetected(t) => {
+                return format!(
+                    "Loop protection stopped this turn: {} ({t}). Only this turn stopped; \
+                     the session is still available. Continue with a more specific instruction.",
+                    t.describe()
+                );
+            }
+        };
+        s.to_owned()
     }
 }
 
@@ -155,7 +163,7 @@ impl Terminal {
     pub fn failed(kind: ErrorKind) -> Self {
         Terminal::Failed {
             kind,
-            message: kind.default_message().to_owned(),
+            message: kind.default_message(),
         }
     }
 

@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 
-use crate::{ErrorKind, Origin, PromptId, SteerId, StopReason, Terminal, TurnId};
+use crate::{ErrorKind, LoopType, Origin, PromptId, SteerId, StopReason, Terminal, TurnId};
 
 /// Milliseconds on the actor's monotonic clock. The core never reads a clock.
 pub type Millis = u64;
@@ -95,6 +95,9 @@ pub enum Input {
     Cancel,
     /// An engine signal.
     Signal { turn: TurnId, signal: Signal },
+    /// The tool pipeline's loop guard tripped in this turn (the offending
+    /// calls are already failed and the engine must stop).
+    LoopTrip { turn: TurnId, loop_type: LoopType },
     /// A timer armed by [`Effect::ArmTimer`] fired (or any wake-up: the core
     /// re-checks every deadline against `now`).
     Tick,
@@ -169,12 +172,18 @@ pub enum Effect {
     },
     /// Hand an injected steer to the engine.
     ForwardSteer { turn: TurnId, steer: SteerId },
-    /// The engine consumed the steer.
-    SteerConsumed { steer: SteerId },
+    /// The engine consumed the steer (of this prompt's turn).
+    SteerConsumed {
+        steer: SteerId,
+        prompt: PromptId,
+        turn: TurnId,
+    },
     /// The steer was dropped; clients may resend its text.
     SteerDropped {
         steer: SteerId,
         reason: SteerDropReason,
+        prompt: PromptId,
+        turn: TurnId,
     },
     /// Ask the engine to stop (cancel, stall, ...). `teardown` means the
     /// engine had its chance: stop its task now.
@@ -188,6 +197,13 @@ pub enum Effect {
     },
     /// The signal belonged to another turn and was dropped.
     Stale { turn: TurnId },
+    /// Loop protection stopped an automatic turn, which resolves `end_turn`;
+    /// record a `loop_stopped` event (before its `Settled`).
+    LoopStopped {
+        prompt: PromptId,
+        turn: TurnId,
+        loop_type: LoopType,
+    },
     /// A watchdog bound was reached.
     WatchdogFired { kind: WatchdogKind },
     /// Wake the core with [`Input::Tick`] at this time (replaces any earlier
@@ -300,6 +316,7 @@ impl SessionCore {
             } => self.steer(now, steer, idle_behavior, &mut fx),
             Input::Cancel => self.cancel(now, &mut fx),
             Input::Signal { turn, signal } => self.signal(now, turn, signal, &mut fx),
+            Input::LoopTrip { turn, loop_type } => self.loop_trip(now, turn, loop_type, &mut fx),
             Input::Tick => {}
         }
         // Deadlines after the input: a signal that arrives late still counts.
@@ -410,6 +427,8 @@ impl SessionCore {
             fx.push(Effect::SteerDropped {
                 steer: s.id,
                 reason: SteerDropReason::Cancelled,
+                prompt: active.prompt,
+                turn: active.turn,
             });
         }
         fx.push(Effect::AbortEngine {
@@ -443,6 +462,8 @@ impl SessionCore {
                     fx.push(Effect::SteerDropped {
                         steer: s.id,
                         reason: SteerDropReason::TurnEnded,
+                        prompt: active.prompt,
+                        turn: active.turn,
                     });
                 }
                 let terminal = match active.result {
@@ -462,12 +483,18 @@ impl SessionCore {
                     SteerReceipt::Consumed => {
                         // The engine goes on with the steer: a new result is due.
                         active.result = None;
-                        fx.push(Effect::SteerConsumed { steer });
+                        fx.push(Effect::SteerConsumed {
+                            steer,
+                            prompt: active.prompt,
+                            turn: active.turn,
+                        });
                     }
                     SteerReceipt::Dropped => {
                         fx.push(Effect::SteerDropped {
                             steer,
                             reason: SteerDropReason::Engine,
+                            prompt: active.prompt,
+                            turn: active.turn,
                         });
                         if let (Some((reason, _)), true) = (active.result, active.steers.is_empty())
                         {
@@ -480,6 +507,42 @@ impl SessionCore {
                 self.settle(now, Terminal::Failed { kind, message }, fx);
             }
         }
+    }
+
+    fn loop_trip(&mut self, now: Millis, turn: TurnId, loop_type: LoopType, fx: &mut Vec<Effect>) {
+        let Some(active) = self.active.as_mut().filter(|a| a.turn == turn) else {
+            fx.push(Effect::Stale { turn });
+            return;
+        };
+        active.last_signal = now;
+        fx.push(Effect::AbortEngine {
+            turn,
+            teardown: true,
+        });
+        for s in active.steers.drain(..) {
+            fx.push(Effect::SteerDropped {
+                steer: s.id,
+                reason: SteerDropReason::TurnEnded,
+                prompt: active.prompt,
+                turn: active.turn,
+            });
+        }
+        let terminal = match (&active.phase, active.origin) {
+            // A cancel received first wins.
+            (Phase::Cancelling { .. }, _) => Terminal::Completed(StopReason::Cancelled),
+            (Phase::Running, Origin::Interactive) => {
+                Terminal::failed(ErrorKind::LoopDetected(loop_type))
+            }
+            (Phase::Running, _) => {
+                fx.push(Effect::LoopStopped {
+                    prompt: active.prompt,
+                    turn,
+                    loop_type,
+                });
+                Terminal::Completed(StopReason::EndTurn)
+            }
+        };
+        self.settle(now, terminal, fx);
     }
 
     /// Applies every deadline that has passed at `now`.
@@ -517,6 +580,8 @@ impl SessionCore {
                 fx.push(Effect::SteerDropped {
                     steer,
                     reason: SteerDropReason::ReceiptTimeout,
+                    prompt: active.prompt,
+                    turn: active.turn,
                 });
             }
             if active.steers.is_empty() {
@@ -536,6 +601,8 @@ impl SessionCore {
                 fx.push(Effect::SteerDropped {
                     steer: s.id,
                     reason: SteerDropReason::TurnEnded,
+                    prompt: active.prompt,
+                    turn: active.turn,
                 });
             }
             self.settle(now, Terminal::failed(ErrorKind::Stalled), fx);

@@ -13,8 +13,8 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use tiller_core::{
-    Effect, ErrorKind, IdleBehavior, Input, Millis, Origin, PromptId, SessionCore, Signal, SteerId,
-    SteerOutcome, SteerReceipt, StopReason, Terminal, TurnConfig, TurnId,
+    Effect, ErrorKind, IdleBehavior, Input, LoopType, Millis, Origin, PromptId, SessionCore,
+    Signal, SteerId, SteerOutcome, SteerReceipt, StopReason, Terminal, TurnConfig, TurnId,
 };
 
 const CFG: TurnConfig = TurnConfig {
@@ -52,6 +52,8 @@ enum Step {
     },
     Cancel,
     Signal(Which, SigKind),
+    /// The tool pipeline's loop guard trips in a turn.
+    LoopTrip(Which, LoopType),
     /// Repeat the last signal as is.
     Duplicate,
     Advance(Millis),
@@ -87,14 +89,23 @@ impl ReferenceStateMachine for Model {
             1 => Just(Which::Ahead),
         ];
         let origin = prop_oneof![
-            4 => Just(Origin::Interactive),
+            8 => Just(Origin::Interactive),
             1 => Just(Origin::Cron),
+            1 => Just(Origin::Notification),
+            1 => Just(Origin::Channel),
+            1 => Just(Origin::Goal),
+        ];
+        let loop_type = prop_oneof![
+            Just(LoopType::ConsecutiveIdenticalToolCalls),
+            Just(LoopType::RepeatedToolFailure),
+            Just(LoopType::TurnToolCallCap),
         ];
         prop_oneof![
             4 => origin.prop_map(Step::Prompt),
             3 => any::<bool>().prop_map(|start_new| Step::Steer { start_new }),
             2 => Just(Step::Cancel),
-            10 => (which, kind).prop_map(|(w, k)| Step::Signal(w, k)),
+            10 => (which.clone(), kind).prop_map(|(w, k)| Step::Signal(w, k)),
+            2 => (which, loop_type).prop_map(|(w, t)| Step::LoopTrip(w, t)),
             1 => Just(Step::Duplicate),
             3 => prop_oneof![1u64..30, 30u64..500].prop_map(Step::Advance),
         ]
@@ -126,6 +137,10 @@ struct Sut {
     steers: Vec<SteerId>,
     /// The last signal fed, for `Duplicate`.
     last_signal: Option<(TurnId, Signal)>,
+    /// Origin per admitted prompt.
+    origins: HashMap<PromptId, Origin>,
+    /// The loop trip that a running (not cancelling) turn received.
+    tripped: HashMap<PromptId, LoopType>,
 }
 
 impl Sut {
@@ -142,6 +157,8 @@ impl Sut {
             turn_of: HashMap::new(),
             steers: Vec::new(),
             last_signal: None,
+            origins: HashMap::new(),
+            tripped: HashMap::new(),
         }
     }
 
@@ -153,7 +170,9 @@ impl Sut {
     /// Feeds the core and checks the per-batch invariants.
     fn feed(&mut self, input: Input) {
         let stale_target = match &input {
-            Input::Signal { turn, .. } if self.core.active().map(|(_, t)| t) != Some(*turn) => {
+            Input::Signal { turn, .. } | Input::LoopTrip { turn, .. }
+                if self.core.active().map(|(_, t)| t) != Some(*turn) =>
+            {
                 Some(*turn)
             }
             _ => None,
@@ -162,6 +181,16 @@ impl Sut {
             && let Some((p, _)) = self.core.active()
         {
             self.cancel_first.insert(p);
+        }
+        if let Input::LoopTrip { turn, loop_type } = &input
+            && let Some((p, t)) = self.core.active()
+            && t == *turn
+            && !self.core.is_cancelling()
+        {
+            self.tripped.insert(p, *loop_type);
+        }
+        if let Input::Prompt { prompt, origin } = &input {
+            self.origins.insert(*prompt, *origin);
         }
         let fx = self.core.on(self.now, input);
 
@@ -220,6 +249,23 @@ impl Sut {
                     // Invariant 5: cancellation wins.
                     if self.cancel_first.contains(prompt) {
                         assert_eq!(*terminal, Terminal::Completed(StopReason::Cancelled));
+                    }
+                    // Loop protection: terminal by origin.
+                    if let Some(lt) = self.tripped.get(prompt) {
+                        let origin = self
+                            .origins
+                            .get(prompt)
+                            .copied()
+                            .unwrap_or(Origin::Interactive);
+                        if origin == Origin::Interactive {
+                            assert_eq!(*terminal, Terminal::failed(ErrorKind::LoopDetected(*lt)));
+                        } else {
+                            assert_eq!(*terminal, Terminal::Completed(StopReason::EndTurn));
+                            assert!(
+                                fx[..i].iter().any(|e| matches!(e, Effect::LoopStopped { loop_type, .. } if loop_type == lt)),
+                                "loop_stopped before the terminal: {fx:?}"
+                            );
+                        }
                     }
                     // Invariant 4: a terminal is followed by the next start or Idle.
                     if turn.is_some() {
@@ -319,6 +365,15 @@ impl StateMachineTest for TurnCoreTest {
                 };
                 sut.last_signal = Some((turn, signal.clone()));
                 sut.feed(Input::Signal { turn, signal });
+            }
+            Step::LoopTrip(which, loop_type) => {
+                let newest = sut.current_turn().0;
+                let turn = TurnId(match which {
+                    Which::Current => newest,
+                    Which::Behind(n) => newest.saturating_sub(n),
+                    Which::Ahead => newest + 1,
+                });
+                sut.feed(Input::LoopTrip { turn, loop_type });
             }
             Step::Duplicate => {
                 if let Some((turn, signal)) = sut.last_signal.clone() {

@@ -36,6 +36,7 @@ async fn main() {
         SessionConfig {
             turn: TurnConfig::default(),
             max_sessions: n + 1,
+            loops: Default::default(),
         },
     )
     .await

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tiller_core::{
-    Effect, IdleBehavior, Input, Millis, Origin, PromptId, Rejection, SessionCore, SessionId,
-    Signal, SteerDropReason, SteerId, SteerOutcome, Terminal, TurnId,
+    Effect, IdleBehavior, Input, LoopConfig, LoopGuard, LoopType, Millis, Origin, PromptId,
+    Rejection, SessionCore, SessionId, Signal, SteerDropReason, SteerId, SteerOutcome, Terminal,
+    TurnId,
 };
 use tiller_engine::{
     Engine, EngineHandle, EngineInput, EngineSignal, PreparedPrompt, SignalKind, Update,
@@ -92,7 +93,11 @@ struct Pending {
 /// The running engine and the turn it serves.
 struct RunningEngine {
     turn: TurnId,
+    /// Labels loop metrics.
+    origin: Origin,
     handle: EngineHandle,
+    /// This turn's loop guard (fresh per turn, dropped at settle).
+    guard: LoopGuard,
     /// The turn's tracing span.
     span: Span,
 }
@@ -103,6 +108,8 @@ pub struct SessionState {
     core: SessionCore,
     engine: Arc<dyn Engine>,
     store: Store,
+    /// Loop protection settings for each new turn's guard.
+    loops: LoopConfig,
     /// The last sequence number published.
     seq: u64,
     /// Prompts admitted and not settled.
@@ -149,6 +156,7 @@ impl Actor for SessionActor {
             core: SessionCore::new(args.config.turn.clone(), args.head.last_turn),
             engine: args.engine,
             store: args.store,
+            loops: args.config.loops.clone(),
             seq: args.head.last_seq,
             pending: HashMap::new(),
             steers: HashMap::new(),
@@ -459,6 +467,7 @@ impl SessionState {
         fx: Vec<Effect>,
         mut content: Option<SignalKind>,
     ) {
+        let mut trip = None;
         for e in fx {
             match e {
                 Effect::Queued { .. }
@@ -471,24 +480,49 @@ impl SessionState {
                     origin,
                 } => self.start_turn(myself, prompt, turn, origin).await,
                 Effect::Deliver { turn } => {
-                    if let Some(kind) = content.take() {
-                        self.deliver(turn, kind).await;
+                    if let Some(kind) = content.take()
+                        && let Some(loop_type) = self.deliver(turn, kind)
+                    {
+                        trip = Some(Input::LoopTrip { turn, loop_type });
                     }
                 }
-                Effect::SteerConsumed { steer } => {
+                Effect::LoopStopped {
+                    prompt,
+                    turn,
+                    loop_type,
+                } => {
+                    self.publish(
+                        Some(prompt),
+                        Some(turn),
+                        EventBody::LoopStopped {
+                            loop_type: loop_type.as_str().into(),
+                            message: tiller_core::ErrorKind::LoopDetected(loop_type)
+                                .default_message(),
+                        },
+                    );
+                }
+                Effect::SteerConsumed {
+                    steer,
+                    prompt,
+                    turn,
+                } => {
                     self.steers.remove(&steer);
                     metrics::counter!("tiller_steer_receipts_total", "kind" => "consumed")
                         .increment(1);
-                    let (p, t) = self.active_ids();
                     self.publish(
-                        p,
-                        t,
+                        Some(prompt),
+                        Some(turn),
                         EventBody::SteerConsumed {
                             steer_id: steer.to_string(),
                         },
                     );
                 }
-                Effect::SteerDropped { steer, reason } => {
+                Effect::SteerDropped {
+                    steer,
+                    reason,
+                    prompt,
+                    turn,
+                } => {
                     let text = self.steers.remove(&steer).unwrap_or_default();
                     match reason {
                         SteerDropReason::Engine => {
@@ -500,10 +534,9 @@ impl SessionState {
                         }
                         _ => {}
                     }
-                    let (p, t) = self.active_ids();
                     self.publish(
-                        p,
-                        t,
+                        Some(prompt),
+                        Some(turn),
                         EventBody::SteerDropped {
                             steer_id: steer.to_string(),
                             text,
@@ -549,12 +582,10 @@ impl SessionState {
                 }
             }
         }
-    }
-
-    fn active_ids(&self) -> (Option<PromptId>, Option<TurnId>) {
-        match self.core.active() {
-            Some((p, t)) => (Some(p), Some(t)),
-            None => (None, None),
+        // A loop trip found while delivering content is the core's next input.
+        if let Some(input) = trip {
+            let fx = self.core.on(self.now(), input);
+            Box::pin(self.apply(myself, fx, None)).await;
         }
     }
 
@@ -601,29 +632,51 @@ impl SessionState {
             let _g = span.enter();
             self.engine.start(turn, prepared, sink)
         };
-        self.running = Some(RunningEngine { turn, handle, span });
+        self.running = Some(RunningEngine {
+            turn,
+            origin,
+            handle,
+            guard: LoopGuard::new(self.loops.clone()),
+            span,
+        });
     }
 
-    async fn deliver(&mut self, turn: TurnId, kind: SignalKind) {
+    /// Publishes or runs a signal's content. Returns a loop trip, if the
+    /// tool pipeline's guard found one.
+    fn deliver(&mut self, turn: TurnId, kind: SignalKind) -> Option<LoopType> {
         let prompt = self.core.active().map(|(p, _)| p);
-        match kind {
+        let run = self.running.as_mut().filter(|r| r.turn == turn)?;
+        let (events, trip) = match kind {
             SignalKind::Update(Update::Text(text)) => {
-                self.publish(prompt, Some(turn), EventBody::AgentMessageChunk { text });
+                let trip = run.guard.text(&text).err();
+                (vec![EventBody::AgentMessageChunk { text }], trip)
             }
             SignalKind::Update(Update::Thought(text)) => {
-                self.publish(prompt, Some(turn), EventBody::AgentThoughtChunk { text });
+                (vec![EventBody::AgentThoughtChunk { text }], None)
             }
             SignalKind::ToolBatch(calls) => {
-                let (events, results) = tools::run_batch(&calls);
-                for body in events {
-                    self.publish(prompt, Some(turn), body);
-                }
-                if let Some(run) = self.running.as_ref().filter(|r| r.turn == turn) {
-                    run.handle.send(EngineInput::ToolResults(results));
-                }
+                let out = tools::run_batch(&calls, &mut run.guard);
+                // The engine learns every result, skipped calls included.
+                run.handle.send(EngineInput::ToolResults(out.results));
+                (out.events, out.trip)
             }
-            _ => {}
+            _ => (Vec::new(), None),
+        };
+        if let Some(loop_type) = trip {
+            run.span.in_scope(|| {
+                tracing::warn!(loop_type = loop_type.as_str(), "loop protection tripped")
+            });
+            metrics::counter!(
+                "tiller_loop_detected_total",
+                "loop_type" => loop_type.as_str(),
+                "origin" => run.origin.as_str()
+            )
+            .increment(1);
         }
+        for body in events {
+            self.publish(prompt, Some(turn), body);
+        }
+        trip
     }
 
     async fn settle(
@@ -657,6 +710,8 @@ impl SessionState {
             Terminal::Failed { kind, message } => EventBody::TurnError {
                 error_kind: kind.as_str().into(),
                 message: message.clone(),
+                loop_type: kind.loop_type().map(|t| t.as_str().into()),
+                code: kind.loop_type().map(|_| "LOOP_DETECTED".into()),
             },
         };
         self.publish_durable(Some(prompt), turn, body).await;

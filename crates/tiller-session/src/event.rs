@@ -18,6 +18,21 @@ pub enum ToolStatus {
     Failed,
 }
 
+/// Why a tool call failed without running.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolError {
+    /// Machine-readable kind (`loop_detected`).
+    pub error_kind: String,
+    /// The loop type, for `loop_detected`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loop_type: Option<String>,
+    /// `LOOP_DETECTED`.
+    pub code: String,
+    /// Plain English.
+    pub message: String,
+}
+
 /// One entry of a session's log.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(
@@ -53,6 +68,9 @@ pub enum EventBody {
         status: ToolStatus,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         output: Option<String>,
+        /// Why a call failed without running (loop protection).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<ToolError>,
     },
     /// A steer joined the running turn.
     SteerAccepted { steer_id: String, text: String },
@@ -66,8 +84,17 @@ pub enum EventBody {
     },
     /// A prompt completed.
     TurnComplete { stop_reason: String },
-    /// A prompt failed.
-    TurnError { error_kind: String, message: String },
+    /// A prompt failed. `loop_type` and `code` come with `loop_detected`.
+    TurnError {
+        error_kind: String,
+        message: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        loop_type: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        code: Option<String>,
+    },
+    /// Loop protection stopped an automatic turn (which ended `end_turn`).
+    LoopStopped { loop_type: String, message: String },
     /// The session was closed.
     SessionClosed,
 }
@@ -88,6 +115,7 @@ impl EventBody {
             EventBody::SteerDropped { .. } => "steer_dropped",
             EventBody::TurnComplete { .. } => "turn_complete",
             EventBody::TurnError { .. } => "turn_error",
+            EventBody::LoopStopped { .. } => "loop_stopped",
             EventBody::SessionClosed => "session_closed",
         }
     }
@@ -161,9 +189,21 @@ mod tests {
                 tool_call_id: "a".into(),
                 status: ToolStatus::Failed,
                 output: Some("no".into()),
+                error: Some(ToolError {
+                    error_kind: "loop_detected".into(),
+                    loop_type: Some("turn_tool_call_cap".into()),
+                    code: "LOOP_DETECTED".into(),
+                    message: "m".into(),
+                }),
             },
             EventBody::TurnError {
                 error_kind: "no_result".into(),
+                message: "m".into(),
+                loop_type: None,
+                code: None,
+            },
+            EventBody::LoopStopped {
+                loop_type: "repeated_tool_failure".into(),
                 message: "m".into(),
             },
             EventBody::SessionClosed,

@@ -12,13 +12,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use ractor::{Actor, ActorRef};
-use tiller_core::{Origin, PromptId, SessionId, SteerId, SteerOutcome, TurnConfig};
+use tiller_core::{LoopConfig, Origin, PromptId, SessionId, SteerId, SteerOutcome, TurnConfig};
 use tiller_engine::{Engine, ScriptError};
 use tiller_store::{SessionPage, Store, StoreError};
 use tokio::sync::oneshot;
 
 pub use actor::{SessionMsg, Settlement};
-pub use event::{EventBody, EventRecord, ToolStatus};
+pub use event::{EventBody, EventRecord, ToolError, ToolStatus};
 use registry::{Registry, RegistryArgs, RegistryMsg};
 
 /// Session-level settings.
@@ -28,6 +28,8 @@ pub struct SessionConfig {
     pub turn: TurnConfig,
     /// Most live sessions in the process.
     pub max_sessions: usize,
+    /// Loop protection (a fresh guard per turn).
+    pub loops: LoopConfig,
 }
 
 /// Why a session could not be found or created.

@@ -28,6 +28,7 @@ async fn sessions(dir: &tempfile::TempDir) -> Sessions {
             max_queued_prompts: 2,
         },
         max_sessions: 3,
+        loops: Default::default(),
     };
     Sessions::start(store, Arc::new(ScriptedEngine), config)
         .await
@@ -235,4 +236,128 @@ async fn the_session_limit_is_enforced() {
     }
     assert!(s.create("/tmp".into(), None).await.is_err());
     assert_eq!(s.live().await, 3);
+}
+
+const SIX_IDENTICAL: &str = r#"{"script": [{"tools": [
+    {"name": "read", "input": {"p": 1}, "output": "same"},
+    {"name": "read", "input": {"p": 1}, "output": "same"},
+    {"name": "read", "input": {"p": 1}, "output": "same"},
+    {"name": "read", "input": {"p": 1}, "output": "same"},
+    {"name": "read", "input": {"p": 1}, "output": "same"},
+    {"name": "read", "input": {"p": 1}, "output": "same"}
+]}, {"say": "never said"}]}"#;
+
+#[tokio::test]
+async fn an_interactive_loop_is_rejected_logged_and_the_queue_drains() {
+    use tiller_core::LoopType;
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (looping, rx1) = h
+        .prompt(SIX_IDENTICAL.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    let (_, rx2) = h
+        .prompt(
+            r#"{"script": [{"say": "next"}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let t = rx1.await.unwrap().terminal;
+    assert_eq!(
+        t,
+        Terminal::failed(ErrorKind::LoopDetected(
+            LoopType::ConsecutiveIdenticalToolCalls
+        ))
+    );
+    assert_eq!(
+        rx2.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let mine: Vec<_> = log.iter().filter(|e| e.prompt == Some(looping)).collect();
+    let completed = mine
+        .iter()
+        .filter(|e| {
+            matches!(
+                &e.body,
+                EventBody::ToolCallUpdate {
+                    status: tiller_session::ToolStatus::Completed,
+                    ..
+                }
+            )
+        })
+        .count();
+    let skipped = mine
+        .iter()
+        .filter(|e| {
+            matches!(
+                &e.body,
+                EventBody::ToolCallUpdate {
+                    status: tiller_session::ToolStatus::Failed,
+                    error: Some(_),
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!((completed, skipped), (4, 2));
+    assert!(
+        !mine
+            .iter()
+            .any(|e| matches!(&e.body, EventBody::AgentMessageChunk { .. })),
+        "the engine stopped"
+    );
+    let err = mine
+        .iter()
+        .find(|e| e.body.kind() == "turn_error")
+        .expect("turn_error in the log");
+    assert_eq!(
+        err.body,
+        EventBody::TurnError {
+            error_kind: "loop_detected".into(),
+            message: ErrorKind::LoopDetected(LoopType::ConsecutiveIdenticalToolCalls)
+                .default_message(),
+            loop_type: Some("consecutive_identical_tool_calls".into()),
+            code: Some("LOOP_DETECTED".into()),
+        }
+    );
+}
+
+#[tokio::test]
+async fn an_automatic_loop_ends_the_turn_with_loop_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    for origin in [
+        Origin::Cron,
+        Origin::Notification,
+        Origin::Channel,
+        Origin::Goal,
+    ] {
+        let (p, rx) = h
+            .prompt(SIX_IDENTICAL.into(), origin)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            rx.await.unwrap().terminal,
+            Terminal::Completed(StopReason::EndTurn)
+        );
+        let log = s.events_after(h.id(), 0, 10_000).await.unwrap();
+        let kinds: Vec<_> = log
+            .iter()
+            .filter(|e| e.prompt == Some(p))
+            .map(|e| e.body.kind())
+            .collect();
+        let stopped = kinds
+            .iter()
+            .position(|k| *k == "loop_stopped")
+            .expect("loop_stopped");
+        assert_eq!(kinds[stopped + 1], "turn_complete", "{kinds:?}");
+    }
 }

@@ -18,6 +18,7 @@ pub struct Config {
     pub store: StoreCfg,
     pub engine: EngineCfg,
     pub turn: Turn,
+    pub loop_protection: LoopProtection,
     pub limits: Limits,
     pub log: Log,
     pub metrics: Metrics,
@@ -55,6 +56,54 @@ pub struct Turn {
     #[serde(with = "humantime_serde")]
     pub stall_timeout: Duration,
     pub max_queued_prompts: usize,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoopProtection {
+    pub consecutive_identical_tool_calls: LoopRule,
+    pub repeated_tool_failure: LoopRule,
+    pub turn_tool_call_cap: LoopRule,
+    pub chanting_identical_sentences: LoopRule,
+    pub alternating_tool_call_pattern: LoopRule,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LoopRule {
+    pub enabled: bool,
+    pub threshold: usize,
+}
+
+impl From<tiller_core::loop_guard::Rule> for LoopRule {
+    fn from(r: tiller_core::loop_guard::Rule) -> Self {
+        Self {
+            enabled: r.enabled,
+            threshold: r.threshold,
+        }
+    }
+}
+
+impl From<LoopRule> for tiller_core::loop_guard::Rule {
+    fn from(r: LoopRule) -> Self {
+        Self {
+            enabled: r.enabled,
+            threshold: r.threshold,
+        }
+    }
+}
+
+impl Default for LoopProtection {
+    fn default() -> Self {
+        let d = tiller_core::LoopConfig::default();
+        Self {
+            consecutive_identical_tool_calls: d.consecutive_identical_tool_calls.into(),
+            repeated_tool_failure: d.repeated_tool_failure.into(),
+            turn_tool_call_cap: d.turn_tool_call_cap.into(),
+            chanting_identical_sentences: d.chanting_identical_sentences.into(),
+            alternating_tool_call_pattern: d.alternating_tool_call_pattern.into(),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -155,11 +204,14 @@ impl Config {
                 })?,
                 p.display().to_string(),
             ),
-            None => (DEFAULT_TOML.to_owned(), "the embedded defaults".to_owned()),
+            None => (String::new(), "the embedded defaults".to_owned()),
         };
-        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        let user: toml::Table = text.parse().map_err(|e: toml::de::Error| {
             ConfigError(format!("{origin}: {}", e.message().trim()))
         })?;
+        // The file overlays the documented defaults, key by key.
+        let mut table: toml::Table = DEFAULT_TOML.parse().expect("the embedded default parses");
+        merge(&mut table, user);
         let mut from_env = Vec::new();
         for (key, raw) in env {
             let Some(rest) = key.strip_prefix("TILLER_") else {
@@ -257,6 +309,18 @@ impl Config {
         }
     }
 
+    /// The loop guard's settings.
+    pub fn loop_config(&self) -> tiller_core::LoopConfig {
+        let l = &self.loop_protection;
+        tiller_core::LoopConfig {
+            consecutive_identical_tool_calls: l.consecutive_identical_tool_calls.into(),
+            repeated_tool_failure: l.repeated_tool_failure.into(),
+            turn_tool_call_cap: l.turn_tool_call_cap.into(),
+            chanting_identical_sentences: l.chanting_identical_sentences.into(),
+            alternating_tool_call_pattern: l.alternating_tool_call_pattern.into(),
+        }
+    }
+
     /// The turn core's timers.
     pub fn turn_config(&self) -> tiller_core::TurnConfig {
         tiller_core::TurnConfig {
@@ -264,6 +328,18 @@ impl Config {
             cancel_grace: self.turn.cancel_grace.as_millis() as u64,
             stall_timeout: self.turn.stall_timeout.as_millis() as u64,
             max_queued_prompts: self.turn.max_queued_prompts,
+        }
+    }
+}
+
+/// Overlays `over` onto `base`, recursing into tables.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
         }
     }
 }
@@ -328,6 +404,18 @@ mod tests {
         assert_eq!(c.turn.cancel_grace, Duration::from_millis(150));
         assert_eq!(c.limits.max_sessions, 7);
         assert_eq!(c.server.listen.port(), 9);
+        let c = load_str(
+            "[loop_protection.turn_tool_call_cap]\nenabled = true\nthreshold = 20\n",
+            &[(
+                "TILLER_LOOP_PROTECTION__REPEATED_TOOL_FAILURE__ENABLED",
+                "false",
+            )],
+        )
+        .unwrap();
+        let l = c.loop_config();
+        assert_eq!(l.turn_tool_call_cap.threshold, 20);
+        assert!(!l.repeated_tool_failure.enabled);
+        assert_eq!(l.consecutive_identical_tool_calls.threshold, 5);
     }
 
     #[test]

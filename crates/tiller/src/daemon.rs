@@ -52,6 +52,7 @@ async fn start_sessions(cfg: &Config, db: &std::path::Path) -> anyhow::Result<Se
         SessionConfig {
             turn: cfg.turn_config(),
             max_sessions: cfg.limits.max_sessions,
+            loops: cfg.loop_config(),
         },
     )
     .await?;

@@ -1,6 +1,7 @@
 //! Conformance cases of `turn-lifecycle.md`, at the core level.
 
 use super::*;
+use crate::LoopType;
 
 const CFG: TurnConfig = TurnConfig {
     steer_receipt_timeout: 100,
@@ -128,7 +129,7 @@ fn case3_steer_consumed_then_idle_fails_at_first_idle() {
 #[test]
 fn case4_steer_result_idle_drops_steer_and_ends() {
     let mut h = Harness::new();
-    h.prompt(1);
+    let p = h.prompt(1);
     let s = h.steer(10);
     assert_eq!(
         settled(&h.sig(1, Signal::Result(StopReason::EndTurn))),
@@ -137,7 +138,9 @@ fn case4_steer_result_idle_drops_steer_and_ends() {
     let fx = h.sig(1, Signal::Idle);
     assert!(fx.contains(&Effect::SteerDropped {
         steer: s,
-        reason: SteerDropReason::TurnEnded
+        reason: SteerDropReason::TurnEnded,
+        prompt: p,
+        turn: TurnId(1),
     }));
     assert_eq!(settled(&fx), Some(END));
 }
@@ -452,4 +455,87 @@ fn restored_core_continues_turn_ids() {
         turn: TurnId(42),
         origin: Origin::Interactive
     }));
+}
+
+#[test]
+fn case9_loop_trip_racing_a_cancel_that_came_first_is_cancelled() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    h.feed(Input::Cancel);
+    let fx = h.feed(Input::LoopTrip {
+        turn: TurnId(1),
+        loop_type: LoopType::ConsecutiveIdenticalToolCalls,
+    });
+    assert_eq!(
+        settled(&fx),
+        Some(Terminal::Completed(StopReason::Cancelled))
+    );
+}
+
+#[test]
+fn case10_interactive_loop_trip_fails_and_the_queue_drains() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let p2 = h.prompt(2);
+    let fx = h.feed(Input::LoopTrip {
+        turn: TurnId(1),
+        loop_type: LoopType::RepeatedToolFailure,
+    });
+    assert_eq!(
+        settled(&fx),
+        Some(Terminal::failed(ErrorKind::LoopDetected(
+            LoopType::RepeatedToolFailure
+        )))
+    );
+    assert!(fx.contains(&Effect::AbortEngine {
+        turn: TurnId(1),
+        teardown: true
+    }));
+    assert!(fx.contains(&Effect::StartTurn {
+        prompt: p2,
+        turn: TurnId(2),
+        origin: Origin::Interactive
+    }));
+}
+
+#[test]
+fn case11_automatic_loop_trip_ends_the_turn_with_loop_stopped() {
+    for origin in [
+        Origin::Cron,
+        Origin::Notification,
+        Origin::Channel,
+        Origin::Goal,
+    ] {
+        let mut h = Harness::new();
+        h.feed(Input::Prompt {
+            prompt: PromptId::from_u128(1),
+            origin,
+        });
+        let fx = h.feed(Input::LoopTrip {
+            turn: TurnId(1),
+            loop_type: LoopType::TurnToolCallCap,
+        });
+        let stopped = fx
+            .iter()
+            .position(|e| matches!(e, Effect::LoopStopped { .. }))
+            .expect("loop_stopped");
+        let settled_at = fx
+            .iter()
+            .position(|e| matches!(e, Effect::Settled { .. }))
+            .unwrap();
+        assert!(stopped < settled_at);
+        assert_eq!(settled(&fx), Some(END), "{origin:?}");
+        assert!(fx.contains(&Effect::Idle));
+    }
+}
+
+#[test]
+fn a_loop_trip_for_another_turn_is_stale() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    let fx = h.feed(Input::LoopTrip {
+        turn: TurnId(0),
+        loop_type: LoopType::TurnToolCallCap,
+    });
+    assert_eq!(fx, vec![Effect::Stale { turn: TurnId(0) }]);
 }
