@@ -664,7 +664,7 @@ impl SessionState {
         };
         if let Some(loop_type) = trip {
             run.span.in_scope(|| {
-                tracing::warn!(loop_type = loop_type.as_str(), "loop protection tripped")
+                tracing::warn!(loop_type = loop_type.as_str(), "loop protection tripped");
             });
             metrics::counter!(
                 "tiller_loop_detected_total",
