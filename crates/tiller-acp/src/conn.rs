@@ -395,7 +395,8 @@ impl Shared {
         let last = handle
             .subscribe(sub, Box::new(self.subscriber(sub)))
             .await
-            .map_err(session_error)?;
+            .map_err(session_error)?
+            .last_seq;
         if let Some((old, old_sub)) = attached.insert(handle.id(), (handle.clone(), sub)) {
             old.unsubscribe(old_sub);
         }

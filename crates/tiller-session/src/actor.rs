@@ -21,7 +21,9 @@ use tracing::{Instrument, Span};
 
 use crate::event::{EventBody, EventRecord};
 use crate::tools;
-use crate::{PromptRefused, SessionConfig, SteerAnswer, Subscriber, SubscriberId};
+use crate::{
+    PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber, SubscriberId, TurnState,
+};
 
 /// How a prompt's terminal is reported to its owner.
 #[derive(Debug)]
@@ -54,13 +56,16 @@ pub enum SessionMsg {
     Engine(EngineSignal),
     /// A timer armed by the core fired.
     Tick,
-    /// Attach a subscriber; answers with the last sequence number already
-    /// published (every later event goes to the subscriber).
+    /// Attach a subscriber; answers with the state at that instant, whose
+    /// `last_seq` is the last event already published (every later event
+    /// goes to the subscriber).
     Subscribe {
         id: SubscriberId,
         subscriber: Box<dyn Subscriber>,
-        reply: oneshot::Sender<u64>,
+        reply: oneshot::Sender<Snapshot>,
     },
+    /// The server-owned state of the session.
+    Snapshot(oneshot::Sender<Snapshot>),
     /// Detach a subscriber.
     Unsubscribe(SubscriberId),
     /// Close the session: cancel what runs, refuse new prompts, stop when idle.
@@ -112,6 +117,9 @@ pub struct SessionState {
     loops: LoopConfig,
     /// The last sequence number published.
     seq: u64,
+    /// The last `turn_error`, while no newer turn has started (survives a
+    /// reload: restored from the log at start).
+    last_turn_error: Option<Arc<EventRecord>>,
     /// Prompts admitted and not settled.
     pending: HashMap<PromptId, Pending>,
     /// Text of steers that may still be dropped (for `steer_dropped`).
@@ -150,6 +158,14 @@ impl Actor for SessionActor {
         _myself: ActorRef<SessionMsg>,
         args: SessionArgs,
     ) -> Result<SessionState, ActorProcessingErr> {
+        let last_turn_error = match args
+            .store
+            .last_of_kinds(args.id, &["prompt_started", "turn_error"])
+            .await?
+        {
+            Some(e) if e.kind == "turn_error" => EventRecord::from_stored(&e).map(Arc::new),
+            _ => None,
+        };
         let span = tracing::info_span!("session", session = %args.id);
         Ok(SessionState {
             id: args.id,
@@ -158,6 +174,7 @@ impl Actor for SessionActor {
             store: args.store,
             loops: args.config.loops.clone(),
             seq: args.head.last_seq,
+            last_turn_error,
             pending: HashMap::new(),
             steers: HashMap::new(),
             running: None,
@@ -242,7 +259,10 @@ impl SessionState {
             } => {
                 self.subscribers.push((id, subscriber));
                 metrics::gauge!("tiller_subscribers_active").increment(1.0);
-                let _ = reply.send(self.seq);
+                let _ = reply.send(self.snapshot());
+            }
+            SessionMsg::Snapshot(reply) => {
+                let _ = reply.send(self.snapshot());
             }
             SessionMsg::Unsubscribe(id) => {
                 let before = self.subscribers.len();
@@ -742,6 +762,25 @@ impl SessionState {
         }
     }
 
+    fn snapshot(&self) -> Snapshot {
+        let (state, active_prompt) = match self.core.active() {
+            None => (TurnState::Idle, None),
+            Some((p, _)) if self.core.is_cancelling() => (TurnState::Cancelling, Some(p)),
+            Some((p, _)) => (TurnState::Running, Some(p)),
+        };
+        Snapshot {
+            state,
+            active_prompt,
+            queued: self.core.queued().collect(),
+            // Only while idle: a running turn is newer content.
+            last_turn_error: self
+                .last_turn_error
+                .clone()
+                .filter(|_| state == TurnState::Idle),
+            last_seq: self.seq,
+        }
+    }
+
     fn record(
         &mut self,
         prompt: Option<PromptId>,
@@ -749,14 +788,21 @@ impl SessionState {
         body: EventBody,
     ) -> Arc<EventRecord> {
         self.seq += 1;
-        Arc::new(EventRecord {
+        let rec = Arc::new(EventRecord {
             session: self.id,
             seq: self.seq,
             ts_ms: unix_ms(),
             prompt,
             turn,
             body,
-        })
+        });
+        match rec.body {
+            EventBody::TurnError { .. } => self.last_turn_error = Some(rec.clone()),
+            // Newer turn content supersedes the error.
+            EventBody::PromptStarted { .. } => self.last_turn_error = None,
+            _ => {}
+        }
+        rec
     }
 
     fn fan_out(&mut self, rec: &Arc<EventRecord>) {
@@ -773,7 +819,7 @@ impl SessionState {
     /// Appends an event (ordered, not awaited) and fans it out.
     fn publish(&mut self, prompt: Option<PromptId>, turn: Option<TurnId>, body: EventBody) {
         let rec = self.record(prompt, turn, body);
-        self.store.append(rec.to_stored());
+        self.store.append(rec.to_stored(), rec.ledger_op());
         self.fan_out(&rec);
     }
 
@@ -785,7 +831,11 @@ impl SessionState {
         body: EventBody,
     ) {
         let rec = self.record(prompt, turn, body);
-        if let Err(e) = self.store.append_durable(rec.to_stored()).await {
+        if let Err(e) = self
+            .store
+            .append_durable(rec.to_stored(), rec.ledger_op())
+            .await
+        {
             tracing::error!(error = %e, seq = rec.seq, "durable append failed");
         }
         self.fan_out(&rec);

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 use tiller_core::{PromptId, SessionId, TurnId};
-use tiller_store::StoredEvent;
+use tiller_store::{LedgerOp, StoredEvent};
 
 /// Status of a tool call, as ACP names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -149,6 +149,24 @@ impl EventRecord {
             prompt: self.prompt,
             turn: self.turn,
             data: serde_json::to_string(&self.body).expect("events serialize"),
+        }
+    }
+
+    /// The prompt-ledger change this event carries: admission events admit
+    /// their prompt, terminals settle it.
+    pub fn ledger_op(&self) -> Option<LedgerOp> {
+        let prompt = self.prompt?;
+        match &self.body {
+            EventBody::PromptStarted { origin } | EventBody::PromptQueued { origin, .. } => {
+                Some(LedgerOp::Admit {
+                    prompt,
+                    origin: origin.clone(),
+                })
+            }
+            EventBody::TurnComplete { .. } | EventBody::TurnError { .. } => {
+                Some(LedgerOp::Settle { prompt })
+            }
+            _ => None,
         }
     }
 

@@ -65,6 +65,40 @@ pub struct SteerAnswer {
     pub outcome: SteerOutcome,
 }
 
+/// Whether a turn runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TurnState {
+    Idle,
+    Running,
+    Cancelling,
+}
+
+impl TurnState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TurnState::Idle => "idle",
+            TurnState::Running => "running",
+            TurnState::Cancelling => "cancelling",
+        }
+    }
+}
+
+/// The server-owned state of a session: what every stream starts with, so
+/// clients never guess busy/idle.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub state: TurnState,
+    /// The prompt whose turn runs.
+    pub active_prompt: Option<PromptId>,
+    /// Prompts waiting, oldest first.
+    pub queued: Vec<PromptId>,
+    /// The last turn error, while the session is idle and no newer turn
+    /// started.
+    pub last_turn_error: Option<Arc<EventRecord>>,
+    /// The last sequence number published.
+    pub last_seq: u64,
+}
+
 /// Identifies one attached subscriber.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SubscriberId(pub u64);
@@ -91,6 +125,13 @@ impl Sessions {
         engine: Arc<dyn Engine>,
         config: SessionConfig,
     ) -> Result<Sessions, SessionError> {
+        let reconciled = reconcile(&store).await?;
+        if reconciled > 0 {
+            tracing::warn!(
+                prompts = reconciled,
+                "prompts in flight when the daemon stopped got a daemon_restarted error"
+            );
+        }
         let args = RegistryArgs {
             store: store.clone(),
             engine,
@@ -150,6 +191,24 @@ impl Sessions {
             Some((rec, _)) => Ok(rec),
             None => Err(SessionError::Unknown(id)),
         }
+    }
+
+    /// A page of history: up to `limit` events before `before`, oldest
+    /// first, and whether older ones exist.
+    pub async fn history(
+        &self,
+        id: SessionId,
+        before: Option<u64>,
+        limit: usize,
+    ) -> Result<(Vec<EventRecord>, bool), SessionError> {
+        let page = self.store.history(id, before, limit).await?;
+        Ok((
+            page.events
+                .iter()
+                .filter_map(EventRecord::from_stored)
+                .collect(),
+            page.has_more,
+        ))
     }
 
     /// Events with `seq > after`, oldest first.
@@ -244,19 +303,26 @@ impl SessionHandle {
         self.send(SessionMsg::Cancel)
     }
 
-    /// Attaches a subscriber; returns the last sequence number it will not
-    /// receive live (replay up to it from the store).
+    /// Attaches a subscriber; returns the state at that instant. Events up
+    /// to `last_seq` are replayed from the store; later ones arrive live.
     pub async fn subscribe(
         &self,
         id: SubscriberId,
         subscriber: Box<dyn Subscriber>,
-    ) -> Result<u64, SessionError> {
+    ) -> Result<Snapshot, SessionError> {
         let (tx, rx) = oneshot::channel();
         self.send(SessionMsg::Subscribe {
             id,
             subscriber,
             reply: tx,
         })?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// The session's state.
+    pub async fn snapshot(&self) -> Result<Snapshot, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Snapshot(tx))?;
         rx.await.map_err(|_| SessionError::Stopped)
     }
 
@@ -271,4 +337,42 @@ impl SessionHandle {
         self.send(SessionMsg::Close(tx))?;
         rx.await.map_err(|_| SessionError::Stopped)
     }
+}
+
+/// Start-up reconciliation: every prompt admitted and never settled (the
+/// daemon died) gets exactly one `turn_error` with `daemon_restarted`.
+async fn reconcile(store: &Store) -> Result<usize, SessionError> {
+    let open = store.unsettled().await?;
+    let mut heads: std::collections::HashMap<SessionId, u64> = std::collections::HashMap::new();
+    for u in &open {
+        let seq = match heads.get(&u.session) {
+            Some(s) => *s,
+            None => match store.get_session(u.session).await? {
+                Some((_, head)) => head.last_seq,
+                None => continue,
+            },
+        } + 1;
+        heads.insert(u.session, seq);
+        let kind = tiller_core::ErrorKind::DaemonRestarted;
+        let rec = EventRecord {
+            session: u.session,
+            seq,
+            ts_ms: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as i64)
+                .unwrap_or(0),
+            prompt: Some(u.prompt),
+            turn: None,
+            body: EventBody::TurnError {
+                error_kind: kind.as_str().into(),
+                message: kind.default_message(),
+                loop_type: None,
+                code: None,
+            },
+        };
+        store
+            .append_durable(rec.to_stored(), rec.ledger_op())
+            .await?;
+    }
+    Ok(open.len())
 }

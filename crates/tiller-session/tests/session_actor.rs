@@ -49,7 +49,8 @@ async fn demo_prompt_streams_and_completes_and_is_stored() {
     assert_eq!(
         h.subscribe(sub, Box::new(Collect(seen.clone())))
             .await
-            .unwrap(),
+            .unwrap()
+            .last_seq,
         0
     );
     let (prompt, settled) = h
@@ -194,7 +195,8 @@ async fn sessions_reload_after_restart_with_history_and_fresh_turn_ids() {
     let last = h
         .subscribe(s.subscriber_id(), Box::new(Collect(seen.clone())))
         .await
-        .unwrap();
+        .unwrap()
+        .last_seq;
     let history = s.events_after(id, 0, 1000).await.unwrap();
     assert_eq!(history.len() as u64, last);
     assert!(
@@ -360,4 +362,55 @@ async fn an_automatic_loop_ends_the_turn_with_loop_stopped() {
             .expect("loop_stopped");
         assert_eq!(kinds[stopped + 1], "turn_complete", "{kinds:?}");
     }
+}
+
+#[tokio::test]
+async fn in_flight_prompts_get_daemon_restarted_at_start_up() {
+    // Simulate a crash: a prompt admitted in the ledger, never settled.
+    let dir = tempfile::tempdir().unwrap();
+    let id;
+    let stuck;
+    {
+        let s = sessions(&dir).await;
+        let h = s.create("/tmp".into(), None).await.unwrap();
+        id = h.id();
+        let (p, _rx) = h
+            .prompt(
+                r#"{"script": [{"hang": true}]}"#.into(),
+                Origin::Interactive,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        stuck = p;
+        // No shutdown: the actors and the store thread are simply dropped
+        // with the runtime, like a killed process.
+    }
+    let s = sessions(&dir).await;
+    let log = s.events_after(id, 0, 1000).await.unwrap();
+    let errors: Vec<_> = log
+        .iter()
+        .filter(|e| e.prompt == Some(stuck) && e.body.kind() == "turn_error")
+        .collect();
+    assert_eq!(errors.len(), 1);
+    assert!(
+        matches!(&errors[0].body, EventBody::TurnError { error_kind, .. } if error_kind == "daemon_restarted")
+    );
+    // A second start finds nothing left to reconcile.
+    drop(s);
+    let s = sessions(&dir).await;
+    let again = s.events_after(id, 0, 1000).await.unwrap();
+    assert_eq!(again.len(), log.len());
+    // The snapshot shows the error while idle; a new prompt supersedes it.
+    let h = s.open(id).await.unwrap();
+    let snap = h.snapshot().await.unwrap();
+    assert_eq!(snap.state, tiller_session::TurnState::Idle);
+    assert_eq!(snap.last_turn_error.as_ref().unwrap().prompt, Some(stuck));
+    let (_, rx) = h
+        .prompt("hi".into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    rx.await.unwrap();
+    assert!(h.snapshot().await.unwrap().last_turn_error.is_none());
 }

@@ -71,6 +71,31 @@ pub struct StoredEvent {
     pub data: String,
 }
 
+/// A change to the prompt ledger, committed with the event it rides on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LedgerOp {
+    /// The prompt was admitted (queued or started).
+    Admit { prompt: PromptId, origin: String },
+    /// The prompt got its terminal.
+    Settle { prompt: PromptId },
+}
+
+/// A prompt admitted but never settled (found at start-up after a crash).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unsettled {
+    pub session: SessionId,
+    pub prompt: PromptId,
+    pub origin: String,
+}
+
+/// One page of a session's history, oldest first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HistoryPage {
+    pub events: Vec<StoredEvent>,
+    /// Whether older events exist.
+    pub has_more: bool,
+}
+
 /// What a session's log looks like at load time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LogHead {
@@ -100,8 +125,20 @@ enum Cmd {
         reply: Reply<SessionPage>,
     },
     CloseSession(SessionId, Reply<()>),
-    /// Appends; `reply` (if any) answers after the commit.
-    Append(StoredEvent, Option<Reply<()>>),
+    /// Appends (and updates the ledger); `reply` answers after the commit.
+    Append(StoredEvent, Option<LedgerOp>, Option<Reply<()>>),
+    History {
+        session: SessionId,
+        before: u64,
+        limit: usize,
+        reply: Reply<HistoryPage>,
+    },
+    LastOfKinds {
+        session: SessionId,
+        kinds: Vec<&'static str>,
+        reply: Reply<Option<StoredEvent>>,
+    },
+    Unsettled(Reply<Vec<Unsettled>>),
     Events {
         session: SessionId,
         after: u64,
@@ -175,14 +212,56 @@ impl Store {
         self.ask(|r| Cmd::CloseSession(id, r)).await
     }
 
-    /// Appends without waiting. Ordered with every other command.
-    pub fn append(&self, event: StoredEvent) {
-        let _ = self.tx.send(Cmd::Append(event, None));
+    /// Appends (and updates the ledger) without waiting. Ordered with
+    /// every other command.
+    pub fn append(&self, event: StoredEvent, ledger: Option<LedgerOp>) {
+        let _ = self.tx.send(Cmd::Append(event, ledger, None));
     }
 
     /// Appends and waits for the commit (durable before acknowledged).
-    pub async fn append_durable(&self, event: StoredEvent) -> Result<(), StoreError> {
-        self.ask(|r| Cmd::Append(event, Some(r))).await
+    pub async fn append_durable(
+        &self,
+        event: StoredEvent,
+        ledger: Option<LedgerOp>,
+    ) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::Append(event, ledger, Some(r))).await
+    }
+
+    /// Up to `limit` events with `seq < before` (all when `before` is
+    /// `None`), oldest first, and whether older ones exist.
+    pub async fn history(
+        &self,
+        session: SessionId,
+        before: Option<u64>,
+        limit: usize,
+    ) -> Result<HistoryPage, StoreError> {
+        self.ask(|reply| Cmd::History {
+            session,
+            before: before.unwrap_or(u64::MAX >> 1),
+            limit: limit.clamp(1, 10_000),
+            reply,
+        })
+        .await
+    }
+
+    /// The newest event of a session whose kind is one of `kinds`.
+    pub async fn last_of_kinds(
+        &self,
+        session: SessionId,
+        kinds: &[&'static str],
+    ) -> Result<Option<StoredEvent>, StoreError> {
+        let kinds = kinds.to_vec();
+        self.ask(|reply| Cmd::LastOfKinds {
+            session,
+            kinds,
+            reply,
+        })
+        .await
+    }
+
+    /// Prompts admitted and never settled, oldest first.
+    pub async fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
+        self.ask(Cmd::Unsettled).await
     }
 
     /// Waits until every command sent before it is committed.
@@ -228,6 +307,15 @@ const SCHEMA: &[&str] = &[
         data TEXT NOT NULL,
         PRIMARY KEY (session_id, seq)
     ) WITHOUT ROWID;",
+    // v2: the prompt ledger (admitted -> settled), for start-up reconciliation.
+    "CREATE TABLE prompts (
+        prompt_id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        origin TEXT NOT NULL,
+        admitted_ms INTEGER NOT NULL,
+        settled_ms INTEGER
+    );
+    CREATE INDEX prompts_unsettled ON prompts (admitted_ms) WHERE settled_ms IS NULL;",
 ];
 
 fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -261,11 +349,11 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
             },
         };
         match cmd {
-            Cmd::Append(first, reply) => {
-                let mut batch = vec![(first, reply)];
+            Cmd::Append(first, ledger, reply) => {
+                let mut batch = vec![(first, ledger, reply)];
                 while batch.len() < MAX_BATCH {
                     match rx.try_recv() {
-                        Ok(Cmd::Append(e, r)) => batch.push((e, r)),
+                        Ok(Cmd::Append(e, l, r)) => batch.push((e, l, r)),
                         Ok(other) => {
                             pending = Some(other);
                             break;
@@ -280,7 +368,7 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
                 if let Err(e) = &result {
                     tracing::error!(error = %e, events = batch.len(), "store append failed");
                 }
-                for (_, reply) in batch {
+                for (_, _, reply) in batch {
                     if let Some(reply) = reply {
                         let _ = reply.send(match &result {
                             Ok(()) => Ok(()),
@@ -314,6 +402,24 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
             Cmd::Flush(reply) => {
                 let _ = reply.send(Ok(()));
             }
+            Cmd::History {
+                session,
+                before,
+                limit,
+                reply,
+            } => {
+                let _ = reply.send(history(&conn, session, before, limit).map_err(Into::into));
+            }
+            Cmd::LastOfKinds {
+                session,
+                kinds,
+                reply,
+            } => {
+                let _ = reply.send(last_of_kinds(&conn, session, &kinds).map_err(Into::into));
+            }
+            Cmd::Unsettled(reply) => {
+                let _ = reply.send(unsettled(&conn).map_err(Into::into));
+            }
             Cmd::Events {
                 session,
                 after,
@@ -326,10 +432,9 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
     }
 }
 
-fn append_batch(
-    conn: &mut Connection,
-    batch: &[(StoredEvent, Option<Reply<()>>)],
-) -> rusqlite::Result<()> {
+type Batch = [(StoredEvent, Option<LedgerOp>, Option<Reply<()>>)];
+
+fn append_batch(conn: &mut Connection, batch: &Batch) -> rusqlite::Result<()> {
     let tx = conn.transaction()?;
     {
         let mut insert = tx.prepare_cached(
@@ -337,8 +442,29 @@ fn append_batch(
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )?;
         let mut touch = tx.prepare_cached("UPDATE sessions SET updated_ms = ?2 WHERE id = ?1")?;
+        let mut admit = tx.prepare_cached(
+            "INSERT OR IGNORE INTO prompts (prompt_id, session_id, origin, admitted_ms)
+             VALUES (?1, ?2, ?3, ?4)",
+        )?;
+        let mut settle = tx.prepare_cached(
+            "UPDATE prompts SET settled_ms = ?2 WHERE prompt_id = ?1 AND settled_ms IS NULL",
+        )?;
         let mut last: Option<(SessionId, i64)> = None;
-        for (e, _) in batch {
+        for (e, ledger, _) in batch {
+            match ledger {
+                Some(LedgerOp::Admit { prompt, origin }) => {
+                    admit.execute(params![
+                        prompt.to_string(),
+                        e.session.to_string(),
+                        origin,
+                        e.ts_ms
+                    ])?;
+                }
+                Some(LedgerOp::Settle { prompt }) => {
+                    settle.execute(params![prompt.to_string(), e.ts_ms])?;
+                }
+                None => {}
+            }
             insert.execute(params![
                 e.session.to_string(),
                 e.seq as i64,
@@ -451,6 +577,86 @@ fn list_sessions(
     })
 }
 
+fn event_row(session: SessionId, r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredEvent> {
+    let prompt: Option<String> = r.get("prompt_id")?;
+    let turn: Option<i64> = r.get("turn_id")?;
+    Ok(StoredEvent {
+        session,
+        seq: r.get::<_, i64>("seq")? as u64,
+        ts_ms: r.get("ts_ms")?,
+        kind: r.get("kind")?,
+        prompt: prompt.as_deref().and_then(PromptId::parse),
+        turn: turn.map(|t| TurnId(t as u64)),
+        data: r.get("data")?,
+    })
+}
+
+fn history(
+    conn: &Connection,
+    session: SessionId,
+    before: u64,
+    limit: usize,
+) -> rusqlite::Result<HistoryPage> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT seq, ts_ms, kind, prompt_id, turn_id, data FROM events
+         WHERE session_id = ?1 AND seq < ?2 ORDER BY seq DESC LIMIT ?3",
+    )?;
+    let mut events = stmt
+        .query_map(
+            params![session.to_string(), before as i64, limit as i64 + 1],
+            |r| event_row(session, r),
+        )?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let has_more = events.len() > limit;
+    events.truncate(limit);
+    events.reverse();
+    Ok(HistoryPage { events, has_more })
+}
+
+fn last_of_kinds(
+    conn: &Connection,
+    session: SessionId,
+    kinds: &[&str],
+) -> rusqlite::Result<Option<StoredEvent>> {
+    let marks = vec!["?"; kinds.len()].join(",");
+    let sql = format!(
+        "SELECT seq, ts_ms, kind, prompt_id, turn_id, data FROM events
+         WHERE session_id = ? AND kind IN ({marks}) ORDER BY seq DESC LIMIT 1"
+    );
+    let mut stmt = conn.prepare_cached(&sql)?;
+    let id = session.to_string();
+    let mut args: Vec<&dyn rusqlite::ToSql> = vec![&id];
+    for k in kinds {
+        args.push(k);
+    }
+    stmt.query_row(args.as_slice(), |r| event_row(session, r))
+        .optional()
+}
+
+fn unsettled(conn: &Connection) -> rusqlite::Result<Vec<Unsettled>> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT session_id, prompt_id, origin FROM prompts
+         WHERE settled_ms IS NULL ORDER BY admitted_ms",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        let s: String = r.get(0)?;
+        let p: String = r.get(1)?;
+        Ok((s, p, r.get::<_, String>(2)?))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (s, p, origin) = row?;
+        if let (Some(session), Some(prompt)) = (SessionId::parse(&s), PromptId::parse(&p)) {
+            out.push(Unsettled {
+                session,
+                prompt,
+                origin,
+            });
+        }
+    }
+    Ok(out)
+}
+
 fn events_after(
     conn: &Connection,
     session: SessionId,
@@ -517,9 +723,9 @@ mod tests {
         store.create_session(a.clone()).await.unwrap();
         store.create_session(b.clone()).await.unwrap();
         for seq in 1..=5 {
-            store.append(ev(a.id, seq));
+            store.append(ev(a.id, seq), None);
         }
-        store.append_durable(ev(a.id, 6)).await.unwrap();
+        store.append_durable(ev(a.id, 6), None).await.unwrap();
         drop(store);
 
         let store = Store::open(&path).unwrap();
@@ -548,8 +754,8 @@ mod tests {
         let store = Store::open(&dir.path().join("t.db")).unwrap();
         let a = rec(1);
         store.create_session(a.clone()).await.unwrap();
-        store.append_durable(ev(a.id, 1)).await.unwrap();
-        assert!(store.append_durable(ev(a.id, 1)).await.is_err());
+        store.append_durable(ev(a.id, 1), None).await.unwrap();
+        assert!(store.append_durable(ev(a.id, 1), None).await.is_err());
     }
 
     #[tokio::test]
@@ -575,5 +781,99 @@ mod tests {
             vec![recs[1].id, recs[0].id]
         );
         assert_eq!(p2.next_cursor, None);
+    }
+}
+
+#[cfg(test)]
+mod ledger_tests {
+    use super::*;
+
+    fn ev(session: SessionId, seq: u64, kind: &str) -> StoredEvent {
+        StoredEvent {
+            session,
+            seq,
+            ts_ms: seq as i64,
+            kind: kind.into(),
+            prompt: None,
+            turn: None,
+            data: "{}".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_ledger_finds_unsettled_prompts_across_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let s = SessionId::new();
+        let (p1, p2) = (PromptId::new(), PromptId::new());
+        {
+            let store = Store::open(&path).unwrap();
+            let admit = |p| {
+                Some(LedgerOp::Admit {
+                    prompt: p,
+                    origin: "interactive".into(),
+                })
+            };
+            store
+                .append_durable(ev(s, 1, "prompt_started"), admit(p1))
+                .await
+                .unwrap();
+            store
+                .append_durable(ev(s, 2, "prompt_queued"), admit(p2))
+                .await
+                .unwrap();
+            store
+                .append_durable(
+                    ev(s, 3, "turn_complete"),
+                    Some(LedgerOp::Settle { prompt: p1 }),
+                )
+                .await
+                .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        let open = store.unsettled().await.unwrap();
+        assert_eq!(
+            open,
+            vec![Unsettled {
+                session: s,
+                prompt: p2,
+                origin: "interactive".into()
+            }]
+        );
+        let last = store
+            .last_of_kinds(s, &["prompt_started", "turn_complete"])
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(last.seq, 3);
+        assert!(
+            store
+                .last_of_kinds(s, &["turn_error"])
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[tokio::test]
+    async fn history_pages_backward() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let s = SessionId::new();
+        for seq in 1..=10 {
+            store.append(ev(s, seq, "x"), None);
+        }
+        let p = store.history(s, None, 4).await.unwrap();
+        assert_eq!(
+            p.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![7, 8, 9, 10]
+        );
+        assert!(p.has_more);
+        let p = store.history(s, Some(3), 4).await.unwrap();
+        assert_eq!(
+            p.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert!(!p.has_more);
     }
 }
