@@ -1,5 +1,10 @@
-//! The HTTP edge: health and readiness, Prometheus metrics, and ACP over
-//! WebSocket at `/acp` (one JSON-RPC message per text frame).
+//! The HTTP edge: the `/api` of the Web Shell and admin tools (REST and
+//! SSE), health and readiness, Prometheus metrics, and ACP over WebSocket at
+//! `/acp` (one JSON-RPC message per text frame). Every route passes the
+//! access checks of [`auth`].
+
+pub mod api;
+pub mod auth;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,7 +14,7 @@ use axum::extract::State;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use futures::{SinkExt, StreamExt};
 use metrics_exporter_prometheus::PrometheusHandle;
 use tiller_acp::{AcpConfig, Frame};
@@ -29,15 +34,40 @@ pub struct AppState {
     pub permits: Arc<Semaphore>,
     /// False until start-up is complete, and again during shutdown.
     pub ready: Arc<AtomicBool>,
+    /// The engine sessions run (`POST /api/sessions` may name it).
+    pub engine: String,
+    /// Events buffered per SSE stream before it is told to resync.
+    pub subscriber_queue: usize,
+    /// Token, Host and Origin checks.
+    pub auth: Arc<auth::AuthConfig>,
 }
 
 /// The router.
 pub fn router(state: AppState) -> Router {
+    let auth = state.auth.clone();
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .route("/acp", get(acp_upgrade))
+        .route(
+            "/api/sessions",
+            get(api::list_sessions).post(api::create_session),
+        )
+        .route(
+            "/api/sessions/{id}",
+            get(api::get_session).delete(api::close_session),
+        )
+        .route("/api/sessions/{id}/prompts", post(api::post_prompt))
+        .route("/api/sessions/{id}/steer", post(api::post_steer))
+        .route("/api/sessions/{id}/cancel", post(api::post_cancel))
+        .route(
+            "/api/sessions/{id}/permissions/{req}",
+            post(api::post_permission),
+        )
+        .route("/api/sessions/{id}/history", get(api::get_history))
+        .route("/api/sessions/{id}/events", get(api::events))
+        .layer(axum::middleware::from_fn_with_state(auth, auth::check))
         .with_state(state)
 }
 

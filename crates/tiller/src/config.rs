@@ -30,6 +30,7 @@ pub struct Server {
     pub listen: SocketAddr,
     pub socket: String,
     pub token: String,
+    pub allowed_hosts: Vec<String>,
     pub allowed_origins: Vec<String>,
 }
 
@@ -133,6 +134,7 @@ impl Default for Server {
             listen: SocketAddr::from(([127, 0, 0, 1], 4141)),
             socket: String::new(),
             token: String::new(),
+            allowed_hosts: Vec::new(),
             allowed_origins: Vec::new(),
         }
     }

@@ -89,6 +89,14 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
         metrics,
         permits: permits.clone(),
         ready: ready.clone(),
+        engine: cfg.engine.default.clone(),
+        subscriber_queue: cfg.limits.subscriber_queue,
+        auth: Arc::new(tiller_http::auth::AuthConfig {
+            token: Some(cfg.server.token.clone()).filter(|t| !t.is_empty()),
+            bind: Some(bound),
+            allowed_hosts: cfg.server.allowed_hosts.clone(),
+            allowed_origins: cfg.server.allowed_origins.clone(),
+        }),
     };
     let mut http_stop = stop_rx.clone();
     let http = tokio::spawn(async move {

@@ -1,0 +1,485 @@
+//! The HTTP API of the Web Shell and admin tools (`/api`): sessions,
+//! prompts, steering, cancel, history pages and the SSE event stream. The
+//! only place that knows these JSON shapes.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures::Stream;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tiller_core::{Origin, PromptId, SessionId, SteerOutcome, SteerRefusal};
+use tiller_session::{
+    EventBody, EventRecord, PromptRefused, SessionError, SessionHandle, Snapshot, Subscriber,
+};
+use tokio::sync::mpsc;
+
+use crate::AppState;
+
+/// An API error: status and `{error: {errorKind, message, ...}}`.
+pub struct ApiError(StatusCode, Value);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+fn bad_request(message: impl Into<String>) -> ApiError {
+    ApiError(
+        StatusCode::BAD_REQUEST,
+        json!({ "errorKind": "invalid_params", "message": message.into() }),
+    )
+}
+
+impl From<SessionError> for ApiError {
+    fn from(e: SessionError) -> Self {
+        match e {
+            SessionError::Unknown(id) => ApiError(
+                StatusCode::NOT_FOUND,
+                json!({ "errorKind": "unknown_session", "message": e.to_string(), "sessionId": id.to_string() }),
+            ),
+            SessionError::TooManySessions(_) => ApiError(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({ "errorKind": "overloaded", "retryable": true, "message": e.to_string() }),
+            ),
+            other => ApiError(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                json!({ "errorKind": "internal", "message": other.to_string() }),
+            ),
+        }
+    }
+}
+
+impl From<PromptRefused> for ApiError {
+    fn from(e: PromptRefused) -> Self {
+        match e {
+            PromptRefused::Invalid(s) => ApiError(
+                StatusCode::BAD_REQUEST,
+                json!({ "errorKind": "invalid_params", "message": s.to_string(), "step": s.path }),
+            ),
+            PromptRefused::Overloaded => ApiError(
+                StatusCode::TOO_MANY_REQUESTS,
+                json!({ "errorKind": "overloaded", "retryable": true, "message": e.to_string() }),
+            ),
+            PromptRefused::SessionClosed => ApiError(
+                StatusCode::CONFLICT,
+                json!({ "errorKind": "session_closed", "message": e.to_string() }),
+            ),
+        }
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+fn session_id(raw: &str) -> ApiResult<SessionId> {
+    SessionId::parse(raw).ok_or_else(|| SessionError::Unknown(SessionId::from_u128(0)).into())
+}
+
+async fn open(st: &AppState, raw: &str) -> ApiResult<SessionHandle> {
+    let id = SessionId::parse(raw).ok_or_else(|| {
+        ApiError(
+            StatusCode::NOT_FOUND,
+            json!({ "errorKind": "unknown_session", "message": format!("unknown session {raw}"), "sessionId": raw }),
+        )
+    })?;
+    Ok(st.sessions.open(id).await?)
+}
+
+/// The JSON envelope of one event: `{seq, type, promptId?, turnId?, ts, data}`.
+pub fn envelope(rec: &EventRecord) -> Value {
+    let mut data = serde_json::to_value(&rec.body).expect("events serialize");
+    let kind = data
+        .as_object_mut()
+        .and_then(|o| o.remove("type"))
+        .unwrap_or(Value::Null);
+    if let EventBody::TurnError { .. } = rec.body {
+        data["sessionId"] = json!(rec.session.to_string());
+        data["promptId"] = json!(rec.prompt.map(|p| p.to_string()));
+    }
+    let mut env = json!({ "seq": rec.seq, "type": kind, "ts": rec.ts_ms, "data": data });
+    if let Some(p) = rec.prompt {
+        env["promptId"] = json!(p.to_string());
+    }
+    if let Some(t) = rec.turn {
+        env["turnId"] = json!(t.0);
+    }
+    env
+}
+
+fn snapshot_json(snap: &Snapshot) -> Value {
+    json!({
+        "state": snap.state.as_str(),
+        "activePromptId": snap.active_prompt.map(|p| p.to_string()),
+        "queued": snap.queued.iter().map(PromptId::to_string).collect::<Vec<_>>(),
+        "pendingPermission": Value::Null,
+        "lastTurnError": snap.last_turn_error.as_ref().map(|e| {
+            let env = envelope(e);
+            let mut data = env["data"].clone();
+            data["seq"] = env["seq"].clone();
+            data
+        }),
+        "lastSeq": snap.last_seq,
+    })
+}
+
+fn session_json(rec: &tiller_store::SessionRecord) -> Value {
+    json!({
+        "id": rec.id.to_string(),
+        "cwd": rec.cwd,
+        "title": rec.title,
+        "createdAt": rec.created_ms,
+        "updatedAt": rec.updated_ms,
+    })
+}
+
+#[derive(Deserialize)]
+pub struct ListQuery {
+    cursor: Option<String>,
+    limit: Option<usize>,
+}
+
+pub async fn list_sessions(
+    State(st): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> ApiResult<Json<Value>> {
+    let page = st
+        .sessions
+        .list(q.cursor.as_deref(), q.limit.unwrap_or(50).clamp(1, 500))
+        .await?;
+    Ok(Json(json!({
+        "sessions": page.sessions.iter().map(session_json).collect::<Vec<_>>(),
+        "nextCursor": page.next_cursor,
+    })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateBody {
+    cwd: Option<String>,
+    engine: Option<String>,
+    title: Option<String>,
+}
+
+pub async fn create_session(
+    State(st): State<AppState>,
+    body: Option<Json<CreateBody>>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let body = body.map(|Json(b)| b).unwrap_or(CreateBody {
+        cwd: None,
+        engine: None,
+        title: None,
+    });
+    if let Some(e) = &body.engine
+        && e != &st.engine
+    {
+        return Err(bad_request(format!(
+            "unknown engine `{e}` (this daemon runs `{}`)",
+            st.engine
+        )));
+    }
+    let cwd = body.cwd.unwrap_or_else(|| "/".into());
+    let handle = st.sessions.create(cwd, body.title).await?;
+    let rec = st.sessions.record(handle.id()).await?;
+    Ok((StatusCode::CREATED, Json(session_json(&rec))))
+}
+
+pub async fn get_session(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let handle = open(&st, &id).await?;
+    let rec = st.sessions.record(handle.id()).await?;
+    let snap = handle.snapshot().await?;
+    let mut v = session_json(&rec);
+    if let (Some(o), Value::Object(s)) = (v.as_object_mut(), snapshot_json(&snap)) {
+        o.extend(s);
+    }
+    Ok(Json(v))
+}
+
+pub async fn close_session(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    open(&st, &id).await?.close().await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PromptBody {
+    text: Option<String>,
+    content: Option<Vec<Value>>,
+    #[allow(dead_code)] // accepted for clients that tag their prompts
+    client_id: Option<String>,
+}
+
+fn prompt_text(body: &PromptBody) -> ApiResult<String> {
+    match (&body.text, &body.content) {
+        (Some(t), None) => Ok(t.clone()),
+        (None, Some(blocks)) => Ok(blocks
+            .iter()
+            .filter(|b| b["type"] == "text")
+            .filter_map(|b| b["text"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n")),
+        _ => Err(bad_request("give exactly one of `text` or `content`")),
+    }
+}
+
+pub async fn post_prompt(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    Json(body): Json<PromptBody>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let text = prompt_text(&body)?;
+    let handle = open(&st, &id).await?;
+    // Answered once the prompt is stored; its terminal arrives on the stream.
+    let (prompt, _settled) = handle.prompt(text, Origin::Interactive).await??;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({ "promptId": prompt.to_string() })),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct SteerBody {
+    text: String,
+    idle_behavior: Option<String>,
+}
+
+pub async fn post_steer(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    Json(body): Json<SteerBody>,
+) -> ApiResult<Json<Value>> {
+    let prompt_required = match body.idle_behavior.as_deref() {
+        None => false,
+        Some("promptRequired") => true,
+        Some(other) => {
+            return Err(bad_request(format!(
+                "unknown idleBehavior `{other}`; expected \"promptRequired\""
+            )));
+        }
+    };
+    let handle = open(&st, &id).await?;
+    let answer = handle.steer(body.text, prompt_required).await??;
+    Ok(Json(match answer.outcome {
+        SteerOutcome::Injected { .. } => {
+            json!({ "outcome": "injected", "steerId": answer.steer.to_string() })
+        }
+        SteerOutcome::StartedNewTurn { prompt } => {
+            json!({ "outcome": "startedNewTurn", "promptId": prompt.to_string() })
+        }
+        SteerOutcome::PromptRequired(why) => json!({
+            "outcome": "promptRequired",
+            "reason": match why {
+                SteerRefusal::NoRunningTurn => "noRunningTurn",
+                SteerRefusal::TurnCancelling => "turnCancelling",
+            },
+        }),
+    }))
+}
+
+pub async fn post_cancel(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    open(&st, &id).await?.cancel()?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+pub async fn post_permission(
+    State(st): State<AppState>,
+    Path((id, req_id)): Path<(String, String)>,
+) -> ApiResult<StatusCode> {
+    open(&st, &id).await?;
+    Err(ApiError(
+        StatusCode::NOT_FOUND,
+        json!({
+            "errorKind": "unknown_permission_request",
+            "message": format!("no pending permission request {req_id}"),
+        }),
+    ))
+}
+
+#[derive(Deserialize)]
+pub struct HistoryQuery {
+    before: Option<u64>,
+    limit: Option<usize>,
+}
+
+pub async fn get_history(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    Query(q): Query<HistoryQuery>,
+) -> ApiResult<Json<Value>> {
+    let id = session_id(&id)?;
+    st.sessions.record(id).await?;
+    let limit = q.limit.unwrap_or(100).clamp(1, 1000);
+    let (events, has_more) = st.sessions.history(id, q.before, limit).await?;
+    let next_before = if has_more {
+        events.first().map(|e| e.seq)
+    } else {
+        None
+    };
+    Ok(Json(json!({
+        "events": events.iter().map(envelope).collect::<Vec<_>>(),
+        "nextBefore": next_before,
+        "hasMore": has_more,
+    })))
+}
+
+/// Feeds one SSE stream. Bounded: when its queue is full it is detached
+/// (the stream then tells the client to resync) and never slows the session.
+struct SseSubscriber {
+    tx: mpsc::Sender<Arc<EventRecord>>,
+    evicted: Arc<AtomicBool>,
+}
+
+impl Subscriber for SseSubscriber {
+    fn deliver(&self, event: &Arc<EventRecord>) -> bool {
+        match self.tx.try_send(event.clone()) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.evicted.store(true, Ordering::Release);
+                false
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
+}
+
+/// Unsubscribes when the client goes away.
+struct Detach(SessionHandle, tiller_session::SubscriberId);
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        self.0.unsubscribe(self.1);
+    }
+}
+
+#[derive(Deserialize)]
+pub struct EventsQuery {
+    after: Option<u64>,
+}
+
+fn sse_event(rec: &EventRecord) -> Event {
+    Event::default()
+        .id(rec.seq.to_string())
+        .event("event")
+        .data(envelope(rec).to_string())
+}
+
+/// `GET /api/sessions/:id/events`: `session_snapshot` first, then the events
+/// after `Last-Event-ID` (or `?after=`) from the log, then live ones. The
+/// subscription is made before the replay is read, so nothing falls between.
+pub async fn events(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    Query(q): Query<EventsQuery>,
+    headers: HeaderMap,
+) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
+    let handle = open(&st, &id).await?;
+    let after = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .or(q.after);
+    let (tx, mut rx) = mpsc::channel(st.subscriber_queue);
+    let evicted = Arc::new(AtomicBool::new(false));
+    let sub = st.sessions.subscriber_id();
+    let snap = handle
+        .subscribe(
+            sub,
+            Box::new(SseSubscriber {
+                tx,
+                evicted: evicted.clone(),
+            }),
+        )
+        .await?;
+    let sessions = st.sessions.clone();
+    let session = handle.id();
+    let detach = Detach(handle, sub);
+    let stream = async_stream(move |out| async move {
+        let _detach = detach;
+        let last = snap.last_seq;
+        out.send(
+            Event::default()
+                .event("session_snapshot")
+                .data(snapshot_json(&snap).to_string()),
+        )
+        .await;
+        if let Some(mut from) = after {
+            // Replay what the client missed, page by page, up to `last`.
+            while from < last {
+                let Ok(page) = sessions.events_after(session, from, 500).await else {
+                    break;
+                };
+                if page.is_empty() {
+                    break;
+                }
+                for rec in page.iter().filter(|e| e.seq <= last) {
+                    out.send(sse_event(rec)).await;
+                }
+                from = page.last().map_or(last, |e| e.seq);
+            }
+        }
+        while let Some(rec) = rx.recv().await {
+            if rec.seq > last {
+                out.send(sse_event(&rec)).await;
+            }
+        }
+        if evicted.load(Ordering::Acquire) {
+            metrics::counter!("tiller_sse_resyncs_total").increment(1);
+            out.send(
+                Event::default()
+                    .event("resync")
+                    .data(json!({ "reason": "slow_subscriber" }).to_string()),
+            )
+            .await;
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
+
+/// Where an SSE producer writes.
+struct Out(mpsc::Sender<Event>);
+
+impl Out {
+    async fn send(&self, e: Event) {
+        let _ = self.0.send(e).await;
+    }
+}
+
+/// A stream fed by an async producer (ends when the producer does, or is
+/// dropped with the response when the client goes away).
+fn async_stream<F, Fut>(producer: F) -> impl Stream<Item = Result<Event, Infallible>>
+where
+    F: FnOnce(Out) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(64);
+    let task = tokio::spawn(producer(Out(tx)));
+    let abort = AbortOnDrop(task);
+    futures::stream::unfold((rx, abort), |(mut rx, abort)| async move {
+        rx.recv().await.map(|e| (Ok(e), (rx, abort)))
+    })
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
