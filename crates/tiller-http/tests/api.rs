@@ -1,0 +1,338 @@
+//! The HTTP API through the router, without a socket (`oneshot`), with real
+//! sessions and a real store.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use metrics_exporter_prometheus::PrometheusBuilder;
+use serde_json::{Value, json};
+use tiller_core::TurnConfig;
+use tiller_engine::ScriptedEngine;
+use tiller_http::{AppState, auth::AuthConfig, router};
+use tiller_session::{SessionConfig, Sessions};
+use tiller_store::Store;
+use tokio::sync::Semaphore;
+use tower::ServiceExt;
+
+struct App {
+    state: AppState,
+    _dir: tempfile::TempDir,
+}
+
+async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("t.db")).unwrap();
+    let sessions = Sessions::start(
+        store,
+        Arc::new(ScriptedEngine),
+        SessionConfig {
+            turn: TurnConfig {
+                max_queued_prompts: 1,
+                ..TurnConfig::default()
+            },
+            max_sessions: 100,
+            loops: Default::default(),
+        },
+    )
+    .await
+    .unwrap();
+    let state = AppState {
+        sessions,
+        acp: tiller_acp::AcpConfig {
+            max_message_bytes: 1 << 20,
+            subscriber_queue: 64,
+            version: "test".into(),
+        },
+        metrics: PrometheusBuilder::new().build_recorder().handle(),
+        permits: Arc::new(Semaphore::new(8)),
+        ready: Arc::new(AtomicBool::new(true)),
+        engine: "scripted".into(),
+        subscriber_queue,
+        auth: Arc::new(auth),
+    };
+    App { state, _dir: dir }
+}
+
+async fn call(app: &App, req: Request<Body>) -> (StatusCode, Value) {
+    let res = router(app.state.clone()).oneshot(req).await.unwrap();
+    let status = res.status();
+    let bytes = res.into_body().collect().await.unwrap().to_bytes();
+    let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    (status, v)
+}
+
+fn get(uri: &str) -> Request<Body> {
+    Request::get(uri)
+        .header("host", "127.0.0.1:4141")
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn post(uri: &str, body: Value) -> Request<Body> {
+    Request::post(uri)
+        .header("host", "127.0.0.1:4141")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+async fn new_session(app: &App) -> String {
+    let (s, v) = call(app, post("/api/sessions", json!({"cwd": "/w"}))).await;
+    assert_eq!(s, StatusCode::CREATED);
+    v["id"].as_str().unwrap().to_owned()
+}
+
+async fn wait_idle(app: &App, id: &str) -> Value {
+    for _ in 0..500 {
+        let (_, v) = call(app, get(&format!("/api/sessions/{id}"))).await;
+        if v["state"] == "idle" {
+            return v;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("session never idle");
+}
+
+#[tokio::test]
+async fn errors_have_the_right_status() {
+    let app = app(AuthConfig::default(), 64).await;
+    let id = new_session(&app).await;
+    let cases = [
+        (
+            get("/api/sessions/nope"),
+            StatusCode::NOT_FOUND,
+            "unknown_session",
+        ),
+        (
+            get("/api/sessions/00000000-0000-4000-8000-000000000000/history"),
+            StatusCode::NOT_FOUND,
+            "unknown_session",
+        ),
+        (
+            post(
+                &format!("/api/sessions/{id}/prompts"),
+                json!({"text": "{\"script\": [{\"x\": 1}]}"}),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_params",
+        ),
+        (
+            post(&format!("/api/sessions/{id}/prompts"), json!({})),
+            StatusCode::BAD_REQUEST,
+            "invalid_params",
+        ),
+        (
+            post(
+                &format!("/api/sessions/{id}/steer"),
+                json!({"text": "x", "idleBehavior": "maybe"}),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_params",
+        ),
+        (
+            post("/api/sessions", json!({"engine": "gpt-9"})),
+            StatusCode::BAD_REQUEST,
+            "invalid_params",
+        ),
+        (
+            post(
+                &format!("/api/sessions/{id}/permissions/p1"),
+                json!({"optionId": "allow"}),
+            ),
+            StatusCode::NOT_FOUND,
+            "unknown_permission_request",
+        ),
+    ];
+    for (req, status, kind) in cases {
+        let uri = req.uri().to_string();
+        let (s, v) = call(&app, req).await;
+        assert_eq!(s, status, "{uri}: {v}");
+        assert_eq!(v["error"]["errorKind"], kind, "{uri}: {v}");
+    }
+}
+
+#[tokio::test]
+async fn prompts_queue_and_overload_is_retryable() {
+    let app = app(AuthConfig::default(), 64).await;
+    let id = new_session(&app).await;
+    let slow = json!({"text": "{\"script\": [{\"sleep_ms\": 2000}]}"});
+    let uri = format!("/api/sessions/{id}/prompts");
+    let (s, v) = call(&app, post(&uri, slow.clone())).await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    let first = v["promptId"].as_str().unwrap().to_owned();
+    let (s, _) = call(&app, post(&uri, slow.clone())).await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    let (s, v) = call(&app, post(&uri, slow)).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(v["error"]["retryable"], true);
+    let (_, snap) = call(&app, get(&format!("/api/sessions/{id}"))).await;
+    assert_eq!(snap["state"], "running");
+    assert_eq!(snap["activePromptId"], first.as_str());
+    assert_eq!(snap["queued"].as_array().unwrap().len(), 1);
+    let (s, _) = call(&app, post(&format!("/api/sessions/{id}/cancel"), json!({}))).await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    let snap = wait_idle(&app, &id).await;
+    assert!(snap["queued"].as_array().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn history_pages_walk_back_to_the_start() {
+    let app = app(AuthConfig::default(), 64).await;
+    let id = new_session(&app).await;
+    let script = json!({"script": [{"repeat": {"times": 30, "steps": [{"say": "x"}]}}]});
+    call(
+        &app,
+        post(
+            &format!("/api/sessions/{id}/prompts"),
+            json!({"text": script.to_string()}),
+        ),
+    )
+    .await;
+    let snap = wait_idle(&app, &id).await;
+    let last = snap["lastSeq"].as_u64().unwrap();
+    let mut seqs = Vec::new();
+    let mut before: Option<u64> = None;
+    loop {
+        let uri = match before {
+            Some(b) => format!("/api/sessions/{id}/history?limit=7&before={b}"),
+            None => format!("/api/sessions/{id}/history?limit=7"),
+        };
+        let (_, page) = call(&app, get(&uri)).await;
+        let mut page_seqs: Vec<u64> = page["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["seq"].as_u64().unwrap())
+            .collect();
+        page_seqs.extend(seqs);
+        seqs = page_seqs;
+        if !page["hasMore"].as_bool().unwrap() {
+            break;
+        }
+        before = page["nextBefore"].as_u64();
+    }
+    assert_eq!(seqs, (1..=last).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn a_slow_sse_subscriber_is_evicted_with_resync_and_the_session_goes_on() {
+    let app = app(AuthConfig::default(), 16).await;
+    let id = new_session(&app).await;
+    // Open the stream but do not read it yet.
+    let res = router(app.state.clone())
+        .oneshot(get(&format!("/api/sessions/{id}/events?after=0")))
+        .await
+        .unwrap();
+    assert_eq!(res.status(), StatusCode::OK);
+    let script = json!({"script": [{"repeat": {"times": 2000, "steps": [{"say": "chunk "}]}}]});
+    call(
+        &app,
+        post(
+            &format!("/api/sessions/{id}/prompts"),
+            json!({"text": script.to_string()}),
+        ),
+    )
+    .await;
+    // The session finishes its turn regardless of the stuck reader.
+    let snap = wait_idle(&app, &id).await;
+    assert!(snap["lastSeq"].as_u64().unwrap() > 2000);
+    // Now read: the stream ends with a resync event.
+    let body = res.into_body().collect().await.unwrap().to_bytes();
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        text.starts_with("event: session_snapshot"),
+        "{}",
+        &text[..100]
+    );
+    assert!(
+        text.trim_end()
+            .ends_with(r#"data: {"reason":"slow_subscriber"}"#),
+        "{}",
+        &text[text.len() - 300..]
+    );
+    assert!(text.contains("event: resync"));
+}
+
+#[tokio::test]
+async fn auth_token_host_and_origin() {
+    let app = app(
+        AuthConfig {
+            token: Some("s3cret".into()),
+            bind: Some("127.0.0.1:4141".parse().unwrap()),
+            allowed_hosts: vec![],
+            allowed_origins: vec!["https://ide.example".into()],
+        },
+        64,
+    )
+    .await;
+    let with = |uri: &str, headers: &[(&str, &str)]| {
+        let mut b = Request::get(uri);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(Body::empty()).unwrap()
+    };
+    let h = ("host", "127.0.0.1:4141");
+    let cases: Vec<(Request<Body>, StatusCode)> = vec![
+        (with("/api/sessions", &[h]), StatusCode::UNAUTHORIZED),
+        (
+            with("/api/sessions", &[h, ("authorization", "Bearer nope")]),
+            StatusCode::UNAUTHORIZED,
+        ),
+        (
+            with("/api/sessions", &[h, ("authorization", "Bearer s3cret")]),
+            StatusCode::OK,
+        ),
+        (with("/api/sessions?token=s3cret", &[h]), StatusCode::OK),
+        (with("/metrics", &[h]), StatusCode::UNAUTHORIZED),
+        (with("/healthz", &[h]), StatusCode::OK),
+        (
+            with(
+                "/api/sessions",
+                &[("host", "evil.example"), ("authorization", "Bearer s3cret")],
+            ),
+            StatusCode::MISDIRECTED_REQUEST,
+        ),
+        (
+            with(
+                "/api/sessions",
+                &[
+                    h,
+                    ("origin", "https://evil.example"),
+                    ("authorization", "Bearer s3cret"),
+                ],
+            ),
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            with(
+                "/api/sessions",
+                &[
+                    h,
+                    ("origin", "https://ide.example"),
+                    ("authorization", "Bearer s3cret"),
+                ],
+            ),
+            StatusCode::OK,
+        ),
+        (
+            with(
+                "/api/sessions",
+                &[
+                    h,
+                    ("origin", "http://127.0.0.1:4141"),
+                    ("authorization", "Bearer s3cret"),
+                ],
+            ),
+            StatusCode::OK,
+        ),
+    ];
+    for (req, want) in cases {
+        let desc = format!("{} {:?}", req.uri(), req.headers());
+        let (s, _) = call(&app, req).await;
+        assert_eq!(s, want, "{desc}");
+    }
+}

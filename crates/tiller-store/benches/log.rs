@@ -1,0 +1,83 @@
+#![allow(clippy::print_stdout)] // a load generator prints its figures
+//! Append throughput and last-page latency for one session with 1,000,000
+//! events. Run: `cargo bench -p tiller-store --bench log [-- N]`.
+
+use std::time::Instant;
+
+use tiller_core::{PromptId, SessionId, TurnId};
+use tiller_store::{SessionRecord, Store, StoredEvent};
+
+#[tokio::main]
+async fn main() {
+    let n: u64 = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(1_000_000);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = Store::open(&dir.path().join("bench.db")).expect("store");
+    let s = SessionId::new();
+    store
+        .create_session(SessionRecord {
+            id: s,
+            cwd: "/".into(),
+            title: None,
+            created_ms: 0,
+            updated_ms: 0,
+            closed: false,
+        })
+        .await
+        .expect("session");
+    let prompt = PromptId::new();
+    let data = r#"{"type":"agent_message_chunk","text":"a streamed chunk of agent text, about this long"}"#;
+    let t0 = Instant::now();
+    for seq in 1..=n {
+        store.append(
+            StoredEvent {
+                session: s,
+                seq,
+                ts_ms: seq as i64,
+                kind: "agent_message_chunk".into(),
+                prompt: Some(prompt),
+                turn: Some(TurnId(seq / 1000 + 1)),
+                data: data.into(),
+            },
+            None,
+        );
+    }
+    store.flush().await.expect("flush");
+    let took = t0.elapsed();
+    println!(
+        "appended {n} events in {:.2} s: {:.0} events/s",
+        took.as_secs_f64(),
+        n as f64 / took.as_secs_f64()
+    );
+
+    let mut samples = Vec::new();
+    for _ in 0..200 {
+        let t = Instant::now();
+        let page = store.history(s, None, 100).await.expect("page");
+        samples.push(t.elapsed().as_secs_f64() * 1e3);
+        assert_eq!(page.events.last().map(|e| e.seq), Some(n));
+    }
+    samples.sort_by(f64::total_cmp);
+    println!(
+        "last page (100 events): p50 {:.3} ms, p99 {:.3} ms",
+        samples[samples.len() / 2],
+        samples[samples.len() * 99 / 100]
+    );
+    let mut mid = Vec::new();
+    for i in 0..200u64 {
+        let t = Instant::now();
+        store
+            .history(s, Some(n / 2 + i * 7), 100)
+            .await
+            .expect("page");
+        mid.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    mid.sort_by(f64::total_cmp);
+    println!(
+        "page in the middle (100 events): p50 {:.3} ms, p99 {:.3} ms",
+        mid[mid.len() / 2],
+        mid[mid.len() * 99 / 100]
+    );
+}
