@@ -242,3 +242,82 @@ export async function rawUnix(daemon) {
     close: () => sock.destroy(),
   };
 }
+
+/** JSON over HTTP against the daemon's API. */
+export async function api(daemon, method, path, body, headers = {}) {
+  const res = await fetch(`${daemon.http}${path}`, {
+    method,
+    headers: { "content-type": "application/json", ...headers },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await res.text();
+  return { status: res.status, body: text ? JSON.parse(text) : null };
+}
+
+/**
+ * Opens the SSE stream of a session with a real HTTP client (fetch).
+ * Returns { next(pred, ms), events, close }. Each event: {event, id, data}.
+ */
+export async function openStream(daemon, sessionId, { after, lastEventId } = {}) {
+  const ctl = new AbortController();
+  const qs = after === undefined ? "" : `?after=${after}`;
+  const headers = lastEventId === undefined ? {} : { "last-event-id": String(lastEventId) };
+  const res = await fetch(`${daemon.http}/api/sessions/${sessionId}/events${qs}`, {
+    headers,
+    signal: ctl.signal,
+  });
+  if (res.status !== 200) throw new Error(`stream: HTTP ${res.status}`);
+  const events = [];
+  const waiters = [];
+  let ended = false;
+  (async () => {
+    const decoder = new TextDecoder();
+    let buf = "";
+    try {
+      for await (const chunk of res.body) {
+        buf += decoder.decode(chunk, { stream: true });
+        let i;
+        while ((i = buf.indexOf("\n\n")) >= 0) {
+          const block = buf.slice(0, i);
+          buf = buf.slice(i + 2);
+          const ev = { event: "message", id: undefined, data: "" };
+          for (const line of block.split("\n")) {
+            if (line.startsWith(":")) continue;
+            const [k, ...rest] = line.split(":");
+            const v = rest.join(":").replace(/^ /, "");
+            if (k === "event") ev.event = v;
+            else if (k === "id") ev.id = Number(v);
+            else if (k === "data") ev.data += v;
+          }
+          if (!ev.data) continue;
+          ev.data = JSON.parse(ev.data);
+          events.push(ev);
+          for (const w of [...waiters]) w();
+        }
+      }
+    } catch {
+      // aborted
+    }
+    ended = true;
+    for (const w of [...waiters]) w();
+  })();
+  return {
+    events,
+    ended: () => ended,
+    async until(pred, ms = 5000) {
+      if (pred()) return;
+      await new Promise((resolve, reject) => {
+        const t = setTimeout(() => reject(new Error("stream condition not met")), ms);
+        const check = () => {
+          if (pred() || ended) {
+            clearTimeout(t);
+            waiters.splice(waiters.indexOf(check), 1);
+            pred() ? resolve() : reject(new Error("stream ended"));
+          }
+        };
+        waiters.push(check);
+      });
+    },
+    close: () => ctl.abort(),
+  };
+}
