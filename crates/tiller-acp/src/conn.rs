@@ -130,7 +130,15 @@ pub async fn serve(
         }
         tokio::select! {
             frame = incoming.recv(), if input_open => match frame {
-                Some(frame) => dispatch(&shared, frame, &inflight),
+                Some(Frame::Text(text)) => match jsonrpc::parse(&text) {
+                    Incoming::Response { id, result } => {
+                        if let Some((session, request_id)) = writer.answered(&id) {
+                            answer_permission(&shared, session, request_id, result);
+                        }
+                    }
+                    other => dispatch(&shared, other, &inflight),
+                },
+                Some(Frame::TooLarge(n)) => too_large(&shared, n, &inflight),
                 None => input_open = false,
             },
             // Wake up to re-check the drain condition.
@@ -156,12 +164,16 @@ pub async fn serve(
     metrics::gauge!("tiller_connections_active", "transport" => transport).decrement(1.0);
 }
 
-/// The writer loop's view: which subscription is current per session and
-/// what is buffered during a replay.
+/// The writer loop's view: which subscription is current per session,
+/// what is buffered during a replay, and the permission requests we sent.
 #[derive(Default)]
 struct Writer {
     current: HashMap<SessionId, SubscriberId>,
     buffering: HashMap<SessionId, Vec<Arc<EventRecord>>>,
+    /// Our JSON-RPC id -> (session, permission request id).
+    asked: HashMap<String, (SessionId, String)>,
+    /// Counter for our request ids.
+    next_request: u64,
 }
 
 impl Writer {
@@ -185,7 +197,7 @@ impl Writer {
                     buf.push(rec);
                     return vec![];
                 }
-                live_messages(&rec)
+                self.live(&rec)
             }
             Out::Replayed {
                 session,
@@ -201,7 +213,7 @@ impl Writer {
                     .collect();
                 for rec in self.buffering.remove(&session).unwrap_or_default() {
                     if rec.seq > last {
-                        msgs.extend(live_messages(&rec));
+                        msgs.extend(self.live(&rec));
                     }
                 }
                 if !response.is_empty() {
@@ -210,6 +222,42 @@ impl Writer {
                 msgs
             }
         }
+    }
+}
+
+impl Writer {
+    /// What a live event becomes for this client: updates, extension
+    /// notifications, and permission requests (or their withdrawal).
+    fn live(&mut self, rec: &EventRecord) -> Vec<String> {
+        let mut msgs = live_messages(rec);
+        if let Some((request_id, params)) = map::permission_request(rec) {
+            self.next_request += 1;
+            let id = format!("tiller-{}", self.next_request);
+            msgs.push(jsonrpc::request(&id, "session/request_permission", params));
+            self.asked.insert(id, (rec.session, request_id));
+        }
+        if let tiller_session::EventBody::PermissionResolved { request_id, .. } = &rec.body {
+            // Answered elsewhere (or the turn ended): withdraw our request.
+            let ours: Vec<String> = self
+                .asked
+                .iter()
+                .filter(|(_, (s, r))| *s == rec.session && r == request_id)
+                .map(|(id, _)| id.clone())
+                .collect();
+            for id in ours {
+                self.asked.remove(&id);
+                msgs.push(jsonrpc::notification(
+                    "$/cancel_request",
+                    json!({ "requestId": id }),
+                ));
+            }
+        }
+        msgs
+    }
+
+    /// A client's answer to one of our requests.
+    fn answered(&mut self, id: &Value) -> Option<(SessionId, String)> {
+        self.asked.remove(id.as_str()?)
     }
 }
 
@@ -231,25 +279,44 @@ fn live_messages(rec: &EventRecord) -> Vec<String> {
     msgs
 }
 
-fn dispatch(shared: &Arc<Shared>, frame: Frame, inflight: &Arc<()>) {
-    let text = match frame {
-        Frame::Text(t) => t,
-        Frame::TooLarge(n) => {
-            let e = RpcError::new(
-                code::INVALID_REQUEST,
-                format!(
-                    "message of {n} bytes exceeds limits.max_message_bytes ({})",
-                    shared.config.max_message_bytes
-                ),
-            )
-            .with_data(json!({ "maxMessageBytes": shared.config.max_message_bytes }));
-            send_raw(shared, jsonrpc::error(&Value::Null, &e), inflight);
-            return;
-        }
+fn too_large(shared: &Arc<Shared>, n: usize, inflight: &Arc<()>) {
+    let e = RpcError::new(
+        code::INVALID_REQUEST,
+        format!(
+            "message of {n} bytes exceeds limits.max_message_bytes ({})",
+            shared.config.max_message_bytes
+        ),
+    )
+    .with_data(json!({ "maxMessageBytes": shared.config.max_message_bytes }));
+    send_raw(shared, jsonrpc::error(&Value::Null, &e), inflight);
+}
+
+/// Hands a client's permission answer to its session.
+fn answer_permission(
+    shared: &Arc<Shared>,
+    session: SessionId,
+    request_id: String,
+    result: Result<Value, Value>,
+) {
+    let option = match &result {
+        Ok(v) => map::permission_choice(v).unwrap_or_else(|| "reject_once".into()),
+        // A client that errors on the request denies it.
+        Err(_) => "reject_once".into(),
     };
-    match jsonrpc::parse(&text) {
+    let shared = shared.clone();
+    tokio::spawn(async move {
+        if let Ok(h) = shared.sessions.open(session).await
+            && let Ok(Err(e)) = h.permission(request_id, option).await
+        {
+            tracing::debug!(error = %e, "late permission answer ignored");
+        }
+    });
+}
+
+fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: &Arc<()>) {
+    match msg {
         Incoming::Invalid { id, error } => send_raw(shared, jsonrpc::error(&id, &error), inflight),
-        Incoming::Response => {}
+        Incoming::Response { .. } => {}
         Incoming::Notification { method, params } => {
             if method == "session/cancel" {
                 let shared = shared.clone();

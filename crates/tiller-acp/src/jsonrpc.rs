@@ -63,8 +63,11 @@ pub enum Incoming {
         method: String,
         params: Value,
     },
-    /// A response to a request we sent (none yet; ignored).
-    Response,
+    /// A response to a request we sent.
+    Response {
+        id: Value,
+        result: Result<Value, Value>,
+    },
     /// Not JSON-RPC at all: answer with this error (id when one was readable).
     Invalid {
         id: Value,
@@ -122,7 +125,14 @@ pub fn parse(frame: &str) -> Incoming {
             };
         }
         None if obj.contains_key("result") || obj.contains_key("error") => {
-            return Incoming::Response;
+            let result = match obj.remove("error") {
+                Some(e) => Err(e),
+                None => Ok(obj.remove("result").unwrap_or(Value::Null)),
+            };
+            return Incoming::Response {
+                id: id.unwrap_or(Value::Null),
+                result,
+            };
         }
         None => {
             return Incoming::Invalid {
@@ -146,6 +156,11 @@ pub fn response(id: &Value, result: Value) -> String {
 /// An error response.
 pub fn error(id: &Value, error: &RpcError) -> String {
     json!({ "jsonrpc": "2.0", "id": id, "error": error.to_json() }).to_string()
+}
+
+/// A request from us to the client.
+pub fn request(id: &str, method: &str, params: Value) -> String {
+    json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params }).to_string()
 }
 
 /// A notification.

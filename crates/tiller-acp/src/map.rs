@@ -1,8 +1,10 @@
 //! Mapping between the session log and ACP's wire types.
 
 use agent_client_protocol::v1::schema::{
-    ContentBlock, ContentChunk, SessionNotification, SessionUpdate, StopReason as AcpStop,
-    ToolCall, ToolCallContent, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
+    ContentBlock, ContentChunk, PermissionOption, PermissionOptionKind, RequestPermissionOutcome,
+    RequestPermissionRequest, RequestPermissionResponse, SessionNotification, SessionUpdate,
+    StopReason as AcpStop, ToolCall, ToolCallContent, ToolCallStatus, ToolCallUpdate,
+    ToolCallUpdateFields, ToolKind,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
@@ -70,6 +72,55 @@ fn tool_status(s: ToolStatus) -> ToolCallStatus {
         ToolStatus::Completed => ToolCallStatus::Completed,
         ToolStatus::Failed => ToolCallStatus::Failed,
     }
+}
+
+/// The `session/request_permission` params for a `permission_requested`.
+pub fn permission_request(rec: &EventRecord) -> Option<(String, Value)> {
+    let EventBody::PermissionRequested {
+        request_id,
+        tool_call_id,
+        title,
+        options,
+    } = &rec.body
+    else {
+        return None;
+    };
+    let options = options
+        .iter()
+        .map(|o| {
+            let kind = match o.kind.as_str() {
+                "allow_always" => PermissionOptionKind::AllowAlways,
+                "reject_once" => PermissionOptionKind::RejectOnce,
+                "reject_always" => PermissionOptionKind::RejectAlways,
+                _ => PermissionOptionKind::AllowOnce,
+            };
+            PermissionOption::new(o.option_id.clone(), o.name.clone(), kind)
+        })
+        .collect();
+    let req = RequestPermissionRequest::new(
+        rec.session.to_string(),
+        ToolCallUpdate::new(
+            tool_call_id.clone(),
+            ToolCallUpdateFields::new().title(title.clone()),
+        ),
+        options,
+    );
+    Some((
+        request_id.clone(),
+        serde_json::to_value(req).expect("serialize"),
+    ))
+}
+
+/// The option a `session/request_permission` response selected
+/// (`cancelled` when the client cancelled).
+pub fn permission_choice(result: &Value) -> Option<String> {
+    let res: RequestPermissionResponse = serde_json::from_value(result.clone()).ok()?;
+    Some(match res.outcome {
+        RequestPermissionOutcome::Selected(s) => s.option_id.0.to_string(),
+        RequestPermissionOutcome::Cancelled => "reject_once".into(),
+        #[allow(unreachable_patterns)]
+        _ => "reject_once".into(),
+    })
 }
 
 /// `_tiller/*` notifications an event produces for live subscribers.

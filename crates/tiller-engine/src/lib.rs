@@ -22,6 +22,38 @@ pub enum Update {
     Thought(String),
 }
 
+/// What a tool does, which decides whether it needs permission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolKind {
+    Read,
+    Edit,
+    Execute,
+    Other,
+}
+
+impl ToolKind {
+    /// The kind of the built-in tools, by name.
+    pub fn of(name: &str) -> ToolKind {
+        match name {
+            "read_file" | "list_dir" | "glob" | "grep" => ToolKind::Read,
+            "write_file" | "edit" => ToolKind::Edit,
+            "shell" => ToolKind::Execute,
+            _ => ToolKind::Other,
+        }
+    }
+
+    /// Parses `read`, `edit`, `execute`, `other`.
+    pub fn parse(s: &str) -> Option<ToolKind> {
+        Some(match s {
+            "read" => ToolKind::Read,
+            "edit" => ToolKind::Edit,
+            "execute" => ToolKind::Execute,
+            "other" => ToolKind::Other,
+            _ => return None,
+        })
+    }
+}
+
 /// One tool call requested by an engine.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ToolCall {
@@ -29,6 +61,8 @@ pub struct ToolCall {
     pub id: String,
     /// The tool's name.
     pub name: String,
+    /// What it does.
+    pub kind: ToolKind,
     /// Its arguments.
     pub input: serde_json::Value,
     /// For the scripted engine: the outcome the simulated execution returns.

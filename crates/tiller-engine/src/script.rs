@@ -16,6 +16,8 @@ pub struct Script {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ToolStep {
     pub name: String,
+    /// `kind` in the script, else the kind of the built-in tool of that name.
+    pub kind: crate::ToolKind,
     pub input: Value,
     pub ok: bool,
     pub output: String,
@@ -227,7 +229,7 @@ fn tool(v: &Value, path: &str) -> Result<ToolStep, ScriptError> {
             "expected {\"name\", \"input\", \"outcome\", \"output\"}",
         ));
     };
-    check_keys(t, path, &["name", "input", "outcome", "output"])?;
+    check_keys(t, path, &["name", "input", "outcome", "output", "kind"])?;
     let name = t
         .get("name")
         .ok_or_else(|| err(path, "missing `name`"))
@@ -247,8 +249,18 @@ fn tool(v: &Value, path: &str) -> Result<ToolStep, ScriptError> {
         Some(Value::String(s)) => s.clone(),
         Some(other) => other.to_string(),
     };
+    let kind = match t.get("kind") {
+        None => crate::ToolKind::of(&name),
+        Some(k) => k.as_str().and_then(crate::ToolKind::parse).ok_or_else(|| {
+            err(
+                &format!("{path}.kind"),
+                "expected \"read\", \"edit\", \"execute\" or \"other\"",
+            )
+        })?,
+    };
     Ok(ToolStep {
         name,
+        kind,
         input: t.get("input").cloned().unwrap_or(Value::Object(Map::new())),
         ok,
         output,
@@ -289,6 +301,7 @@ mod tests {
             s.steps[2],
             Step::Tools(vec![ToolStep {
                 name: "read".into(),
+                kind: crate::ToolKind::Other,
                 input: serde_json::json!({"p": 1}),
                 ok: false,
                 output: "nope".into()

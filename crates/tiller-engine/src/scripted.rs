@@ -157,6 +157,7 @@ impl Run {
                         self.next_tool += 1;
                         ToolCall {
                             id: format!("t{}-{}", self.turn, self.next_tool),
+                            kind: c.kind,
                             name: c.name,
                             input: c.input,
                             simulated: Some(ToolOutput {

@@ -17,7 +17,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tiller_core::{Origin, PromptId, SessionId, SteerOutcome, SteerRefusal};
 use tiller_session::{
-    EventBody, EventRecord, PromptRefused, SessionError, SessionHandle, Snapshot, Subscriber,
+    EventBody, EventRecord, PermissionRefused, PromptRefused, SessionError, SessionHandle,
+    Snapshot, Subscriber,
 };
 use tokio::sync::mpsc;
 
@@ -119,7 +120,11 @@ fn snapshot_json(snap: &Snapshot) -> Value {
         "state": snap.state.as_str(),
         "activePromptId": snap.active_prompt.map(|p| p.to_string()),
         "queued": snap.queued.iter().map(PromptId::to_string).collect::<Vec<_>>(),
-        "pendingPermission": Value::Null,
+        "pendingPermission": snap.pending_permission.as_ref().map(|e| {
+            let mut data = envelope(e)["data"].clone();
+            data["promptId"] = json!(e.prompt.map(|p| p.to_string()));
+            data
+        }),
         "lastTurnError": snap.last_turn_error.as_ref().map(|e| {
             let env = envelope(e);
             let mut data = env["data"].clone();
@@ -298,18 +303,26 @@ pub async fn post_cancel(
     Ok(StatusCode::ACCEPTED)
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PermissionBody {
+    option_id: String,
+}
+
 pub async fn post_permission(
     State(st): State<AppState>,
     Path((id, req_id)): Path<(String, String)>,
+    Json(body): Json<PermissionBody>,
 ) -> ApiResult<StatusCode> {
-    open(&st, &id).await?;
-    Err(ApiError(
-        StatusCode::NOT_FOUND,
-        json!({
-            "errorKind": "unknown_permission_request",
-            "message": format!("no pending permission request {req_id}"),
-        }),
-    ))
+    let handle = open(&st, &id).await?;
+    match handle.permission(req_id, body.option_id).await? {
+        Ok(()) => Ok(StatusCode::NO_CONTENT),
+        Err(e @ PermissionRefused::Unknown(_)) => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            json!({ "errorKind": "unknown_permission_request", "message": e.to_string() }),
+        )),
+        Err(e @ PermissionRefused::BadOption(_)) => Err(bad_request(e.to_string())),
+    }
 }
 
 #[derive(Deserialize)]

@@ -35,6 +35,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
             },
             max_sessions: 100,
             loops: Default::default(),
+            permission_mode: Default::default(),
         },
     )
     .await

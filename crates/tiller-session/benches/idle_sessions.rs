@@ -37,6 +37,7 @@ async fn main() {
             turn: TurnConfig::default(),
             max_sessions: n + 1,
             loops: Default::default(),
+            permission_mode: Default::default(),
         },
     )
     .await

@@ -20,9 +20,10 @@ use tokio::sync::oneshot;
 use tracing::{Instrument, Span};
 
 use crate::event::{EventBody, EventRecord};
-use crate::tools;
+use crate::tools::{Batch, Decision, Permissions, Progress};
 use crate::{
-    PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber, SubscriberId, TurnState,
+    PermissionRefused, PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber,
+    SubscriberId, TurnState,
 };
 
 /// How a prompt's terminal is reported to its owner.
@@ -52,6 +53,12 @@ pub enum SessionMsg {
     },
     /// `session/cancel`.
     Cancel,
+    /// A person's answer to a permission request.
+    Permission {
+        request_id: String,
+        option_id: String,
+        reply: oneshot::Sender<Result<(), PermissionRefused>>,
+    },
     /// A signal from this session's engine.
     Engine(EngineSignal),
     /// A timer armed by the core fired.
@@ -98,11 +105,15 @@ struct Pending {
 /// The running engine and the turn it serves.
 struct RunningEngine {
     turn: TurnId,
+    /// The prompt that owns the turn.
+    prompt: PromptId,
     /// Labels loop metrics.
     origin: Origin,
     handle: EngineHandle,
     /// This turn's loop guard (fresh per turn, dropped at settle).
     guard: LoopGuard,
+    /// The tool batch going through the pipeline (paused on a permission).
+    batch: Option<Batch>,
     /// The turn's tracing span.
     span: Span,
 }
@@ -115,6 +126,10 @@ pub struct SessionState {
     store: Store,
     /// Loop protection settings for each new turn's guard.
     loops: LoopConfig,
+    /// The permission mode and the tools allowed for the whole session.
+    permissions: Permissions,
+    /// The `permission_requested` the running turn waits on.
+    pending_permission: Option<Arc<EventRecord>>,
     /// The last sequence number published.
     seq: u64,
     /// The last `turn_error`, while no newer turn has started (survives a
@@ -173,6 +188,8 @@ impl Actor for SessionActor {
             engine: args.engine,
             store: args.store,
             loops: args.config.loops.clone(),
+            permissions: Permissions::new(args.config.permission_mode),
+            pending_permission: None,
             seq: args.head.last_seq,
             last_turn_error,
             pending: HashMap::new(),
@@ -252,6 +269,26 @@ impl SessionState {
                 .await;
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
+            SessionMsg::Permission {
+                request_id,
+                option_id,
+                reply,
+            } => {
+                let trip = match self.permission(&request_id, &option_id) {
+                    Ok(trip) => {
+                        let _ = reply.send(Ok(()));
+                        trip
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        None
+                    }
+                };
+                if let (Some(loop_type), Some((_, turn))) = (trip, self.core.active()) {
+                    self.feed(myself, Input::LoopTrip { turn, loop_type }, None)
+                        .await;
+                }
+            }
             SessionMsg::Subscribe {
                 id,
                 subscriber,
@@ -565,6 +602,7 @@ impl SessionState {
                     );
                 }
                 Effect::AbortEngine { turn, teardown } => {
+                    self.abandon_permission(turn);
                     if let Some(run) = self.running.as_ref().filter(|r| r.turn == turn) {
                         run.handle.send(EngineInput::Abort);
                         if teardown {
@@ -654,9 +692,11 @@ impl SessionState {
         };
         self.running = Some(RunningEngine {
             turn,
+            prompt,
             origin,
             handle,
             guard: LoopGuard::new(self.loops.clone()),
+            batch: None,
             span,
         });
     }
@@ -675,10 +715,11 @@ impl SessionState {
                 (vec![EventBody::AgentThoughtChunk { text }], None)
             }
             SignalKind::ToolBatch(calls) => {
-                let out = tools::run_batch(&calls, &mut run.guard);
-                // The engine learns every result, skipped calls included.
-                run.handle.send(EngineInput::ToolResults(out.results));
-                (out.events, out.trip)
+                let mut batch = Batch::new(calls);
+                let mut events = Vec::new();
+                let progress = batch.advance(&mut run.guard, &self.permissions, &mut events);
+                run.batch = Some(batch);
+                (events, batch_progress(run, progress))
             }
             _ => (Vec::new(), None),
         };
@@ -699,6 +740,55 @@ impl SessionState {
         trip
     }
 
+    /// Applies a person's decision to the paused batch. Returns a loop trip
+    /// found while the batch went on.
+    fn permission(
+        &mut self,
+        request_id: &str,
+        option_id: &str,
+    ) -> Result<Option<LoopType>, PermissionRefused> {
+        let unknown = || PermissionRefused::Unknown(request_id.to_owned());
+        let prompt = self.core.active().map(|(p, _)| p);
+        let run = self.running.as_mut().ok_or_else(unknown)?;
+        let batch = run.batch.as_mut().ok_or_else(unknown)?;
+        if batch.waiting().map(|(w, _)| w.request_id.as_str()) != Some(request_id) {
+            return Err(unknown());
+        }
+        let decision = Decision::from_option(option_id)
+            .ok_or_else(|| PermissionRefused::BadOption(option_id.to_owned()))?;
+        let mut events = Vec::new();
+        let progress = batch.decide(decision, &mut run.guard, &mut self.permissions, &mut events);
+        let turn = run.turn;
+        let trip = batch_progress(run, progress);
+        for body in events {
+            self.publish(prompt, Some(turn), body);
+        }
+        Ok(trip)
+    }
+
+    /// A turn that ends (cancel, settle) while a call waits for permission
+    /// resolves the request as cancelled, so no call stays pending.
+    fn abandon_permission(&mut self, turn: TurnId) {
+        let Some(run) = self.running.as_mut().filter(|r| r.turn == turn) else {
+            return;
+        };
+        let prompt = Some(run.prompt);
+        let Some(batch) = run.batch.as_mut().filter(|b| b.waiting().is_some()) else {
+            return;
+        };
+        let mut events = Vec::new();
+        let progress = batch.decide(
+            Decision::Cancelled,
+            &mut run.guard,
+            &mut self.permissions,
+            &mut events,
+        );
+        batch_progress(run, progress);
+        for body in events {
+            self.publish(prompt, Some(turn), body);
+        }
+    }
+
     async fn settle(
         &mut self,
         prompt: PromptId,
@@ -711,6 +801,9 @@ impl SessionState {
         if turn.is_none() {
             // A queued prompt settled without running.
             metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
+        }
+        if let Some(t) = turn {
+            self.abandon_permission(t);
         }
         if let Some(run) = self.running.take_if(|r| Some(r.turn) == turn) {
             run.span
@@ -777,6 +870,7 @@ impl SessionState {
                 .last_turn_error
                 .clone()
                 .filter(|_| state == TurnState::Idle),
+            pending_permission: self.pending_permission.clone(),
             last_seq: self.seq,
         }
     }
@@ -797,6 +891,8 @@ impl SessionState {
             body,
         });
         match rec.body {
+            EventBody::PermissionRequested { .. } => self.pending_permission = Some(rec.clone()),
+            EventBody::PermissionResolved { .. } => self.pending_permission = None,
             EventBody::TurnError { .. } => self.last_turn_error = Some(rec.clone()),
             // Newer turn content supersedes the error.
             EventBody::PromptStarted { .. } => self.last_turn_error = None,
@@ -839,6 +935,25 @@ impl SessionState {
             tracing::error!(error = %e, seq = rec.seq, "durable append failed");
         }
         self.fan_out(&rec);
+    }
+}
+
+/// Hands a batch's results to the engine once it is done. Returns the loop
+/// trip that stopped it, if any.
+fn batch_progress(run: &mut RunningEngine, progress: Progress) -> Option<LoopType> {
+    match progress {
+        Progress::Waiting => None,
+        Progress::Done(results) => {
+            run.batch = None;
+            run.handle.send(EngineInput::ToolResults(results));
+            None
+        }
+        Progress::Tripped(loop_type, results) => {
+            run.batch = None;
+            // The engine learns every result, skipped calls included.
+            run.handle.send(EngineInput::ToolResults(results));
+            Some(loop_type)
+        }
     }
 }
 

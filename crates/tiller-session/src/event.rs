@@ -33,6 +33,16 @@ pub struct ToolError {
     pub message: String,
 }
 
+/// One choice of a permission request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PermissionOption {
+    pub option_id: String,
+    pub name: String,
+    /// `allow_once`, `allow_always`, `reject_once`.
+    pub kind: String,
+}
+
 /// One entry of a session's log.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(
@@ -72,6 +82,19 @@ pub enum EventBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<ToolError>,
     },
+    /// A tool call waits for a person's decision.
+    PermissionRequested {
+        request_id: String,
+        tool_call_id: String,
+        title: String,
+        options: Vec<PermissionOption>,
+    },
+    /// The decision (an option id, or `cancelled`).
+    PermissionResolved {
+        request_id: String,
+        tool_call_id: String,
+        outcome: String,
+    },
     /// A steer joined the running turn.
     SteerAccepted { steer_id: String, text: String },
     /// The engine made the steer part of the conversation.
@@ -110,6 +133,8 @@ impl EventBody {
             EventBody::AgentThoughtChunk { .. } => "agent_thought_chunk",
             EventBody::ToolCall { .. } => "tool_call",
             EventBody::ToolCallUpdate { .. } => "tool_call_update",
+            EventBody::PermissionRequested { .. } => "permission_requested",
+            EventBody::PermissionResolved { .. } => "permission_resolved",
             EventBody::SteerAccepted { .. } => "steer_accepted",
             EventBody::SteerConsumed { .. } => "steer_consumed",
             EventBody::SteerDropped { .. } => "steer_dropped",

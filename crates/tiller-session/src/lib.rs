@@ -18,8 +18,10 @@ use tiller_store::{SessionPage, Store, StoreError};
 use tokio::sync::oneshot;
 
 pub use actor::{SessionMsg, Settlement};
-pub use event::{EventBody, EventRecord, ToolError, ToolStatus};
+pub use event::{EventBody, EventRecord, PermissionOption, ToolError, ToolStatus};
 use registry::{Registry, RegistryArgs, RegistryMsg};
+pub use tools::Decision;
+pub use tools::PermissionMode;
 
 /// Session-level settings.
 #[derive(Clone, Debug)]
@@ -30,6 +32,8 @@ pub struct SessionConfig {
     pub max_sessions: usize,
     /// Loop protection (a fresh guard per turn).
     pub loops: LoopConfig,
+    /// Which tool calls ask a person first.
+    pub permission_mode: PermissionMode,
 }
 
 /// Why a session could not be found or created.
@@ -48,6 +52,15 @@ pub enum SessionError {
 }
 
 /// Why a prompt (or steer) was not admitted.
+/// Why a permission answer was not taken.
+#[derive(Debug, thiserror::Error)]
+pub enum PermissionRefused {
+    #[error("no pending permission request {0} (it was answered, or its turn ended)")]
+    Unknown(String),
+    #[error("unknown option `{0}`; expected allow_once, allow_always or reject_once")]
+    BadOption(String),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PromptRefused {
     #[error(transparent)]
@@ -95,6 +108,8 @@ pub struct Snapshot {
     /// The last turn error, while the session is idle and no newer turn
     /// started.
     pub last_turn_error: Option<Arc<EventRecord>>,
+    /// The permission request the running turn waits on.
+    pub pending_permission: Option<Arc<EventRecord>>,
     /// The last sequence number published.
     pub last_seq: u64,
 }
@@ -323,6 +338,21 @@ impl SessionHandle {
     pub async fn snapshot(&self) -> Result<Snapshot, SessionError> {
         let (tx, rx) = oneshot::channel();
         self.send(SessionMsg::Snapshot(tx))?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Answers a pending permission request with one of its option ids.
+    pub async fn permission(
+        &self,
+        request_id: String,
+        option_id: String,
+    ) -> Result<Result<(), PermissionRefused>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Permission {
+            request_id,
+            option_id,
+            reply: tx,
+        })?;
         rx.await.map_err(|_| SessionError::Stopped)
     }
 

@@ -1,75 +1,270 @@
-//! The session's tool pipeline: every call goes through the loop guard
-//! before it starts (permission arrives with its issue), then executes. The
-//! scripted engine's calls carry a simulated outcome; nothing on disk or in
-//! processes is touched.
+//! The session's tool pipeline. Each call goes through the loop guard, then
+//! permission, then execution, in the batch's order. A batch is resumable:
+//! when a call needs a person's decision it pauses (the session keeps
+//! handling messages) and continues when the decision arrives. The scripted
+//! engine's calls carry a simulated outcome; nothing on disk or in processes
+//! is touched.
 
+use std::collections::HashSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use tiller_core::{CallKey, CallOutcome, LoopGuard, LoopType};
-use tiller_engine::{ToolCall, ToolOutput, ToolResult};
+use tiller_engine::{ToolCall, ToolKind, ToolOutput, ToolResult};
 
-use crate::event::{EventBody, ToolError, ToolStatus};
+use crate::event::{EventBody, PermissionOption, ToolError, ToolStatus};
 
-/// What a batch produced.
-#[derive(Debug, Default)]
-pub struct BatchOutcome {
-    /// Events to publish, in order.
-    pub events: Vec<EventBody>,
-    /// Results for the engine, one per call, in the batch's order.
-    pub results: Vec<ToolResult>,
-    /// Set when the loop guard stopped the batch.
-    pub trip: Option<LoopType>,
+/// Which calls ask a person first (`[tools] permission_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PermissionMode {
+    /// Edits and commands ask.
+    #[default]
+    Ask,
+    /// Edits run; commands ask.
+    AcceptEdits,
+    /// Nothing asks.
+    AllowAll,
 }
 
-/// Runs a batch in order. Every call ends `completed` or `failed`: when
-/// the guard trips, the tripping call and every call after it fail with the
-/// skip reason and never run; calls already completed keep their results.
-pub fn run_batch(calls: &[ToolCall], guard: &mut LoopGuard) -> BatchOutcome {
-    let mut out = BatchOutcome {
-        events: Vec::with_capacity(calls.len() * 3),
-        results: Vec::with_capacity(calls.len()),
-        trip: None,
-    };
-    for call in calls {
-        out.events.push(EventBody::ToolCall {
-            tool_call_id: call.id.clone(),
-            name: call.name.clone(),
-            input: call.input.clone(),
-            status: ToolStatus::Pending,
-        });
-        let key = CallKey {
-            tool: call.name.clone(),
-            args: canonical_json(&call.input),
-        };
-        let verdict = match out.trip {
-            Some(t) => Err(t),
-            None => guard.check(&key),
-        };
-        if let Err(loop_type) = verdict {
-            out.trip = Some(loop_type);
-            let message = skip_message(loop_type);
-            metrics::counter!("tiller_tool_calls_total", "status" => "skipped").increment(1);
-            out.events.push(EventBody::ToolCallUpdate {
-                tool_call_id: call.id.clone(),
-                status: ToolStatus::Failed,
-                output: Some(message.clone()),
-                error: Some(ToolError {
-                    error_kind: "loop_detected".into(),
-                    loop_type: Some(loop_type.as_str().into()),
-                    code: "LOOP_DETECTED".into(),
-                    message: message.clone(),
-                }),
-            });
-            out.results.push(ToolResult {
-                id: call.id.clone(),
-                output: ToolOutput {
-                    ok: false,
-                    output: message,
-                },
-            });
-            continue;
+impl PermissionMode {
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "ask" => PermissionMode::Ask,
+            "accept-edits" => PermissionMode::AcceptEdits,
+            "allow-all" => PermissionMode::AllowAll,
+            _ => return None,
+        })
+    }
+}
+
+/// A session's permission state: the mode and the tools allowed "always".
+#[derive(Clone, Debug, Default)]
+pub struct Permissions {
+    pub mode: PermissionMode,
+    /// Tools the user allowed for the rest of the session.
+    always: HashSet<String>,
+}
+
+impl Permissions {
+    pub fn new(mode: PermissionMode) -> Self {
+        Self {
+            mode,
+            always: HashSet::new(),
         }
-        out.events.push(EventBody::ToolCallUpdate {
+    }
+
+    fn needs(&self, call: &ToolCall) -> bool {
+        if self.always.contains(&call.name) {
+            return false;
+        }
+        match (self.mode, call.kind) {
+            (PermissionMode::AllowAll, _) => false,
+            (PermissionMode::Ask, ToolKind::Edit | ToolKind::Execute) => true,
+            (PermissionMode::AcceptEdits, ToolKind::Execute) => true,
+            _ => false,
+        }
+    }
+}
+
+/// A person's answer to a permission request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    AllowOnce,
+    AllowAlways,
+    Reject,
+    /// The turn ended before anyone answered.
+    Cancelled,
+}
+
+impl Decision {
+    /// Reads an option id offered by [`options`].
+    pub fn from_option(id: &str) -> Option<Decision> {
+        Some(match id {
+            "allow_once" => Decision::AllowOnce,
+            "allow_always" => Decision::AllowAlways,
+            "reject_once" => Decision::Reject,
+            _ => return None,
+        })
+    }
+
+    fn as_str(self) -> &'static str {
+        match self {
+            Decision::AllowOnce => "allow_once",
+            Decision::AllowAlways => "allow_always",
+            Decision::Reject => "reject_once",
+            Decision::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// The options every permission request offers.
+pub fn options() -> Vec<PermissionOption> {
+    [
+        ("allow_once", "Allow", "allow_once"),
+        ("allow_always", "Always allow", "allow_always"),
+        ("reject_once", "Deny", "reject_once"),
+    ]
+    .into_iter()
+    .map(|(id, name, kind)| PermissionOption {
+        option_id: id.into(),
+        name: name.into(),
+        kind: kind.into(),
+    })
+    .collect()
+}
+
+/// A call waiting for a decision.
+#[derive(Clone, Debug)]
+pub struct Waiting {
+    /// The request's id (clients answer with it).
+    pub request_id: String,
+    /// The call's index in the batch.
+    index: usize,
+    /// Its loop-guard key, to report the outcome.
+    key: CallKey,
+}
+
+/// Where a batch stands after it advanced.
+#[derive(Debug, PartialEq)]
+pub enum Progress {
+    /// Every call ended: hand the results to the engine.
+    Done(Vec<ToolResult>),
+    /// A call waits for a person.
+    Waiting,
+    /// The loop guard stopped the batch; the rest of it failed unstarted.
+    Tripped(LoopType, Vec<ToolResult>),
+}
+
+/// One tool batch going through the pipeline.
+#[derive(Debug)]
+pub struct Batch {
+    calls: Vec<ToolCall>,
+    /// The next call to consider.
+    next: usize,
+    results: Vec<ToolResult>,
+    /// The call paused on a decision, if any.
+    waiting: Option<Waiting>,
+}
+
+impl Batch {
+    pub fn new(calls: Vec<ToolCall>) -> Self {
+        Self {
+            results: Vec::with_capacity(calls.len()),
+            calls,
+            next: 0,
+            waiting: None,
+        }
+    }
+
+    /// The pending request, if the batch waits for one.
+    pub fn waiting(&self) -> Option<(&Waiting, &ToolCall)> {
+        self.waiting.as_ref().map(|w| (w, &self.calls[w.index]))
+    }
+
+    /// Runs calls until the batch is done, waits, or trips. Appends the
+    /// events to publish to `events`.
+    pub fn advance(
+        &mut self,
+        guard: &mut LoopGuard,
+        perms: &Permissions,
+        events: &mut Vec<EventBody>,
+    ) -> Progress {
+        while self.waiting.is_none() && self.next < self.calls.len() {
+            let i = self.next;
+            self.next += 1;
+            let call = self.calls[i].clone();
+            events.push(EventBody::ToolCall {
+                tool_call_id: call.id.clone(),
+                name: call.name.clone(),
+                input: call.input.clone(),
+                status: ToolStatus::Pending,
+            });
+            let key = CallKey {
+                tool: call.name.clone(),
+                args: canonical_json(&call.input),
+            };
+            if let Err(loop_type) = guard.check(&key) {
+                self.skip_rest(i, loop_type, events);
+                return Progress::Tripped(loop_type, std::mem::take(&mut self.results));
+            }
+            if perms.needs(&call) {
+                let request_id = format!("perm-{}", call.id);
+                events.push(EventBody::PermissionRequested {
+                    request_id: request_id.clone(),
+                    tool_call_id: call.id.clone(),
+                    title: call.name.clone(),
+                    options: options(),
+                });
+                self.waiting = Some(Waiting {
+                    request_id,
+                    index: i,
+                    key,
+                });
+                return Progress::Waiting;
+            }
+            self.run(i, &key, guard, events);
+        }
+        if self.waiting.is_some() {
+            Progress::Waiting
+        } else {
+            Progress::Done(std::mem::take(&mut self.results))
+        }
+    }
+
+    /// Applies a decision to the waiting call, then advances.
+    pub fn decide(
+        &mut self,
+        decision: Decision,
+        guard: &mut LoopGuard,
+        perms: &mut Permissions,
+        events: &mut Vec<EventBody>,
+    ) -> Progress {
+        let Some(w) = self.waiting.take() else {
+            return Progress::Waiting;
+        };
+        events.push(EventBody::PermissionResolved {
+            request_id: w.request_id.clone(),
+            tool_call_id: self.calls[w.index].id.clone(),
+            outcome: decision.as_str().into(),
+        });
+        match decision {
+            Decision::AllowOnce | Decision::AllowAlways => {
+                if decision == Decision::AllowAlways {
+                    perms.always.insert(self.calls[w.index].name.clone());
+                }
+                self.run(w.index, &w.key, guard, events);
+                self.advance(guard, perms, events)
+            }
+            Decision::Reject | Decision::Cancelled => {
+                let why = if decision == Decision::Reject {
+                    "The user denied permission for this call; it did not run."
+                } else {
+                    "The turn ended before permission was given; this call did not run."
+                };
+                let output = ToolOutput {
+                    ok: false,
+                    output: why.into(),
+                };
+                guard.finished(
+                    &w.key,
+                    CallOutcome {
+                        ok: false,
+                        signature: signature(&output),
+                    },
+                );
+                self.fail(w.index, output, None, events);
+                if decision == Decision::Cancelled {
+                    // Nothing more runs; unreached calls were never announced.
+                    self.next = self.calls.len();
+                    return Progress::Done(std::mem::take(&mut self.results));
+                }
+                self.advance(guard, perms, events)
+            }
+        }
+    }
+
+    fn run(&mut self, i: usize, key: &CallKey, guard: &mut LoopGuard, events: &mut Vec<EventBody>) {
+        let call = &self.calls[i];
+        events.push(EventBody::ToolCallUpdate {
             tool_call_id: call.id.clone(),
             status: ToolStatus::InProgress,
             output: None,
@@ -77,7 +272,7 @@ pub fn run_batch(calls: &[ToolCall], guard: &mut LoopGuard) -> BatchOutcome {
         });
         let output = execute(call);
         guard.finished(
-            &key,
+            key,
             CallOutcome {
                 ok: output.ok,
                 signature: signature(&output),
@@ -88,7 +283,7 @@ pub fn run_batch(calls: &[ToolCall], guard: &mut LoopGuard) -> BatchOutcome {
             "status" => if output.ok { "completed" } else { "failed" }
         )
         .increment(1);
-        out.events.push(EventBody::ToolCallUpdate {
+        events.push(EventBody::ToolCallUpdate {
             tool_call_id: call.id.clone(),
             status: if output.ok {
                 ToolStatus::Completed
@@ -98,12 +293,62 @@ pub fn run_batch(calls: &[ToolCall], guard: &mut LoopGuard) -> BatchOutcome {
             output: Some(output.output.clone()),
             error: None,
         });
-        out.results.push(ToolResult {
+        self.results.push(ToolResult {
             id: call.id.clone(),
             output,
         });
     }
-    out
+
+    fn fail(
+        &mut self,
+        i: usize,
+        output: ToolOutput,
+        error: Option<ToolError>,
+        events: &mut Vec<EventBody>,
+    ) {
+        metrics::counter!("tiller_tool_calls_total", "status" => "failed").increment(1);
+        let id = self.calls[i].id.clone();
+        events.push(EventBody::ToolCallUpdate {
+            tool_call_id: id.clone(),
+            status: ToolStatus::Failed,
+            output: Some(output.output.clone()),
+            error,
+        });
+        self.results.push(ToolResult { id, output });
+    }
+
+    /// The tripping call (already announced) and every later call fail
+    /// with the skip reason; none runs, none stays pending.
+    fn skip_rest(&mut self, from: usize, loop_type: LoopType, events: &mut Vec<EventBody>) {
+        let message = skip_message(loop_type);
+        for i in from..self.calls.len() {
+            if i > from {
+                let call = &self.calls[i];
+                events.push(EventBody::ToolCall {
+                    tool_call_id: call.id.clone(),
+                    name: call.name.clone(),
+                    input: call.input.clone(),
+                    status: ToolStatus::Pending,
+                });
+            }
+            let error = ToolError {
+                error_kind: "loop_detected".into(),
+                loop_type: Some(loop_type.as_str().into()),
+                code: "LOOP_DETECTED".into(),
+                message: message.clone(),
+            };
+            self.fail(
+                i,
+                ToolOutput {
+                    ok: false,
+                    output: message.clone(),
+                },
+                Some(error),
+                events,
+            );
+        }
+        self.next = self.calls.len();
+    }
 }
 
 /// The text a skipped call carries (and the model would see).
@@ -174,10 +419,11 @@ mod tests {
 
     use super::*;
 
-    fn call(id: &str, input: serde_json::Value, ok: bool, output: &str) -> ToolCall {
+    fn call(id: &str, name: &str, input: serde_json::Value, ok: bool, output: &str) -> ToolCall {
         ToolCall {
             id: id.into(),
-            name: "read".into(),
+            name: name.into(),
+            kind: ToolKind::of(name),
             input,
             simulated: Some(ToolOutput {
                 ok,
@@ -186,8 +432,8 @@ mod tests {
         }
     }
 
-    fn statuses(out: &BatchOutcome) -> Vec<(String, ToolStatus)> {
-        out.events
+    fn finals(events: &[EventBody]) -> Vec<(String, ToolStatus)> {
+        events
             .iter()
             .filter_map(|e| match e {
                 EventBody::ToolCallUpdate {
@@ -200,51 +446,162 @@ mod tests {
             .collect()
     }
 
+    fn guard() -> LoopGuard {
+        LoopGuard::new(LoopConfig::default())
+    }
+
     #[test]
     fn every_call_ends_completed_or_failed() {
-        let mut calls = vec![call("a", serde_json::json!({}), true, "fine")];
+        let mut calls = vec![call("a", "read_file", serde_json::json!({}), true, "fine")];
         calls.push(ToolCall {
             simulated: None,
-            ..call("b", serde_json::json!({}), true, "")
+            ..call("b", "x", serde_json::json!({}), true, "")
         });
-        let out = run_batch(&calls, &mut LoopGuard::new(LoopConfig::default()));
+        let mut ev = Vec::new();
+        let p = Batch::new(calls).advance(&mut guard(), &Permissions::default(), &mut ev);
+        let Progress::Done(results) = p else {
+            panic!("{p:?}")
+        };
         assert_eq!(
-            statuses(&out),
+            finals(&ev),
             vec![
                 ("a".into(), ToolStatus::Completed),
                 ("b".into(), ToolStatus::Failed)
             ]
         );
-        assert!(out.results[0].output.ok && !out.results[1].output.ok);
-        assert_eq!(out.trip, None);
+        assert!(results[0].output.ok && !results[1].output.ok);
     }
 
     #[test]
     fn six_identical_calls_run_four_and_fail_two() {
-        // Argument order does not matter.
         let calls: Vec<_> = (0..6)
             .map(|i| {
+                // Argument order does not matter.
                 let input = if i % 2 == 0 {
                     serde_json::json!({"a": 1, "b": 2})
                 } else {
                     serde_json::json!({"b": 2, "a": 1})
                 };
-                call(&format!("c{i}"), input, true, "same")
+                call(&format!("c{i}"), "read_file", input, true, "same")
             })
             .collect();
-        let out = run_batch(&calls, &mut LoopGuard::new(LoopConfig::default()));
-        assert_eq!(out.trip, Some(LoopType::ConsecutiveIdenticalToolCalls));
-        let s = statuses(&out);
+        let mut ev = Vec::new();
+        let p = Batch::new(calls).advance(&mut guard(), &Permissions::default(), &mut ev);
+        let Progress::Tripped(LoopType::ConsecutiveIdenticalToolCalls, results) = p else {
+            panic!("{p:?}")
+        };
+        assert_eq!(results.len(), 6);
+        let s = finals(&ev);
         assert_eq!(s.len(), 6, "no call stays pending");
         assert!(s[..4].iter().all(|(_, st)| *st == ToolStatus::Completed));
         assert!(s[4..].iter().all(|(_, st)| *st == ToolStatus::Failed));
-        let skipped = out
-            .events
+        let announced = ev
             .iter()
-            .filter(|e| matches!(e, EventBody::ToolCallUpdate { error: Some(_), .. }))
+            .filter(|e| matches!(e, EventBody::ToolCall { .. }))
             .count();
-        assert_eq!(skipped, 2);
-        assert_eq!(out.results.len(), 6);
+        assert_eq!(announced, 6);
+    }
+
+    #[test]
+    fn permission_pauses_the_batch_and_decisions_resume_it() {
+        let calls = vec![
+            call(
+                "w1",
+                "write_file",
+                serde_json::json!({"p": 1}),
+                true,
+                "written",
+            ),
+            call("r", "read_file", serde_json::json!({}), true, "read"),
+            call(
+                "w2",
+                "write_file",
+                serde_json::json!({"p": 2}),
+                true,
+                "written",
+            ),
+            call(
+                "w3",
+                "write_file",
+                serde_json::json!({"p": 3}),
+                true,
+                "written",
+            ),
+        ];
+        let mut perms = Permissions::default();
+        let mut g = guard();
+        let mut b = Batch::new(calls);
+        let mut ev = Vec::new();
+        assert_eq!(b.advance(&mut g, &perms, &mut ev), Progress::Waiting);
+        assert_eq!(b.waiting().unwrap().0.request_id, "perm-w1");
+        // Deny: w1 fails, r runs, w2 waits.
+        assert_eq!(
+            b.decide(Decision::Reject, &mut g, &mut perms, &mut ev),
+            Progress::Waiting
+        );
+        assert_eq!(b.waiting().unwrap().0.request_id, "perm-w2");
+        // Always allow: w2 runs and w3 no longer asks.
+        let p = b.decide(Decision::AllowAlways, &mut g, &mut perms, &mut ev);
+        let Progress::Done(results) = p else {
+            panic!("{p:?}")
+        };
+        assert_eq!(
+            results.iter().map(|r| r.output.ok).collect::<Vec<_>>(),
+            vec![false, true, true, true]
+        );
+        assert_eq!(
+            finals(&ev),
+            vec![
+                ("w1".into(), ToolStatus::Failed),
+                ("r".into(), ToolStatus::Completed),
+                ("w2".into(), ToolStatus::Completed),
+                ("w3".into(), ToolStatus::Completed),
+            ]
+        );
+        let resolved: Vec<_> = ev
+            .iter()
+            .filter_map(|e| match e {
+                EventBody::PermissionResolved { outcome, .. } => Some(outcome.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(resolved, vec!["reject_once", "allow_always"]);
+    }
+
+    #[test]
+    fn a_cancelled_wait_fails_the_call_and_ends_the_batch() {
+        let calls = vec![
+            call("s", "shell", serde_json::json!({}), true, "ok"),
+            call("t", "shell", serde_json::json!({"x": 1}), true, "ok"),
+        ];
+        let mut perms = Permissions::new(PermissionMode::AcceptEdits);
+        let mut g = guard();
+        let mut b = Batch::new(calls);
+        let mut ev = Vec::new();
+        assert_eq!(b.advance(&mut g, &perms, &mut ev), Progress::Waiting);
+        let p = b.decide(Decision::Cancelled, &mut g, &mut perms, &mut ev);
+        assert!(matches!(p, Progress::Done(ref r) if r.len() == 1));
+        assert_eq!(finals(&ev), vec![("s".into(), ToolStatus::Failed)]);
+        assert!(b.waiting().is_none());
+    }
+
+    #[test]
+    fn modes() {
+        let edit = call("e", "write_file", serde_json::json!({}), true, "");
+        let exec = call("x", "shell", serde_json::json!({}), true, "");
+        let read = call("r", "read_file", serde_json::json!({}), true, "");
+        for (mode, want) in [
+            (PermissionMode::Ask, [true, true, false]),
+            (PermissionMode::AcceptEdits, [false, true, false]),
+            (PermissionMode::AllowAll, [false, false, false]),
+        ] {
+            let p = Permissions::new(mode);
+            assert_eq!(
+                [p.needs(&edit), p.needs(&exec), p.needs(&read)],
+                want,
+                "{mode:?}"
+            );
+        }
     }
 
     #[test]

@@ -29,6 +29,7 @@ async fn sessions(dir: &tempfile::TempDir) -> Sessions {
         },
         max_sessions: 3,
         loops: Default::default(),
+        permission_mode: Default::default(),
     };
     Sessions::start(store, Arc::new(ScriptedEngine), config)
         .await

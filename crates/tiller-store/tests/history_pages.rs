@@ -35,7 +35,7 @@ proptest! {
                 id: s, cwd: "/".into(), title: None, created_ms: 0, updated_ms: 0, closed: false,
             }).await.unwrap();
             let mut head = 0u64;
-            let mut append = |n: u64, head: &mut u64| {
+            let append = |n: u64, head: &mut u64| {
                 for _ in 0..n {
                     *head += 1;
                     store.append(ev(s, *head), None);

@@ -19,6 +19,7 @@ pub struct Config {
     pub engine: EngineCfg,
     pub turn: Turn,
     pub loop_protection: LoopProtection,
+    pub tools: Tools,
     pub limits: Limits,
     pub log: Log,
     pub metrics: Metrics,
@@ -103,6 +104,20 @@ impl Default for LoopProtection {
             turn_tool_call_cap: d.turn_tool_call_cap.into(),
             chanting_identical_sentences: d.chanting_identical_sentences.into(),
             alternating_tool_call_pattern: d.alternating_tool_call_pattern.into(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Tools {
+    pub permission_mode: String,
+}
+
+impl Default for Tools {
+    fn default() -> Self {
+        Self {
+            permission_mode: "ask".into(),
         }
     }
 }
@@ -251,6 +266,12 @@ impl Config {
                 ENGINES.join(", ")
             )));
         }
+        if tiller_session::PermissionMode::parse(&self.tools.permission_mode).is_none() {
+            return Err(ConfigError(format!(
+                "key `tools.permission_mode`: unknown mode `{}` (expected ask, accept-edits or allow-all)",
+                self.tools.permission_mode
+            )));
+        }
         for (key, zero) in [
             ("turn.max_queued_prompts", self.turn.max_queued_prompts == 0),
             ("limits.max_sessions", self.limits.max_sessions == 0),
@@ -309,6 +330,12 @@ impl Config {
         } else {
             PathBuf::from(&self.server.socket)
         }
+    }
+
+    /// Which tool calls ask first.
+    pub fn permission_mode(&self) -> tiller_session::PermissionMode {
+        tiller_session::PermissionMode::parse(&self.tools.permission_mode)
+            .expect("validated by Config::load")
     }
 
     /// The loop guard's settings.
@@ -443,6 +470,11 @@ mod tests {
                 "[turn]\nmax_queued_prompts = 0\n",
                 &[],
                 "turn.max_queued_prompts",
+            ),
+            (
+                "[tools]\npermission_mode = \"yolo\"\n",
+                &[],
+                "tools.permission_mode",
             ),
             ("this is not toml", &[], "c.toml"),
         ];

@@ -53,6 +53,7 @@ async fn start_sessions(cfg: &Config, db: &std::path::Path) -> anyhow::Result<Se
             turn: cfg.turn_config(),
             max_sessions: cfg.limits.max_sessions,
             loops: cfg.loop_config(),
+            permission_mode: cfg.permission_mode(),
         },
     )
     .await?;

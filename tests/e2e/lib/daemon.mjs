@@ -84,11 +84,19 @@ export async function startDaemon({ dataDir = tempDir(), env = {}, args = [] } =
 export function connectStream(stream, onClose = () => {}) {
   const updates = [];
   const ext = [];
+  const permissionRequests = [];
   const waiters = [];
   const notify = () => {
     for (const w of [...waiters]) w();
   };
+  // Answers permission requests; tests replace it. Default: deny.
+  const self = { answer: async () => ({ outcome: { outcome: "selected", optionId: "reject_once" } }) };
   const app = client()
+    .onRequest("session/request_permission", async ({ params }) => {
+      permissionRequests.push(params);
+      notify();
+      return self.answer(params);
+    })
     .onNotification("session/update", ({ params }) => {
       updates.push(params);
       notify();
@@ -99,11 +107,12 @@ export function connectStream(stream, onClose = () => {}) {
     });
   const conn = app.connect(stream);
   conn.closed.then(onClose, onClose);
-  return {
+  return Object.assign(self, {
     conn,
     agent: conn.agent,
     updates,
     ext,
+    permissionRequests,
     request: (method, params) => conn.agent.request(method, params),
     notify: (method, params) => conn.agent.notify(method, params),
     /** Waits until `pred()` holds (re-checked on every notification). */
@@ -125,7 +134,7 @@ export function connectStream(stream, onClose = () => {}) {
       });
     },
     close: () => conn.close(),
-  };
+  });
 }
 
 /** ACP over the daemon's unix socket. */
