@@ -167,3 +167,33 @@ describe("auth", () => {
     assert.match(reply, /^HTTP\/1\.1 421/);
   });
 });
+
+describe("tiller sessions (admin CLI over the HTTP API)", () => {
+  test("list, show, history, close", async () => {
+    const { execFile } = await import("node:child_process");
+    const { bin } = await import("./lib/daemon.mjs");
+    const run = (...args) =>
+      new Promise((resolve) => {
+        execFile(bin, ["sessions", ...args, "--url", daemon.http], (err, stdout, stderr) =>
+          resolve({ code: err ? err.code : 0, stdout, stderr }),
+        );
+      });
+    const sid = await newSession();
+    await prompt(sid, [{ say: "for the cli" }]);
+    await waitIdle(sid);
+    const list = await run("list");
+    assert.equal(list.code, 0, list.stderr);
+    assert.ok(JSON.parse(list.stdout).sessions.some((s) => s.id === sid));
+    const show = JSON.parse((await run("show", sid)).stdout);
+    assert.equal(show.state, "idle");
+    const hist = JSON.parse((await run("history", sid, "--limit", "2")).stdout);
+    assert.equal(hist.events.length, 2);
+    assert.equal(hist.events.at(-1).type, "turn_complete");
+    assert.equal((await run("close", sid)).code, 0);
+    const gone = await run("show", sid);
+    assert.notEqual(gone.code, 0);
+    assert.match(gone.stderr, /404/);
+    const bad = await run("show", "../etc");
+    assert.equal(bad.code, 2);
+  });
+});

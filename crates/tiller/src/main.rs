@@ -1,6 +1,7 @@
 //! `tiller`: the daemon and its command line. Thin: parse, configure, wire
 //! the crates together, wait for a signal. Business rules live elsewhere.
 
+mod admin;
 mod config;
 mod daemon;
 mod relay;
@@ -65,11 +66,56 @@ enum Command {
         #[arg(long)]
         data_dir: Option<PathBuf>,
     },
+    /// Sessions of the running daemon (through its HTTP API).
+    Sessions {
+        #[command(flatten)]
+        daemon: DaemonArgs,
+        #[command(subcommand)]
+        command: SessionsCommand,
+    },
     /// Configuration tools.
     Config {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+}
+
+/// How admin commands reach the daemon.
+#[derive(clap::Args, Debug)]
+struct DaemonArgs {
+    /// The daemon's HTTP address (default: http://<server.listen>).
+    #[arg(long, global = true)]
+    url: Option<String>,
+    /// Token (default: server.token).
+    #[arg(long, global = true)]
+    token: Option<String>,
+    /// Config file to read server.listen and server.token from.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+enum SessionsCommand {
+    /// Open sessions, newest first.
+    List {
+        #[arg(long)]
+        cursor: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// A session and its state.
+    Show { id: String },
+    /// A page of a session's event log.
+    History {
+        id: String,
+        /// Events before this sequence number (default: the newest).
+        #[arg(long)]
+        before: Option<u64>,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Close a session.
+    Close { id: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -153,6 +199,54 @@ fn main() -> ExitCode {
                     connect.unwrap_or_else(|| format!("unix:{}", cfg.socket_path().display()));
                 exit(runtime().block_on(relay::run(&target, token.as_deref())))
             }
+        }
+        Command::Sessions { daemon, command } => {
+            let cfg = match load_config(daemon.config.as_deref(), &[]) {
+                Ok(c) => c,
+                Err(e) => return config_error(&e),
+            };
+            let url = daemon
+                .url
+                .unwrap_or_else(|| format!("http://{}", cfg.server.listen));
+            let token = daemon
+                .token
+                .or_else(|| Some(cfg.server.token.clone()).filter(|t| !t.is_empty()));
+            let client = admin::Client::new(url, token);
+            let id_ok = |id: &str| {
+                !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            };
+            if let SessionsCommand::Show { id }
+            | SessionsCommand::History { id, .. }
+            | SessionsCommand::Close { id } = &command
+                && !id_ok(id)
+            {
+                eprintln!("tiller: `{id}` is not a session id");
+                return ExitCode::from(2);
+            }
+            use reqwest::Method;
+            let (method, path) = match command {
+                SessionsCommand::List { cursor, limit } => (
+                    Method::GET,
+                    match cursor {
+                        Some(c) => format!("/api/sessions?limit={limit}&cursor={c}"),
+                        None => format!("/api/sessions?limit={limit}"),
+                    },
+                ),
+                SessionsCommand::Show { id } => (Method::GET, format!("/api/sessions/{id}")),
+                SessionsCommand::History { id, before, limit } => (
+                    Method::GET,
+                    match before {
+                        Some(b) => format!("/api/sessions/{id}/history?limit={limit}&before={b}"),
+                        None => format!("/api/sessions/{id}/history?limit={limit}"),
+                    },
+                ),
+                SessionsCommand::Close { id } => (Method::DELETE, format!("/api/sessions/{id}")),
+            };
+            exit(runtime().block_on(async {
+                let v = client.call(method, &path, None).await?;
+                admin::print(&v);
+                Ok(())
+            }))
         }
         Command::Config {
             command: ConfigCommand::Check { path },
