@@ -101,6 +101,15 @@ pub enum Input {
     /// A timer armed by [`Effect::ArmTimer`] fired (or any wake-up: the core
     /// re-checks every deadline against `now`).
     Tick,
+    /// Automatic work may be waiting (a queue actor got some): poll the
+    /// queues if the session is idle.
+    Kick,
+    /// A queue actor's answer to [`Effect::Poll`]: its next due work for
+    /// this session, as a prompt, or nothing.
+    Offer {
+        origin: Origin,
+        prompt: Option<PromptId>,
+    },
 }
 
 /// Why a prompt was refused at admission (it was never admitted).
@@ -211,6 +220,11 @@ pub enum Effect {
     ArmTimer { at: Option<Millis> },
     /// Nothing runs and nothing is queued: the queue actors may offer work.
     Idle,
+    /// Ask the queue actor of `origin` for its next due work.
+    Poll { origin: Origin },
+    /// An offer came when the session could not take it: hand it back to
+    /// its queue (it is offered again at the next idle).
+    OfferRefused { origin: Origin, prompt: PromptId },
 }
 
 /// A steer handed to the engine that has no receipt yet.
@@ -262,8 +276,13 @@ pub struct SessionCore {
     last_turn: u64,
     /// The unsettled turn, if any.
     active: Option<ActiveTurn>,
-    /// Interactive prompts waiting, FIFO.
+    /// Prompts waiting behind the running turn, FIFO within each origin;
+    /// interactive ones are taken first, then channel ones.
     queue: VecDeque<(PromptId, Origin)>,
+    /// The automatic queues to poll when idle, in admission order.
+    automatic: Vec<Origin>,
+    /// While idle: the index in `automatic` of the queue being polled.
+    polling: Option<usize>,
     /// The deadline last requested with [`Effect::ArmTimer`], to avoid
     /// re-arming an unchanged timer.
     armed: Option<Millis>,
@@ -278,8 +297,22 @@ impl SessionCore {
             last_turn,
             active: None,
             queue: VecDeque::new(),
+            automatic: Vec::new(),
+            polling: None,
             armed: None,
         }
+    }
+
+    /// The automatic queues this session polls when idle, in admission
+    /// order (e.g. goal, notification, cron).
+    pub fn with_automatic(mut self, origins: Vec<Origin>) -> Self {
+        self.automatic = origins;
+        self
+    }
+
+    /// True while the idle session is polling its automatic queues.
+    pub fn is_polling(&self) -> bool {
+        self.polling.is_some()
     }
 
     /// The running turn's prompt and id, if any.
@@ -318,6 +351,12 @@ impl SessionCore {
             Input::Signal { turn, signal } => self.signal(now, turn, signal, &mut fx),
             Input::LoopTrip { turn, loop_type } => self.loop_trip(now, turn, loop_type, &mut fx),
             Input::Tick => {}
+            Input::Kick => {
+                if self.active.is_none() && self.polling.is_none() {
+                    self.poll_from(0, &mut fx);
+                }
+            }
+            Input::Offer { origin, prompt } => self.offer(now, origin, prompt, &mut fx),
         }
         // Deadlines after the input: a signal that arrives late still counts.
         self.expire(now, &mut fx);
@@ -326,9 +365,17 @@ impl SessionCore {
     }
 
     fn prompt(&mut self, now: Millis, prompt: PromptId, origin: Origin, fx: &mut Vec<Effect>) {
+        let same_class = self
+            .queue
+            .iter()
+            .filter(|(_, o)| (*o == Origin::Interactive) == (origin == Origin::Interactive))
+            .count();
         if self.active.is_none() {
+            // A prompt beats automatic work being polled for: late offers
+            // are refused and handed back.
+            self.polling = None;
             self.start(now, prompt, origin, fx);
-        } else if self.queue.len() >= self.config.max_queued_prompts {
+        } else if same_class >= self.config.max_queued_prompts {
             fx.push(Effect::Rejected {
                 prompt,
                 reason: Rejection::Overloaded,
@@ -621,9 +668,52 @@ impl SessionCore {
             origin: active.origin,
             terminal,
         });
-        match self.queue.pop_front() {
+        // Interactive prompts first (FIFO), then channel prompts.
+        let next = self
+            .queue
+            .iter()
+            .position(|(_, o)| *o == Origin::Interactive)
+            .or_else(|| self.queue.iter().position(|(_, o)| *o == Origin::Channel))
+            .or(if self.queue.is_empty() { None } else { Some(0) });
+        match next.and_then(|i| self.queue.remove(i)) {
             Some((prompt, origin)) => self.start(now, prompt, origin, fx),
-            None => fx.push(Effect::Idle),
+            None => {
+                fx.push(Effect::Idle);
+                self.poll_from(0, fx);
+            }
+        }
+    }
+
+    /// Polls the automatic queues from `i` on (or stops when none is left).
+    fn poll_from(&mut self, i: usize, fx: &mut Vec<Effect>) {
+        match self.automatic.get(i) {
+            Some(origin) => {
+                self.polling = Some(i);
+                fx.push(Effect::Poll { origin: *origin });
+            }
+            None => self.polling = None,
+        }
+    }
+
+    fn offer(
+        &mut self,
+        now: Millis,
+        origin: Origin,
+        prompt: Option<PromptId>,
+        fx: &mut Vec<Effect>,
+    ) {
+        let expected = self
+            .polling
+            .filter(|i| self.automatic.get(*i) == Some(&origin) && self.active.is_none());
+        match (expected, prompt) {
+            (Some(_), Some(prompt)) => {
+                self.polling = None;
+                self.start(now, prompt, origin, fx);
+            }
+            (Some(i), None) => self.poll_from(i + 1, fx),
+            // Not asked for, or the session got busy meanwhile.
+            (None, Some(prompt)) => fx.push(Effect::OfferRefused { origin, prompt }),
+            (None, None) => {}
         }
     }
 

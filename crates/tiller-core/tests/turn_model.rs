@@ -54,6 +54,10 @@ enum Step {
     Signal(Which, SigKind),
     /// The tool pipeline's loop guard trips in a turn.
     LoopTrip(Which, LoopType),
+    /// A queue actor says work may be waiting.
+    Kick,
+    /// A queue actor answers a poll (or offers out of turn).
+    Offer(Origin, bool),
     /// Repeat the last signal as is.
     Duplicate,
     Advance(Millis),
@@ -107,6 +111,9 @@ impl ReferenceStateMachine for Model {
             10 => (which.clone(), kind).prop_map(|(w, k)| Step::Signal(w, k)),
             2 => (which, loop_type).prop_map(|(w, t)| Step::LoopTrip(w, t)),
             1 => Just(Step::Duplicate),
+            1 => Just(Step::Kick),
+            4 => (prop_oneof![Just(Origin::Goal), Just(Origin::Notification), Just(Origin::Cron)], any::<bool>())
+                .prop_map(|(o, some)| Step::Offer(o, some)),
             3 => prop_oneof![1u64..30, 30u64..500].prop_map(Step::Advance),
         ]
         .boxed()
@@ -141,12 +148,20 @@ struct Sut {
     origins: HashMap<PromptId, Origin>,
     /// The loop trip that a running (not cancelling) turn received.
     tripped: HashMap<PromptId, LoopType>,
+    /// Work offered by queue actors: started, or handed back, exactly once.
+    offered: HashSet<PromptId>,
+    handed_back: HashSet<PromptId>,
+    /// The index of the last queue polled in the current idle round.
+    round: Option<usize>,
 }
+
+/// The automatic queues, in admission order.
+const AUTO: [Origin; 3] = [Origin::Goal, Origin::Notification, Origin::Cron];
 
 impl Sut {
     fn new() -> Self {
         Self {
-            core: SessionCore::new(CFG, 0),
+            core: SessionCore::new(CFG, 0).with_automatic(AUTO.to_vec()),
             now: 0,
             next_id: 1,
             admitted: HashSet::new(),
@@ -159,6 +174,9 @@ impl Sut {
             last_signal: None,
             origins: HashMap::new(),
             tripped: HashMap::new(),
+            offered: HashSet::new(),
+            handed_back: HashSet::new(),
+            round: None,
         }
     }
 
@@ -224,6 +242,24 @@ impl Sut {
                         self.turn_of.insert(*prompt, *turn).is_none(),
                         "started twice"
                     );
+                    assert!(
+                        !self.handed_back.contains(prompt),
+                        "started after hand-back"
+                    );
+                    self.round = None;
+                }
+                Effect::Poll { origin } => {
+                    // Admission order: the queues are polled in order, each
+                    // only after the one before had nothing.
+                    let k = self.round.map_or(0, |r| r + 1);
+                    assert_eq!(Some(origin), AUTO.get(k), "poll order: {fx:?}");
+                    assert!(self.core.active().is_none(), "polled while busy");
+                    self.round = Some(k);
+                }
+                Effect::OfferRefused { prompt, .. } => {
+                    assert!(self.offered.contains(prompt));
+                    assert!(!self.turn_of.contains_key(prompt), "refused after start");
+                    assert!(self.handed_back.insert(*prompt), "handed back twice");
                 }
                 Effect::Rejected { prompt, .. } => {
                     assert!(!self.admitted.contains(prompt));
@@ -278,6 +314,7 @@ impl Sut {
                     }
                 }
                 Effect::Idle => {
+                    self.round = None;
                     assert!(self.core.active().is_none(), "idle while a turn runs");
                     assert_eq!(self.core.queued().count(), 0, "idle with queued prompts");
                 }
@@ -375,6 +412,15 @@ impl StateMachineTest for TurnCoreTest {
                 });
                 sut.feed(Input::LoopTrip { turn, loop_type });
             }
+            Step::Kick => sut.feed(Input::Kick),
+            Step::Offer(origin, some) => {
+                let prompt = some.then(|| PromptId::from_u128(sut.fresh()));
+                if let Some(p) = prompt {
+                    sut.offered.insert(p);
+                    sut.origins.insert(p, origin);
+                }
+                sut.feed(Input::Offer { origin, prompt });
+            }
             Step::Duplicate => {
                 if let Some((turn, signal)) = sut.last_signal.clone() {
                     sut.feed(Input::Signal { turn, signal });
@@ -399,7 +445,8 @@ impl StateMachineTest for TurnCoreTest {
         let mut rounds = 0;
         while drain.core.active().is_some() {
             rounds += 1;
-            assert!(rounds <= CFG.max_queued_prompts + 2, "a turn parked");
+            // At most one running turn plus the two bounded queues (interactive, automatic).
+            assert!(rounds <= 2 * CFG.max_queued_prompts + 2, "a turn parked");
             drain.now += bound;
             drain.feed(Input::Tick);
         }
@@ -408,6 +455,13 @@ impl StateMachineTest for TurnCoreTest {
         }
         for p in &drain.rejected {
             assert!(!drain.terminals.contains_key(p));
+        }
+        // No stranded automatic work: every offer was started or handed back.
+        for p in &drain.offered {
+            assert!(
+                drain.turn_of.contains_key(p) != drain.handed_back.contains(p),
+                "offer {p:?} stranded or doubled"
+            );
         }
     }
 }
