@@ -160,7 +160,7 @@ describe("bad configuration", () => {
       let err = "";
       child.stderr.on("data", (d) => (err += d));
       const killer = setTimeout(() => child.kill(), 5000); // it must not start
-      const code = await new Promise((r) => child.on("exit", r));
+      const code = await new Promise((r) => child.on("close", r));
       clearTimeout(killer);
       assert.equal(code, 2, err);
       assert.ok(err.includes(key), err);
@@ -172,7 +172,7 @@ describe("bad configuration", () => {
 
   test("tiller config check accepts the documented default", async () => {
     const child = spawn(bin, ["config", "check", path.resolve(import.meta.dirname, "../../config/tiller.toml")]);
-    const code = await new Promise((r) => child.on("exit", r));
+    const code = await new Promise((r) => child.on("close", r));
     assert.equal(code, 0);
   });
 });

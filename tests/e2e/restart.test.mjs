@@ -124,7 +124,7 @@ describe("tiller acp", () => {
     });
     let err = "";
     child.stderr.on("data", (d) => (err += d));
-    const code = await new Promise((r) => child.on("exit", r));
+    const code = await new Promise((r) => child.on("close", r));
     assert.notEqual(code, 0);
     assert.match(err, /no daemon answers at unix:.*tiller serve/);
     assert.equal(err.trim().split("\n").length, 1, err);

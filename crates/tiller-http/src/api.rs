@@ -80,6 +80,25 @@ impl From<PromptRefused> for ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
+/// A JSON body whose rejections are API errors (400 with a message naming
+/// the problem), like every other error here.
+pub struct ApiJson<T>(pub T);
+
+impl<T, S> axum::extract::FromRequest<S> for ApiJson<T>
+where
+    Json<T>: axum::extract::FromRequest<S, Rejection = axum::extract::rejection::JsonRejection>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(ApiJson(v)),
+            Err(e) => Err(bad_request(e.body_text())),
+        }
+    }
+}
+
 fn session_id(raw: &str) -> ApiResult<SessionId> {
     SessionId::parse(raw).ok_or_else(|| SessionError::Unknown(SessionId::from_u128(0)).into())
 }
@@ -175,13 +194,18 @@ pub struct CreateBody {
 
 pub async fn create_session(
     State(st): State<AppState>,
-    body: Option<Json<CreateBody>>,
+    body: axum::body::Bytes,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    let body = body.map(|Json(b)| b).unwrap_or(CreateBody {
-        cwd: None,
-        engine: None,
-        title: None,
-    });
+    // An empty body means every default.
+    let body: CreateBody = if body.is_empty() {
+        CreateBody {
+            cwd: None,
+            engine: None,
+            title: None,
+        }
+    } else {
+        serde_json::from_slice(&body).map_err(|e| bad_request(format!("invalid body: {e}")))?
+    };
     if let Some(e) = &body.engine
         && e != &st.engine
     {
@@ -243,7 +267,7 @@ fn prompt_text(body: &PromptBody) -> ApiResult<String> {
 pub async fn post_prompt(
     State(st): State<AppState>,
     Path(id): Path<String>,
-    Json(body): Json<PromptBody>,
+    ApiJson(body): ApiJson<PromptBody>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let text = prompt_text(&body)?;
     let handle = open(&st, &id).await?;
@@ -265,7 +289,7 @@ pub struct SteerBody {
 pub async fn post_steer(
     State(st): State<AppState>,
     Path(id): Path<String>,
-    Json(body): Json<SteerBody>,
+    ApiJson(body): ApiJson<SteerBody>,
 ) -> ApiResult<Json<Value>> {
     let prompt_required = match body.idle_behavior.as_deref() {
         None => false,
@@ -312,7 +336,7 @@ pub struct PermissionBody {
 pub async fn post_permission(
     State(st): State<AppState>,
     Path((id, req_id)): Path<(String, String)>,
-    Json(body): Json<PermissionBody>,
+    ApiJson(body): ApiJson<PermissionBody>,
 ) -> ApiResult<StatusCode> {
     let handle = open(&st, &id).await?;
     match handle.permission(req_id, body.option_id).await? {
@@ -323,6 +347,34 @@ pub async fn post_permission(
         )),
         Err(e @ PermissionRefused::BadOption(_)) => Err(bad_request(e.to_string())),
     }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct NotificationBody {
+    task_id: String,
+    text: String,
+}
+
+/// `POST /api/sessions/:id/notifications`: a background notification, run
+/// as its own turn when the session is idle.
+pub async fn post_notification(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<NotificationBody>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    if body.task_id.is_empty() || body.text.is_empty() {
+        return Err(bad_request("`taskId` and `text` must not be empty"));
+    }
+    let handle = open(&st, &id).await?;
+    let e = st
+        .sessions
+        .notify(handle.id(), body.task_id, body.text)
+        .await?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({ "deduplicated": e.deduplicated, "evicted": e.evicted })),
+    ))
 }
 
 #[derive(Deserialize)]

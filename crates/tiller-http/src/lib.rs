@@ -66,6 +66,10 @@ pub fn router(state: AppState) -> Router {
             post(api::post_permission),
         )
         .route("/api/sessions/{id}/history", get(api::get_history))
+        .route(
+            "/api/sessions/{id}/notifications",
+            post(api::post_notification),
+        )
         .route("/api/sessions/{id}/events", get(api::events))
         .layer(axum::middleware::from_fn_with_state(auth, auth::check))
         .with_state(state)

@@ -36,6 +36,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
             max_sessions: 100,
             loops: Default::default(),
             permission_mode: Default::default(),
+            notification_cap: 32,
         },
     )
     .await
@@ -129,6 +130,23 @@ async fn errors_have_the_right_status() {
             post(
                 &format!("/api/sessions/{id}/steer"),
                 json!({"text": "x", "idleBehavior": "maybe"}),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_params",
+        ),
+        (
+            Request::post(format!("/api/sessions/{id}/prompts"))
+                .header("host", "127.0.0.1:4141")
+                .header("content-type", "application/json")
+                .body(Body::from("{not json"))
+                .unwrap(),
+            StatusCode::BAD_REQUEST,
+            "invalid_params",
+        ),
+        (
+            post(
+                &format!("/api/sessions/{id}/notifications"),
+                json!({"text": "x"}),
             ),
             StatusCode::BAD_REQUEST,
             "invalid_params",

@@ -38,6 +38,7 @@ async fn main() {
             max_sessions: n + 1,
             loops: Default::default(),
             permission_mode: Default::default(),
+            notification_cap: 32,
         },
     )
     .await

@@ -26,6 +26,33 @@ use crate::{
     SubscriberId, TurnState,
 };
 
+/// Automatic work a queue actor offers a session.
+#[derive(Debug)]
+pub enum Work {
+    Notification(tiller_store::Notification),
+}
+
+impl Work {
+    fn text(&self) -> &str {
+        match self {
+            Work::Notification(n) => &n.text,
+        }
+    }
+}
+
+/// The queue actors a session polls when idle.
+#[derive(Clone, Default)]
+pub struct Automation {
+    pub notify: Option<ActorRef<crate::notify::NotifyMsg>>,
+}
+
+impl Automation {
+    /// The queues to poll, in admission order.
+    fn origins(&self) -> Vec<Origin> {
+        self.notify.iter().map(|_| Origin::Notification).collect()
+    }
+}
+
 /// How a prompt's terminal is reported to its owner.
 #[derive(Debug)]
 pub struct Settlement {
@@ -53,6 +80,17 @@ pub enum SessionMsg {
     },
     /// `session/cancel`.
     Cancel,
+    /// A queue actor may have work: poll if idle.
+    Kick,
+    /// A queue actor's answer to a poll.
+    Offer { origin: Origin, work: Option<Work> },
+    /// A notification was queued for this session (already durable).
+    NotificationQueued {
+        task_id: String,
+        text: String,
+        deduplicated: bool,
+        evicted: Vec<String>,
+    },
     /// A person's answer to a permission request.
     Permission {
         request_id: String,
@@ -88,6 +126,7 @@ pub struct SessionArgs {
     pub engine: Arc<dyn Engine>,
     pub store: Store,
     pub config: Arc<SessionConfig>,
+    pub automation: Automation,
 }
 
 /// A prompt admitted but not yet settled.
@@ -100,6 +139,8 @@ struct Pending {
     admitted_at: Millis,
     /// It waited in the queue, so its start is announced when it starts.
     queued: bool,
+    /// The queue item it came from, handed back if the session refuses it.
+    work: Option<Work>,
 }
 
 /// The running engine and the turn it serves.
@@ -126,6 +167,8 @@ pub struct SessionState {
     store: Store,
     /// Loop protection settings for each new turn's guard.
     loops: LoopConfig,
+    /// The queue actors polled when idle.
+    automation: Automation,
     /// The permission mode and the tools allowed for the whole session.
     permissions: Permissions,
     /// The `permission_requested` the running turn waits on.
@@ -184,7 +227,9 @@ impl Actor for SessionActor {
         let span = tracing::info_span!("session", session = %args.id);
         Ok(SessionState {
             id: args.id,
-            core: SessionCore::new(args.config.turn.clone(), args.head.last_turn),
+            core: SessionCore::new(args.config.turn.clone(), args.head.last_turn)
+                .with_automatic(args.automation.origins()),
+            automation: args.automation,
             engine: args.engine,
             store: args.store,
             loops: args.config.loops.clone(),
@@ -269,6 +314,28 @@ impl SessionState {
                 .await;
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
+            SessionMsg::Kick => self.feed(myself, Input::Kick, None).await,
+            SessionMsg::Offer { origin, work } => self.offer(myself, origin, work).await,
+            SessionMsg::NotificationQueued {
+                task_id,
+                text,
+                deduplicated,
+                evicted,
+            } => {
+                for t in evicted {
+                    self.publish(None, None, EventBody::NotificationEvicted { task_id: t });
+                }
+                self.publish(
+                    None,
+                    None,
+                    EventBody::NotificationQueued {
+                        task_id,
+                        text,
+                        deduplicated,
+                    },
+                );
+                self.feed(myself, Input::Kick, None).await;
+            }
             SessionMsg::Permission {
                 request_id,
                 option_id,
@@ -362,6 +429,7 @@ impl SessionState {
                 settled,
                 admitted_at: self.now(),
                 queued: false,
+                work: None,
             },
         );
         let fx = self.core.on(self.now(), Input::Prompt { prompt, origin });
@@ -397,6 +465,39 @@ impl SessionState {
         self.apply(myself, fx, None).await;
     }
 
+    /// Takes (or refuses) automatic work offered by a queue actor.
+    async fn offer(&mut self, myself: &ActorRef<SessionMsg>, origin: Origin, work: Option<Work>) {
+        let prompt = match work {
+            None => None,
+            Some(work) => match self.engine.prepare(work.text()) {
+                Ok(prepared) => {
+                    let prompt = PromptId::new();
+                    self.pending.insert(
+                        prompt,
+                        Pending {
+                            prepared: Some(prepared),
+                            settled: None,
+                            admitted_at: self.now(),
+                            // Announced (and entered in the ledger) at start.
+                            queued: true,
+                            work: Some(work),
+                        },
+                    );
+                    metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
+                        .increment(1);
+                    Some(prompt)
+                }
+                Err(e) => {
+                    // Unrunnable work is dropped, not retried forever.
+                    tracing::warn!(error = %e, origin = origin.as_str(), "dropping invalid automatic work");
+                    None
+                }
+            },
+        };
+        self.feed(myself, Input::Offer { origin, prompt }, None)
+            .await;
+    }
+
     async fn steer(
         &mut self,
         myself: &ActorRef<SessionMsg>,
@@ -428,6 +529,7 @@ impl SessionState {
                     settled: None,
                     admitted_at: self.now(),
                     queued: false,
+                    work: None,
                 },
             );
             IdleBehavior::StartNewTurn(prompt)
@@ -629,6 +731,28 @@ impl SessionState {
                     metrics::counter!("tiller_watchdog_fired_total", "kind" => kind).increment(1);
                 }
                 Effect::ArmTimer { at } => self.arm(myself, at),
+                Effect::Poll { origin } => match (&self.automation.notify, origin) {
+                    (Some(notify), Origin::Notification) => {
+                        let _ = notify.send_message(crate::notify::NotifyMsg::Poll {
+                            session: self.id,
+                            reply_to: myself.clone(),
+                        });
+                    }
+                    // No actor for that queue: nothing is due there.
+                    _ => {
+                        let _ = myself.send_message(SessionMsg::Offer { origin, work: None });
+                    }
+                },
+                Effect::OfferRefused { prompt, .. } => {
+                    if let Some(Pending {
+                        work: Some(Work::Notification(n)),
+                        ..
+                    }) = self.pending.remove(&prompt)
+                        && let Some(notify) = &self.automation.notify
+                    {
+                        let _ = notify.send_message(crate::notify::NotifyMsg::HandBack(n));
+                    }
+                }
                 Effect::Idle => {
                     tracing::debug!("session idle");
                     for d in self.drained.drain(..) {

@@ -105,6 +105,15 @@ pub enum EventBody {
         text: String,
         reason: String,
     },
+    /// A background notification was queued for this session.
+    NotificationQueued {
+        task_id: String,
+        text: String,
+        /// It replaced a queued notification of the same task.
+        deduplicated: bool,
+    },
+    /// A queued notification was evicted to keep the queue within its cap.
+    NotificationEvicted { task_id: String },
     /// A prompt completed.
     TurnComplete { stop_reason: String },
     /// A prompt failed. `loop_type` and `code` come with `loop_detected`.
@@ -138,6 +147,8 @@ impl EventBody {
             EventBody::SteerAccepted { .. } => "steer_accepted",
             EventBody::SteerConsumed { .. } => "steer_consumed",
             EventBody::SteerDropped { .. } => "steer_dropped",
+            EventBody::NotificationQueued { .. } => "notification_queued",
+            EventBody::NotificationEvicted { .. } => "notification_evicted",
             EventBody::TurnComplete { .. } => "turn_complete",
             EventBody::TurnError { .. } => "turn_error",
             EventBody::LoopStopped { .. } => "loop_stopped",

@@ -5,6 +5,7 @@
 
 mod actor;
 pub mod event;
+mod notify;
 mod registry;
 mod tools;
 
@@ -34,6 +35,8 @@ pub struct SessionConfig {
     pub loops: LoopConfig,
     /// Which tool calls ask a person first.
     pub permission_mode: PermissionMode,
+    /// Most background notifications queued per session.
+    pub notification_cap: usize,
 }
 
 /// Why a session could not be found or created.
@@ -129,6 +132,7 @@ pub trait Subscriber: Send + 'static {
 #[derive(Clone)]
 pub struct Sessions {
     registry: ActorRef<RegistryMsg>,
+    notify: ActorRef<notify::NotifyMsg>,
     store: Store,
     next_subscriber: Arc<AtomicU64>,
 }
@@ -147,19 +151,63 @@ impl Sessions {
                 "prompts in flight when the daemon stopped got a daemon_restarted error"
             );
         }
+        let cap = config.notification_cap;
+        let (notify, _) = Actor::spawn(None, notify::NotifyActor, (store.clone(), cap))
+            .await
+            .map_err(|e| SessionError::Internal(e.to_string()))?;
         let args = RegistryArgs {
             store: store.clone(),
+            automation: actor::Automation {
+                notify: Some(notify.clone()),
+            },
             engine,
             config: Arc::new(config),
         };
         let (registry, _) = Actor::spawn(None, Registry, args)
             .await
             .map_err(|e| SessionError::Internal(e.to_string()))?;
-        Ok(Sessions {
+        let sessions = Sessions {
             registry,
+            notify,
             store,
             next_subscriber: Arc::new(AtomicU64::new(1)),
-        })
+        };
+        // Work queued before a restart runs: wake the sessions it is for.
+        let (waiting, _) = sessions.store.notification_backlog().await?;
+        for id in waiting {
+            if let Ok(h) = sessions.open(id).await {
+                let _ = h.send(SessionMsg::Kick);
+            }
+        }
+        Ok(sessions)
+    }
+
+    /// Queues a background notification for a session (durable when this
+    /// returns). It runs as its own turn once the session is idle.
+    pub async fn notify(
+        &self,
+        id: SessionId,
+        task_id: String,
+        text: String,
+    ) -> Result<tiller_store::Enqueued, SessionError> {
+        let handle = self.open(id).await?;
+        let (tx, rx) = oneshot::channel();
+        self.notify
+            .send_message(notify::NotifyMsg::Enqueue {
+                session: id,
+                task_id: task_id.clone(),
+                text: text.clone(),
+                reply: tx,
+            })
+            .map_err(|_| SessionError::Stopped)?;
+        let enqueued = rx.await.map_err(|_| SessionError::Stopped)??;
+        handle.send(SessionMsg::NotificationQueued {
+            task_id,
+            text,
+            deduplicated: enqueued.deduplicated,
+            evicted: enqueued.evicted.clone(),
+        })?;
+        Ok(enqueued)
     }
 
     async fn ask<T>(
@@ -253,6 +301,7 @@ impl Sessions {
         let _ = self.ask(RegistryMsg::Shutdown).await;
         self.registry.stop_children(None);
         self.registry.stop(None);
+        self.notify.stop(None);
         if let Err(e) = self.store.flush().await {
             tracing::error!(error = %e, "store flush at shutdown failed");
         }

@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 
 use crate::SessionConfig;
 use crate::SessionError;
-use crate::actor::{SessionActor, SessionArgs, SessionMsg};
+use crate::actor::{Automation, SessionActor, SessionArgs, SessionMsg};
 
 /// The closed set of messages the registry handles.
 pub enum RegistryMsg {
@@ -37,6 +37,7 @@ pub enum RegistryMsg {
 /// What the registry needs.
 pub struct RegistryArgs {
     pub store: Store,
+    pub automation: Automation,
     pub engine: Arc<dyn Engine>,
     pub config: Arc<SessionConfig>,
 }
@@ -44,6 +45,8 @@ pub struct RegistryArgs {
 /// The registry's state.
 pub struct RegistryState {
     store: Store,
+    /// The queue actors every session polls.
+    automation: Automation,
     engine: Arc<dyn Engine>,
     config: Arc<SessionConfig>,
     /// Live sessions.
@@ -67,6 +70,7 @@ impl Actor for Registry {
     ) -> Result<RegistryState, ActorProcessingErr> {
         Ok(RegistryState {
             store: args.store,
+            automation: args.automation,
             engine: args.engine,
             config: args.config,
             live: HashMap::new(),
@@ -159,6 +163,7 @@ impl RegistryState {
             engine: self.engine.clone(),
             store: self.store.clone(),
             config: self.config.clone(),
+            automation: self.automation.clone(),
         };
         let (actor, _) = Actor::spawn_linked(None, SessionActor, args, myself.get_cell())
             .await

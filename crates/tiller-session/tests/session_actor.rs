@@ -30,6 +30,7 @@ async fn sessions(dir: &tempfile::TempDir) -> Sessions {
         max_sessions: 3,
         loops: Default::default(),
         permission_mode: Default::default(),
+        notification_cap: 32,
     };
     Sessions::start(store, Arc::new(ScriptedEngine), config)
         .await

@@ -96,6 +96,26 @@ pub struct HistoryPage {
     pub has_more: bool,
 }
 
+/// A queued background notification.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// Queue position (keeps its place when handed back).
+    pub id: i64,
+    pub session: SessionId,
+    pub task_id: String,
+    pub text: String,
+    pub created_ms: i64,
+}
+
+/// What enqueueing did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Enqueued {
+    /// The notification replaced a queued one with the same task id.
+    pub deduplicated: bool,
+    /// Task ids evicted (oldest first) to keep the queue within its cap.
+    pub evicted: Vec<String>,
+}
+
 /// What a session's log looks like at load time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LogHead {
@@ -139,6 +159,20 @@ enum Cmd {
         reply: Reply<Option<StoredEvent>>,
     },
     Unsettled(Reply<Vec<Unsettled>>),
+    Enqueue {
+        session: SessionId,
+        task_id: String,
+        text: String,
+        now_ms: i64,
+        cap: usize,
+        reply: Reply<Enqueued>,
+    },
+    /// Takes the oldest queued notification of a session off the queue.
+    Claim(SessionId, Reply<Option<Notification>>),
+    /// Puts a claimed notification back in its place.
+    HandBack(Notification, Reply<()>),
+    /// Sessions with queued notifications, and the total queued.
+    NotificationBacklog(Reply<(Vec<SessionId>, usize)>),
     Events {
         session: SessionId,
         after: u64,
@@ -259,6 +293,46 @@ impl Store {
         .await
     }
 
+    /// Queues a background notification (durable when this returns),
+    /// replacing a queued one with the same task id, evicting the oldest
+    /// over `cap`.
+    pub async fn enqueue_notification(
+        &self,
+        session: SessionId,
+        task_id: String,
+        text: String,
+        now_ms: i64,
+        cap: usize,
+    ) -> Result<Enqueued, StoreError> {
+        self.ask(|reply| Cmd::Enqueue {
+            session,
+            task_id,
+            text,
+            now_ms,
+            cap,
+            reply,
+        })
+        .await
+    }
+
+    /// Takes the oldest queued notification of a session.
+    pub async fn claim_notification(
+        &self,
+        session: SessionId,
+    ) -> Result<Option<Notification>, StoreError> {
+        self.ask(|r| Cmd::Claim(session, r)).await
+    }
+
+    /// Returns a claimed notification to its place in the queue.
+    pub async fn hand_back_notification(&self, n: Notification) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::HandBack(n, r)).await
+    }
+
+    /// Sessions that have queued notifications, and how many are queued.
+    pub async fn notification_backlog(&self) -> Result<(Vec<SessionId>, usize), StoreError> {
+        self.ask(Cmd::NotificationBacklog).await
+    }
+
     /// Prompts admitted and never settled, oldest first.
     pub async fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
         self.ask(Cmd::Unsettled).await
@@ -316,6 +390,15 @@ const SCHEMA: &[&str] = &[
         settled_ms INTEGER
     );
     CREATE INDEX prompts_unsettled ON prompts (admitted_ms) WHERE settled_ms IS NULL;",
+    // v3: background notifications waiting for their session to be idle.
+    "CREATE TABLE notifications (
+        n INTEGER PRIMARY KEY AUTOINCREMENT,
+        session_id TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        text TEXT NOT NULL,
+        created_ms INTEGER NOT NULL,
+        UNIQUE (session_id, task_id)
+    );",
 ];
 
 fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -419,6 +502,33 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
             }
             Cmd::Unsettled(reply) => {
                 let _ = reply.send(unsettled(&conn).map_err(Into::into));
+            }
+            Cmd::Enqueue {
+                session,
+                task_id,
+                text,
+                now_ms,
+                cap,
+                reply,
+            } => {
+                let r = enqueue(&mut conn, session, &task_id, &text, now_ms, cap);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::Claim(session, reply) => {
+                let _ = reply.send(claim(&mut conn, session).map_err(Into::into));
+            }
+            Cmd::HandBack(n, reply) => {
+                let r = conn
+                    .execute(
+                        "INSERT OR IGNORE INTO notifications (n, session_id, task_id, text, created_ms)
+                         VALUES (?1, ?2, ?3, ?4, ?5)",
+                        params![n.id, n.session.to_string(), n.task_id, n.text, n.created_ms],
+                    )
+                    .map(drop);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::NotificationBacklog(reply) => {
+                let _ = reply.send(backlog(&conn).map_err(Into::into));
             }
             Cmd::Events {
                 session,
@@ -631,6 +741,81 @@ fn last_of_kinds(
     }
     stmt.query_row(args.as_slice(), |r| event_row(session, r))
         .optional()
+}
+
+fn enqueue(
+    conn: &mut Connection,
+    session: SessionId,
+    task_id: &str,
+    text: &str,
+    now_ms: i64,
+    cap: usize,
+) -> rusqlite::Result<Enqueued> {
+    let tx = conn.transaction()?;
+    let sid = session.to_string();
+    let updated = tx.execute(
+        "UPDATE notifications SET text = ?3 WHERE session_id = ?1 AND task_id = ?2",
+        params![sid, task_id, text],
+    )?;
+    if updated == 0 {
+        tx.execute(
+            "INSERT INTO notifications (session_id, task_id, text, created_ms) VALUES (?1, ?2, ?3, ?4)",
+            params![sid, task_id, text, now_ms],
+        )?;
+    }
+    let mut evicted = Vec::new();
+    {
+        let mut over = tx.prepare(
+            "SELECT n, task_id FROM notifications WHERE session_id = ?1 ORDER BY n DESC LIMIT -1 OFFSET ?2",
+        )?;
+        let rows: Vec<(i64, String)> = over
+            .query_map(params![sid, cap as i64], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<rusqlite::Result<_>>()?;
+        for (n, task) in rows.into_iter().rev() {
+            tx.execute("DELETE FROM notifications WHERE n = ?1", params![n])?;
+            evicted.push(task);
+        }
+    }
+    tx.commit()?;
+    Ok(Enqueued {
+        deduplicated: updated > 0,
+        evicted,
+    })
+}
+
+fn claim(conn: &mut Connection, session: SessionId) -> rusqlite::Result<Option<Notification>> {
+    let tx = conn.transaction()?;
+    let found = tx
+        .query_row(
+            "SELECT n, task_id, text, created_ms FROM notifications
+             WHERE session_id = ?1 ORDER BY n LIMIT 1",
+            params![session.to_string()],
+            |r| {
+                Ok(Notification {
+                    id: r.get(0)?,
+                    session,
+                    task_id: r.get(1)?,
+                    text: r.get(2)?,
+                    created_ms: r.get(3)?,
+                })
+            },
+        )
+        .optional()?;
+    if let Some(n) = &found {
+        tx.execute("DELETE FROM notifications WHERE n = ?1", params![n.id])?;
+    }
+    tx.commit()?;
+    Ok(found)
+}
+
+fn backlog(conn: &Connection) -> rusqlite::Result<(Vec<SessionId>, usize)> {
+    let mut stmt = conn.prepare("SELECT DISTINCT session_id FROM notifications")?;
+    let sessions = stmt
+        .query_map([], |r| r.get::<_, String>(0))?
+        .filter_map(|s| s.ok().and_then(|s| SessionId::parse(&s)))
+        .collect();
+    let total: i64 = conn.query_row("SELECT COUNT(*) FROM notifications", [], |r| r.get(0))?;
+    Ok((sessions, total as usize))
 }
 
 fn unsettled(conn: &Connection) -> rusqlite::Result<Vec<Unsettled>> {
@@ -875,5 +1060,44 @@ mod ledger_tests {
             vec![1, 2]
         );
         assert!(!p.has_more);
+    }
+}
+
+#[cfg(test)]
+mod notification_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn fifo_dedup_cap_and_hand_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let s = SessionId::new();
+        let e = |t: &str| store.enqueue_notification(s, t.into(), format!("{t} text"), 1, 3);
+        assert_eq!(
+            e("a").await.unwrap(),
+            Enqueued {
+                deduplicated: false,
+                evicted: vec![]
+            }
+        );
+        e("b").await.unwrap();
+        let again = store
+            .enqueue_notification(s, "a".into(), "a newer".into(), 2, 3)
+            .await
+            .unwrap();
+        assert!(again.deduplicated);
+        e("c").await.unwrap();
+        let over = e("d").await.unwrap();
+        assert_eq!(over.evicted, vec!["a".to_string()], "oldest first");
+        assert_eq!(store.notification_backlog().await.unwrap(), (vec![s], 3));
+        let b = store.claim_notification(s).await.unwrap().unwrap();
+        assert_eq!(b.task_id, "b");
+        store.hand_back_notification(b).await.unwrap();
+        let mut order = Vec::new();
+        for _ in 0..3 {
+            order.push(store.claim_notification(s).await.unwrap().unwrap().task_id);
+        }
+        assert_eq!(order, vec!["b", "c", "d"]);
+        assert!(store.claim_notification(s).await.unwrap().is_none());
     }
 }

@@ -129,6 +129,7 @@ pub struct Limits {
     pub max_connections: usize,
     pub max_message_bytes: usize,
     pub subscriber_queue: usize,
+    pub max_queued_notifications: usize,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -181,6 +182,7 @@ impl Default for Limits {
             max_connections: 1024,
             max_message_bytes: 4 * 1024 * 1024,
             subscriber_queue: 4096,
+            max_queued_notifications: 32,
         }
     }
 }
@@ -281,6 +283,10 @@ impl Config {
                 self.limits.max_message_bytes < 1024,
             ),
             ("limits.subscriber_queue", self.limits.subscriber_queue < 16),
+            (
+                "limits.max_queued_notifications",
+                self.limits.max_queued_notifications == 0,
+            ),
             ("turn.cancel_grace", self.turn.cancel_grace.is_zero()),
             ("turn.stall_timeout", self.turn.stall_timeout.is_zero()),
             (

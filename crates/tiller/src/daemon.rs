@@ -54,6 +54,7 @@ async fn start_sessions(cfg: &Config, db: &std::path::Path) -> anyhow::Result<Se
             max_sessions: cfg.limits.max_sessions,
             loops: cfg.loop_config(),
             permission_mode: cfg.permission_mode(),
+            notification_cap: cfg.limits.max_queued_notifications,
         },
     )
     .await?;

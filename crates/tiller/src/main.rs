@@ -73,6 +73,17 @@ enum Command {
         #[command(subcommand)]
         command: SessionsCommand,
     },
+    /// Queue a background notification for a session.
+    Notify {
+        #[command(flatten)]
+        daemon: DaemonArgs,
+        #[arg(long)]
+        session: String,
+        #[arg(long)]
+        task_id: String,
+        #[arg(long)]
+        text: String,
+    },
     /// Configuration tools.
     Config {
         #[command(subcommand)]
@@ -200,25 +211,42 @@ fn main() -> ExitCode {
                 exit(runtime().block_on(relay::run(&target, token.as_deref())))
             }
         }
-        Command::Sessions { daemon, command } => {
-            let cfg = match load_config(daemon.config.as_deref(), &[]) {
+        Command::Notify {
+            daemon,
+            session,
+            task_id,
+            text,
+        } => {
+            let client = match admin_client(daemon) {
                 Ok(c) => c,
-                Err(e) => return config_error(&e),
+                Err(code) => return code,
             };
-            let url = daemon
-                .url
-                .unwrap_or_else(|| format!("http://{}", cfg.server.listen));
-            let token = daemon
-                .token
-                .or_else(|| Some(cfg.server.token.clone()).filter(|t| !t.is_empty()));
-            let client = admin::Client::new(url, token);
-            let id_ok = |id: &str| {
-                !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            if !is_id(&session) {
+                eprintln!("tiller: `{session}` is not a session id");
+                return ExitCode::from(2);
+            }
+            let body = serde_json::json!({ "taskId": task_id, "text": text });
+            exit(runtime().block_on(async {
+                let v = client
+                    .call(
+                        reqwest::Method::POST,
+                        &format!("/api/sessions/{session}/notifications"),
+                        Some(body),
+                    )
+                    .await?;
+                admin::print(&v);
+                Ok(())
+            }))
+        }
+        Command::Sessions { daemon, command } => {
+            let client = match admin_client(daemon) {
+                Ok(c) => c,
+                Err(code) => return code,
             };
             if let SessionsCommand::Show { id }
             | SessionsCommand::History { id, .. }
             | SessionsCommand::Close { id } = &command
-                && !id_ok(id)
+                && !is_id(id)
             {
                 eprintln!("tiller: `{id}` is not a session id");
                 return ExitCode::from(2);
@@ -258,6 +286,23 @@ fn main() -> ExitCode {
             Err(e) => config_error(&e),
         },
     }
+}
+
+/// An HTTP client for the daemon named by flags or config.
+fn admin_client(daemon: DaemonArgs) -> Result<admin::Client, ExitCode> {
+    let cfg = load_config(daemon.config.as_deref(), &[]).map_err(|e| config_error(&e))?;
+    let url = daemon
+        .url
+        .unwrap_or_else(|| format!("http://{}", cfg.server.listen));
+    let token = daemon
+        .token
+        .or_else(|| Some(cfg.server.token.clone()).filter(|t| !t.is_empty()));
+    Ok(admin::Client::new(url, token))
+}
+
+/// Ids are interpolated into URL paths: only id characters pass.
+fn is_id(id: &str) -> bool {
+    !id.is_empty() && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
 }
 
 fn config_error(e: &config::ConfigError) -> ExitCode {

@@ -1,0 +1,118 @@
+//! The notification actor: owns the durable queues of background
+//! notifications (one per session, in the store). Sessions poll it when
+//! idle; it offers one notification per turn, oldest first. What is due is
+//! its business; admission order is the session core's.
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tiller_core::{Origin, SessionId};
+use tiller_store::{Enqueued, Notification, Store, StoreError};
+use tokio::sync::oneshot;
+
+use crate::actor::{SessionMsg, Work};
+
+/// The closed set of messages the notification actor handles.
+pub enum NotifyMsg {
+    /// Queue a notification (durable before the reply).
+    Enqueue {
+        session: SessionId,
+        task_id: String,
+        text: String,
+        reply: oneshot::Sender<Result<Enqueued, StoreError>>,
+    },
+    /// A session is idle and asks for its next notification; the answer
+    /// goes to its mailbox as `SessionMsg::Offer`.
+    Poll {
+        session: SessionId,
+        reply_to: ActorRef<SessionMsg>,
+    },
+    /// A session could not take an offer: back in its place it goes.
+    HandBack(Notification),
+}
+
+/// See the module docs.
+pub struct NotifyActor;
+
+/// The actor's state.
+pub struct NotifyState {
+    store: Store,
+    /// Most notifications queued per session; the oldest are evicted.
+    cap: usize,
+}
+
+impl Actor for NotifyActor {
+    type Msg = NotifyMsg;
+    type State = NotifyState;
+    type Arguments = (Store, usize);
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<NotifyMsg>,
+        (store, cap): (Store, usize),
+    ) -> Result<NotifyState, ActorProcessingErr> {
+        let (_, total) = store.notification_backlog().await?;
+        metrics::gauge!("tiller_notifications_queued").set(total as f64);
+        Ok(NotifyState { store, cap })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<NotifyMsg>,
+        msg: NotifyMsg,
+        st: &mut NotifyState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            NotifyMsg::Enqueue {
+                session,
+                task_id,
+                text,
+                reply,
+            } => {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as i64)
+                    .unwrap_or(0);
+                let r = st
+                    .store
+                    .enqueue_notification(session, task_id, text, now, st.cap)
+                    .await;
+                if let Ok(e) = &r {
+                    let delta = i64::from(!e.deduplicated) - e.evicted.len() as i64;
+                    metrics::gauge!("tiller_notifications_queued").increment(delta as f64);
+                }
+                let _ = reply.send(r);
+            }
+            NotifyMsg::Poll { session, reply_to } => {
+                let work = match st.store.claim_notification(session).await {
+                    Ok(Some(n)) => {
+                        metrics::gauge!("tiller_notifications_queued").decrement(1.0);
+                        Some(Work::Notification(n))
+                    }
+                    Ok(None) => None,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read the notification queue");
+                        None
+                    }
+                };
+                if let Err(ractor::MessagingErr::SendErr(SessionMsg::Offer {
+                    work: Some(Work::Notification(n)),
+                    ..
+                })) = reply_to.send_message(SessionMsg::Offer {
+                    origin: Origin::Notification,
+                    work,
+                }) {
+                    // The session stopped: keep the notification queued.
+                    hand_back(st, n).await;
+                }
+            }
+            NotifyMsg::HandBack(n) => hand_back(st, n).await,
+        }
+        Ok(())
+    }
+}
+
+async fn hand_back(st: &NotifyState, n: Notification) {
+    match st.store.hand_back_notification(n).await {
+        Ok(()) => metrics::gauge!("tiller_notifications_queued").increment(1.0),
+        Err(e) => tracing::error!(error = %e, "cannot hand a notification back"),
+    }
+}
