@@ -6,6 +6,7 @@
 //! check "every admitted prompt gets exactly one terminal" over arbitrary
 //! interleavings.
 
+pub mod cron;
 mod ids;
 pub mod loop_guard;
 mod terminal;

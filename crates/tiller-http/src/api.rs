@@ -377,6 +377,68 @@ pub async fn post_notification(
     ))
 }
 
+fn cron_json(j: &tiller_store::CronJob) -> Value {
+    json!({
+        "id": j.id,
+        "sessionId": j.session.to_string(),
+        "schedule": j.schedule,
+        "tz": j.tz,
+        "prompt": j.prompt,
+        "nextFire": j.next_fire_ms,
+    })
+}
+
+pub async fn list_cron(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+    let jobs = st.sessions.cron_list().await?;
+    Ok(Json(
+        json!({ "jobs": jobs.iter().map(cron_json).collect::<Vec<_>>() }),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct CronBody {
+    session_id: String,
+    schedule: String,
+    tz: Option<String>,
+    prompt: String,
+}
+
+pub async fn add_cron(
+    State(st): State<AppState>,
+    ApiJson(body): ApiJson<CronBody>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let session = SessionId::parse(&body.session_id)
+        .ok_or_else(|| ApiError::from(SessionError::Unknown(SessionId::from_u128(0))))?;
+    if body.prompt.is_empty() {
+        return Err(bad_request("`prompt` must not be empty"));
+    }
+    let tz = body.tz.unwrap_or_else(|| "UTC".into());
+    let job = st
+        .sessions
+        .cron_add(session, body.schedule, tz, body.prompt)
+        .await?
+        .map_err(bad_request)?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "id": job.id, "nextFire": job.next_fire_ms })),
+    ))
+}
+
+pub async fn remove_cron(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    if st.sessions.cron_remove(id.clone()).await? {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError(
+            StatusCode::NOT_FOUND,
+            json!({ "errorKind": "unknown_cron_job", "message": format!("no cron job {id}") }),
+        ))
+    }
+}
+
 #[derive(Deserialize)]
 pub struct HistoryQuery {
     before: Option<u64>,

@@ -70,6 +70,8 @@ pub fn router(state: AppState) -> Router {
             "/api/sessions/{id}/notifications",
             post(api::post_notification),
         )
+        .route("/api/cron", get(api::list_cron).post(api::add_cron))
+        .route("/api/cron/{id}", axum::routing::delete(api::remove_cron))
         .route("/api/sessions/{id}/events", get(api::events))
         .layer(axum::middleware::from_fn_with_state(auth, auth::check))
         .with_state(state)

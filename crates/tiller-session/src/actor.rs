@@ -30,12 +30,14 @@ use crate::{
 #[derive(Debug)]
 pub enum Work {
     Notification(tiller_store::Notification),
+    Cron(tiller_store::CronFire),
 }
 
 impl Work {
     fn text(&self) -> &str {
         match self {
             Work::Notification(n) => &n.text,
+            Work::Cron(f) => &f.prompt,
         }
     }
 }
@@ -44,12 +46,21 @@ impl Work {
 #[derive(Clone, Default)]
 pub struct Automation {
     pub notify: Option<ActorRef<crate::notify::NotifyMsg>>,
+    pub cron: Option<ActorRef<crate::cron::CronMsg>>,
 }
 
 impl Automation {
-    /// The queues to poll, in admission order.
+    /// The queues to poll, in admission order: one notification, then due
+    /// cron fires.
     fn origins(&self) -> Vec<Origin> {
-        self.notify.iter().map(|_| Origin::Notification).collect()
+        let mut o = Vec::new();
+        if self.notify.is_some() {
+            o.push(Origin::Notification);
+        }
+        if self.cron.is_some() {
+            o.push(Origin::Cron);
+        }
+        o
     }
 }
 
@@ -84,6 +95,8 @@ pub enum SessionMsg {
     Kick,
     /// A queue actor's answer to a poll.
     Offer { origin: Origin, work: Option<Work> },
+    /// A cron job of this session fired (its fire is queued).
+    CronFired { job_id: String },
     /// A notification was queued for this session (already durable).
     NotificationQueued {
         task_id: String,
@@ -316,6 +329,10 @@ impl SessionState {
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
             SessionMsg::Kick => self.feed(myself, Input::Kick, None).await,
             SessionMsg::Offer { origin, work } => self.offer(myself, origin, work).await,
+            SessionMsg::CronFired { job_id } => {
+                self.publish(None, None, EventBody::CronFired { job_id });
+                self.feed(myself, Input::Kick, None).await;
+            }
             SessionMsg::NotificationQueued {
                 task_id,
                 text,
@@ -731,26 +748,44 @@ impl SessionState {
                     metrics::counter!("tiller_watchdog_fired_total", "kind" => kind).increment(1);
                 }
                 Effect::ArmTimer { at } => self.arm(myself, at),
-                Effect::Poll { origin } => match (&self.automation.notify, origin) {
-                    (Some(notify), Origin::Notification) => {
-                        let _ = notify.send_message(crate::notify::NotifyMsg::Poll {
-                            session: self.id,
-                            reply_to: myself.clone(),
-                        });
-                    }
-                    // No actor for that queue: nothing is due there.
-                    _ => {
+                Effect::Poll { origin } => {
+                    let me = myself.clone();
+                    let session = self.id;
+                    let sent = match origin {
+                        Origin::Notification => self.automation.notify.as_ref().map(|n| {
+                            n.send_message(crate::notify::NotifyMsg::Poll {
+                                session,
+                                reply_to: me,
+                            })
+                            .is_ok()
+                        }),
+                        Origin::Cron => self.automation.cron.as_ref().map(|c| {
+                            c.send_message(crate::cron::CronMsg::Poll {
+                                session,
+                                reply_to: me,
+                            })
+                            .is_ok()
+                        }),
+                        _ => None,
+                    };
+                    if sent != Some(true) {
+                        // No actor for that queue: nothing is due there.
                         let _ = myself.send_message(SessionMsg::Offer { origin, work: None });
                     }
-                },
+                }
                 Effect::OfferRefused { prompt, .. } => {
-                    if let Some(Pending {
-                        work: Some(Work::Notification(n)),
-                        ..
-                    }) = self.pending.remove(&prompt)
-                        && let Some(notify) = &self.automation.notify
-                    {
-                        let _ = notify.send_message(crate::notify::NotifyMsg::HandBack(n));
+                    match self.pending.remove(&prompt).and_then(|p| p.work) {
+                        Some(Work::Notification(n)) => {
+                            if let Some(notify) = &self.automation.notify {
+                                let _ = notify.send_message(crate::notify::NotifyMsg::HandBack(n));
+                            }
+                        }
+                        Some(Work::Cron(f)) => {
+                            if let Some(cron) = &self.automation.cron {
+                                let _ = cron.send_message(crate::cron::CronMsg::HandBack(f));
+                            }
+                        }
+                        None => {}
                     }
                 }
                 Effect::Idle => {

@@ -112,6 +112,8 @@ pub enum EventBody {
         /// It replaced a queued notification of the same task.
         deduplicated: bool,
     },
+    /// A cron job fired; its turn runs when the session is idle.
+    CronFired { job_id: String },
     /// A queued notification was evicted to keep the queue within its cap.
     NotificationEvicted { task_id: String },
     /// A prompt completed.
@@ -149,6 +151,7 @@ impl EventBody {
             EventBody::SteerDropped { .. } => "steer_dropped",
             EventBody::NotificationQueued { .. } => "notification_queued",
             EventBody::NotificationEvicted { .. } => "notification_evicted",
+            EventBody::CronFired { .. } => "cron_fired",
             EventBody::TurnComplete { .. } => "turn_complete",
             EventBody::TurnError { .. } => "turn_error",
             EventBody::LoopStopped { .. } => "loop_stopped",

@@ -4,6 +4,7 @@
 //! [`EventRecord`]s to their own wire shapes.
 
 mod actor;
+mod cron;
 pub mod event;
 mod notify;
 mod registry;
@@ -133,6 +134,7 @@ pub trait Subscriber: Send + 'static {
 pub struct Sessions {
     registry: ActorRef<RegistryMsg>,
     notify: ActorRef<notify::NotifyMsg>,
+    cron: ActorRef<cron::CronMsg>,
     store: Store,
     next_subscriber: Arc<AtomicU64>,
 }
@@ -155,10 +157,14 @@ impl Sessions {
         let (notify, _) = Actor::spawn(None, notify::NotifyActor, (store.clone(), cap))
             .await
             .map_err(|e| SessionError::Internal(e.to_string()))?;
+        let (cron, _) = Actor::spawn(None, cron::CronActor, store.clone())
+            .await
+            .map_err(|e| SessionError::Internal(e.to_string()))?;
         let args = RegistryArgs {
             store: store.clone(),
             automation: actor::Automation {
                 notify: Some(notify.clone()),
+                cron: Some(cron.clone()),
             },
             engine,
             config: Arc::new(config),
@@ -169,17 +175,67 @@ impl Sessions {
         let sessions = Sessions {
             registry,
             notify,
+            cron,
             store,
             next_subscriber: Arc::new(AtomicU64::new(1)),
         };
         // Work queued before a restart runs: wake the sessions it is for.
-        let (waiting, _) = sessions.store.notification_backlog().await?;
+        let (mut waiting, _) = sessions.store.notification_backlog().await?;
+        waiting.extend(sessions.store.cron_backlog().await?);
         for id in waiting {
             if let Ok(h) = sessions.open(id).await {
                 let _ = h.send(SessionMsg::Kick);
             }
         }
+        // The cron actor starts its timer (and catches up) once it can wake
+        // sessions.
+        let _ = sessions
+            .cron
+            .send_message(cron::CronMsg::Attach(sessions.clone()));
         Ok(sessions)
+    }
+
+    /// Adds a cron job for a session. `Ok(Err(message))` for a bad schedule.
+    pub async fn cron_add(
+        &self,
+        session: SessionId,
+        schedule: String,
+        tz: String,
+        prompt: String,
+    ) -> Result<Result<tiller_store::CronJob, String>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.cron
+            .send_message(cron::CronMsg::Add {
+                session,
+                schedule,
+                tz,
+                prompt,
+                reply: tx,
+            })
+            .map_err(|_| SessionError::Stopped)?;
+        match rx.await.map_err(|_| SessionError::Stopped)? {
+            Ok(job) => Ok(Ok(job)),
+            Err(cron::CronError::Schedule(m)) => Ok(Err(m)),
+            Err(cron::CronError::Session(e)) => Err(e),
+        }
+    }
+
+    /// Every cron job.
+    pub async fn cron_list(&self) -> Result<Vec<tiller_store::CronJob>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.cron
+            .send_message(cron::CronMsg::List(tx))
+            .map_err(|_| SessionError::Stopped)?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Removes a cron job; false when there was none.
+    pub async fn cron_remove(&self, id: String) -> Result<bool, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.cron
+            .send_message(cron::CronMsg::Remove { id, reply: tx })
+            .map_err(|_| SessionError::Stopped)?;
+        rx.await.map_err(|_| SessionError::Stopped)
     }
 
     /// Queues a background notification for a session (durable when this
@@ -302,6 +358,7 @@ impl Sessions {
         self.registry.stop_children(None);
         self.registry.stop(None);
         self.notify.stop(None);
+        self.cron.stop(None);
         if let Err(e) = self.store.flush().await {
             tracing::error!(error = %e, "store flush at shutdown failed");
         }

@@ -107,6 +107,30 @@ pub struct Notification {
     pub created_ms: i64,
 }
 
+/// A cron job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CronJob {
+    pub id: String,
+    pub session: SessionId,
+    pub schedule: String,
+    pub tz: String,
+    pub prompt: String,
+    /// The next scheduled fire, ms since the epoch.
+    pub next_fire_ms: i64,
+    pub created_ms: i64,
+}
+
+/// A cron fire waiting for its session to be idle (one per job at most).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CronFire {
+    /// Queue position (keeps its place when handed back).
+    pub id: i64,
+    pub job_id: String,
+    pub session: SessionId,
+    pub prompt: String,
+    pub fired_ms: i64,
+}
+
 /// What enqueueing did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Enqueued {
@@ -173,6 +197,19 @@ enum Cmd {
     HandBack(Notification, Reply<()>),
     /// Sessions with queued notifications, and the total queued.
     NotificationBacklog(Reply<(Vec<SessionId>, usize)>),
+    CronAdd(CronJob, Reply<()>),
+    CronList(Reply<Vec<CronJob>>),
+    CronRemove(String, Reply<bool>),
+    /// Records a fire (coalesced per job) and the job's next fire time.
+    CronFire {
+        job: CronJob,
+        fired_ms: i64,
+        next_fire_ms: i64,
+        reply: Reply<()>,
+    },
+    CronClaim(SessionId, Reply<Option<CronFire>>),
+    CronHandBack(CronFire, Reply<()>),
+    CronBacklog(Reply<Vec<SessionId>>),
     Events {
         session: SessionId,
         after: u64,
@@ -333,6 +370,53 @@ impl Store {
         self.ask(Cmd::NotificationBacklog).await
     }
 
+    /// Stores a new cron job.
+    pub async fn cron_add(&self, job: CronJob) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::CronAdd(job, r)).await
+    }
+
+    /// Every cron job.
+    pub async fn cron_list(&self) -> Result<Vec<CronJob>, StoreError> {
+        self.ask(Cmd::CronList).await
+    }
+
+    /// Removes a job (and its waiting fire); false when there was none.
+    pub async fn cron_remove(&self, id: String) -> Result<bool, StoreError> {
+        self.ask(|r| Cmd::CronRemove(id, r)).await
+    }
+
+    /// Queues a fire of `job` (at most one per job: a waiting fire is kept
+    /// in its place) and moves the job to its next fire time.
+    pub async fn cron_fire(
+        &self,
+        job: CronJob,
+        fired_ms: i64,
+        next_fire_ms: i64,
+    ) -> Result<(), StoreError> {
+        self.ask(|reply| Cmd::CronFire {
+            job,
+            fired_ms,
+            next_fire_ms,
+            reply,
+        })
+        .await
+    }
+
+    /// Takes the oldest waiting fire of a session.
+    pub async fn cron_claim(&self, session: SessionId) -> Result<Option<CronFire>, StoreError> {
+        self.ask(|r| Cmd::CronClaim(session, r)).await
+    }
+
+    /// Returns a claimed fire to its place.
+    pub async fn cron_hand_back(&self, fire: CronFire) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::CronHandBack(fire, r)).await
+    }
+
+    /// Sessions with waiting fires.
+    pub async fn cron_backlog(&self) -> Result<Vec<SessionId>, StoreError> {
+        self.ask(Cmd::CronBacklog).await
+    }
+
     /// Prompts admitted and never settled, oldest first.
     pub async fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
         self.ask(Cmd::Unsettled).await
@@ -398,6 +482,23 @@ const SCHEMA: &[&str] = &[
         text TEXT NOT NULL,
         created_ms INTEGER NOT NULL,
         UNIQUE (session_id, task_id)
+    );",
+    // v4: cron jobs and their waiting fires (one per job at most).
+    "CREATE TABLE cron_jobs (
+        id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        schedule TEXT NOT NULL,
+        tz TEXT NOT NULL,
+        prompt TEXT NOT NULL,
+        next_fire_ms INTEGER NOT NULL,
+        created_ms INTEGER NOT NULL
+    );
+    CREATE TABLE cron_fires (
+        n INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id TEXT NOT NULL UNIQUE,
+        session_id TEXT NOT NULL,
+        prompt TEXT NOT NULL,
+        fired_ms INTEGER NOT NULL
     );",
 ];
 
@@ -529,6 +630,59 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
             }
             Cmd::NotificationBacklog(reply) => {
                 let _ = reply.send(backlog(&conn).map_err(Into::into));
+            }
+            Cmd::CronAdd(j, reply) => {
+                let r = conn
+                    .execute(
+                        "INSERT INTO cron_jobs (id, session_id, schedule, tz, prompt, next_fire_ms, created_ms)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                        params![j.id, j.session.to_string(), j.schedule, j.tz, j.prompt, j.next_fire_ms, j.created_ms],
+                    )
+                    .map(drop);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::CronList(reply) => {
+                let _ = reply.send(cron_list(&conn).map_err(Into::into));
+            }
+            Cmd::CronRemove(id, reply) => {
+                let r = conn
+                    .execute("DELETE FROM cron_fires WHERE job_id = ?1", params![id])
+                    .and_then(|_| conn.execute("DELETE FROM cron_jobs WHERE id = ?1", params![id]))
+                    .map(|n| n > 0);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::CronFire {
+                job,
+                fired_ms,
+                next_fire_ms,
+                reply,
+            } => {
+                let _ = reply
+                    .send(cron_fire(&mut conn, &job, fired_ms, next_fire_ms).map_err(Into::into));
+            }
+            Cmd::CronClaim(session, reply) => {
+                let _ = reply.send(cron_claim(&mut conn, session).map_err(Into::into));
+            }
+            Cmd::CronHandBack(f, reply) => {
+                let r = conn
+                    .execute(
+                        "INSERT OR IGNORE INTO cron_fires (n, job_id, session_id, prompt, fired_ms)
+                         VALUES (?1, ?2, ?3, ?4, ?5)",
+                        params![f.id, f.job_id, f.session.to_string(), f.prompt, f.fired_ms],
+                    )
+                    .map(drop);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::CronBacklog(reply) => {
+                let r = conn
+                    .prepare("SELECT DISTINCT session_id FROM cron_fires")
+                    .and_then(|mut s| {
+                        s.query_map([], |r| r.get::<_, String>(0)).map(|rows| {
+                            rows.filter_map(|x| x.ok().and_then(|s| SessionId::parse(&s)))
+                                .collect()
+                        })
+                    });
+                let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::Events {
                 session,
@@ -803,6 +957,80 @@ fn claim(conn: &mut Connection, session: SessionId) -> rusqlite::Result<Option<N
         .optional()?;
     if let Some(n) = &found {
         tx.execute("DELETE FROM notifications WHERE n = ?1", params![n.id])?;
+    }
+    tx.commit()?;
+    Ok(found)
+}
+
+fn cron_list(conn: &Connection) -> rusqlite::Result<Vec<CronJob>> {
+    let mut stmt = conn.prepare(
+        "SELECT id, session_id, schedule, tz, prompt, next_fire_ms, created_ms FROM cron_jobs ORDER BY created_ms, id",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        let s: String = r.get(1)?;
+        Ok((
+            s,
+            CronJob {
+                id: r.get(0)?,
+                session: SessionId::from_u128(0),
+                schedule: r.get(2)?,
+                tz: r.get(3)?,
+                prompt: r.get(4)?,
+                next_fire_ms: r.get(5)?,
+                created_ms: r.get(6)?,
+            },
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (s, mut job) = row?;
+        if let Some(id) = SessionId::parse(&s) {
+            job.session = id;
+            out.push(job);
+        }
+    }
+    Ok(out)
+}
+
+fn cron_fire(
+    conn: &mut Connection,
+    job: &CronJob,
+    fired_ms: i64,
+    next_fire_ms: i64,
+) -> rusqlite::Result<()> {
+    let tx = conn.transaction()?;
+    // At most one waiting fire per job: a newer fire refreshes the waiting one.
+    tx.execute(
+        "INSERT INTO cron_fires (job_id, session_id, prompt, fired_ms) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT(job_id) DO UPDATE SET fired_ms = excluded.fired_ms, prompt = excluded.prompt",
+        params![job.id, job.session.to_string(), job.prompt, fired_ms],
+    )?;
+    tx.execute(
+        "UPDATE cron_jobs SET next_fire_ms = ?2 WHERE id = ?1",
+        params![job.id, next_fire_ms],
+    )?;
+    tx.commit()
+}
+
+fn cron_claim(conn: &mut Connection, session: SessionId) -> rusqlite::Result<Option<CronFire>> {
+    let tx = conn.transaction()?;
+    let found = tx
+        .query_row(
+            "SELECT n, job_id, prompt, fired_ms FROM cron_fires WHERE session_id = ?1 ORDER BY n LIMIT 1",
+            params![session.to_string()],
+            |r| {
+                Ok(CronFire {
+                    id: r.get(0)?,
+                    job_id: r.get(1)?,
+                    session,
+                    prompt: r.get(2)?,
+                    fired_ms: r.get(3)?,
+                })
+            },
+        )
+        .optional()?;
+    if let Some(f) = &found {
+        tx.execute("DELETE FROM cron_fires WHERE n = ?1", params![f.id])?;
     }
     tx.commit()?;
     Ok(found)

@@ -73,6 +73,13 @@ enum Command {
         #[command(subcommand)]
         command: SessionsCommand,
     },
+    /// Cron jobs of the running daemon.
+    Cron {
+        #[command(flatten)]
+        daemon: DaemonArgs,
+        #[command(subcommand)]
+        command: CronCommand,
+    },
     /// Queue a background notification for a session.
     Notify {
         #[command(flatten)]
@@ -103,6 +110,26 @@ struct DaemonArgs {
     /// Config file to read server.listen and server.token from.
     #[arg(long, global = true)]
     config: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+enum CronCommand {
+    /// Add a job: SCHEDULE is a cron expression (5 fields, or 6 with
+    /// seconds first), evaluated in ZONE (default UTC).
+    Add {
+        #[arg(long)]
+        session: String,
+        #[arg(long)]
+        schedule: String,
+        #[arg(long)]
+        tz: Option<String>,
+        #[arg(long)]
+        prompt: String,
+    },
+    /// Every job, with its next fire time.
+    List,
+    /// Remove a job.
+    Remove { job: String },
 }
 
 #[derive(Subcommand, Debug)]
@@ -234,6 +261,40 @@ fn main() -> ExitCode {
                         Some(body),
                     )
                     .await?;
+                admin::print(&v);
+                Ok(())
+            }))
+        }
+        Command::Cron { daemon, command } => {
+            let client = match admin_client(daemon) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            use reqwest::Method;
+            let (method, path, body) = match command {
+                CronCommand::Add {
+                    session,
+                    schedule,
+                    tz,
+                    prompt,
+                } => (
+                    Method::POST,
+                    "/api/cron".to_owned(),
+                    Some(serde_json::json!({
+                        "sessionId": session, "schedule": schedule, "tz": tz, "prompt": prompt,
+                    })),
+                ),
+                CronCommand::List => (Method::GET, "/api/cron".to_owned(), None),
+                CronCommand::Remove { job } => {
+                    if !is_id(&job) {
+                        eprintln!("tiller: `{job}` is not a job id");
+                        return ExitCode::from(2);
+                    }
+                    (Method::DELETE, format!("/api/cron/{job}"), None)
+                }
+            };
+            exit(runtime().block_on(async {
+                let v = client.call(method, &path, body).await?;
                 admin::print(&v);
                 Ok(())
             }))

@@ -1,0 +1,252 @@
+//! The cron actor: owns the durable cron jobs and their waiting fires. It
+//! decides what is due (timing rules in `tiller_core::cron`); sessions poll
+//! it when idle and decide admission. A job has at most one waiting fire;
+//! fires missed while the daemon was down coalesce into one catch-up fire.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tiller_core::cron::{Schedule, due};
+use tiller_core::{Origin, SessionId};
+use tiller_store::{CronFire, CronJob, Store};
+use tokio::sync::oneshot;
+
+use crate::actor::{SessionMsg, Work};
+use crate::{SessionError, Sessions};
+
+/// Why a job could not be added.
+#[derive(Debug, thiserror::Error)]
+pub enum CronError {
+    #[error("{0}")]
+    Schedule(String),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+}
+
+/// The closed set of messages the cron actor handles.
+pub enum CronMsg {
+    /// Gives the actor the sessions it wakes when jobs fire; it starts its
+    /// timer then.
+    Attach(Sessions),
+    Add {
+        session: SessionId,
+        schedule: String,
+        tz: String,
+        prompt: String,
+        reply: oneshot::Sender<Result<CronJob, CronError>>,
+    },
+    List(oneshot::Sender<Vec<CronJob>>),
+    Remove {
+        id: String,
+        reply: oneshot::Sender<bool>,
+    },
+    /// The timer: fire what is due, re-arm.
+    Tick,
+    /// An idle session asks for its next fire (answered as an `Offer`).
+    Poll {
+        session: SessionId,
+        reply_to: ActorRef<SessionMsg>,
+    },
+    /// A session could not take a fire: back in its place.
+    HandBack(CronFire),
+}
+
+/// See the module docs.
+pub struct CronActor;
+
+/// The actor's state.
+pub struct CronState {
+    store: Store,
+    /// Jobs by id, with their parsed schedules.
+    jobs: HashMap<String, (CronJob, Schedule)>,
+    /// Set by `Attach`.
+    sessions: Option<Sessions>,
+    /// The pending wake-up.
+    timer: Option<tokio::task::JoinHandle<Result<(), ractor::MessagingErr<CronMsg>>>>,
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+impl Actor for CronActor {
+    type Msg = CronMsg;
+    type State = CronState;
+    type Arguments = Store;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<CronMsg>,
+        store: Store,
+    ) -> Result<CronState, ActorProcessingErr> {
+        let mut jobs = HashMap::new();
+        for job in store.cron_list().await? {
+            match Schedule::parse(&job.schedule, &job.tz) {
+                Ok(s) => {
+                    jobs.insert(job.id.clone(), (job, s));
+                }
+                Err(e) => tracing::error!(job = %job.id, error = %e, "skipping a stored cron job"),
+            }
+        }
+        Ok(CronState {
+            store,
+            jobs,
+            sessions: None,
+            timer: None,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<CronMsg>,
+        msg: CronMsg,
+        st: &mut CronState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            CronMsg::Attach(sessions) => {
+                st.sessions = Some(sessions);
+                st.tick(&myself).await;
+            }
+            CronMsg::Add {
+                session,
+                schedule,
+                tz,
+                prompt,
+                reply,
+            } => {
+                let r = st.add(session, schedule, tz, prompt).await;
+                let _ = reply.send(r);
+                st.arm(&myself);
+            }
+            CronMsg::List(reply) => {
+                let mut jobs: Vec<CronJob> = st.jobs.values().map(|(j, _)| j.clone()).collect();
+                jobs.sort_by(|a, b| (a.created_ms, &a.id).cmp(&(b.created_ms, &b.id)));
+                let _ = reply.send(jobs);
+            }
+            CronMsg::Remove { id, reply } => {
+                let removed = st.store.cron_remove(id.clone()).await.unwrap_or(false);
+                st.jobs.remove(&id);
+                let _ = reply.send(removed);
+                st.arm(&myself);
+            }
+            CronMsg::Tick => st.tick(&myself).await,
+            CronMsg::Poll { session, reply_to } => {
+                let work = match st.store.cron_claim(session).await {
+                    Ok(f) => f.map(Work::Cron),
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read the cron queue");
+                        None
+                    }
+                };
+                if let Err(ractor::MessagingErr::SendErr(SessionMsg::Offer {
+                    work: Some(Work::Cron(f)),
+                    ..
+                })) = reply_to.send_message(SessionMsg::Offer {
+                    origin: Origin::Cron,
+                    work,
+                }) {
+                    let _ = st.store.cron_hand_back(f).await;
+                }
+            }
+            CronMsg::HandBack(f) => {
+                if let Err(e) = st.store.cron_hand_back(f).await {
+                    tracing::error!(error = %e, "cannot hand a cron fire back");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<CronMsg>,
+        st: &mut CronState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(t) = st.timer.take() {
+            t.abort();
+        }
+        Ok(())
+    }
+}
+
+impl CronState {
+    async fn add(
+        &mut self,
+        session: SessionId,
+        schedule: String,
+        tz: String,
+        prompt: String,
+    ) -> Result<CronJob, CronError> {
+        let parsed = Schedule::parse(&schedule, &tz).map_err(|e| CronError::Schedule(e.0))?;
+        if let Some(s) = &self.sessions {
+            s.record(session).await?;
+        }
+        let now = now_ms();
+        let job = CronJob {
+            id: format!("cron-{}", tiller_core::PromptId::new()),
+            session,
+            schedule,
+            tz,
+            prompt,
+            next_fire_ms: parsed.next_after(now).unwrap_or(i64::MAX),
+            created_ms: now,
+        };
+        self.store
+            .cron_add(job.clone())
+            .await
+            .map_err(SessionError::from)?;
+        self.jobs.insert(job.id.clone(), (job.clone(), parsed));
+        Ok(job)
+    }
+
+    /// Fires every due job once, then re-arms the timer.
+    async fn tick(&mut self, myself: &ActorRef<CronMsg>) {
+        let now = now_ms();
+        let mut fired = Vec::new();
+        for (job, schedule) in self.jobs.values_mut() {
+            let Some(next) = due(schedule, job.next_fire_ms, now) else {
+                continue;
+            };
+            if let Err(e) = self.store.cron_fire(job.clone(), now, next).await {
+                tracing::error!(job = %job.id, error = %e, "cannot record a cron fire");
+                continue;
+            }
+            job.next_fire_ms = next;
+            metrics::counter!("tiller_cron_fires_total").increment(1);
+            fired.push((job.session, job.id.clone()));
+        }
+        if let Some(sessions) = &self.sessions {
+            for (session, job) in fired {
+                match sessions.open(session).await {
+                    Ok(h) => {
+                        let _ = h.send(SessionMsg::CronFired { job_id: job });
+                    }
+                    Err(e) => {
+                        tracing::warn!(%session, error = %e, "cron fire for an unavailable session");
+                    }
+                }
+            }
+        }
+        self.arm(myself);
+    }
+
+    fn arm(&mut self, myself: &ActorRef<CronMsg>) {
+        if let Some(t) = self.timer.take() {
+            t.abort();
+        }
+        if self.sessions.is_none() {
+            return;
+        }
+        let Some(next) = self.jobs.values().map(|(j, _)| j.next_fire_ms).min() else {
+            return;
+        };
+        // Wake at the earliest fire (at least every hour, to follow clock
+        // changes without drifting).
+        let wait = (next - now_ms()).clamp(0, 3_600_000) as u64;
+        self.timer = Some(myself.send_after(Duration::from_millis(wait), || CronMsg::Tick));
+    }
+}
