@@ -7,6 +7,7 @@
 //! interleavings.
 
 pub mod cron;
+pub mod goal;
 mod ids;
 pub mod loop_guard;
 mod terminal;

@@ -66,7 +66,10 @@ impl Script {
         if !trimmed.starts_with('{') {
             return Ok(None);
         }
-        let Ok(Value::Object(obj)) = serde_json::from_str::<Value>(trimmed) else {
+        // The script is the JSON object the text starts with; text after it
+        // (a goal continuation's note, say) is ignored.
+        let mut values = serde_json::Deserializer::from_str(trimmed).into_iter::<Value>();
+        let Some(Ok(Value::Object(obj))) = values.next() else {
             return Ok(None);
         };
         let Some(steps) = obj.get("script") else {
@@ -309,6 +312,15 @@ mod tests {
         );
         assert_eq!(s.steps[8], Step::Stale(Box::new(Step::Idle)));
         assert_eq!(s.steps[10], Step::Result(StopReason::MaxTokens));
+    }
+
+    #[test]
+    fn text_after_the_script_is_ignored() {
+        let s =
+            Script::from_prompt("{\"script\": [{\"say\": \"a\"}]}\n\nNote: the last turn looped.")
+                .unwrap()
+                .unwrap();
+        assert_eq!(s.steps[0], Step::Say("a".into()));
     }
 
     #[test]

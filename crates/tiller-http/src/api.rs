@@ -377,6 +377,93 @@ pub async fn post_notification(
     ))
 }
 
+fn goal_json(g: &tiller_store::GoalRow) -> Value {
+    json!({
+        "objective": g.objective,
+        "maxTurns": g.max_turns,
+        "turnsDone": g.turns_done,
+        "status": g.status,
+        "pauseReason": g.pause_reason,
+        "consecutiveLoopStops": g.loop_stops,
+    })
+}
+
+fn no_goal() -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        json!({ "errorKind": "no_goal", "message": "this session has no goal" }),
+    )
+}
+
+pub async fn get_goal(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let id = session_id(&id)?;
+    match st.sessions.goal_get(id).await? {
+        Some(g) => Ok(Json(goal_json(&g))),
+        None => Err(no_goal()),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct GoalBody {
+    objective: String,
+    max_turns: Option<u32>,
+}
+
+pub async fn put_goal(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<GoalBody>,
+) -> ApiResult<Json<Value>> {
+    let id = session_id(&id)?;
+    if body.objective.trim().is_empty() {
+        return Err(bad_request("`objective` must not be empty"));
+    }
+    let max_turns = body.max_turns.unwrap_or(10);
+    if !(1..=1000).contains(&max_turns) {
+        return Err(bad_request("`maxTurns` must be between 1 and 1000"));
+    }
+    let g = st.sessions.goal_set(id, body.objective, max_turns).await?;
+    Ok(Json(goal_json(&g)))
+}
+
+pub async fn delete_goal(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
+    let id = session_id(&id)?;
+    if st.sessions.goal_clear(id).await? {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(no_goal())
+    }
+}
+
+pub async fn pause_goal(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let id = session_id(&id)?;
+    match st.sessions.goal_pause_resume(id, false).await? {
+        Some(g) => Ok(Json(goal_json(&g))),
+        None => Err(no_goal()),
+    }
+}
+
+pub async fn resume_goal(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let id = session_id(&id)?;
+    match st.sessions.goal_pause_resume(id, true).await? {
+        Some(g) => Ok(Json(goal_json(&g))),
+        None => Err(no_goal()),
+    }
+}
+
 fn cron_json(j: &tiller_store::CronJob) -> Value {
     json!({
         "id": j.id,

@@ -70,6 +70,14 @@ pub fn router(state: AppState) -> Router {
             "/api/sessions/{id}/notifications",
             post(api::post_notification),
         )
+        .route(
+            "/api/sessions/{id}/goal",
+            get(api::get_goal)
+                .put(api::put_goal)
+                .delete(api::delete_goal),
+        )
+        .route("/api/sessions/{id}/goal/pause", post(api::pause_goal))
+        .route("/api/sessions/{id}/goal/resume", post(api::resume_goal))
         .route("/api/cron", get(api::list_cron).post(api::add_cron))
         .route("/api/cron/{id}", axum::routing::delete(api::remove_cron))
         .route("/api/sessions/{id}/events", get(api::events))

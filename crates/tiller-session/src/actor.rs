@@ -31,6 +31,8 @@ use crate::{
 pub enum Work {
     Notification(tiller_store::Notification),
     Cron(tiller_store::CronFire),
+    /// A goal continuation (the goal re-offers; nothing to hand back).
+    Goal(String),
 }
 
 impl Work {
@@ -38,6 +40,7 @@ impl Work {
         match self {
             Work::Notification(n) => &n.text,
             Work::Cron(f) => &f.prompt,
+            Work::Goal(text) => text,
         }
     }
 }
@@ -47,6 +50,7 @@ impl Work {
 pub struct Automation {
     pub notify: Option<ActorRef<crate::notify::NotifyMsg>>,
     pub cron: Option<ActorRef<crate::cron::CronMsg>>,
+    pub goal: Option<ActorRef<crate::goal::GoalMsg>>,
 }
 
 impl Automation {
@@ -54,6 +58,9 @@ impl Automation {
     /// cron fires.
     fn origins(&self) -> Vec<Origin> {
         let mut o = Vec::new();
+        if self.goal.is_some() {
+            o.push(Origin::Goal);
+        }
         if self.notify.is_some() {
             o.push(Origin::Notification);
         }
@@ -95,6 +102,9 @@ pub enum SessionMsg {
     Kick,
     /// A queue actor's answer to a poll.
     Offer { origin: Origin, work: Option<Work> },
+    /// An event from a queue actor to publish (goal changes), and whether
+    /// to poll afterwards.
+    Automation { body: EventBody, kick: bool },
     /// A cron job of this session fired (its fire is queued).
     CronFired { job_id: String },
     /// A notification was queued for this session (already durable).
@@ -180,8 +190,12 @@ pub struct SessionState {
     store: Store,
     /// Loop protection settings for each new turn's guard.
     loops: LoopConfig,
+    /// This actor (queue actors answer to it).
+    myself: ActorRef<SessionMsg>,
     /// The queue actors polled when idle.
     automation: Automation,
+    /// The last prompt loop protection stopped (tells the goal actor).
+    loop_stopped: Option<PromptId>,
     /// The permission mode and the tools allowed for the whole session.
     permissions: Permissions,
     /// The `permission_requested` the running turn waits on.
@@ -226,7 +240,7 @@ impl Actor for SessionActor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<SessionMsg>,
+        myself: ActorRef<SessionMsg>,
         args: SessionArgs,
     ) -> Result<SessionState, ActorProcessingErr> {
         let last_turn_error = match args
@@ -243,6 +257,8 @@ impl Actor for SessionActor {
             core: SessionCore::new(args.config.turn.clone(), args.head.last_turn)
                 .with_automatic(args.automation.origins()),
             automation: args.automation,
+            myself: myself.clone(),
+            loop_stopped: None,
             engine: args.engine,
             store: args.store,
             loops: args.config.loops.clone(),
@@ -329,6 +345,12 @@ impl SessionState {
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
             SessionMsg::Kick => self.feed(myself, Input::Kick, None).await,
             SessionMsg::Offer { origin, work } => self.offer(myself, origin, work).await,
+            SessionMsg::Automation { body, kick } => {
+                self.publish(None, None, body);
+                if kick {
+                    self.feed(myself, Input::Kick, None).await;
+                }
+            }
             SessionMsg::CronFired { job_id } => {
                 self.publish(None, None, EventBody::CronFired { job_id });
                 self.feed(myself, Input::Kick, None).await;
@@ -667,6 +689,7 @@ impl SessionState {
                     turn,
                     loop_type,
                 } => {
+                    self.loop_stopped = Some(prompt);
                     self.publish(
                         Some(prompt),
                         Some(turn),
@@ -766,6 +789,13 @@ impl SessionState {
                             })
                             .is_ok()
                         }),
+                        Origin::Goal => self.automation.goal.as_ref().map(|g| {
+                            g.send_message(crate::goal::GoalMsg::Poll {
+                                session,
+                                reply_to: me,
+                            })
+                            .is_ok()
+                        }),
                         _ => None,
                     };
                     if sent != Some(true) {
@@ -785,7 +815,7 @@ impl SessionState {
                                 let _ = cron.send_message(crate::cron::CronMsg::HandBack(f));
                             }
                         }
-                        None => {}
+                        Some(Work::Goal(_)) | None => {}
                     }
                 }
                 Effect::Idle => {
@@ -987,6 +1017,16 @@ impl SessionState {
             },
         };
         self.publish_durable(Some(prompt), turn, body).await;
+        if origin == Origin::Goal
+            && turn.is_some()
+            && let Some(goal) = &self.automation.goal
+        {
+            let _ = goal.send_message(crate::goal::GoalMsg::TurnEnded {
+                session: self.id,
+                loop_stopped: self.loop_stopped == Some(prompt),
+                reply_to: self.myself.clone(),
+            });
+        }
         metrics::counter!(
             "tiller_turns_settled_total",
             "origin" => origin.as_str(),

@@ -112,6 +112,16 @@ pub enum EventBody {
         /// It replaced a queued notification of the same task.
         deduplicated: bool,
     },
+    /// A goal was set: continuation turns run while the session is idle.
+    GoalSet { objective: String, max_turns: u32 },
+    /// The goal paused (`user` or `loop_detected`): no more turns until resumed.
+    GoalPaused { reason: String, turns_done: u32 },
+    /// The goal was resumed.
+    GoalResumed,
+    /// The goal ran all its turns.
+    GoalCompleted { turns_done: u32 },
+    /// The goal was cleared.
+    GoalCleared,
     /// A cron job fired; its turn runs when the session is idle.
     CronFired { job_id: String },
     /// A queued notification was evicted to keep the queue within its cap.
@@ -152,6 +162,11 @@ impl EventBody {
             EventBody::NotificationQueued { .. } => "notification_queued",
             EventBody::NotificationEvicted { .. } => "notification_evicted",
             EventBody::CronFired { .. } => "cron_fired",
+            EventBody::GoalSet { .. } => "goal_set",
+            EventBody::GoalPaused { .. } => "goal_paused",
+            EventBody::GoalResumed => "goal_resumed",
+            EventBody::GoalCompleted { .. } => "goal_completed",
+            EventBody::GoalCleared => "goal_cleared",
             EventBody::TurnComplete { .. } => "turn_complete",
             EventBody::TurnError { .. } => "turn_error",
             EventBody::LoopStopped { .. } => "loop_stopped",

@@ -6,6 +6,7 @@
 mod actor;
 mod cron;
 pub mod event;
+mod goal;
 mod notify;
 mod registry;
 mod tools;
@@ -135,6 +136,7 @@ pub struct Sessions {
     registry: ActorRef<RegistryMsg>,
     notify: ActorRef<notify::NotifyMsg>,
     cron: ActorRef<cron::CronMsg>,
+    goal: ActorRef<goal::GoalMsg>,
     store: Store,
     next_subscriber: Arc<AtomicU64>,
 }
@@ -160,11 +162,15 @@ impl Sessions {
         let (cron, _) = Actor::spawn(None, cron::CronActor, store.clone())
             .await
             .map_err(|e| SessionError::Internal(e.to_string()))?;
+        let (goal, _) = Actor::spawn(None, goal::GoalActor, store.clone())
+            .await
+            .map_err(|e| SessionError::Internal(e.to_string()))?;
         let args = RegistryArgs {
             store: store.clone(),
             automation: actor::Automation {
                 notify: Some(notify.clone()),
                 cron: Some(cron.clone()),
+                goal: Some(goal.clone()),
             },
             engine,
             config: Arc::new(config),
@@ -176,12 +182,14 @@ impl Sessions {
             registry,
             notify,
             cron,
+            goal,
             store,
             next_subscriber: Arc::new(AtomicU64::new(1)),
         };
         // Work queued before a restart runs: wake the sessions it is for.
         let (mut waiting, _) = sessions.store.notification_backlog().await?;
         waiting.extend(sessions.store.cron_backlog().await?);
+        waiting.extend(sessions.store.goals_active().await?);
         for id in waiting {
             if let Ok(h) = sessions.open(id).await {
                 let _ = h.send(SessionMsg::Kick);
@@ -218,6 +226,104 @@ impl Sessions {
             Err(cron::CronError::Schedule(m)) => Ok(Err(m)),
             Err(cron::CronError::Session(e)) => Err(e),
         }
+    }
+
+    async fn goal_call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> goal::GoalMsg,
+    ) -> Result<T, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.goal
+            .send_message(make(tx))
+            .map_err(|_| SessionError::Stopped)?;
+        Ok(rx.await.map_err(|_| SessionError::Stopped)??)
+    }
+
+    /// Sets (replaces) a session's goal; its turns start when the session
+    /// is idle.
+    pub async fn goal_set(
+        &self,
+        id: SessionId,
+        objective: String,
+        max_turns: u32,
+    ) -> Result<tiller_store::GoalRow, SessionError> {
+        let handle = self.open(id).await?;
+        let row = self
+            .goal_call(|reply| goal::GoalMsg::Set {
+                session: id,
+                objective: objective.clone(),
+                max_turns,
+                reply,
+            })
+            .await?;
+        handle.send(SessionMsg::Automation {
+            body: EventBody::GoalSet {
+                objective,
+                max_turns,
+            },
+            kick: true,
+        })?;
+        Ok(row)
+    }
+
+    /// A session's goal.
+    pub async fn goal_get(
+        &self,
+        id: SessionId,
+    ) -> Result<Option<tiller_store::GoalRow>, SessionError> {
+        self.record(id).await?;
+        self.goal_call(|reply| goal::GoalMsg::Get { session: id, reply })
+            .await
+    }
+
+    /// Pauses (`resume = false`) or resumes a goal. `None` when there is none.
+    pub async fn goal_pause_resume(
+        &self,
+        id: SessionId,
+        resume: bool,
+    ) -> Result<Option<tiller_store::GoalRow>, SessionError> {
+        let handle = self.open(id).await?;
+        let before = self
+            .goal_call(|reply| goal::GoalMsg::Get { session: id, reply })
+            .await?;
+        let after = self
+            .goal_call(|reply| {
+                if resume {
+                    goal::GoalMsg::Resume { session: id, reply }
+                } else {
+                    goal::GoalMsg::Pause { session: id, reply }
+                }
+            })
+            .await?;
+        if let (Some(b), Some(a)) = (&before, &after)
+            && b.status != a.status
+        {
+            let body = if resume {
+                EventBody::GoalResumed
+            } else {
+                EventBody::GoalPaused {
+                    reason: "user".into(),
+                    turns_done: a.turns_done,
+                }
+            };
+            handle.send(SessionMsg::Automation { body, kick: resume })?;
+        }
+        Ok(after)
+    }
+
+    /// Clears a session's goal; false when it had none.
+    pub async fn goal_clear(&self, id: SessionId) -> Result<bool, SessionError> {
+        let handle = self.open(id).await?;
+        let cleared = self
+            .goal_call(|reply| goal::GoalMsg::Clear { session: id, reply })
+            .await?;
+        if cleared {
+            handle.send(SessionMsg::Automation {
+                body: EventBody::GoalCleared,
+                kick: false,
+            })?;
+        }
+        Ok(cleared)
     }
 
     /// Every cron job.
@@ -359,6 +465,7 @@ impl Sessions {
         self.registry.stop(None);
         self.notify.stop(None);
         self.cron.stop(None);
+        self.goal.stop(None);
         if let Err(e) = self.store.flush().await {
             tracing::error!(error = %e, "store flush at shutdown failed");
         }

@@ -131,6 +131,20 @@ pub struct CronFire {
     pub fired_ms: i64,
 }
 
+/// A session's goal, as stored.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GoalRow {
+    pub session: SessionId,
+    pub objective: String,
+    pub max_turns: u32,
+    pub turns_done: u32,
+    /// `active`, `paused`, `completed`.
+    pub status: String,
+    /// Why it paused (`user`, `loop_detected`).
+    pub pause_reason: Option<String>,
+    pub loop_stops: u32,
+}
+
 /// What enqueueing did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Enqueued {
@@ -210,6 +224,10 @@ enum Cmd {
     CronClaim(SessionId, Reply<Option<CronFire>>),
     CronHandBack(CronFire, Reply<()>),
     CronBacklog(Reply<Vec<SessionId>>),
+    GoalGet(SessionId, Reply<Option<GoalRow>>),
+    GoalPut(GoalRow, Reply<()>),
+    GoalDelete(SessionId, Reply<bool>),
+    GoalsActive(Reply<Vec<SessionId>>),
     Events {
         session: SessionId,
         after: u64,
@@ -417,6 +435,26 @@ impl Store {
         self.ask(Cmd::CronBacklog).await
     }
 
+    /// A session's goal.
+    pub async fn goal_get(&self, session: SessionId) -> Result<Option<GoalRow>, StoreError> {
+        self.ask(|r| Cmd::GoalGet(session, r)).await
+    }
+
+    /// Stores (replaces) a session's goal.
+    pub async fn goal_put(&self, goal: GoalRow) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::GoalPut(goal, r)).await
+    }
+
+    /// Clears a session's goal; false when it had none.
+    pub async fn goal_delete(&self, session: SessionId) -> Result<bool, StoreError> {
+        self.ask(|r| Cmd::GoalDelete(session, r)).await
+    }
+
+    /// Sessions whose goal is active.
+    pub async fn goals_active(&self) -> Result<Vec<SessionId>, StoreError> {
+        self.ask(Cmd::GoalsActive).await
+    }
+
     /// Prompts admitted and never settled, oldest first.
     pub async fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
         self.ask(Cmd::Unsettled).await
@@ -499,6 +537,16 @@ const SCHEMA: &[&str] = &[
         session_id TEXT NOT NULL,
         prompt TEXT NOT NULL,
         fired_ms INTEGER NOT NULL
+    );",
+    // v5: one goal per session.
+    "CREATE TABLE goals (
+        session_id TEXT PRIMARY KEY,
+        objective TEXT NOT NULL,
+        max_turns INTEGER NOT NULL,
+        turns_done INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        pause_reason TEXT,
+        loop_stops INTEGER NOT NULL
     );",
 ];
 
@@ -671,6 +719,66 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
                         params![f.id, f.job_id, f.session.to_string(), f.prompt, f.fired_ms],
                     )
                     .map(drop);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::GoalGet(session, reply) => {
+                let r = conn
+                    .query_row(
+                        "SELECT objective, max_turns, turns_done, status, pause_reason, loop_stops
+                         FROM goals WHERE session_id = ?1",
+                        params![session.to_string()],
+                        |r| {
+                            Ok(GoalRow {
+                                session,
+                                objective: r.get(0)?,
+                                max_turns: r.get(1)?,
+                                turns_done: r.get(2)?,
+                                status: r.get(3)?,
+                                pause_reason: r.get(4)?,
+                                loop_stops: r.get(5)?,
+                            })
+                        },
+                    )
+                    .optional();
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::GoalPut(g, reply) => {
+                let r = conn
+                    .execute(
+                        "INSERT OR REPLACE INTO goals
+                         (session_id, objective, max_turns, turns_done, status, pause_reason, loop_stops)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                        params![
+                            g.session.to_string(),
+                            g.objective,
+                            g.max_turns,
+                            g.turns_done,
+                            g.status,
+                            g.pause_reason,
+                            g.loop_stops
+                        ],
+                    )
+                    .map(drop);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::GoalDelete(session, reply) => {
+                let r = conn
+                    .execute(
+                        "DELETE FROM goals WHERE session_id = ?1",
+                        params![session.to_string()],
+                    )
+                    .map(|n| n > 0);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::GoalsActive(reply) => {
+                let r = conn
+                    .prepare("SELECT session_id FROM goals WHERE status = 'active'")
+                    .and_then(|mut s| {
+                        s.query_map([], |r| r.get::<_, String>(0)).map(|rows| {
+                            rows.filter_map(|x| x.ok().and_then(|s| SessionId::parse(&s)))
+                                .collect()
+                        })
+                    });
                 let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::CronBacklog(reply) => {

@@ -80,6 +80,13 @@ enum Command {
         #[command(subcommand)]
         command: CronCommand,
     },
+    /// The goal of a session: continuation turns while it is idle.
+    Goal {
+        #[command(flatten)]
+        daemon: DaemonArgs,
+        #[command(subcommand)]
+        command: GoalCommand,
+    },
     /// Queue a background notification for a session.
     Notify {
         #[command(flatten)]
@@ -110,6 +117,35 @@ struct DaemonArgs {
     /// Config file to read server.listen and server.token from.
     #[arg(long, global = true)]
     config: Option<PathBuf>,
+}
+
+#[derive(Subcommand, Debug)]
+enum GoalCommand {
+    /// Set (replace) the goal.
+    Set {
+        #[arg(long)]
+        session: String,
+        #[arg(long)]
+        objective: String,
+        #[arg(long)]
+        max_turns: Option<u32>,
+    },
+    Show {
+        #[arg(long)]
+        session: String,
+    },
+    Pause {
+        #[arg(long)]
+        session: String,
+    },
+    Resume {
+        #[arg(long)]
+        session: String,
+    },
+    Clear {
+        #[arg(long)]
+        session: String,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -259,6 +295,44 @@ fn main() -> ExitCode {
                         reqwest::Method::POST,
                         &format!("/api/sessions/{session}/notifications"),
                         Some(body),
+                    )
+                    .await?;
+                admin::print(&v);
+                Ok(())
+            }))
+        }
+        Command::Goal { daemon, command } => {
+            let client = match admin_client(daemon) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            use reqwest::Method;
+            let (session, method, suffix, body) = match command {
+                GoalCommand::Set {
+                    session,
+                    objective,
+                    max_turns,
+                } => (
+                    session,
+                    Method::PUT,
+                    "",
+                    Some(serde_json::json!({ "objective": objective, "maxTurns": max_turns })),
+                ),
+                GoalCommand::Show { session } => (session, Method::GET, "", None),
+                GoalCommand::Pause { session } => (session, Method::POST, "/pause", None),
+                GoalCommand::Resume { session } => (session, Method::POST, "/resume", None),
+                GoalCommand::Clear { session } => (session, Method::DELETE, "", None),
+            };
+            if !is_id(&session) {
+                eprintln!("tiller: `{session}` is not a session id");
+                return ExitCode::from(2);
+            }
+            exit(runtime().block_on(async {
+                let v = client
+                    .call(
+                        method,
+                        &format!("/api/sessions/{session}/goal{suffix}"),
+                        body,
                     )
                     .await?;
                 admin::print(&v);

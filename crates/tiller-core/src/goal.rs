@@ -1,0 +1,156 @@
+//! Goal pacing: when a goal offers a continuation turn, what it says, and
+//! what each ended turn does to the goal. Pure.
+
+/// Consecutive loop-stopped goal turns that pause the goal.
+pub const LOOP_STOPS_BEFORE_PAUSE: u32 = 3;
+
+/// Where a goal stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GoalStatus {
+    Active,
+    Paused(PauseReason),
+    Completed,
+}
+
+/// Why a goal paused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PauseReason {
+    /// A person paused it.
+    User,
+    /// Too many consecutive turns were stopped by loop protection.
+    LoopDetected,
+}
+
+impl PauseReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PauseReason::User => "user",
+            PauseReason::LoopDetected => "loop_detected",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "user" => Some(PauseReason::User),
+            "loop_detected" => Some(PauseReason::LoopDetected),
+            _ => None,
+        }
+    }
+}
+
+/// A goal's pacing state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Goal {
+    pub objective: String,
+    pub max_turns: u32,
+    pub turns_done: u32,
+    pub status: GoalStatus,
+    /// Consecutive goal turns stopped by loop protection.
+    pub loop_stops: u32,
+}
+
+/// What an ended turn did to the goal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GoalChange {
+    Paused(PauseReason),
+    Completed,
+}
+
+impl Goal {
+    pub fn new(objective: String, max_turns: u32) -> Self {
+        Self {
+            objective,
+            max_turns,
+            turns_done: 0,
+            status: GoalStatus::Active,
+            loop_stops: 0,
+        }
+    }
+
+    /// The next continuation prompt, if the goal wants a turn. It starts
+    /// with the objective; after a loop-stopped turn it carries a note.
+    pub fn continuation(&self) -> Option<String> {
+        if self.status != GoalStatus::Active || self.turns_done >= self.max_turns {
+            return None;
+        }
+        let mut text = self.objective.clone();
+        text.push_str(&format!(
+            "\n\n(Goal continuation {} of {}.",
+            self.turns_done + 1,
+            self.max_turns
+        ));
+        if self.loop_stops > 0 {
+            text.push_str(
+                " The last turn was stopped by loop protection: try a different approach.",
+            );
+        }
+        text.push(')');
+        Some(text)
+    }
+
+    /// Records an ended goal turn.
+    pub fn turn_ended(&mut self, loop_stopped: bool) -> Option<GoalChange> {
+        self.turns_done += 1;
+        self.loop_stops = if loop_stopped { self.loop_stops + 1 } else { 0 };
+        if self.status != GoalStatus::Active {
+            return None;
+        }
+        if self.loop_stops >= LOOP_STOPS_BEFORE_PAUSE {
+            self.status = GoalStatus::Paused(PauseReason::LoopDetected);
+            return Some(GoalChange::Paused(PauseReason::LoopDetected));
+        }
+        if self.turns_done >= self.max_turns {
+            self.status = GoalStatus::Completed;
+            return Some(GoalChange::Completed);
+        }
+        None
+    }
+
+    /// A person resumes a paused goal (the loop count starts over).
+    pub fn resume(&mut self) -> bool {
+        if let GoalStatus::Paused(_) = self.status {
+            self.status = GoalStatus::Active;
+            self.loop_stops = 0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn three_loop_stops_in_a_row_pause_the_goal() {
+        let mut g = Goal::new("obj".into(), 10);
+        assert_eq!(g.turn_ended(true), None);
+        assert!(
+            g.continuation()
+                .unwrap()
+                .contains("stopped by loop protection")
+        );
+        assert_eq!(g.turn_ended(false), None, "a clean turn resets the count");
+        assert!(!g.continuation().unwrap().contains("loop protection"));
+        assert_eq!(g.turn_ended(true), None);
+        assert_eq!(g.turn_ended(true), None);
+        assert_eq!(
+            g.turn_ended(true),
+            Some(GoalChange::Paused(PauseReason::LoopDetected))
+        );
+        assert_eq!(g.continuation(), None, "a paused goal offers nothing");
+        assert!(g.resume());
+        assert!(g.continuation().unwrap().starts_with("obj"));
+    }
+
+    #[test]
+    fn max_turns_completes_the_goal() {
+        let mut g = Goal::new("obj".into(), 2);
+        assert!(g.continuation().unwrap().contains("1 of 2"));
+        assert_eq!(g.turn_ended(false), None);
+        assert_eq!(g.turn_ended(false), Some(GoalChange::Completed));
+        assert_eq!(g.continuation(), None);
+        assert!(!g.resume());
+    }
+}

@@ -1,0 +1,210 @@
+//! The goal actor: owns each session's goal (durable) and its pacing
+//! (`tiller_core::goal`). An idle session polls it first; an active goal
+//! offers one continuation turn. Each ended goal turn comes back here, so
+//! three loop-stopped turns in a row pause the goal visibly.
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tiller_core::goal::{Goal, GoalChange, GoalStatus, PauseReason};
+use tiller_core::{Origin, SessionId};
+use tiller_store::{GoalRow, Store, StoreError};
+use tokio::sync::oneshot;
+
+use crate::actor::{SessionMsg, Work};
+use crate::event::EventBody;
+
+/// The closed set of messages the goal actor handles.
+pub enum GoalMsg {
+    Set {
+        session: SessionId,
+        objective: String,
+        max_turns: u32,
+        reply: oneshot::Sender<Result<GoalRow, StoreError>>,
+    },
+    Get {
+        session: SessionId,
+        reply: oneshot::Sender<Result<Option<GoalRow>, StoreError>>,
+    },
+    /// `Some(true)`: paused or resumed; `Some(false)`: not in a state that
+    /// allows it; `None`: no goal.
+    Pause {
+        session: SessionId,
+        reply: oneshot::Sender<Result<Option<GoalRow>, StoreError>>,
+    },
+    Resume {
+        session: SessionId,
+        reply: oneshot::Sender<Result<Option<GoalRow>, StoreError>>,
+    },
+    Clear {
+        session: SessionId,
+        reply: oneshot::Sender<Result<bool, StoreError>>,
+    },
+    /// An idle session asks for a continuation (answered as an `Offer`).
+    Poll {
+        session: SessionId,
+        reply_to: ActorRef<SessionMsg>,
+    },
+    /// A goal turn of the session ended.
+    TurnEnded {
+        session: SessionId,
+        loop_stopped: bool,
+        reply_to: ActorRef<SessionMsg>,
+    },
+}
+
+/// See the module docs.
+pub struct GoalActor;
+
+fn to_core(row: &GoalRow) -> Goal {
+    Goal {
+        objective: row.objective.clone(),
+        max_turns: row.max_turns,
+        turns_done: row.turns_done,
+        status: match row.status.as_str() {
+            "paused" => GoalStatus::Paused(
+                row.pause_reason
+                    .as_deref()
+                    .and_then(PauseReason::parse)
+                    .unwrap_or(PauseReason::User),
+            ),
+            "completed" => GoalStatus::Completed,
+            _ => GoalStatus::Active,
+        },
+        loop_stops: row.loop_stops,
+    }
+}
+
+fn to_row(session: SessionId, g: &Goal) -> GoalRow {
+    let (status, reason) = match g.status {
+        GoalStatus::Active => ("active", None),
+        GoalStatus::Paused(r) => ("paused", Some(r.as_str().to_owned())),
+        GoalStatus::Completed => ("completed", None),
+    };
+    GoalRow {
+        session,
+        objective: g.objective.clone(),
+        max_turns: g.max_turns,
+        turns_done: g.turns_done,
+        status: status.into(),
+        pause_reason: reason,
+        loop_stops: g.loop_stops,
+    }
+}
+
+impl Actor for GoalActor {
+    type Msg = GoalMsg;
+    type State = Store;
+    type Arguments = Store;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<GoalMsg>,
+        store: Store,
+    ) -> Result<Store, ActorProcessingErr> {
+        Ok(store)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<GoalMsg>,
+        msg: GoalMsg,
+        store: &mut Store,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            GoalMsg::Set {
+                session,
+                objective,
+                max_turns,
+                reply,
+            } => {
+                let row = to_row(session, &Goal::new(objective, max_turns));
+                let r = store.goal_put(row.clone()).await.map(|()| row);
+                let _ = reply.send(r);
+            }
+            GoalMsg::Get { session, reply } => {
+                let _ = reply.send(store.goal_get(session).await);
+            }
+            GoalMsg::Pause { session, reply } => {
+                let r = update(store, session, |g| {
+                    if g.status == GoalStatus::Active {
+                        g.status = GoalStatus::Paused(PauseReason::User);
+                    }
+                })
+                .await;
+                let _ = reply.send(r);
+            }
+            GoalMsg::Resume { session, reply } => {
+                let r = update(store, session, |g| {
+                    g.resume();
+                })
+                .await;
+                let _ = reply.send(r);
+            }
+            GoalMsg::Clear { session, reply } => {
+                let _ = reply.send(store.goal_delete(session).await);
+            }
+            GoalMsg::Poll { session, reply_to } => {
+                let text = match store.goal_get(session).await {
+                    Ok(Some(row)) => to_core(&row).continuation(),
+                    Ok(None) => None,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read a goal");
+                        None
+                    }
+                };
+                let _ = reply_to.send_message(SessionMsg::Offer {
+                    origin: Origin::Goal,
+                    work: text.map(Work::Goal),
+                });
+            }
+            GoalMsg::TurnEnded {
+                session,
+                loop_stopped,
+                reply_to,
+            } => {
+                let Ok(Some(row)) = store.goal_get(session).await else {
+                    return Ok(()); // cleared meanwhile
+                };
+                let mut goal = to_core(&row);
+                let change = goal.turn_ended(loop_stopped);
+                metrics::counter!(
+                    "tiller_goal_turns_total",
+                    "outcome" => if loop_stopped { "loop_stopped" } else { "end_turn" }
+                )
+                .increment(1);
+                if let Err(e) = store.goal_put(to_row(session, &goal)).await {
+                    tracing::error!(error = %e, "cannot store a goal");
+                }
+                let body = match change {
+                    Some(GoalChange::Paused(reason)) => Some(EventBody::GoalPaused {
+                        reason: reason.as_str().into(),
+                        turns_done: goal.turns_done,
+                    }),
+                    Some(GoalChange::Completed) => Some(EventBody::GoalCompleted {
+                        turns_done: goal.turns_done,
+                    }),
+                    None => None,
+                };
+                if let Some(body) = body {
+                    let _ = reply_to.send_message(SessionMsg::Automation { body, kick: false });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Applies `f` to a stored goal; `None` when the session has none.
+async fn update(
+    store: &Store,
+    session: SessionId,
+    f: impl FnOnce(&mut Goal),
+) -> Result<Option<GoalRow>, StoreError> {
+    let Some(row) = store.goal_get(session).await? else {
+        return Ok(None);
+    };
+    let mut goal = to_core(&row);
+    f(&mut goal);
+    let row = to_row(session, &goal);
+    store.goal_put(row.clone()).await?;
+    Ok(Some(row))
+}
