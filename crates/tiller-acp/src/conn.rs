@@ -429,6 +429,10 @@ fn refused(e: PromptRefused) -> Reply {
         PromptRefused::SessionClosed => {
             Reply::Error(RpcError::new(code::UNKNOWN_SESSION, e.to_string()))
         }
+        PromptRefused::BadDelivery(why) => Reply::Error(
+            RpcError::new(code::INVALID_PARAMS, format!("invalid params: {why}"))
+                .with_data(json!({ "field": "_meta.tiller.delivery.webhook" })),
+        ),
     }
 }
 
@@ -599,8 +603,11 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
             let handle = shared.open(&req.session_id.0).await?;
             shared.attach(&handle).await?;
             let text = map::prompt_text(&req.prompt);
+            // Origin comes from the ingress, never from `_meta`.
+            let meta = req.meta.clone().map(Value::Object);
+            let delivery = tiller_session::delivery::caller_meta(meta.as_ref(), "acp");
             let (prompt, settled) = handle
-                .prompt(text, Origin::Interactive)
+                .prompt_with(text, Origin::Interactive, delivery)
                 .await
                 .map_err(session_error)?
                 .map_err(refused)?;

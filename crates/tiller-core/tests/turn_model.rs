@@ -207,6 +207,10 @@ impl Sut {
         {
             self.tripped.insert(p, *loop_type);
         }
+        // A kick while not polling starts a new round from the first queue.
+        if matches!(input, Input::Kick) && !self.core.is_polling() {
+            self.round = None;
+        }
         if let Input::Prompt { prompt, origin } = &input {
             self.origins.insert(*prompt, *origin);
         }

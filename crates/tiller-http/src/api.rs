@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use crate::AppState;
 
 /// An API error: status and `{error: {errorKind, message, ...}}`.
-pub struct ApiError(StatusCode, Value);
+pub struct ApiError(pub StatusCode, pub Value);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -69,6 +69,10 @@ impl From<PromptRefused> for ApiError {
             PromptRefused::Overloaded => ApiError(
                 StatusCode::TOO_MANY_REQUESTS,
                 json!({ "errorKind": "overloaded", "retryable": true, "message": e.to_string() }),
+            ),
+            PromptRefused::BadDelivery(why) => ApiError(
+                StatusCode::BAD_REQUEST,
+                json!({ "errorKind": "invalid_params", "message": why }),
             ),
             PromptRefused::SessionClosed => ApiError(
                 StatusCode::CONFLICT,
@@ -249,6 +253,9 @@ pub struct PromptBody {
     content: Option<Vec<Value>>,
     #[allow(dead_code)] // accepted for clients that tag their prompts
     client_id: Option<String>,
+    /// May ask for delivery; origin markers in it are ignored.
+    #[serde(rename = "_meta")]
+    meta: Option<Value>,
 }
 
 fn prompt_text(body: &PromptBody) -> ApiResult<String> {
@@ -271,8 +278,11 @@ pub async fn post_prompt(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let text = prompt_text(&body)?;
     let handle = open(&st, &id).await?;
+    let delivery = tiller_session::delivery::caller_meta(body.meta.as_ref(), "http");
     // Answered once the prompt is stored; its terminal arrives on the stream.
-    let (prompt, _settled) = handle.prompt(text, Origin::Interactive).await??;
+    let (prompt, _settled) = handle
+        .prompt_with(text, Origin::Interactive, delivery)
+        .await??;
     Ok((
         StatusCode::ACCEPTED,
         Json(json!({ "promptId": prompt.to_string() })),

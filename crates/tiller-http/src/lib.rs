@@ -5,6 +5,8 @@
 
 pub mod api;
 pub mod auth;
+pub mod channels;
+pub mod delivery;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,6 +42,8 @@ pub struct AppState {
     pub subscriber_queue: usize,
     /// Token, Host and Origin checks.
     pub auth: Arc<auth::AuthConfig>,
+    /// Channel secrets and the replay guard.
+    pub channels: Arc<channels::Channels>,
 }
 
 /// The router.
@@ -78,6 +82,10 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/api/sessions/{id}/goal/pause", post(api::pause_goal))
         .route("/api/sessions/{id}/goal/resume", post(api::resume_goal))
+        .route(
+            "/api/channels/{channel}/prompts",
+            post(channels::post_prompt),
+        )
         .route("/api/cron", get(api::list_cron).post(api::add_cron))
         .route("/api/cron/{id}", axum::routing::delete(api::remove_cron))
         .route("/api/sessions/{id}/events", get(api::events))

@@ -37,6 +37,8 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
             loops: Default::default(),
             permission_mode: Default::default(),
             notification_cap: 32,
+            delivery_hosts: Vec::new(),
+            delivery_wake: None,
         },
     )
     .await
@@ -54,6 +56,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
         engine: "scripted".into(),
         subscriber_queue,
         auth: Arc::new(auth),
+        channels: Arc::new(tiller_http::channels::Channels::default()),
     };
     App { state, _dir: dir }
 }

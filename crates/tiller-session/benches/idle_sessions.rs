@@ -39,6 +39,8 @@ async fn main() {
             loops: Default::default(),
             permission_mode: Default::default(),
             notification_cap: 32,
+            delivery_hosts: Vec::new(),
+            delivery_wake: None,
         },
     )
     .await

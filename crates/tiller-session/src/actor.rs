@@ -87,6 +87,8 @@ pub enum SessionMsg {
     Prompt {
         text: String,
         origin: Origin,
+        /// A webhook to receive the final text on `end_turn`.
+        delivery: Option<String>,
         admitted: Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
         settled: Option<oneshot::Sender<Settlement>>,
     },
@@ -164,6 +166,8 @@ struct Pending {
     queued: bool,
     /// The queue item it came from, handed back if the session refuses it.
     work: Option<Work>,
+    /// Where to deliver the final text on `end_turn`.
+    delivery: Option<String>,
 }
 
 /// The running engine and the turn it serves.
@@ -176,6 +180,8 @@ struct RunningEngine {
     handle: EngineHandle,
     /// This turn's loop guard (fresh per turn, dropped at settle).
     guard: LoopGuard,
+    /// The agent text of the turn so far (the final text a delivery sends).
+    text: String,
     /// The tool batch going through the pipeline (paused on a permission).
     batch: Option<Batch>,
     /// The turn's tracing span.
@@ -192,6 +198,8 @@ pub struct SessionState {
     loops: LoopConfig,
     /// This actor (queue actors answer to it).
     myself: ActorRef<SessionMsg>,
+    /// Session settings (delivery destinations and wake-up).
+    config: Arc<SessionConfig>,
     /// The queue actors polled when idle.
     automation: Automation,
     /// The last prompt loop protection stopped (tells the goal actor).
@@ -257,6 +265,7 @@ impl Actor for SessionActor {
             core: SessionCore::new(args.config.turn.clone(), args.head.last_turn)
                 .with_automatic(args.automation.origins()),
             automation: args.automation,
+            config: args.config.clone(),
             myself: myself.clone(),
             loop_stopped: None,
             engine: args.engine,
@@ -316,9 +325,13 @@ impl SessionState {
             SessionMsg::Prompt {
                 text,
                 origin,
+                delivery,
                 admitted,
                 settled,
-            } => self.prompt(myself, text, origin, admitted, settled).await,
+            } => {
+                self.prompt(myself, text, origin, delivery, admitted, settled)
+                    .await;
+            }
             SessionMsg::Steer {
                 text,
                 prompt_required,
@@ -445,6 +458,7 @@ impl SessionState {
         myself: &ActorRef<SessionMsg>,
         text: String,
         origin: Origin,
+        delivery: Option<String>,
         admitted: Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
         settled: Option<oneshot::Sender<Settlement>>,
     ) {
@@ -460,6 +474,13 @@ impl SessionState {
             Ok(p) => p,
             Err(e) => return refuse(admitted, PromptRefused::Invalid(e)),
         };
+        let delivery = match delivery
+            .map(|url| crate::delivery::check_webhook(&url, &self.config.delivery_hosts))
+            .transpose()
+        {
+            Ok(d) => d,
+            Err(why) => return refuse(admitted, PromptRefused::BadDelivery(why)),
+        };
         let prompt = PromptId::new();
         self.pending.insert(
             prompt,
@@ -469,6 +490,7 @@ impl SessionState {
                 admitted_at: self.now(),
                 queued: false,
                 work: None,
+                delivery,
             },
         );
         let fx = self.core.on(self.now(), Input::Prompt { prompt, origin });
@@ -520,6 +542,7 @@ impl SessionState {
                             // Announced (and entered in the ledger) at start.
                             queued: true,
                             work: Some(work),
+                            delivery: None,
                         },
                     );
                     metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
@@ -569,6 +592,7 @@ impl SessionState {
                     admitted_at: self.now(),
                     queued: false,
                     work: None,
+                    delivery: None,
                 },
             );
             IdleBehavior::StartNewTurn(prompt)
@@ -885,6 +909,7 @@ impl SessionState {
             origin,
             handle,
             guard: LoopGuard::new(self.loops.clone()),
+            text: String::new(),
             batch: None,
             span,
         });
@@ -898,6 +923,7 @@ impl SessionState {
         let (events, trip) = match kind {
             SignalKind::Update(Update::Text(text)) => {
                 let trip = run.guard.text(&text).err();
+                run.text.push_str(&text);
                 (vec![EventBody::AgentMessageChunk { text }], trip)
             }
             SignalKind::Update(Update::Thought(text)) => {
@@ -994,6 +1020,11 @@ impl SessionState {
         if let Some(t) = turn {
             self.abandon_permission(t);
         }
+        let final_text = self
+            .running
+            .as_ref()
+            .filter(|r| Some(r.turn) == turn)
+            .map(|r| r.text.clone());
         if let Some(run) = self.running.take_if(|r| Some(r.turn) == turn) {
             run.span
                 .in_scope(|| tracing::info!(outcome = terminal.outcome_label(), "turn settled"));
@@ -1033,6 +1064,12 @@ impl SessionState {
             "outcome" => terminal.outcome_label()
         )
         .increment(1);
+        if let (Some(url), Terminal::Completed(tiller_core::StopReason::EndTurn)) =
+            (pending.as_ref().and_then(|p| p.delivery.clone()), &terminal)
+        {
+            self.deliver_final(url, prompt, final_text.unwrap_or_default())
+                .await;
+        }
         if let Some(p) = pending {
             metrics::histogram!("tiller_turn_duration_seconds", "origin" => origin.as_str())
                 .record(now.saturating_sub(p.admitted_at) as f64 / 1000.0);
@@ -1042,6 +1079,28 @@ impl SessionState {
         }
         metrics::histogram!("tiller_settle_latency_seconds")
             .record(self.input_at.elapsed().as_secs_f64());
+    }
+
+    /// Schedules the durable delivery of a turn's final text.
+    async fn deliver_final(&mut self, url: String, prompt: PromptId, text: String) {
+        let d = tiller_store::Delivery {
+            id: 0,
+            url,
+            session: self.id,
+            prompt,
+            text,
+            stop_reason: "end_turn".into(),
+            attempts: 0,
+            next_at_ms: unix_ms(),
+        };
+        match self.store.delivery_add(d).await {
+            Ok(()) => {
+                if let Some(w) = &self.config.delivery_wake {
+                    w.notify_one();
+                }
+            }
+            Err(e) => tracing::error!(error = %e, "cannot schedule a delivery"),
+        }
     }
 
     fn arm(&mut self, myself: &ActorRef<SessionMsg>, at: Option<Millis>) {

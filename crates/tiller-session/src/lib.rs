@@ -5,6 +5,7 @@
 
 mod actor;
 mod cron;
+pub mod delivery;
 pub mod event;
 mod goal;
 mod notify;
@@ -39,6 +40,10 @@ pub struct SessionConfig {
     pub permission_mode: PermissionMode,
     /// Most background notifications queued per session.
     pub notification_cap: usize,
+    /// Hosts webhook deliveries may go to (`[delivery] allowed_hosts`).
+    pub delivery_hosts: Vec<String>,
+    /// Wakes the delivery worker when a delivery is scheduled.
+    pub delivery_wake: Option<Arc<tokio::sync::Notify>>,
 }
 
 /// Why a session could not be found or created.
@@ -74,6 +79,8 @@ pub enum PromptRefused {
     Overloaded,
     #[error("the session is closed")]
     SessionClosed,
+    #[error("{0}")]
+    BadDelivery(String),
 }
 
 /// The answer to a steer.
@@ -499,11 +506,24 @@ impl SessionHandle {
         origin: Origin,
     ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
     {
+        self.prompt_with(text, origin, None).await
+    }
+
+    /// Like [`SessionHandle::prompt`], with a webhook that receives the
+    /// final text on `end_turn`.
+    pub async fn prompt_with(
+        &self,
+        text: String,
+        origin: Origin,
+        delivery: Option<String>,
+    ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
+    {
         let (atx, arx) = oneshot::channel();
         let (stx, srx) = oneshot::channel();
         self.send(SessionMsg::Prompt {
             text,
             origin,
+            delivery,
             admitted: Some(atx),
             settled: Some(stx),
         })?;

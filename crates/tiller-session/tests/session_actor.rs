@@ -31,6 +31,8 @@ async fn sessions(dir: &tempfile::TempDir) -> Sessions {
         loops: Default::default(),
         permission_mode: Default::default(),
         notification_cap: 32,
+        delivery_hosts: Vec::new(),
+        delivery_wake: None,
     };
     Sessions::start(store, Arc::new(ScriptedEngine), config)
         .await

@@ -145,6 +145,19 @@ pub struct GoalRow {
     pub loop_stops: u32,
 }
 
+/// A webhook delivery of a turn's final text, waiting to be sent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delivery {
+    pub id: i64,
+    pub url: String,
+    pub session: SessionId,
+    pub prompt: PromptId,
+    pub text: String,
+    pub stop_reason: String,
+    pub attempts: u32,
+    pub next_at_ms: i64,
+}
+
 /// What enqueueing did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Enqueued {
@@ -228,6 +241,10 @@ enum Cmd {
     GoalPut(GoalRow, Reply<()>),
     GoalDelete(SessionId, Reply<bool>),
     GoalsActive(Reply<Vec<SessionId>>),
+    DeliveryAdd(Delivery, Reply<()>),
+    DeliveriesDue(i64, Reply<Vec<Delivery>>),
+    /// Sent (delete), or retry at a time (update).
+    DeliveryDone(i64, Option<(i64, u32)>, Reply<()>),
     Events {
         session: SessionId,
         after: u64,
@@ -455,6 +472,26 @@ impl Store {
         self.ask(Cmd::GoalsActive).await
     }
 
+    /// Stores a delivery to send (durable when this returns).
+    pub async fn delivery_add(&self, d: Delivery) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::DeliveryAdd(d, r)).await
+    }
+
+    /// Deliveries due at `now_ms`, oldest first.
+    pub async fn deliveries_due(&self, now_ms: i64) -> Result<Vec<Delivery>, StoreError> {
+        self.ask(|r| Cmd::DeliveriesDue(now_ms, r)).await
+    }
+
+    /// Marks a delivery sent or given up (`retry = None`), or schedules its
+    /// next attempt.
+    pub async fn delivery_done(
+        &self,
+        id: i64,
+        retry: Option<(i64, u32)>,
+    ) -> Result<(), StoreError> {
+        self.ask(|r| Cmd::DeliveryDone(id, retry, r)).await
+    }
+
     /// Prompts admitted and never settled, oldest first.
     pub async fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
         self.ask(Cmd::Unsettled).await
@@ -547,6 +584,17 @@ const SCHEMA: &[&str] = &[
         status TEXT NOT NULL,
         pause_reason TEXT,
         loop_stops INTEGER NOT NULL
+    );",
+    // v6: webhook deliveries of final turn text, with retries.
+    "CREATE TABLE deliveries (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        url TEXT NOT NULL,
+        session_id TEXT NOT NULL,
+        prompt_id TEXT NOT NULL,
+        text TEXT NOT NULL,
+        stop_reason TEXT NOT NULL,
+        attempts INTEGER NOT NULL,
+        next_at_ms INTEGER NOT NULL
     );",
 ];
 
@@ -779,6 +827,60 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
                                 .collect()
                         })
                     });
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::DeliveryAdd(d, reply) => {
+                let r = conn
+                    .execute(
+                        "INSERT INTO deliveries (url, session_id, prompt_id, text, stop_reason, attempts, next_at_ms)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                        params![d.url, d.session.to_string(), d.prompt.to_string(), d.text, d.stop_reason, d.attempts, d.next_at_ms],
+                    )
+                    .map(drop);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::DeliveriesDue(now, reply) => {
+                let r = conn
+                    .prepare(
+                        "SELECT id, url, session_id, prompt_id, text, stop_reason, attempts, next_at_ms
+                         FROM deliveries WHERE next_at_ms <= ?1 ORDER BY id LIMIT 100",
+                    )
+                    .and_then(|mut s| {
+                        s.query_map(params![now], |r| {
+                            let sid: String = r.get(2)?;
+                            let pid: String = r.get(3)?;
+                            Ok((sid, pid, Delivery {
+                                id: r.get(0)?,
+                                url: r.get(1)?,
+                                session: SessionId::from_u128(0),
+                                prompt: PromptId::from_u128(0),
+                                text: r.get(4)?,
+                                stop_reason: r.get(5)?,
+                                attempts: r.get(6)?,
+                                next_at_ms: r.get(7)?,
+                            }))
+                        })
+                        .map(|rows| {
+                            rows.filter_map(|x| {
+                                let (s, p, mut d) = x.ok()?;
+                                d.session = SessionId::parse(&s)?;
+                                d.prompt = PromptId::parse(&p)?;
+                                Some(d)
+                            })
+                            .collect()
+                        })
+                    });
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::DeliveryDone(id, retry, reply) => {
+                let r = match retry {
+                    None => conn.execute("DELETE FROM deliveries WHERE id = ?1", params![id]),
+                    Some((next, attempts)) => conn.execute(
+                        "UPDATE deliveries SET next_at_ms = ?2, attempts = ?3 WHERE id = ?1",
+                        params![id, next, attempts],
+                    ),
+                }
+                .map(drop);
                 let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::CronBacklog(reply) => {

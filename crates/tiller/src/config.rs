@@ -20,6 +20,8 @@ pub struct Config {
     pub turn: Turn,
     pub loop_protection: LoopProtection,
     pub tools: Tools,
+    pub channels: std::collections::BTreeMap<String, Channel>,
+    pub delivery: DeliveryCfg,
     pub limits: Limits,
     pub log: Log,
     pub metrics: Metrics,
@@ -33,6 +35,8 @@ pub struct Server {
     pub token: String,
     pub allowed_hosts: Vec<String>,
     pub allowed_origins: Vec<String>,
+    #[serde(with = "humantime_serde")]
+    pub channel_replay_window: Duration,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -108,6 +112,20 @@ impl Default for LoopProtection {
     }
 }
 
+/// `[channels.NAME]`: a channel's HMAC secret, inline or from a variable.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Channel {
+    pub secret: String,
+    pub secret_env: String,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeliveryCfg {
+    pub allowed_hosts: Vec<String>,
+}
+
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Tools {
@@ -152,6 +170,7 @@ impl Default for Server {
             token: String::new(),
             allowed_hosts: Vec::new(),
             allowed_origins: Vec::new(),
+            channel_replay_window: Duration::from_secs(300),
         }
     }
 }
@@ -232,7 +251,8 @@ impl Config {
         let mut table: toml::Table = DEFAULT_TOML.parse().expect("the embedded default parses");
         merge(&mut table, user);
         let mut from_env = Vec::new();
-        for (key, raw) in env {
+        let env: Vec<(String, String)> = env.into_iter().collect();
+        for (key, raw) in env.iter().cloned() {
             let Some(rest) = key.strip_prefix("TILLER_") else {
                 continue;
             };
@@ -257,6 +277,31 @@ impl Config {
                 ConfigError(format!("{source}: key `{at}`: {inner}"))
             })?;
         config.validate()?;
+        let mut config = config;
+        // Channel secrets from the environment are resolved now, so a
+        // missing variable is a start-up error naming it.
+        for (name, ch) in &mut config.channels {
+            match (ch.secret.is_empty(), ch.secret_env.is_empty()) {
+                (false, true) => {}
+                (true, false) => {
+                    let v = env.iter().find(|(k, _)| *k == ch.secret_env).map(|(_, v)| v);
+                    match v.filter(|v| !v.is_empty()) {
+                        Some(v) => ch.secret = v.clone(),
+                        None => {
+                            return Err(ConfigError(format!(
+                                "key `channels.{name}.secret_env`: environment variable {} is not set",
+                                ch.secret_env
+                            )));
+                        }
+                    }
+                }
+                _ => {
+                    return Err(ConfigError(format!(
+                        "key `channels.{name}`: give exactly one of `secret` or `secret_env`"
+                    )));
+                }
+            }
+        }
         Ok(config)
     }
 

@@ -40,14 +40,18 @@ fn acp_config(cfg: &Config) -> AcpConfig {
     }
 }
 
-async fn start_sessions(cfg: &Config, db: &std::path::Path) -> anyhow::Result<Sessions> {
+async fn start_sessions(
+    cfg: &Config,
+    db: &std::path::Path,
+    delivery_wake: Option<Arc<tokio::sync::Notify>>,
+) -> anyhow::Result<(Sessions, Store)> {
     if let Some(dir) = db.parent() {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
     }
     let store = tokio::task::block_in_place(|| Store::open(db))?;
     let sessions = Sessions::start(
-        store,
+        store.clone(),
         engine(cfg),
         SessionConfig {
             turn: cfg.turn_config(),
@@ -55,10 +59,12 @@ async fn start_sessions(cfg: &Config, db: &std::path::Path) -> anyhow::Result<Se
             loops: cfg.loop_config(),
             permission_mode: cfg.permission_mode(),
             notification_cap: cfg.limits.max_queued_notifications,
+            delivery_hosts: cfg.delivery.allowed_hosts.clone(),
+            delivery_wake,
         },
     )
     .await?;
-    Ok(sessions)
+    Ok((sessions, store))
 }
 
 /// `tiller serve`.
@@ -72,7 +78,8 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     }
 
     let db = cfg.db_path();
-    let sessions = start_sessions(&cfg, &db).await?;
+    let delivery_wake = Arc::new(tokio::sync::Notify::new());
+    let (sessions, store) = start_sessions(&cfg, &db, Some(delivery_wake.clone())).await?;
     let acp = acp_config(&cfg);
     let permits = Arc::new(Semaphore::new(cfg.limits.max_connections));
     let ready = Arc::new(AtomicBool::new(false));
@@ -85,7 +92,16 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     let socket_path = cfg.socket_path();
     let unix = bind_unix(&socket_path)?;
 
+    let secrets = cfg
+        .channels
+        .iter()
+        .map(|(name, ch)| (name.clone(), ch.secret.as_bytes().to_vec()))
+        .collect();
     let state = tiller_http::AppState {
+        channels: Arc::new(tiller_http::channels::Channels::new(
+            secrets,
+            cfg.server.channel_replay_window,
+        )),
         sessions: sessions.clone(),
         acp: acp.clone(),
         metrics,
@@ -109,6 +125,11 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
             })
             .await
     });
+    let deliveries = tokio::spawn(tiller_http::delivery::run(
+        store.clone(),
+        delivery_wake,
+        stop_rx.clone(),
+    ));
     let unix_task = tokio::spawn(tiller_acp::serve_unix(
         unix,
         sessions.clone(),
@@ -133,6 +154,7 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     let _ = stop_tx.send(true);
     sessions.shutdown().await;
     let _ = unix_task.await;
+    let _ = deliveries.await;
     let _ = std::fs::remove_file(&socket_path);
     // Open WebSockets do not end on their own; give them a moment.
     let _ = tokio::time::timeout(Duration::from_secs(2), http).await;
@@ -147,7 +169,9 @@ pub async fn embedded(cfg: Config) -> anyhow::Result<()> {
     } else {
         cfg.db_path()
     };
-    let sessions = start_sessions(&cfg, &db).await?;
+    // Embedded: no delivery worker runs, so deliveries wait in the store
+    // for the next `tiller serve` on the same data.
+    let (sessions, _) = start_sessions(&cfg, &db, None).await?;
     tiller_acp::serve_stream(
         sessions.clone(),
         acp_config(&cfg),

@@ -1,0 +1,199 @@
+//! Channel ingress: `POST /api/channels/:channel/prompts`, authenticated by
+//! the channel's own secret (HMAC-SHA256 over `"<timestamp>.<raw body>"`),
+//! with a replay window. The only way a turn becomes a channel turn.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use hmac::{KeyInit, Mac};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tiller_core::{Origin, SessionId};
+
+use crate::AppState;
+use crate::api::ApiError;
+
+type HmacSha256 = hmac::Hmac<sha2::Sha256>;
+
+/// Channel secrets and the replay guard.
+#[derive(Default)]
+pub struct Channels {
+    /// Secret per channel name.
+    pub secrets: HashMap<String, Vec<u8>>,
+    /// Requests older (or newer) than this are refused.
+    pub replay_window: Duration,
+    /// Signatures seen within the window (a replay is refused).
+    seen: Mutex<HashMap<String, i64>>,
+}
+
+impl Channels {
+    pub fn new(secrets: HashMap<String, Vec<u8>>, replay_window: Duration) -> Self {
+        Self {
+            secrets,
+            replay_window,
+            seen: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Checks a request; `Err` says why it is refused.
+    pub fn verify(
+        &self,
+        channel: &str,
+        timestamp: Option<&str>,
+        signature: Option<&str>,
+        body: &[u8],
+        now_s: i64,
+    ) -> Result<(), &'static str> {
+        let secret = self.secrets.get(channel).ok_or("unknown channel")?;
+        let ts: i64 = timestamp
+            .ok_or("missing X-Tiller-Timestamp")?
+            .trim()
+            .parse()
+            .map_err(|_| "bad X-Tiller-Timestamp")?;
+        let window = self.replay_window.as_secs() as i64;
+        if (now_s - ts).abs() > window {
+            return Err("timestamp outside the replay window");
+        }
+        let hex_sig = signature
+            .and_then(|s| s.trim().strip_prefix("sha256="))
+            .ok_or("missing or malformed X-Tiller-Signature")?;
+        let sig = hex::decode(hex_sig).map_err(|_| "malformed X-Tiller-Signature")?;
+        let mut mac = HmacSha256::new_from_slice(secret).map_err(|_| "bad channel secret")?;
+        mac.update(ts.to_string().as_bytes());
+        mac.update(b".");
+        mac.update(body);
+        // Constant-time comparison.
+        mac.verify_slice(&sig).map_err(|_| "bad signature")?;
+        let mut seen = self.seen.lock().expect("replay guard");
+        seen.retain(|_, t| now_s - *t <= window);
+        let key = format!("{channel}:{hex_sig}");
+        if seen.contains_key(&key) {
+            return Err("replayed request");
+        }
+        seen.insert(key, ts);
+        Ok(())
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ChannelBody {
+    session_id: Option<String>,
+    text: String,
+    delivery: Option<DeliveryBody>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeliveryBody {
+    webhook: String,
+}
+
+fn refuse(why: &str) -> ApiError {
+    metrics::counter!("tiller_channel_refusals_total").increment(1);
+    ApiError(
+        StatusCode::UNAUTHORIZED,
+        json!({ "errorKind": "unauthorized", "message": format!("channel request refused: {why}") }),
+    )
+}
+
+/// `POST /api/channels/:channel/prompts`.
+pub async fn post_prompt(
+    State(st): State<AppState>,
+    Path(channel): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    st.channels
+        .verify(
+            &channel,
+            header("x-tiller-timestamp"),
+            header("x-tiller-signature"),
+            &body,
+            now,
+        )
+        .map_err(refuse)?;
+    let req: ChannelBody = serde_json::from_slice(&body).map_err(|e| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            json!({ "errorKind": "invalid_params", "message": format!("invalid body: {e}") }),
+        )
+    })?;
+    let handle = match &req.session_id {
+        Some(raw) => {
+            let id = SessionId::parse(raw).ok_or_else(|| {
+                ApiError(
+                    StatusCode::NOT_FOUND,
+                    json!({ "errorKind": "unknown_session", "message": format!("unknown session {raw}") }),
+                )
+            })?;
+            st.sessions.open(id).await?
+        }
+        None => {
+            st.sessions
+                .create("/".into(), Some(format!("channel {channel}")))
+                .await?
+        }
+    };
+    let (prompt, _) = handle
+        .prompt_with(
+            req.text,
+            Origin::Channel,
+            req.delivery.map(|d| d.webhook),
+        )
+        .await??;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({ "promptId": prompt.to_string(), "sessionId": handle.id().to_string() })),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sign(secret: &[u8], ts: i64, body: &[u8]) -> String {
+        let mut mac = HmacSha256::new_from_slice(secret).unwrap();
+        mac.update(format!("{ts}.").as_bytes());
+        mac.update(body);
+        format!("sha256={}", hex::encode(mac.finalize().into_bytes()))
+    }
+
+    #[test]
+    fn verification_table() {
+        let c = Channels::new(
+            HashMap::from([("hook".to_string(), b"k3y".to_vec())]),
+            Duration::from_secs(300),
+        );
+        let body = br#"{"text":"hi"}"#;
+        let now = 1_000_000;
+        let good = sign(b"k3y", now, body);
+        let cases: Vec<(&str, Option<String>, Option<String>, &[u8], Result<(), &str>)> = vec![
+            ("nope", Some(now.to_string()), Some(good.clone()), body, Err("unknown channel")),
+            ("hook", None, Some(good.clone()), body, Err("missing X-Tiller-Timestamp")),
+            ("hook", Some((now - 301).to_string()), Some(sign(b"k3y", now - 301, body)), body, Err("timestamp outside the replay window")),
+            ("hook", Some(now.to_string()), None, body, Err("missing or malformed X-Tiller-Signature")),
+            ("hook", Some(now.to_string()), Some(sign(b"wrong", now, body)), body, Err("bad signature")),
+            ("hook", Some(now.to_string()), Some(good.clone()), br#"{"text":"tampered"}"#, Err("bad signature")),
+            ("hook", Some(now.to_string()), Some(good.clone()), body, Ok(())),
+            ("hook", Some(now.to_string()), Some(good.clone()), body, Err("replayed request")),
+        ];
+        for (channel, ts, sig, b, want) in cases {
+            assert_eq!(
+                c.verify(channel, ts.as_deref(), sig.as_deref(), b, now),
+                want,
+                "{channel} {ts:?} {sig:?}"
+            );
+        }
+    }
+}
