@@ -146,11 +146,7 @@ pub async fn post_prompt(
         }
     };
     let (prompt, _) = handle
-        .prompt_with(
-            req.text,
-            Origin::Channel,
-            req.delivery.map(|d| d.webhook),
-        )
+        .prompt_with(req.text, Origin::Channel, req.delivery.map(|d| d.webhook))
         .await??;
     Ok((
         StatusCode::ACCEPTED,
@@ -178,15 +174,69 @@ mod tests {
         let body = br#"{"text":"hi"}"#;
         let now = 1_000_000;
         let good = sign(b"k3y", now, body);
-        let cases: Vec<(&str, Option<String>, Option<String>, &[u8], Result<(), &str>)> = vec![
-            ("nope", Some(now.to_string()), Some(good.clone()), body, Err("unknown channel")),
-            ("hook", None, Some(good.clone()), body, Err("missing X-Tiller-Timestamp")),
-            ("hook", Some((now - 301).to_string()), Some(sign(b"k3y", now - 301, body)), body, Err("timestamp outside the replay window")),
-            ("hook", Some(now.to_string()), None, body, Err("missing or malformed X-Tiller-Signature")),
-            ("hook", Some(now.to_string()), Some(sign(b"wrong", now, body)), body, Err("bad signature")),
-            ("hook", Some(now.to_string()), Some(good.clone()), br#"{"text":"tampered"}"#, Err("bad signature")),
-            ("hook", Some(now.to_string()), Some(good.clone()), body, Ok(())),
-            ("hook", Some(now.to_string()), Some(good.clone()), body, Err("replayed request")),
+        let cases: Vec<(
+            &str,
+            Option<String>,
+            Option<String>,
+            &[u8],
+            Result<(), &str>,
+        )> = vec![
+            (
+                "nope",
+                Some(now.to_string()),
+                Some(good.clone()),
+                body,
+                Err("unknown channel"),
+            ),
+            (
+                "hook",
+                None,
+                Some(good.clone()),
+                body,
+                Err("missing X-Tiller-Timestamp"),
+            ),
+            (
+                "hook",
+                Some((now - 301).to_string()),
+                Some(sign(b"k3y", now - 301, body)),
+                body,
+                Err("timestamp outside the replay window"),
+            ),
+            (
+                "hook",
+                Some(now.to_string()),
+                None,
+                body,
+                Err("missing or malformed X-Tiller-Signature"),
+            ),
+            (
+                "hook",
+                Some(now.to_string()),
+                Some(sign(b"wrong", now, body)),
+                body,
+                Err("bad signature"),
+            ),
+            (
+                "hook",
+                Some(now.to_string()),
+                Some(good.clone()),
+                br#"{"text":"tampered"}"#,
+                Err("bad signature"),
+            ),
+            (
+                "hook",
+                Some(now.to_string()),
+                Some(good.clone()),
+                body,
+                Ok(()),
+            ),
+            (
+                "hook",
+                Some(now.to_string()),
+                Some(good.clone()),
+                body,
+                Err("replayed request"),
+            ),
         ];
         for (channel, ts, sig, b, want) in cases {
             assert_eq!(

@@ -21,26 +21,6 @@ pub fn check_webhook(raw: &str, allowed: &[String]) -> Result<String, String> {
     Ok(url.to_string())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn table() {
-        let allowed = vec!["127.0.0.1".to_string(), "hooks.example:8443".to_string()];
-        for (url, ok) in [
-            ("http://127.0.0.1:9000/hook", true),
-            ("https://hooks.example:8443/x", true),
-            ("https://hooks.example/x", false),
-            ("http://evil.example/x", false),
-            ("ftp://127.0.0.1/x", false),
-            ("not a url", false),
-        ] {
-            assert_eq!(check_webhook(url, &allowed).is_ok(), ok, "{url}");
-        }
-    }
-}
-
 /// Reads what a caller may ask for in a prompt's `_meta`: a delivery
 /// webhook (`_meta.tiller.delivery.webhook`). Origin and channel markers
 /// (`channel`, `origin`, at the top or under `tiller`) are ignored and
@@ -62,4 +42,24 @@ pub fn caller_meta(meta: Option<&serde_json::Value>, ingress: &'static str) -> O
         .get("webhook")?
         .as_str()
         .map(str::to_owned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table() {
+        let allowed = vec!["127.0.0.1".to_string(), "hooks.example:8443".to_string()];
+        for (url, ok) in [
+            ("http://127.0.0.1:9000/hook", true),
+            ("https://hooks.example:8443/x", true),
+            ("https://hooks.example/x", false),
+            ("http://evil.example/x", false),
+            ("ftp://127.0.0.1/x", false),
+            ("not a url", false),
+        ] {
+            assert_eq!(check_webhook(url, &allowed).is_ok(), ok, "{url}");
+        }
+    }
 }

@@ -284,7 +284,10 @@ impl Config {
             match (ch.secret.is_empty(), ch.secret_env.is_empty()) {
                 (false, true) => {}
                 (true, false) => {
-                    let v = env.iter().find(|(k, _)| *k == ch.secret_env).map(|(_, v)| v);
+                    let v = env
+                        .iter()
+                        .find(|(k, _)| *k == ch.secret_env)
+                        .map(|(_, v)| v);
                     match v.filter(|v| !v.is_empty()) {
                         Some(v) => ch.secret = v.clone(),
                         None => {

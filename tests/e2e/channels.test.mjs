@@ -1,0 +1,150 @@
+// Channel ingress and webhook delivery: only a correctly signed channel
+// request makes a channel turn; delivery meta never changes classification.
+
+import assert from "node:assert/strict";
+import { createHmac } from "node:crypto";
+import http from "node:http";
+import { after, before, describe, test } from "node:test";
+
+import { api, initialize, newSession, openStream, script, startDaemon, textPrompt, transports } from "./lib/daemon.mjs";
+
+const SECRET = "k3y-for-tests";
+let daemon;
+let hook;
+const received = [];
+
+before(async () => {
+  hook = http.createServer((req, res) => {
+    let body = "";
+    req.on("data", (d) => (body += d));
+    req.on("end", () => {
+      received.push(JSON.parse(body));
+      res.writeHead(200).end("ok");
+    });
+  });
+  await new Promise((r) => hook.listen(0, "127.0.0.1", r));
+  daemon = await startDaemon({
+    env: {
+      TILLER_CHANNELS__HOOK__SECRET: SECRET,
+      TILLER_DELIVERY__ALLOWED_HOSTS: '["127.0.0.1"]',
+    },
+  });
+});
+
+after(async () => {
+  await daemon?.stop();
+  hook?.close();
+});
+
+const webhook = () => `http://127.0.0.1:${hook.address().port}/final`;
+const call = { name: "read_file", input: { path: "x" }, output: "same" };
+const looping = script([{ say: "partial answer" }, { tools: Array(6).fill(call) }]);
+
+function sign(body, ts = Math.floor(Date.now() / 1000), secret = SECRET) {
+  const mac = createHmac("sha256", secret).update(`${ts}.${body}`).digest("hex");
+  return { "x-tiller-timestamp": String(ts), "x-tiller-signature": `sha256=${mac}` };
+}
+
+async function channelPost(body, headers) {
+  const res = await fetch(`${daemon.http}/api/channels/hook/prompts`, {
+    method: "POST",
+    headers: { "content-type": "application/json", ...headers },
+    body,
+  });
+  return { status: res.status, body: await res.json() };
+}
+
+async function until(pred, ms = 5000) {
+  for (let i = 0; i < ms / 20; i++) {
+    if (await pred()) return;
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  throw new Error("condition not met");
+}
+
+describe("channels", () => {
+  test("a signed channel prompt that loops ends end_turn with loop_stopped; its webhook gets the final text", async () => {
+    const body = JSON.stringify({ text: looping, delivery: { webhook: webhook() } });
+    const res = await channelPost(body, sign(body));
+    assert.equal(res.status, 202, JSON.stringify(res.body));
+    const { sessionId, promptId } = res.body;
+    await until(() => received.some((r) => r.promptId === promptId));
+    const got = received.find((r) => r.promptId === promptId);
+    assert.equal(got.sessionId, sessionId);
+    assert.equal(got.text, "partial answer");
+    assert.equal(got.stopReason, "end_turn");
+    const hist = await api(daemon, "GET", `/api/sessions/${sessionId}/history?limit=100`);
+    const types = hist.body.events.map((e) => e.type);
+    assert.ok(types.includes("loop_stopped"));
+    assert.equal(hist.body.events.find((e) => e.type === "prompt_started").data.origin, "channel");
+    assert.equal(hist.body.events.find((e) => e.type === "turn_complete").data.stopReason, "end_turn");
+    assert.ok(!types.includes("turn_error"));
+  });
+
+  test("unsigned, badly signed, stale or replayed requests are refused", async () => {
+    const body = JSON.stringify({ text: "hi" });
+    const good = sign(body);
+    const cases = [
+      ["unsigned", {}],
+      ["bad signature", sign(body, undefined, "wrong secret")],
+      ["stale", sign(body, Math.floor(Date.now() / 1000) - 3600)],
+    ];
+    for (const [what, headers] of cases) {
+      const res = await channelPost(body, headers);
+      assert.equal(res.status, 401, what);
+      assert.equal(res.body.error.errorKind, "unauthorized", what);
+    }
+    assert.equal((await channelPost(body, good)).status, 202);
+    const replay = await channelPost(body, good);
+    assert.equal(replay.status, 401);
+    assert.match(replay.body.error.message, /replayed/);
+    const unknown = await fetch(`${daemon.http}/api/channels/nope/prompts`, { method: "POST", headers: sign(body), body });
+    assert.equal(unknown.status, 401);
+  });
+
+  test("a webhook to a host the config does not allow is refused", async () => {
+    const body = JSON.stringify({ text: "hi", delivery: { webhook: "http://evil.example/x" } });
+    const res = await channelPost(body, sign(body));
+    assert.equal(res.status, 400);
+    assert.match(res.body.error.message, /allowed_hosts/);
+  });
+
+  test("channel markers or delivery meta in _meta over ACP still get the interactive loop_detected rejection", async () => {
+    const c = await transports.unix(daemon);
+    try {
+      await initialize(c);
+      const sid = await newSession(c);
+      const meta = { channel: "hook", origin: "channel", tiller: { channel: "hook", origin: "cron", delivery: { webhook: webhook() } } };
+      await assert.rejects(
+        c.request("session/prompt", { ...textPrompt(sid, looping), _meta: meta }),
+        (e) => e.code === -32603 && e.data.errorKind === "loop_detected",
+      );
+      // Not end_turn, so nothing is delivered.
+      await new Promise((r) => setTimeout(r, 200));
+      assert.ok(!received.some((r) => r.sessionId === sid));
+      // The delivery meta alone does work for a normal turn.
+      await c.request("session/prompt", { ...textPrompt(sid, script([{ say: "delivered" }])), _meta: meta });
+      await until(() => received.some((r) => r.sessionId === sid && r.text === "delivered"));
+    } finally {
+      c.close();
+    }
+  });
+
+  test("the same through /prompts: markers are ignored, the turn is interactive", async () => {
+    const sid = (await api(daemon, "POST", "/api/sessions", {})).body.id;
+    const s = await openStream(daemon, sid, {});
+    const res = await api(daemon, "POST", `/api/sessions/${sid}/prompts`, {
+      text: looping,
+      _meta: { origin: "channel", tiller: { channel: "hook", delivery: { webhook: webhook() } } },
+    });
+    assert.equal(res.status, 202);
+    await s.until(() => s.events.some((e) => e.data.type === "turn_error"));
+    const evs = s.events.map((e) => e.data);
+    assert.equal(evs.find((e) => e.type === "prompt_started").data.origin, "interactive");
+    assert.equal(evs.find((e) => e.type === "turn_error").data.errorKind, "loop_detected");
+    s.close();
+    const metrics = await (await fetch(`${daemon.http}/metrics`)).text();
+    assert.match(metrics, /tiller_origin_markers_stripped_total\{ingress="http"\} [1-9]/);
+    assert.match(metrics, /tiller_origin_markers_stripped_total\{ingress="acp"\} [1-9]/);
+  });
+});
