@@ -174,13 +174,14 @@ mod tests {
         let body = br#"{"text":"hi"}"#;
         let now = 1_000_000;
         let good = sign(b"k3y", now, body);
-        let cases: Vec<(
-            &str,
+        type Case<'a> = (
+            &'a str,
             Option<String>,
             Option<String>,
-            &[u8],
-            Result<(), &str>,
-        )> = vec![
+            &'a [u8],
+            Result<(), &'a str>,
+        );
+        let cases: Vec<Case<'_>> = vec![
             (
                 "nope",
                 Some(now.to_string()),
