@@ -108,6 +108,9 @@ pub enum Input {
     /// this session, as a prompt, or nothing.
     Offer {
         origin: Origin,
+        /// The poll this answers (from [`Effect::Poll`]); an answer to an
+        /// older poll is stale.
+        poll: u64,
         prompt: Option<PromptId>,
     },
 }
@@ -220,8 +223,9 @@ pub enum Effect {
     ArmTimer { at: Option<Millis> },
     /// Nothing runs and nothing is queued: the queue actors may offer work.
     Idle,
-    /// Ask the queue actor of `origin` for its next due work.
-    Poll { origin: Origin },
+    /// Ask the queue actor of `origin` for its next due work; its answer
+    /// must carry `poll`.
+    Poll { origin: Origin, poll: u64 },
     /// An offer came when the session could not take it: hand it back to
     /// its queue (it is offered again at the next idle).
     OfferRefused { origin: Origin, prompt: PromptId },
@@ -283,6 +287,8 @@ pub struct SessionCore {
     automatic: Vec<Origin>,
     /// While idle: the index in `automatic` of the queue being polled.
     polling: Option<usize>,
+    /// The id of the last poll; only its answer is taken.
+    poll_seq: u64,
     /// The deadline last requested with [`Effect::ArmTimer`], to avoid
     /// re-arming an unchanged timer.
     armed: Option<Millis>,
@@ -299,6 +305,7 @@ impl SessionCore {
             queue: VecDeque::new(),
             automatic: Vec::new(),
             polling: None,
+            poll_seq: 0,
             armed: None,
         }
     }
@@ -356,7 +363,11 @@ impl SessionCore {
                     self.poll_from(0, &mut fx);
                 }
             }
-            Input::Offer { origin, prompt } => self.offer(now, origin, prompt, &mut fx),
+            Input::Offer {
+                origin,
+                poll,
+                prompt,
+            } => self.offer(now, origin, poll, prompt, &mut fx),
         }
         // Deadlines after the input: a signal that arrives late still counts.
         self.expire(now, &mut fx);
@@ -689,7 +700,11 @@ impl SessionCore {
         match self.automatic.get(i) {
             Some(origin) => {
                 self.polling = Some(i);
-                fx.push(Effect::Poll { origin: *origin });
+                self.poll_seq += 1;
+                fx.push(Effect::Poll {
+                    origin: *origin,
+                    poll: self.poll_seq,
+                });
             }
             None => self.polling = None,
         }
@@ -699,12 +714,17 @@ impl SessionCore {
         &mut self,
         now: Millis,
         origin: Origin,
+        poll: u64,
         prompt: Option<PromptId>,
         fx: &mut Vec<Effect>,
     ) {
-        let expected = self
-            .polling
-            .filter(|i| self.automatic.get(*i) == Some(&origin) && self.active.is_none());
+        // Only the answer to the current poll counts: an answer to an older
+        // one may rest on state that has changed since.
+        let expected = self.polling.filter(|i| {
+            poll == self.poll_seq
+                && self.automatic.get(*i) == Some(&origin)
+                && self.active.is_none()
+        });
         match (expected, prompt) {
             (Some(_), Some(prompt)) => {
                 self.polling = None;

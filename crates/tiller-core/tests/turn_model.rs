@@ -56,8 +56,8 @@ enum Step {
     LoopTrip(Which, LoopType),
     /// A queue actor says work may be waiting.
     Kick,
-    /// A queue actor answers a poll (or offers out of turn).
-    Offer(Origin, bool),
+    /// A queue actor answers the last poll (or, when `stale`, an older one).
+    Offer(Origin, bool, bool),
     /// Repeat the last signal as is.
     Duplicate,
     Advance(Millis),
@@ -112,8 +112,8 @@ impl ReferenceStateMachine for Model {
             2 => (which, loop_type).prop_map(|(w, t)| Step::LoopTrip(w, t)),
             1 => Just(Step::Duplicate),
             1 => Just(Step::Kick),
-            4 => (prop_oneof![Just(Origin::Goal), Just(Origin::Notification), Just(Origin::Cron)], any::<bool>())
-                .prop_map(|(o, some)| Step::Offer(o, some)),
+            4 => (prop_oneof![Just(Origin::Goal), Just(Origin::Notification), Just(Origin::Cron)], any::<bool>(), prop::bool::weighted(0.2))
+                .prop_map(|(o, some, stale)| Step::Offer(o, some, stale)),
             3 => prop_oneof![1u64..30, 30u64..500].prop_map(Step::Advance),
         ]
         .boxed()
@@ -153,6 +153,8 @@ struct Sut {
     handed_back: HashSet<PromptId>,
     /// The index of the last queue polled in the current idle round.
     round: Option<usize>,
+    /// The id of the last poll.
+    last_poll: u64,
 }
 
 /// The automatic queues, in admission order.
@@ -177,6 +179,7 @@ impl Sut {
             offered: HashSet::new(),
             handed_back: HashSet::new(),
             round: None,
+            last_poll: 0,
         }
     }
 
@@ -252,7 +255,9 @@ impl Sut {
                     );
                     self.round = None;
                 }
-                Effect::Poll { origin } => {
+                Effect::Poll { origin, poll } => {
+                    assert!(*poll > self.last_poll, "poll ids grow");
+                    self.last_poll = *poll;
                     // Admission order: the queues are polled in order, each
                     // only after the one before had nothing.
                     let k = self.round.map_or(0, |r| r + 1);
@@ -417,13 +422,30 @@ impl StateMachineTest for TurnCoreTest {
                 sut.feed(Input::LoopTrip { turn, loop_type });
             }
             Step::Kick => sut.feed(Input::Kick),
-            Step::Offer(origin, some) => {
+            Step::Offer(origin, some, stale) => {
                 let prompt = some.then(|| PromptId::from_u128(sut.fresh()));
                 if let Some(p) = prompt {
                     sut.offered.insert(p);
                     sut.origins.insert(p, origin);
                 }
-                sut.feed(Input::Offer { origin, prompt });
+                let poll = if stale {
+                    sut.last_poll.saturating_sub(1)
+                } else {
+                    sut.last_poll
+                };
+                let started_before = sut.turn_of.len();
+                sut.feed(Input::Offer {
+                    origin,
+                    poll,
+                    prompt,
+                });
+                if stale && poll != sut.last_poll {
+                    assert_eq!(
+                        sut.turn_of.len(),
+                        started_before,
+                        "a stale offer started a turn"
+                    );
+                }
             }
             Step::Duplicate => {
                 if let Some((turn, signal)) = sut.last_signal.clone() {

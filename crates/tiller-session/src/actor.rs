@@ -103,7 +103,12 @@ pub enum SessionMsg {
     /// A queue actor may have work: poll if idle.
     Kick,
     /// A queue actor's answer to a poll.
-    Offer { origin: Origin, work: Option<Work> },
+    Offer {
+        origin: Origin,
+        /// The poll it answers.
+        poll: u64,
+        work: Option<Work>,
+    },
     /// An event from a queue actor to publish (goal changes), and whether
     /// to poll afterwards.
     Automation { body: EventBody, kick: bool },
@@ -357,7 +362,9 @@ impl SessionState {
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
             SessionMsg::Kick => self.feed(myself, Input::Kick, None).await,
-            SessionMsg::Offer { origin, work } => self.offer(myself, origin, work).await,
+            SessionMsg::Offer { origin, poll, work } => {
+                self.offer(myself, origin, poll, work).await;
+            }
             SessionMsg::Automation { body, kick } => {
                 self.publish(None, None, body);
                 if kick {
@@ -527,7 +534,13 @@ impl SessionState {
     }
 
     /// Takes (or refuses) automatic work offered by a queue actor.
-    async fn offer(&mut self, myself: &ActorRef<SessionMsg>, origin: Origin, work: Option<Work>) {
+    async fn offer(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        origin: Origin,
+        poll: u64,
+        work: Option<Work>,
+    ) {
         let prompt = match work {
             None => None,
             Some(work) => match self.engine.prepare(work.text()) {
@@ -556,8 +569,16 @@ impl SessionState {
                 }
             },
         };
-        self.feed(myself, Input::Offer { origin, prompt }, None)
-            .await;
+        self.feed(
+            myself,
+            Input::Offer {
+                origin,
+                poll,
+                prompt,
+            },
+            None,
+        )
+        .await;
     }
 
     async fn steer(
@@ -795,13 +816,14 @@ impl SessionState {
                     metrics::counter!("tiller_watchdog_fired_total", "kind" => kind).increment(1);
                 }
                 Effect::ArmTimer { at } => self.arm(myself, at),
-                Effect::Poll { origin } => {
+                Effect::Poll { origin, poll } => {
                     let me = myself.clone();
                     let session = self.id;
                     let sent = match origin {
                         Origin::Notification => self.automation.notify.as_ref().map(|n| {
                             n.send_message(crate::notify::NotifyMsg::Poll {
                                 session,
+                                poll,
                                 reply_to: me,
                             })
                             .is_ok()
@@ -809,6 +831,7 @@ impl SessionState {
                         Origin::Cron => self.automation.cron.as_ref().map(|c| {
                             c.send_message(crate::cron::CronMsg::Poll {
                                 session,
+                                poll,
                                 reply_to: me,
                             })
                             .is_ok()
@@ -816,6 +839,7 @@ impl SessionState {
                         Origin::Goal => self.automation.goal.as_ref().map(|g| {
                             g.send_message(crate::goal::GoalMsg::Poll {
                                 session,
+                                poll,
                                 reply_to: me,
                             })
                             .is_ok()
@@ -824,7 +848,11 @@ impl SessionState {
                     };
                     if sent != Some(true) {
                         // No actor for that queue: nothing is due there.
-                        let _ = myself.send_message(SessionMsg::Offer { origin, work: None });
+                        let _ = myself.send_message(SessionMsg::Offer {
+                            origin,
+                            poll,
+                            work: None,
+                        });
                     }
                 }
                 Effect::OfferRefused { prompt, .. } => {

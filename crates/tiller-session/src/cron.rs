@@ -46,6 +46,8 @@ pub enum CronMsg {
     /// An idle session asks for its next fire (answered as an `Offer`).
     Poll {
         session: SessionId,
+        /// Echoed in the answer.
+        poll: u64,
         reply_to: ActorRef<SessionMsg>,
     },
     /// A session could not take a fire: back in its place.
@@ -134,7 +136,11 @@ impl Actor for CronActor {
                 st.arm(&myself);
             }
             CronMsg::Tick => st.tick(&myself).await,
-            CronMsg::Poll { session, reply_to } => {
+            CronMsg::Poll {
+                session,
+                poll,
+                reply_to,
+            } => {
                 let work = match st.store.cron_claim(session).await {
                     Ok(f) => f.map(Work::Cron),
                     Err(e) => {
@@ -146,6 +152,7 @@ impl Actor for CronActor {
                     work: Some(Work::Cron(f)),
                     ..
                 })) = reply_to.send_message(SessionMsg::Offer {
+                    poll,
                     origin: Origin::Cron,
                     work,
                 }) {

@@ -41,6 +41,8 @@ pub enum GoalMsg {
     /// An idle session asks for a continuation (answered as an `Offer`).
     Poll {
         session: SessionId,
+        /// Echoed in the answer.
+        poll: u64,
         reply_to: ActorRef<SessionMsg>,
     },
     /// A goal turn of the session ended.
@@ -142,7 +144,11 @@ impl Actor for GoalActor {
             GoalMsg::Clear { session, reply } => {
                 let _ = reply.send(store.goal_delete(session).await);
             }
-            GoalMsg::Poll { session, reply_to } => {
+            GoalMsg::Poll {
+                session,
+                poll,
+                reply_to,
+            } => {
                 let text = match store.goal_get(session).await {
                     Ok(Some(row)) => to_core(&row).continuation(),
                     Ok(None) => None,
@@ -152,6 +158,7 @@ impl Actor for GoalActor {
                     }
                 };
                 let _ = reply_to.send_message(SessionMsg::Offer {
+                    poll,
                     origin: Origin::Goal,
                     work: text.map(Work::Goal),
                 });

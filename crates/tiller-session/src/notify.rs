@@ -23,6 +23,8 @@ pub enum NotifyMsg {
     /// goes to its mailbox as `SessionMsg::Offer`.
     Poll {
         session: SessionId,
+        /// Echoed in the answer.
+        poll: u64,
         reply_to: ActorRef<SessionMsg>,
     },
     /// A session could not take an offer: back in its place it goes.
@@ -81,7 +83,11 @@ impl Actor for NotifyActor {
                 }
                 let _ = reply.send(r);
             }
-            NotifyMsg::Poll { session, reply_to } => {
+            NotifyMsg::Poll {
+                session,
+                poll,
+                reply_to,
+            } => {
                 let work = match st.store.claim_notification(session).await {
                     Ok(Some(n)) => {
                         metrics::gauge!("tiller_notifications_queued").decrement(1.0);
@@ -97,6 +103,7 @@ impl Actor for NotifyActor {
                     work: Some(Work::Notification(n)),
                     ..
                 })) = reply_to.send_message(SessionMsg::Offer {
+                    poll,
                     origin: Origin::Notification,
                     work,
                 }) {
