@@ -21,7 +21,7 @@ use agent_client_protocol::v1::schema::{
 };
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use tiller_core::{Origin, SessionId, SteerOutcome, SteerRefusal};
+use tiller_core::{Origin, SessionId};
 use tiller_session::{
     EventRecord, PromptRefused, SessionError, SessionHandle, Sessions, Subscriber, SubscriberId,
 };
@@ -662,21 +662,7 @@ async fn steering(shared: &Shared, raw: Value) -> Result<Value, Reply> {
         .await
         .map_err(session_error)?
         .map_err(refused)?;
-    Ok(match answer.outcome {
-        SteerOutcome::Injected { .. } => {
-            json!({ "outcome": "injected", "steerId": answer.steer.to_string() })
-        }
-        SteerOutcome::StartedNewTurn { prompt } => {
-            json!({ "outcome": "startedNewTurn", "promptId": prompt.to_string() })
-        }
-        SteerOutcome::PromptRequired(why) => json!({
-            "outcome": "promptRequired",
-            "reason": match why {
-                SteerRefusal::NoRunningTurn => "noRunningTurn",
-                SteerRefusal::TurnCancelling => "turnCancelling",
-            },
-        }),
-    })
+    Ok(map::steer_answer(&answer))
 }
 
 /// Formats ms since the epoch as RFC 3339 (UTC).

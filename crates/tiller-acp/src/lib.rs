@@ -6,7 +6,7 @@
 
 pub mod conn;
 pub mod jsonrpc;
-mod map;
+pub mod map;
 
 use std::sync::Arc;
 

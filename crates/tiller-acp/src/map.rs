@@ -216,3 +216,24 @@ pub fn prompt_text(blocks: &[ContentBlock]) -> String {
     }
     out
 }
+
+/// The answer to a steer, as both `_session/steering` and the HTTP API give
+/// it: `{outcome, steerId?, promptId?, reason?}`.
+pub fn steer_answer(answer: &tiller_session::SteerAnswer) -> Value {
+    use tiller_core::{SteerOutcome, SteerRefusal};
+    match answer.outcome {
+        SteerOutcome::Injected { .. } => {
+            json!({ "outcome": "injected", "steerId": answer.steer.to_string() })
+        }
+        SteerOutcome::StartedNewTurn { prompt } => {
+            json!({ "outcome": "startedNewTurn", "promptId": prompt.to_string() })
+        }
+        SteerOutcome::PromptRequired(why) => json!({
+            "outcome": "promptRequired",
+            "reason": match why {
+                SteerRefusal::NoRunningTurn => "noRunningTurn",
+                SteerRefusal::TurnCancelling => "turnCancelling",
+            },
+        }),
+    }
+}

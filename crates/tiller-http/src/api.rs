@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use futures::Stream;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use tiller_core::{Origin, PromptId, SessionId, SteerOutcome, SteerRefusal};
+use tiller_core::{Origin, PromptId, SessionId};
 use tiller_session::{
     EventBody, EventRecord, PermissionRefused, PromptRefused, SessionError, SessionHandle,
     Snapshot, Subscriber,
@@ -312,21 +312,7 @@ pub async fn post_steer(
     };
     let handle = open(&st, &id).await?;
     let answer = handle.steer(body.text, prompt_required).await??;
-    Ok(Json(match answer.outcome {
-        SteerOutcome::Injected { .. } => {
-            json!({ "outcome": "injected", "steerId": answer.steer.to_string() })
-        }
-        SteerOutcome::StartedNewTurn { prompt } => {
-            json!({ "outcome": "startedNewTurn", "promptId": prompt.to_string() })
-        }
-        SteerOutcome::PromptRequired(why) => json!({
-            "outcome": "promptRequired",
-            "reason": match why {
-                SteerRefusal::NoRunningTurn => "noRunningTurn",
-                SteerRefusal::TurnCancelling => "turnCancelling",
-            },
-        }),
-    }))
+    Ok(Json(tiller_acp::map::steer_answer(&answer)))
 }
 
 pub async fn post_cancel(

@@ -69,6 +69,63 @@ impl Automation {
         }
         o
     }
+
+    /// Asks the queue actor of `origin` for its next work (the answer comes
+    /// as `SessionMsg::Offer`). False when no actor can answer.
+    fn poll(
+        &self,
+        origin: Origin,
+        session: SessionId,
+        poll: u64,
+        reply_to: &ActorRef<SessionMsg>,
+    ) -> bool {
+        let reply_to = reply_to.clone();
+        match origin {
+            Origin::Notification => self.notify.as_ref().is_some_and(|a| {
+                a.send_message(crate::notify::NotifyMsg::Poll {
+                    session,
+                    poll,
+                    reply_to,
+                })
+                .is_ok()
+            }),
+            Origin::Cron => self.cron.as_ref().is_some_and(|a| {
+                a.send_message(crate::cron::CronMsg::Poll {
+                    session,
+                    poll,
+                    reply_to,
+                })
+                .is_ok()
+            }),
+            Origin::Goal => self.goal.as_ref().is_some_and(|a| {
+                a.send_message(crate::goal::GoalMsg::Poll {
+                    session,
+                    poll,
+                    reply_to,
+                })
+                .is_ok()
+            }),
+            Origin::Interactive | Origin::Channel => false,
+        }
+    }
+
+    /// Returns work the session refused to the actor that offered it (a goal
+    /// simply offers again).
+    fn hand_back(&self, work: Work) {
+        match work {
+            Work::Notification(n) => {
+                if let Some(a) = &self.notify {
+                    let _ = a.send_message(crate::notify::NotifyMsg::HandBack(n));
+                }
+            }
+            Work::Cron(f) => {
+                if let Some(a) = &self.cron {
+                    let _ = a.send_message(crate::cron::CronMsg::HandBack(f));
+                }
+            }
+            Work::Goal(_) => {}
+        }
+    }
 }
 
 /// How a prompt's terminal is reported to its owner.
@@ -817,36 +874,7 @@ impl SessionState {
                 }
                 Effect::ArmTimer { at } => self.arm(myself, at),
                 Effect::Poll { origin, poll } => {
-                    let me = myself.clone();
-                    let session = self.id;
-                    let sent = match origin {
-                        Origin::Notification => self.automation.notify.as_ref().map(|n| {
-                            n.send_message(crate::notify::NotifyMsg::Poll {
-                                session,
-                                poll,
-                                reply_to: me,
-                            })
-                            .is_ok()
-                        }),
-                        Origin::Cron => self.automation.cron.as_ref().map(|c| {
-                            c.send_message(crate::cron::CronMsg::Poll {
-                                session,
-                                poll,
-                                reply_to: me,
-                            })
-                            .is_ok()
-                        }),
-                        Origin::Goal => self.automation.goal.as_ref().map(|g| {
-                            g.send_message(crate::goal::GoalMsg::Poll {
-                                session,
-                                poll,
-                                reply_to: me,
-                            })
-                            .is_ok()
-                        }),
-                        _ => None,
-                    };
-                    if sent != Some(true) {
+                    if !self.automation.poll(origin, self.id, poll, myself) {
                         // No actor for that queue: nothing is due there.
                         let _ = myself.send_message(SessionMsg::Offer {
                             origin,
@@ -856,18 +884,8 @@ impl SessionState {
                     }
                 }
                 Effect::OfferRefused { prompt, .. } => {
-                    match self.pending.remove(&prompt).and_then(|p| p.work) {
-                        Some(Work::Notification(n)) => {
-                            if let Some(notify) = &self.automation.notify {
-                                let _ = notify.send_message(crate::notify::NotifyMsg::HandBack(n));
-                            }
-                        }
-                        Some(Work::Cron(f)) => {
-                            if let Some(cron) = &self.automation.cron {
-                                let _ = cron.send_message(crate::cron::CronMsg::HandBack(f));
-                            }
-                        }
-                        Some(Work::Goal(_)) | None => {}
+                    if let Some(work) = self.pending.remove(&prompt).and_then(|p| p.work) {
+                        self.automation.hand_back(work);
                     }
                 }
                 Effect::Idle => {

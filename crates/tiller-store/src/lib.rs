@@ -819,14 +819,10 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
                 let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::GoalsActive(reply) => {
-                let r = conn
-                    .prepare("SELECT session_id FROM goals WHERE status = 'active'")
-                    .and_then(|mut s| {
-                        s.query_map([], |r| r.get::<_, String>(0)).map(|rows| {
-                            rows.filter_map(|x| x.ok().and_then(|s| SessionId::parse(&s)))
-                                .collect()
-                        })
-                    });
+                let r = session_ids(
+                    &conn,
+                    "SELECT session_id FROM goals WHERE status = 'active'",
+                );
                 let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::DeliveryAdd(d, reply) => {
@@ -884,14 +880,7 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
                 let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::CronBacklog(reply) => {
-                let r = conn
-                    .prepare("SELECT DISTINCT session_id FROM cron_fires")
-                    .and_then(|mut s| {
-                        s.query_map([], |r| r.get::<_, String>(0)).map(|rows| {
-                            rows.filter_map(|x| x.ok().and_then(|s| SessionId::parse(&s)))
-                                .collect()
-                        })
-                    });
+                let r = session_ids(&conn, "SELECT DISTINCT session_id FROM cron_fires");
                 let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::Events {
@@ -1246,12 +1235,17 @@ fn cron_claim(conn: &mut Connection, session: SessionId) -> rusqlite::Result<Opt
     Ok(found)
 }
 
-fn backlog(conn: &Connection) -> rusqlite::Result<(Vec<SessionId>, usize)> {
-    let mut stmt = conn.prepare("SELECT DISTINCT session_id FROM notifications")?;
-    let sessions = stmt
-        .query_map([], |r| r.get::<_, String>(0))?
+/// The session ids a one-column query returns.
+fn session_ids(conn: &Connection, sql: &str) -> rusqlite::Result<Vec<SessionId>> {
+    let mut stmt = conn.prepare_cached(sql)?;
+    let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+    Ok(rows
         .filter_map(|s| s.ok().and_then(|s| SessionId::parse(&s)))
-        .collect();
+        .collect())
+}
+
+fn backlog(conn: &Connection) -> rusqlite::Result<(Vec<SessionId>, usize)> {
+    let sessions = session_ids(conn, "SELECT DISTINCT session_id FROM notifications")?;
     let total: i64 = conn.query_row("SELECT COUNT(*) FROM notifications", [], |r| r.get(0))?;
     Ok((sessions, total as usize))
 }
