@@ -60,6 +60,7 @@ pub async fn check(State(cfg): State<Arc<AuthConfig>>, req: Request, next: Next)
     // Channel ingress authenticates with the channel's own secret.
     if let Some(token) = &cfg.token
         && !OPEN.contains(&req.uri().path())
+        && !crate::web::PATHS.contains(&req.uri().path())
         && !req.uri().path().starts_with("/api/channels/")
     {
         let given = bearer(&req).unwrap_or_default();

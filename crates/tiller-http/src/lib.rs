@@ -7,6 +7,7 @@ pub mod api;
 pub mod auth;
 pub mod channels;
 pub mod delivery;
+mod web;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,6 +51,10 @@ pub struct AppState {
 pub fn router(state: AppState) -> Router {
     let auth = state.auth.clone();
     Router::new()
+        .route("/", get(web::index))
+        .route("/app.js", get(web::app))
+        .route("/i18n.js", get(web::i18n))
+        .route("/style.css", get(web::style))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

@@ -1,0 +1,385 @@
+// The Web Shell: a client of Tiller's HTTP API only. The transcript is a
+// view of the session's event log (history pages + the SSE stream);
+// busy/idle and the last error come from the server's snapshot.
+
+import { LANGS, errorText, pickLanguage, translator } from "/i18n.js";
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+if (params.get("token")) sessionStorage.setItem("tiller.token", params.get("token"));
+const token = sessionStorage.getItem("tiller.token");
+
+const state = {
+  lang: "en",
+  t: translator("en"),
+  sessions: [],
+  current: null, // { id, title, events: Map(seq -> event), snapshot, es, hasMore, nextBefore }
+};
+
+async function api(method, path, body) {
+  const headers = { "content-type": "application/json" };
+  if (token) headers.authorization = `Bearer ${token}`;
+  const res = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  const text = await res.text();
+  const json = text ? JSON.parse(text) : null;
+  if (!res.ok) throw Object.assign(new Error(json?.error?.message ?? res.statusText), { status: res.status, body: json });
+  return json;
+}
+
+function el(tag, attrs = {}, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === "text") e.textContent = v;
+    else if (k.startsWith("on")) e.addEventListener(k.slice(2), v);
+    else e.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children) if (c) e.append(c);
+  return e;
+}
+
+// --- language -------------------------------------------------------------
+
+function setLanguage(lang) {
+  state.lang = LANGS.includes(lang) ? lang : "en";
+  state.t = translator(state.lang);
+  localStorage.setItem("tiller.lang", state.lang);
+  document.documentElement.lang = state.lang;
+  $("lang-select").value = state.lang;
+  for (const node of document.querySelectorAll("[data-i18n]")) node.textContent = state.t(node.dataset.i18n);
+  if (state.current) $("session-title").textContent = state.current.title;
+  render();
+}
+
+// --- sessions -------------------------------------------------------------
+
+async function loadSessions() {
+  const page = await api("GET", "/api/sessions?limit=100");
+  state.sessions = page.sessions;
+  renderSessions();
+}
+
+function sessionLabel(s) {
+  return s.title || `${s.cwd} · ${s.id.slice(0, 8)}`;
+}
+
+function renderSessions() {
+  const list = $("session-list");
+  list.replaceChildren(
+    ...state.sessions.map((s) =>
+      el(
+        "li",
+        {},
+        el("button", {
+          type: "button",
+          text: sessionLabel(s),
+          "data-session": s.id,
+          "aria-current": state.current?.id === s.id ? "true" : "false",
+          onclick: () => openSession(s.id),
+        }),
+      ),
+    ),
+  );
+}
+
+async function newSession() {
+  const s = await api("POST", "/api/sessions", { cwd: "/" });
+  await loadSessions();
+  await openSession(s.id);
+}
+
+async function openSession(id) {
+  state.current?.es?.close();
+  const info = await api("GET", `/api/sessions/${id}`);
+  const cur = {
+    id,
+    title: sessionLabel(info),
+    events: new Map(),
+    snapshot: info,
+    es: null,
+    hasMore: false,
+    nextBefore: null,
+  };
+  state.current = cur;
+  history.replaceState(null, "", `#${id}`);
+  $("session-title").textContent = cur.title;
+  renderSessions();
+  const page = await api("GET", `/api/sessions/${id}/history?limit=100`);
+  for (const ev of page.events) cur.events.set(ev.seq, ev);
+  cur.hasMore = page.hasMore;
+  cur.nextBefore = page.nextBefore;
+  render(true);
+  connect(cur);
+}
+
+function lastSeq(cur) {
+  let max = 0;
+  for (const seq of cur.events.keys()) max = Math.max(max, seq);
+  return max;
+}
+
+function connect(cur) {
+  const q = new URLSearchParams({ after: String(lastSeq(cur)) });
+  if (token) q.set("token", token);
+  const es = new EventSource(`/api/sessions/${cur.id}/events?${q}`);
+  cur.es = es;
+  es.addEventListener("session_snapshot", (e) => {
+    cur.snapshot = { ...cur.snapshot, ...JSON.parse(e.data) };
+    render();
+  });
+  es.addEventListener("event", (e) => addEvent(cur, JSON.parse(e.data)));
+  es.addEventListener("resync", () => {
+    // Fell behind: start a new stream from what we have.
+    es.close();
+    if (state.current === cur) connect(cur);
+  });
+}
+
+const STATE_EVENTS = new Set([
+  "prompt_started", "prompt_queued", "turn_complete", "turn_error",
+  "permission_requested", "permission_resolved", "goal_paused", "goal_resumed",
+]);
+
+function addEvent(cur, ev) {
+  if (state.current !== cur || cur.events.has(ev.seq)) return;
+  cur.events.set(ev.seq, ev);
+  scheduleRender();
+  if (STATE_EVENTS.has(ev.type)) refreshSnapshot(cur);
+}
+
+async function refreshSnapshot(cur) {
+  try {
+    const snap = await api("GET", `/api/sessions/${cur.id}`);
+    if (state.current === cur) {
+      cur.snapshot = snap;
+      scheduleRender();
+    }
+  } catch {
+    // The stream goes on; the next event refreshes it.
+  }
+}
+
+async function loadOlder() {
+  const cur = state.current;
+  if (!cur?.hasMore || cur.loading) return;
+  cur.loading = true;
+  try {
+    const page = await api("GET", `/api/sessions/${cur.id}/history?limit=100&before=${cur.nextBefore}`);
+    const box = $("transcript");
+    const fromBottom = box.scrollHeight - box.scrollTop;
+    for (const ev of page.events) cur.events.set(ev.seq, ev);
+    cur.hasMore = page.hasMore;
+    cur.nextBefore = page.nextBefore;
+    render();
+    box.scrollTop = box.scrollHeight - fromBottom;
+  } finally {
+    cur.loading = false;
+  }
+}
+
+// --- rendering ------------------------------------------------------------
+
+let pending = false;
+function scheduleRender() {
+  if (pending) return;
+  pending = true;
+  requestAnimationFrame(() => {
+    pending = false;
+    render();
+  });
+}
+
+function render(scrollToEnd = false) {
+  const cur = state.current;
+  const t = state.t;
+  const box = $("transcript");
+  if (!cur) {
+    box.replaceChildren();
+    return;
+  }
+  const atEnd = scrollToEnd || box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+  const nodes = [];
+  if (cur.hasMore) {
+    nodes.push(el("button", { type: "button", class: "secondary", text: t("loadOlder"), onclick: loadOlder }));
+  }
+  let turn = null;
+  let agent = null;
+  const tools = new Map();
+  const turnBox = (origin) => {
+    turn = el("section", { class: "turn", "data-origin": origin ?? "interactive" });
+    if (origin && origin !== "interactive") turn.append(el("span", { class: "origin", text: t(`origin_${origin}`) }));
+    nodes.push(turn);
+    agent = null;
+    return turn;
+  };
+  const into = () => turn ?? turnBox(null);
+  const events = [...cur.events.values()].sort((a, b) => a.seq - b.seq);
+  for (const ev of events) {
+    const d = ev.data ?? {};
+    switch (ev.type) {
+      case "prompt_started":
+        turnBox(d.origin);
+        break;
+      case "user_message":
+        into().append(el("div", { class: "user", text: d.text }));
+        agent = null;
+        break;
+      case "agent_message_chunk":
+        if (!agent) {
+          agent = el("div", { class: "agent" });
+          into().append(agent);
+        }
+        agent.textContent += d.text;
+        break;
+      case "agent_thought_chunk":
+        into().append(el("details", { class: "thought" }, el("summary", { text: t("thinking") }), el("p", { text: d.text })));
+        agent = null;
+        break;
+      case "tool_call": {
+        const status = el("span", { class: "tool-status", text: t(d.status ?? "pending") });
+        const node = el("div", { class: "tool", "data-tool-call": d.toolCallId, "data-status": d.status ?? "pending" },
+          el("strong", { text: d.name }), " · ", status);
+        tools.set(d.toolCallId, { node, status });
+        into().append(node);
+        agent = null;
+        break;
+      }
+      case "tool_call_update": {
+        const tool = tools.get(d.toolCallId);
+        if (!tool) break;
+        tool.node.dataset.status = d.status;
+        tool.status.textContent = t(d.status);
+        if (d.status === "failed" || d.status === "completed") {
+          const text = d.error?.message ?? d.output;
+          if (text) tool.node.append(el("pre", { text }));
+        }
+        break;
+      }
+      case "turn_error":
+        into().append(el("div", { class: "turn-error", role: "alert", "data-error-kind": d.errorKind, text: errorText(t, d) }));
+        turn = null;
+        break;
+      case "turn_complete":
+        turn = null;
+        break;
+      case "loop_stopped":
+        into().append(el("div", { class: "notice", text: t("loopStopped") }));
+        break;
+      case "steer_dropped":
+        into().append(el("div", { class: "notice" }, `${t("steerDropped")} “${d.text}” `,
+          el("button", { type: "button", class: "secondary", text: t("resend"), onclick: () => sendText(d.text) })));
+        break;
+      case "goal_paused":
+        nodes.push(el("div", { class: "notice", "data-goal-paused": d.reason, text: d.reason === "loop_detected" ? t("goalPaused") : t("goalPausedUser") }));
+        break;
+      default:
+        break;
+    }
+  }
+  box.replaceChildren(...nodes);
+  if (atEnd) box.scrollTop = box.scrollHeight;
+  renderState();
+}
+
+function renderState() {
+  const cur = state.current;
+  const t = state.t;
+  const snap = cur?.snapshot ?? {};
+  const s = snap.state ?? "idle";
+  $("state").textContent = cur ? t(s) : "";
+  $("state").dataset.state = s;
+  $("cancel").hidden = !cur || s === "idle";
+  $("send").textContent = s === "running" ? t("steer") : t("send");
+  // Banners: the last turn error (server-owned) and a paused goal.
+  const banners = [];
+  if (snap.lastTurnError) {
+    banners.push(el("div", { class: "banner banner-error", role: "alert", id: "last-error", "data-error-kind": snap.lastTurnError.errorKind },
+      el("strong", { text: `${t("lastError")} ` }), errorText(t, snap.lastTurnError)));
+  }
+  $("banners").replaceChildren(...banners);
+  // The permission dialog follows the snapshot.
+  const dlg = $("permission");
+  const pp = snap.pendingPermission;
+  if (pp && dlg.dataset.request !== pp.requestId) {
+    dlg.dataset.request = pp.requestId;
+    $("permission-text").textContent = t("permissionText", { tool: pp.title });
+    $("permission-options").replaceChildren(
+      ...pp.options.map((o) =>
+        el("button", {
+          type: "button",
+          class: o.kind.startsWith("reject") ? "secondary" : undefined,
+          "data-option": o.optionId,
+          text: o.name,
+          onclick: () => answerPermission(pp.requestId, o.optionId),
+        }),
+      ),
+    );
+    if (!dlg.open) dlg.showModal();
+  } else if (!pp && dlg.open) {
+    dlg.close();
+    delete dlg.dataset.request;
+  }
+}
+
+// --- actions --------------------------------------------------------------
+
+async function answerPermission(requestId, optionId) {
+  const cur = state.current;
+  $("permission").close();
+  try {
+    await api("POST", `/api/sessions/${cur.id}/permissions/${encodeURIComponent(requestId)}`, { optionId });
+  } finally {
+    refreshSnapshot(cur);
+  }
+}
+
+async function sendText(text) {
+  const cur = state.current;
+  if (!cur || !text.trim()) return;
+  const t = state.t;
+  const status = $("form-status");
+  status.textContent = "";
+  try {
+    if (cur.snapshot?.state === "running") {
+      const r = await api("POST", `/api/sessions/${cur.id}/steer`, { text });
+      status.textContent =
+        r.outcome === "injected" ? t("steerInjected") : r.outcome === "startedNewTurn" ? t("steerNewTurn") : t("steerRefused");
+      status.dataset.outcome = r.outcome;
+    } else {
+      await api("POST", `/api/sessions/${cur.id}/prompts`, { text });
+      delete status.dataset.outcome;
+    }
+    $("prompt-text").value = "";
+  } catch (e) {
+    status.textContent = e.message;
+  }
+  refreshSnapshot(cur);
+}
+
+// --- start ----------------------------------------------------------------
+
+$("prompt-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  sendText($("prompt-text").value);
+});
+$("prompt-text").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey) {
+    e.preventDefault();
+    sendText($("prompt-text").value);
+  }
+});
+$("cancel").addEventListener("click", async () => {
+  const cur = state.current;
+  if (cur) await api("POST", `/api/sessions/${cur.id}/cancel`);
+});
+$("new-session").addEventListener("click", newSession);
+$("lang-select").addEventListener("change", (e) => setLanguage(e.target.value));
+$("transcript").addEventListener("scroll", (e) => {
+  if (e.target.scrollTop < 20) loadOlder();
+});
+
+setLanguage(localStorage.getItem("tiller.lang") ?? pickLanguage(navigator.languages));
+await loadSessions();
+const wanted = location.hash.slice(1);
+if (wanted && state.sessions.some((s) => s.id === wanted)) await openSession(wanted);
+else if (state.sessions.length) await openSession(state.sessions[0].id);
