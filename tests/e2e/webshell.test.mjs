@@ -129,6 +129,8 @@ describe("Web Shell", () => {
     const write = (path) => ({ tool: { name: "write_file", input: { path }, output: "written" } });
     await send(p, script([write("a.txt"), write("b.txt")]));
     await p.waitForSelector("dialog#permission[open]");
+    // The call waits, pending, until someone decides.
+    assert.equal(await p.getAttribute(".tool", "data-status"), "pending");
     await screenshot(p, "permission");
     await p.click("dialog#permission [data-option=allow_once]");
     await p.waitForFunction(() => {
@@ -151,5 +153,82 @@ describe("Web Shell", () => {
     assert.ok(await p.isVisible("#new-session"));
     await screenshot(p, "narrow");
     await p.context().close();
+  });
+
+  test("turns are labelled by origin; a goal paused by loop protection shows a banner", async () => {
+    const sid = await session();
+    const p = await open(sid);
+    await api(daemon, "PUT", `/api/sessions/${sid}/goal`, { objective: LOOP, maxTurns: 5 });
+    await p.waitForSelector("#goal-banner[data-reason=loop_detected]");
+    const origins = await p.$$eval(".turn .origin", (os) => os.map((o) => o.textContent));
+    assert.deepEqual(origins, ["Goal", "Goal", "Goal"]);
+    await screenshot(p, "goal-paused");
+    await api(daemon, "POST", `/api/sessions/${sid}/notifications`, { taskId: "t", text: script([{ say: "note" }]) });
+    await p.waitForFunction(() => [...document.querySelectorAll(".turn .origin")].some((o) => o.textContent === "Notification"));
+    await p.context().close();
+  });
+
+  test("history loads page by page when scrolling up", async () => {
+    const sid = await session();
+    await api(daemon, "POST", `/api/sessions/${sid}/prompts`, {
+      text: script([{ say: "first words " }, { repeat: { times: 150, steps: [{ think: "mulling" }] } }, { say: "last words" }]),
+    });
+    for (let i = 0; i < 200; i++) {
+      if ((await api(daemon, "GET", `/api/sessions/${sid}`)).body.state === "idle") break;
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    const p = await open(sid);
+    await p.waitForFunction(() => document.querySelector(".agent")?.textContent.includes("last words"));
+    assert.ok(!(await p.textContent("#transcript")).includes("first words"), "only the newest page at first");
+    for (let i = 0; i < 5 && !(await p.textContent("#transcript")).includes("first words"); i++) {
+      await p.$eval("#transcript", (t) => { t.scrollTop = 0; t.dispatchEvent(new Event("scroll")); });
+      await p.waitForTimeout(200);
+    }
+    assert.ok((await p.textContent("#transcript")).includes("first words"));
+    await p.context().close();
+  });
+
+  test("after a network loss the stream resumes from the last event id, without gaps or repeats", async () => {
+    // A TCP proxy between the browser and the daemon stands in for the network.
+    const net = await import("node:net");
+    const [host, port] = daemon.listen.split(":");
+    const sockets = new Set();
+    const proxy = net.createServer((client) => {
+      const upstream = net.connect(Number(port), host);
+      client.pipe(upstream).pipe(client);
+      for (const s of [client, upstream]) {
+        sockets.add(s);
+        s.on("error", () => {});
+        s.on("close", () => sockets.delete(s));
+      }
+    });
+    await new Promise((r) => proxy.listen(0, "127.0.0.1", r));
+    const sid = await session();
+    const p = await newPage(browser);
+    const streams = [];
+    p.on("request", async (r) => {
+      if (r.url().includes("/events")) streams.push((await r.allHeaders())["last-event-id"] ?? null);
+    });
+    await p.goto(`http://127.0.0.1:${proxy.address().port}/#${sid}`);
+    await p.waitForSelector("#state[data-state]");
+    await send(p, script([{ repeat: { times: 60, steps: [{ say: "x" }, { sleep_ms: 50 }] } }, { say: "!" }]));
+    await p.waitForFunction(() => (document.querySelector(".agent")?.textContent.length ?? 0) >= 5);
+    for (const s of sockets) s.destroy(); // the network drops
+    await p.waitForFunction(() => document.querySelector(".agent")?.textContent.endsWith("!"), null, { timeout: 20000 });
+    assert.equal(await p.textContent(".agent"), "x".repeat(60) + "!");
+    assert.ok(streams.length >= 2, `the stream reconnected: ${JSON.stringify(streams)}`);
+    assert.match(String(streams.at(-1)), /^\d+$/, "with Last-Event-ID");
+    await p.context().close();
+    proxy.close();
+  });
+
+  test("an unknown error kind shows the daemon's message; known kinds never do", async () => {
+    const { errorText, translator } = await import("../../crates/tiller-http/web/i18n.js");
+    for (const lang of ["en", "zh-CN", "ja", "de", "es"]) {
+      const t = translator(lang);
+      assert.equal(errorText(t, { errorKind: "brand_new_kind", message: "daemon says" }), "daemon says");
+      const known = errorText(t, { errorKind: "loop_detected", message: "ENGLISH DAEMON TEXT" });
+      assert.ok(!known.includes("ENGLISH DAEMON TEXT") && known.length > 20, lang);
+    }
   });
 });

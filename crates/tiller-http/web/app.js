@@ -270,7 +270,7 @@ function render(scrollToEnd = false) {
           el("button", { type: "button", class: "secondary", text: t("resend"), onclick: () => sendText(d.text) })));
         break;
       case "goal_paused":
-        nodes.push(el("div", { class: "notice", "data-goal-paused": d.reason, text: d.reason === "loop_detected" ? t("goalPaused") : t("goalPausedUser") }));
+        into().append(el("div", { class: "notice", text: d.reason === "loop_detected" ? t("goalPaused") : t("goalPausedUser") }));
         break;
       default:
         break;
@@ -286,7 +286,9 @@ function renderState() {
   const t = state.t;
   const snap = cur?.snapshot ?? {};
   const s = snap.state ?? "idle";
-  $("state").textContent = cur ? t(s) : "";
+  const queued = snap.queued?.length ?? 0;
+  $("state").textContent = cur ? (queued ? `${t(s)} · ${t("queued", { n: queued })}` : t(s)) : "";
+  $("state").dataset.queued = String(queued);
   $("state").dataset.state = s;
   $("cancel").hidden = !cur || s === "idle";
   $("send").textContent = s === "running" ? t("steer") : t("send");
@@ -295,6 +297,14 @@ function renderState() {
   if (snap.lastTurnError) {
     banners.push(el("div", { class: "banner banner-error", role: "alert", id: "last-error", "data-error-kind": snap.lastTurnError.errorKind },
       el("strong", { text: `${t("lastError")} ` }), errorText(t, snap.lastTurnError)));
+  }
+  // A paused goal: the latest goal event decides.
+  const goal = cur
+    ? [...cur.events.values()].filter((e) => e.type.startsWith("goal_")).sort((a, b) => b.seq - a.seq)[0]
+    : null;
+  if (goal?.type === "goal_paused") {
+    banners.push(el("div", { class: "banner notice", role: "status", id: "goal-banner", "data-reason": goal.data.reason },
+      goal.data.reason === "loop_detected" ? t("goalPaused") : t("goalPausedUser")));
   }
   $("banners").replaceChildren(...banners);
   // The permission dialog follows the snapshot.
