@@ -69,6 +69,7 @@ for (const [name, connect] of Object.entries(transports)) {
           sid,
           script([
             { think: "planning" },
+            { plan: [{ content: "read", status: "in_progress" }, { content: "fix" }] },
             { say: "reading " },
             { tool: { name: "read_file", input: { path: "a.txt" }, output: "contents" } },
             { tool: { name: "run", outcome: "error", output: "boom" } },
@@ -81,6 +82,14 @@ for (const [name, connect] of Object.entries(transports)) {
       assert.equal(agentText(c, sid), "reading done");
       const mine = c.updates.filter((u) => u.sessionId === sid).map((u) => u.update);
       assert.ok(mine.some((u) => u.sessionUpdate === "agent_thought_chunk"));
+      const plan = mine.find((u) => u.sessionUpdate === "plan");
+      assert.deepEqual(
+        plan.entries.map((e) => [e.content, e.status]),
+        [
+          ["read", "in_progress"],
+          ["fix", "pending"],
+        ],
+      );
       const calls = mine.filter((u) => u.sessionUpdate === "tool_call");
       assert.deepEqual(
         calls.map((u) => [u.title, u.status ?? "pending"]), // pending is ACP's default

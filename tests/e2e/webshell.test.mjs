@@ -111,6 +111,7 @@ describe("Web Shell", () => {
     await send(
       p,
       script([
+        { plan: [{ content: "look around", status: "completed" }, { content: "report" }] },
         { tool: { name: "read_file", input: { path: "a" }, output: "contents" } },
         { tool: { name: "build", outcome: "error", output: "error: boom" } },
       ]),
@@ -119,6 +120,8 @@ describe("Web Shell", () => {
     const statuses = await p.$$eval(".tool", (ts) => ts.map((t) => t.dataset.status));
     assert.deepEqual(statuses, ["completed", "failed"]);
     assert.match(await p.textContent(".tool[data-status=failed]"), /error: boom/);
+    const plan = await p.$$eval(".plan li", (li) => li.map((l) => l.dataset.status));
+    assert.deepEqual(plan, ["completed", "pending"]);
     await screenshot(p, "tools");
     await p.context().close();
   });

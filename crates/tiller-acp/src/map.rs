@@ -1,10 +1,10 @@
 //! Mapping between the session log and ACP's wire types.
 
 use agent_client_protocol::v1::schema::{
-    ContentBlock, ContentChunk, PermissionOption, PermissionOptionKind, RequestPermissionOutcome,
-    RequestPermissionRequest, RequestPermissionResponse, SessionNotification, SessionUpdate,
-    StopReason as AcpStop, ToolCall, ToolCallContent, ToolCallStatus, ToolCallUpdate,
-    ToolCallUpdateFields, ToolKind,
+    ContentBlock, ContentChunk, PermissionOption, PermissionOptionKind, Plan, PlanEntry,
+    PlanEntryPriority, PlanEntryStatus, RequestPermissionOutcome, RequestPermissionRequest,
+    RequestPermissionResponse, SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall,
+    ToolCallContent, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
@@ -24,6 +24,19 @@ pub fn session_update(rec: &EventRecord) -> Option<SessionNotification> {
         EventBody::AgentThoughtChunk { text } => {
             SessionUpdate::AgentThoughtChunk(ContentChunk::new(ContentBlock::from(text.clone())))
         }
+        EventBody::Plan { entries } => SessionUpdate::Plan(Plan::new(
+            entries
+                .iter()
+                .map(|e| {
+                    let status = match e.status.as_str() {
+                        "in_progress" => PlanEntryStatus::InProgress,
+                        "completed" => PlanEntryStatus::Completed,
+                        _ => PlanEntryStatus::Pending,
+                    };
+                    PlanEntry::new(e.content.clone(), PlanEntryPriority::Medium, status)
+                })
+                .collect(),
+        )),
         EventBody::ToolCall {
             tool_call_id,
             name,

@@ -20,6 +20,9 @@ pub enum Update {
     Text(String),
     /// Agent thought.
     Thought(String),
+    /// The agent's plan: entries and their status (`pending`,
+    /// `in_progress`, `completed`).
+    Plan(Vec<(String, String)>),
 }
 
 /// What a tool does, which decides whether it needs permission.

@@ -28,6 +28,8 @@ pub struct ToolStep {
 pub enum Step {
     Say(String),
     Think(String),
+    /// Plan entries `(content, status)`.
+    Plan(Vec<(String, String)>),
     Tools(Vec<ToolStep>),
     SleepMs(u64),
     Result(StopReason),
@@ -38,7 +40,10 @@ pub enum Step {
     ConsumeSteer,
     DropSteer,
     Stale(Box<Step>),
-    Repeat { times: u32, steps: Vec<Step> },
+    Repeat {
+        times: u32,
+        steps: Vec<Step>,
+    },
 }
 
 /// A script that could not be parsed. The message names the bad step.
@@ -123,6 +128,31 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
     Ok(match key.as_str() {
         "say" => Step::Say(string(val, here)?),
         "think" => Step::Think(string(val, here)?),
+        "plan" => {
+            let Value::Array(entries) = val else {
+                return Err(err(here, "expected an array of {\"content\", \"status\"}"));
+            };
+            let mut plan = Vec::new();
+            for (i, e) in entries.iter().enumerate() {
+                let at = format!("{here}[{i}]");
+                let content = e
+                    .get("content")
+                    .ok_or_else(|| err(&at, "missing `content`"))
+                    .and_then(|c| string(c, &format!("{at}.content")))?;
+                let status = match e.get("status").map(Value::as_str) {
+                    None => "pending".to_owned(),
+                    Some(Some(s @ ("pending" | "in_progress" | "completed"))) => s.to_owned(),
+                    _ => {
+                        return Err(err(
+                            &format!("{at}.status"),
+                            "expected \"pending\", \"in_progress\" or \"completed\"",
+                        ));
+                    }
+                };
+                plan.push((content, status));
+            }
+            Step::Plan(plan)
+        }
         "tool" => Step::Tools(vec![tool(val, here)?]),
         "tools" => {
             let Value::Array(calls) = val else {
@@ -175,6 +205,7 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
             match inner {
                 Step::Say(_)
                 | Step::Think(_)
+                | Step::Plan(_)
                 | Step::Result(_)
                 | Step::Idle
                 | Step::Fail(_)
@@ -355,6 +386,14 @@ mod tests {
             (
                 r#"{"script": [{"stale": {"sleep_ms": 1}}]}"#,
                 "script[0].stale",
+            ),
+            (
+                r#"{"script": [{"plan": [{"content": "a", "status": "done"}]}]}"#,
+                "script[0].plan[0].status",
+            ),
+            (
+                r#"{"script": [{"plan": [{"status": "pending"}]}]}"#,
+                "script[0].plan[0]",
             ),
             (
                 r#"{"script": [{"repeat": {"times": 2, "steps": [{"x": 1}]}}]}"#,

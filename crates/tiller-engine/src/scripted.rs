@@ -147,6 +147,7 @@ impl Run {
         match step {
             Step::Say(t) => SignalKind::Update(Update::Text(t)),
             Step::Think(t) => SignalKind::Update(Update::Thought(t)),
+            Step::Plan(p) => SignalKind::Update(Update::Plan(p)),
             Step::Result(r) => SignalKind::Result(r),
             Step::Idle => SignalKind::Idle,
             Step::Fail(m) => SignalKind::Failed(ErrorKind::ModelStreamInterrupted, m),
@@ -175,7 +176,12 @@ impl Run {
     async fn step(&mut self, step: Step) -> Result<(), Aborted> {
         self.poll_inputs()?;
         match step {
-            Step::Say(_) | Step::Think(_) | Step::Result(_) | Step::Idle | Step::Fail(_) => {
+            Step::Say(_)
+            | Step::Think(_)
+            | Step::Plan(_)
+            | Step::Result(_)
+            | Step::Idle
+            | Step::Fail(_) => {
                 let kind = self.signal_of(step);
                 self.emit(kind);
             }

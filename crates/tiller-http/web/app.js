@@ -235,6 +235,11 @@ function render(scrollToEnd = false) {
         into().append(el("details", { class: "thought" }, el("summary", { text: t("thinking") }), el("p", { text: d.text })));
         agent = null;
         break;
+      case "plan":
+        into().append(el("ol", { class: "plan", "aria-label": t("plan") },
+          ...d.entries.map((e) => el("li", { "data-status": e.status, text: `${e.content} (${t(e.status)})` }))));
+        agent = null;
+        break;
       case "tool_call": {
         const status = el("span", { class: "tool-status", text: t(d.status ?? "pending") });
         const node = el("div", { class: "tool", "data-tool-call": d.toolCallId, "data-status": d.status ?? "pending" },

@@ -5,6 +5,7 @@ export const LANGS = ["en", "zh-CN", "ja", "de", "es"];
 
 const STRINGS = {
   en: {
+    plan: "Plan",
     queued: "{n} queued",
     sessions: "Sessions", newSession: "New session", language: "Language", noSession: "No session selected",
     promptLabel: "Message", send: "Send", steer: "Steer", cancel: "Cancel", skipToPrompt: "Skip to the prompt",
@@ -27,6 +28,7 @@ const STRINGS = {
     lastError: "Last turn stopped:",
   },
   "zh-CN": {
+    plan: "计划",
     queued: "{n} 个排队中",
     sessions: "会话", newSession: "新建会话", language: "语言", noSession: "未选择会话",
     promptLabel: "消息", send: "发送", steer: "引导", cancel: "取消", skipToPrompt: "跳到输入框",
@@ -49,6 +51,7 @@ const STRINGS = {
     lastError: "上一轮已停止：",
   },
   ja: {
+    plan: "計画",
     queued: "{n} 件待機",
     sessions: "セッション", newSession: "新しいセッション", language: "言語", noSession: "セッションが選択されていません",
     promptLabel: "メッセージ", send: "送信", steer: "軌道修正", cancel: "キャンセル", skipToPrompt: "入力欄へ移動",
@@ -71,6 +74,7 @@ const STRINGS = {
     lastError: "前のターンは停止しました：",
   },
   de: {
+    plan: "Plan",
     queued: "{n} in der Warteschlange",
     sessions: "Sitzungen", newSession: "Neue Sitzung", language: "Sprache", noSession: "Keine Sitzung ausgewählt",
     promptLabel: "Nachricht", send: "Senden", steer: "Steuern", cancel: "Abbrechen", skipToPrompt: "Zur Eingabe springen",
@@ -93,6 +97,7 @@ const STRINGS = {
     lastError: "Der letzte Durchgang wurde beendet:",
   },
   es: {
+    plan: "Plan",
     queued: "{n} en cola",
     sessions: "Sesiones", newSession: "Nueva sesión", language: "Idioma", noSession: "Ninguna sesión seleccionada",
     promptLabel: "Mensaje", send: "Enviar", steer: "Orientar", cancel: "Cancelar", skipToPrompt: "Ir al mensaje",

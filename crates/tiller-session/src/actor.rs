@@ -975,6 +975,15 @@ impl SessionState {
             SignalKind::Update(Update::Thought(text)) => {
                 (vec![EventBody::AgentThoughtChunk { text }], None)
             }
+            SignalKind::Update(Update::Plan(entries)) => (
+                vec![EventBody::Plan {
+                    entries: entries
+                        .into_iter()
+                        .map(|(content, status)| crate::event::PlanEntry { content, status })
+                        .collect(),
+                }],
+                None,
+            ),
             SignalKind::ToolBatch(calls) => {
                 let mut batch = Batch::new(calls);
                 let mut events = Vec::new();

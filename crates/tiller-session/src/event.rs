@@ -33,6 +33,15 @@ pub struct ToolError {
     pub message: String,
 }
 
+/// One entry of an agent's plan.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanEntry {
+    pub content: String,
+    /// `pending`, `in_progress`, `completed`.
+    pub status: String,
+}
+
 /// One choice of a permission request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -65,6 +74,8 @@ pub enum EventBody {
     AgentMessageChunk { text: String },
     /// Streamed agent thought.
     AgentThoughtChunk { text: String },
+    /// The agent's plan (replaces any earlier plan of the turn).
+    Plan { entries: Vec<PlanEntry> },
     /// A tool call was requested.
     ToolCall {
         tool_call_id: String,
@@ -152,6 +163,7 @@ impl EventBody {
             EventBody::UserMessage { .. } => "user_message",
             EventBody::AgentMessageChunk { .. } => "agent_message_chunk",
             EventBody::AgentThoughtChunk { .. } => "agent_thought_chunk",
+            EventBody::Plan { .. } => "plan",
             EventBody::ToolCall { .. } => "tool_call",
             EventBody::ToolCallUpdate { .. } => "tool_call_update",
             EventBody::PermissionRequested { .. } => "permission_requested",
