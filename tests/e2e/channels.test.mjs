@@ -147,4 +147,22 @@ describe("channels", () => {
     assert.match(metrics, /tiller_origin_markers_stripped_total\{ingress="http"\} [1-9]/);
     assert.match(metrics, /tiller_origin_markers_stripped_total\{ingress="acp"\} [1-9]/);
   });
+
+  test("a replay is refused after a restart too", async () => {
+    const { tempDir } = await import("./lib/daemon.mjs");
+    const dataDir = tempDir();
+    const env = { TILLER_CHANNELS__HOOK__SECRET: SECRET };
+    let d = await startDaemon({ dataDir, env });
+    const body = JSON.stringify({ text: "once" });
+    const headers = { "content-type": "application/json", ...sign(body) };
+    const post = () => fetch(`${d.http}/api/channels/hook/prompts`, { method: "POST", headers, body });
+    try {
+      assert.equal((await post()).status, 202);
+      await d.stop();
+      d = await startDaemon({ dataDir, env });
+      assert.equal((await post()).status, 401);
+    } finally {
+      await d.stop();
+    }
+  });
 });

@@ -566,19 +566,15 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
         }
         "session/list" => {
             let req: ListSessionsRequest = params(raw)?;
+            let cwd = req.cwd.as_ref().map(|c| c.display().to_string());
             let page = shared
                 .sessions
-                .list(req.cursor.as_deref(), 100)
+                .list_in(req.cursor.as_deref(), 100, cwd)
                 .await
                 .map_err(session_error)?;
             let sessions = page
                 .sessions
                 .into_iter()
-                .filter(|s| {
-                    req.cwd
-                        .as_ref()
-                        .is_none_or(|c| std::path::Path::new(&s.cwd) == c.as_path())
-                })
                 .map(|s| {
                     SessionInfo::new(s.id.to_string(), PathBuf::from(s.cwd))
                         .title(s.title)

@@ -3,7 +3,6 @@
 //! with a replay window. The only way a turn becomes a channel turn.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use axum::Json;
@@ -20,15 +19,14 @@ use crate::api::ApiError;
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
-/// Channel secrets and the replay guard.
+/// Channel secrets and the replay window. Seen requests are remembered in
+/// the store (durable), so a replay is refused across restarts too.
 #[derive(Default)]
 pub struct Channels {
     /// Secret per channel name.
     pub secrets: HashMap<String, Vec<u8>>,
     /// Requests older (or newer) than this are refused.
     pub replay_window: Duration,
-    /// Signatures seen within the window (a replay is refused).
-    seen: Mutex<HashMap<String, i64>>,
 }
 
 impl Channels {
@@ -36,11 +34,11 @@ impl Channels {
         Self {
             secrets,
             replay_window,
-            seen: Mutex::new(HashMap::new()),
         }
     }
 
-    /// Checks a request; `Err` says why it is refused.
+    /// Authenticates a request; returns the key its replay guard uses, or
+    /// why it is refused.
     pub fn verify(
         &self,
         channel: &str,
@@ -48,7 +46,7 @@ impl Channels {
         signature: Option<&str>,
         body: &[u8],
         now_s: i64,
-    ) -> Result<(), &'static str> {
+    ) -> Result<String, &'static str> {
         let secret = self.secrets.get(channel).ok_or("unknown channel")?;
         let ts: i64 = timestamp
             .ok_or("missing X-Tiller-Timestamp")?
@@ -69,14 +67,7 @@ impl Channels {
         mac.update(body);
         // Constant-time comparison.
         mac.verify_slice(&sig).map_err(|_| "bad signature")?;
-        let mut seen = self.seen.lock().expect("replay guard");
-        seen.retain(|_, t| now_s - *t <= window);
-        let key = format!("{channel}:{hex_sig}");
-        if seen.contains_key(&key) {
-            return Err("replayed request");
-        }
-        seen.insert(key, ts);
-        Ok(())
+        Ok(format!("{channel}:{}", hex_sig.to_ascii_lowercase()))
     }
 }
 
@@ -114,7 +105,8 @@ pub async fn post_prompt(
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
         .unwrap_or(0);
-    st.channels
+    let key = st
+        .channels
         .verify(
             &channel,
             header("x-tiller-timestamp"),
@@ -123,6 +115,11 @@ pub async fn post_prompt(
             now,
         )
         .map_err(refuse)?;
+    // Durable replay guard: twice the window covers timestamps from the future.
+    let window = 2 * st.channels.replay_window.as_secs() as i64;
+    if !st.sessions.channel_seen(key, now, window).await? {
+        return Err(refuse("replayed request"));
+    }
     let req: ChannelBody = serde_json::from_slice(&body).map_err(|e| {
         ApiError(
             StatusCode::BAD_REQUEST,
@@ -179,7 +176,7 @@ mod tests {
             Option<String>,
             Option<String>,
             &'a [u8],
-            Result<(), &'a str>,
+            Result<String, &'a str>,
         );
         let cases: Vec<Case<'_>> = vec![
             (
@@ -229,14 +226,7 @@ mod tests {
                 Some(now.to_string()),
                 Some(good.clone()),
                 body,
-                Ok(()),
-            ),
-            (
-                "hook",
-                Some(now.to_string()),
-                Some(good.clone()),
-                body,
-                Err("replayed request"),
+                Ok(format!("hook:{}", &good["sha256=".len()..])),
             ),
         ];
         for (channel, ts, sig, b, want) in cases {

@@ -417,6 +417,27 @@ impl Sessions {
         Ok(self.store.list_sessions(cursor, limit).await?)
     }
 
+    /// Open sessions in `cwd`, newest first.
+    pub async fn list_in(
+        &self,
+        cursor: Option<&str>,
+        limit: usize,
+        cwd: Option<String>,
+    ) -> Result<SessionPage, SessionError> {
+        Ok(self.store.list_sessions_in(cursor, limit, cwd).await?)
+    }
+
+    /// The durable replay guard of channel ingress: true when `key` was not
+    /// seen within the last `window_s` seconds.
+    pub async fn channel_seen(
+        &self,
+        key: String,
+        now_s: i64,
+        window_s: i64,
+    ) -> Result<bool, SessionError> {
+        Ok(self.store.channel_seen(key, now_s, window_s).await?)
+    }
+
     /// The stored record of a session.
     pub async fn record(&self, id: SessionId) -> Result<tiller_store::SessionRecord, SessionError> {
         match self.store.get_session(id).await? {

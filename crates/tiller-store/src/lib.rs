@@ -193,7 +193,16 @@ enum Cmd {
     ListSessions {
         cursor: Option<i64>,
         limit: usize,
+        cwd: Option<String>,
         reply: Reply<SessionPage>,
+    },
+    /// Records a channel request key; false when it was seen within the
+    /// window (a replay). Forgets keys older than the window.
+    ChannelSeen {
+        key: String,
+        now_s: i64,
+        window_s: i64,
+        reply: Reply<bool>,
     },
     CloseSession(SessionId, Reply<()>),
     /// Appends (and updates the ledger); `reply` answers after the commit.
@@ -304,10 +313,37 @@ impl Store {
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<SessionPage, StoreError> {
+        self.list_sessions_in(cursor, limit, None).await
+    }
+
+    /// Like [`Store::list_sessions`], only sessions whose cwd is `cwd`.
+    pub async fn list_sessions_in(
+        &self,
+        cursor: Option<&str>,
+        limit: usize,
+        cwd: Option<String>,
+    ) -> Result<SessionPage, StoreError> {
         let cursor = cursor.and_then(|c| c.parse::<i64>().ok());
         self.ask(|reply| Cmd::ListSessions {
             cursor,
             limit: limit.clamp(1, 1000),
+            cwd,
+            reply,
+        })
+        .await
+    }
+
+    /// Durable replay guard for channel requests: true when `key` is new.
+    pub async fn channel_seen(
+        &self,
+        key: String,
+        now_s: i64,
+        window_s: i64,
+    ) -> Result<bool, StoreError> {
+        self.ask(|reply| Cmd::ChannelSeen {
+            key,
+            now_s,
+            window_s,
             reply,
         })
         .await
@@ -596,6 +632,8 @@ const SCHEMA: &[&str] = &[
         attempts INTEGER NOT NULL,
         next_at_ms INTEGER NOT NULL
     );",
+    // v7: channel requests seen within the replay window.
+    "CREATE TABLE channel_seen (key TEXT PRIMARY KEY, seen_s INTEGER NOT NULL);",
 ];
 
 fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -666,9 +704,31 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
             Cmd::ListSessions {
                 cursor,
                 limit,
+                cwd,
                 reply,
             } => {
-                let _ = reply.send(list_sessions(&conn, cursor, limit).map_err(Into::into));
+                let r = list_sessions(&conn, cursor, limit, cwd.as_deref());
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::ChannelSeen {
+                key,
+                now_s,
+                window_s,
+                reply,
+            } => {
+                let r = conn
+                    .execute(
+                        "DELETE FROM channel_seen WHERE seen_s < ?1",
+                        params![now_s - window_s],
+                    )
+                    .and_then(|_| {
+                        conn.execute(
+                            "INSERT OR IGNORE INTO channel_seen (key, seen_s) VALUES (?1, ?2)",
+                            params![key, now_s],
+                        )
+                    })
+                    .map(|n| n == 1);
+                let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::CloseSession(id, reply) => {
                 let r = conn
@@ -1013,12 +1073,13 @@ fn list_sessions(
     conn: &Connection,
     cursor: Option<i64>,
     limit: usize,
+    cwd: Option<&str>,
 ) -> rusqlite::Result<SessionPage> {
     let mut stmt = conn.prepare_cached(
         "SELECT n, id, cwd, title, created_ms, updated_ms, closed FROM sessions
-         WHERE closed = 0 AND n < ?1 ORDER BY n DESC LIMIT ?2",
+         WHERE closed = 0 AND n < ?1 AND (?3 IS NULL OR cwd = ?3) ORDER BY n DESC LIMIT ?2",
     )?;
-    let mut rows = stmt.query(params![cursor.unwrap_or(i64::MAX), limit as i64 + 1])?;
+    let mut rows = stmt.query(params![cursor.unwrap_or(i64::MAX), limit as i64 + 1, cwd])?;
     let mut sessions = Vec::new();
     let mut last_n = None;
     let mut more = false;
