@@ -607,8 +607,17 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
                 .await
                 .map_err(session_error)?
                 .map_err(refused)?;
+            // A dropped terminal port means the session actor failed; the
+            // registry settles the prompt as `session_restarted`.
             let done = settled.await.map_err(|_| {
-                Reply::Error(RpcError::new(code::INTERNAL_ERROR, "the session stopped"))
+                let kind = tiller_core::ErrorKind::SessionRestarted;
+                Reply::Error(
+                    RpcError::new(code::INTERNAL_ERROR, kind.default_message()).with_data(json!({
+                        "errorKind": kind.as_str(),
+                        "sessionId": handle.id().to_string(),
+                        "promptId": prompt.to_string(),
+                    })),
+                )
             })?;
             map::prompt_result(handle.id(), prompt, &done.terminal).map_err(Reply::Error)
         }

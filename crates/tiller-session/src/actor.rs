@@ -204,6 +204,9 @@ pub enum SessionMsg {
     Close(oneshot::Sender<()>),
     /// Daemon shutdown: cancel what runs; answer once idle.
     Drain(oneshot::Sender<()>),
+    /// Tests only: fail the actor, as a bug would.
+    #[cfg(feature = "test-hooks")]
+    Crash,
 }
 
 /// What a session needs to start.
@@ -490,6 +493,8 @@ impl SessionState {
                 let removed = before - self.subscribers.len();
                 metrics::gauge!("tiller_subscribers_active").decrement(removed as f64);
             }
+            #[cfg(feature = "test-hooks")]
+            SessionMsg::Crash => panic!("session actor crash requested by a test"),
             SessionMsg::Drain(reply) => {
                 if self.core.active().is_none() {
                     let _ = reply.send(());

@@ -155,7 +155,7 @@ impl Sessions {
         engine: Arc<dyn Engine>,
         config: SessionConfig,
     ) -> Result<Sessions, SessionError> {
-        let reconciled = reconcile(&store).await?;
+        let reconciled = reconcile(&store, None, tiller_core::ErrorKind::DaemonRestarted).await?;
         if reconciled > 0 {
             tracing::warn!(
                 prompts = reconciled,
@@ -610,6 +610,12 @@ impl SessionHandle {
         rx.await.map_err(|_| SessionError::Stopped)
     }
 
+    /// Tests only: makes the session actor fail.
+    #[cfg(feature = "test-hooks")]
+    pub fn crash(&self) {
+        let _ = self.send(SessionMsg::Crash);
+    }
+
     /// Detaches a subscriber.
     pub fn unsubscribe(&self, id: SubscriberId) {
         let _ = self.send(SessionMsg::Unsubscribe(id));
@@ -623,10 +629,20 @@ impl SessionHandle {
     }
 }
 
-/// Start-up reconciliation: every prompt admitted and never settled (the
-/// daemon died) gets exactly one `turn_error` with `daemon_restarted`.
-async fn reconcile(store: &Store) -> Result<usize, SessionError> {
-    let open = store.unsettled().await?;
+/// Reconciliation: every prompt admitted and never settled gets exactly one
+/// `turn_error` of `kind`: at start-up for all sessions (`daemon_restarted`),
+/// and for one session whose actor failed (`session_restarted`).
+pub(crate) async fn reconcile(
+    store: &Store,
+    only: Option<SessionId>,
+    kind: tiller_core::ErrorKind,
+) -> Result<usize, SessionError> {
+    let open: Vec<_> = store
+        .unsettled()
+        .await?
+        .into_iter()
+        .filter(|u| only.is_none_or(|s| s == u.session))
+        .collect();
     let mut heads: std::collections::HashMap<SessionId, u64> = std::collections::HashMap::new();
     for u in &open {
         let seq = match heads.get(&u.session) {
@@ -637,7 +653,6 @@ async fn reconcile(store: &Store) -> Result<usize, SessionError> {
             },
         } + 1;
         heads.insert(u.session, seq);
-        let kind = tiller_core::ErrorKind::DaemonRestarted;
         let rec = EventRecord {
             session: u.session,
             seq,

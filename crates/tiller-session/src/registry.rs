@@ -123,10 +123,19 @@ impl Actor for Registry {
         // ractor's default stops the supervisor when a child dies; a session
         // failing must never take the others down.
         match evt {
-            SupervisionEvent::ActorTerminated(cell, _, _) => st.forget(cell.get_id()),
+            SupervisionEvent::ActorTerminated(cell, _, _) => {
+                st.forget(cell.get_id());
+            }
             SupervisionEvent::ActorFailed(cell, err) => {
                 tracing::error!(error = %err, "session actor failed; it reloads from the store on next use");
-                st.forget(cell.get_id());
+                if let Some(id) = st.forget(cell.get_id()) {
+                    // Settle what it had in flight before anyone can open it
+                    // again (this handler runs before the next message).
+                    let kind = tiller_core::ErrorKind::SessionRestarted;
+                    if let Err(e) = crate::reconcile(&st.store, Some(id), kind).await {
+                        tracing::error!(%id, error = %e, "cannot settle the failed session's prompts");
+                    }
+                }
             }
             _ => {}
         }
@@ -141,11 +150,11 @@ async fn futures_join_all(waits: Vec<oneshot::Receiver<()>>) {
 }
 
 impl RegistryState {
-    fn forget(&mut self, actor: ActorId) {
-        if let Some(id) = self.by_actor.remove(&actor) {
-            self.live.remove(&id);
-            metrics::gauge!("tiller_sessions_active").set(self.live.len() as f64);
-        }
+    fn forget(&mut self, actor: ActorId) -> Option<SessionId> {
+        let id = self.by_actor.remove(&actor)?;
+        self.live.remove(&id);
+        metrics::gauge!("tiller_sessions_active").set(self.live.len() as f64);
+        Some(id)
     }
 
     async fn spawn(

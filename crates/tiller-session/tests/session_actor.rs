@@ -418,3 +418,63 @@ async fn in_flight_prompts_get_daemon_restarted_at_start_up() {
     rx.await.unwrap();
     assert!(h.snapshot().await.unwrap().last_turn_error.is_none());
 }
+
+#[tokio::test]
+async fn a_failed_session_settles_its_prompt_with_session_restarted_and_reloads() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let other = s.create("/tmp".into(), None).await.unwrap();
+    let (stuck, rx) = h
+        .prompt(
+            r#"{"script": [{"hang": true}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    h.crash();
+    assert!(rx.await.is_err(), "the owner learns the actor is gone");
+    // The registry settled the in-flight prompt before the session reopens.
+    let reopened = s.open(h.id()).await.unwrap();
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let errors: Vec<_> = log
+        .iter()
+        .filter(|e| e.prompt == Some(stuck) && e.body.kind() == "turn_error")
+        .collect();
+    assert_eq!(errors.len(), 1);
+    assert!(
+        matches!(&errors[0].body, EventBody::TurnError { error_kind, .. } if error_kind == "session_restarted")
+    );
+    // The session works again; the other session never noticed.
+    let (_, rx) = reopened
+        .prompt(
+            r#"{"script": [{"say": "back"}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let (_, rx) = other
+        .prompt("hi".into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    // The reloaded actor continued the log without gaps or reused numbers.
+    let all = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let seqs: Vec<u64> = all.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=all.len() as u64).collect::<Vec<_>>());
+    assert!(all.len() > log.len());
+    assert_eq!(
+        reopened.snapshot().await.unwrap().last_seq,
+        all.len() as u64
+    );
+}
