@@ -271,6 +271,20 @@ struct ActiveTurn {
     last_signal: Millis,
 }
 
+impl ActiveTurn {
+    /// Drops every outstanding steer, reporting each with `reason`.
+    fn drop_steers(&mut self, reason: SteerDropReason, fx: &mut Vec<Effect>) {
+        for s in self.steers.drain(..) {
+            fx.push(Effect::SteerDropped {
+                steer: s.id,
+                reason,
+                prompt: self.prompt,
+                turn: self.turn,
+            });
+        }
+    }
+}
+
 /// The turn state of one session.
 #[derive(Clone, Debug)]
 pub struct SessionCore {
@@ -481,14 +495,7 @@ impl SessionCore {
             return; // a repeated cancel extends nothing
         }
         active.phase = Phase::Cancelling { at: now };
-        for s in active.steers.drain(..) {
-            fx.push(Effect::SteerDropped {
-                steer: s.id,
-                reason: SteerDropReason::Cancelled,
-                prompt: active.prompt,
-                turn: active.turn,
-            });
-        }
+        active.drop_steers(SteerDropReason::Cancelled, fx);
         fx.push(Effect::AbortEngine {
             turn: active.turn,
             teardown: false,
@@ -516,14 +523,7 @@ impl SessionCore {
                 }
             }
             Signal::Idle => {
-                for s in active.steers.drain(..) {
-                    fx.push(Effect::SteerDropped {
-                        steer: s.id,
-                        reason: SteerDropReason::TurnEnded,
-                        prompt: active.prompt,
-                        turn: active.turn,
-                    });
-                }
+                active.drop_steers(SteerDropReason::TurnEnded, fx);
                 let terminal = match active.result {
                     Some((reason, _)) => Terminal::Completed(reason),
                     None => Terminal::failed(ErrorKind::NoResult),
@@ -577,14 +577,7 @@ impl SessionCore {
             turn,
             teardown: true,
         });
-        for s in active.steers.drain(..) {
-            fx.push(Effect::SteerDropped {
-                steer: s.id,
-                reason: SteerDropReason::TurnEnded,
-                prompt: active.prompt,
-                turn: active.turn,
-            });
-        }
+        active.drop_steers(SteerDropReason::TurnEnded, fx);
         let terminal = match (&active.phase, active.origin) {
             // A cancel received first wins.
             (Phase::Cancelling { .. }, _) => Terminal::Completed(StopReason::Cancelled),
@@ -655,14 +648,7 @@ impl SessionCore {
                 turn: active.turn,
                 teardown: true,
             });
-            for s in active.steers.drain(..) {
-                fx.push(Effect::SteerDropped {
-                    steer: s.id,
-                    reason: SteerDropReason::TurnEnded,
-                    prompt: active.prompt,
-                    turn: active.turn,
-                });
-            }
+            active.drop_steers(SteerDropReason::TurnEnded, fx);
             self.settle(now, Terminal::failed(ErrorKind::Stalled), fx);
         }
     }
