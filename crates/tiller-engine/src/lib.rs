@@ -2,6 +2,8 @@
 //! signals to their session. They never execute tools: a tool batch goes to
 //! the session's pipeline and the results come back as [`EngineInput`].
 
+mod conversation;
+pub mod model;
 mod script;
 mod scripted;
 
@@ -10,6 +12,7 @@ use std::sync::Arc;
 use tiller_core::{ErrorKind, SteerId, SteerReceipt, StopReason, TurnId};
 use tokio::sync::mpsc;
 
+pub use conversation::{CallRecord, Conversation, Message, TurnContext};
 pub use script::{Script, ScriptError, Step, ToolStep};
 pub use scripted::ScriptedEngine;
 
@@ -23,6 +26,8 @@ pub enum Update {
     /// The agent's plan: entries and their status (`pending`,
     /// `in_progress`, `completed`).
     Plan(Vec<(String, String)>),
+    /// Tokens one model request used.
+    Usage { input: u64, output: u64 },
 }
 
 /// What a tool does, which decides whether it needs permission.
@@ -55,6 +60,19 @@ impl ToolKind {
             _ => return None,
         })
     }
+}
+
+/// A tool offered to a model: built-in or from an MCP server.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolSpec {
+    /// The name the model calls it by.
+    pub name: String,
+    /// What it does, for the model.
+    pub description: String,
+    /// JSON Schema of its arguments.
+    pub input_schema: serde_json::Value,
+    /// What it does, which decides whether it needs permission.
+    pub kind: ToolKind,
 }
 
 /// One tool call requested by an engine.
@@ -168,12 +186,24 @@ impl Drop for EngineHandle {
 /// A model backend.
 pub trait Engine: Send + Sync + 'static {
     /// The engine's name in config and `session/new`.
-    fn name(&self) -> &'static str;
+    fn name(&self) -> &str;
 
     /// Checks a prompt before admission. A malformed script is refused here,
     /// so it never becomes an engine crash.
     fn prepare(&self, text: &str) -> Result<PreparedPrompt, ScriptError>;
 
     /// Starts a turn. Must be called inside a tokio runtime.
-    fn start(&self, turn: TurnId, prompt: PreparedPrompt, sink: SignalSink) -> EngineHandle;
+    fn start(
+        &self,
+        turn: TurnId,
+        prompt: PreparedPrompt,
+        ctx: TurnContext,
+        sink: SignalSink,
+    ) -> EngineHandle;
+
+    /// The models a session may choose (`session/set_config_option`);
+    /// the first is the default. Empty when the engine has no choice.
+    fn models(&self) -> Vec<String> {
+        Vec::new()
+    }
 }

@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     Engine, EngineHandle, EngineInput, EngineSignal, PreparedPrompt, Script, ScriptError,
-    SignalKind, SignalSink, Step, ToolCall, ToolOutput, Update,
+    SignalKind, SignalSink, Step, ToolCall, ToolOutput, TurnContext, Update,
 };
 
 /// Words of the demo reply, streamed one chunk at a time.
@@ -29,7 +29,7 @@ const DEMO_PACE_MS: u64 = 15;
 pub struct ScriptedEngine;
 
 impl Engine for ScriptedEngine {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "scripted"
     }
 
@@ -40,7 +40,13 @@ impl Engine for ScriptedEngine {
         })
     }
 
-    fn start(&self, turn: TurnId, prompt: PreparedPrompt, sink: SignalSink) -> EngineHandle {
+    fn start(
+        &self,
+        turn: TurnId,
+        prompt: PreparedPrompt,
+        _ctx: TurnContext,
+        sink: SignalSink,
+    ) -> EngineHandle {
         let steps: VecDeque<Step> = match prompt.script {
             Some(script) => script.steps.into(),
             None => demo_steps(),
@@ -280,7 +286,7 @@ mod tests {
         let sink: SignalSink = Arc::new(move |s| sink_seen.lock().unwrap().push(s));
         let engine = ScriptedEngine;
         let prompt = engine.prepare(text).unwrap();
-        (engine.start(TurnId(7), prompt, sink), seen)
+        (engine.start(TurnId(7), prompt, TurnContext::default(), sink), seen)
     }
 
     async fn settle_until(seen: &Arc<Mutex<Vec<EngineSignal>>>, n: usize) -> Vec<EngineSignal> {

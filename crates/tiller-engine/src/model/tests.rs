@@ -1,0 +1,270 @@
+use proptest::prelude::*;
+use serde_json::json;
+
+use super::anthropic::AnthropicParser;
+use super::openai::OpenAiParser;
+use super::*;
+
+/// Feeds `data` events; collects deltas.
+fn feed(p: &mut dyn Parser, events: &[(&str, String)]) -> Result<Vec<Delta>, String> {
+    let mut out = Vec::new();
+    for (e, d) in events {
+        out.extend(p.event(e, d)?);
+    }
+    Ok(out)
+}
+
+/// Splits `s` at the given (sorted, deduplicated) char boundaries.
+fn split(s: &str, cuts: &[usize]) -> Vec<String> {
+    let mut parts = Vec::new();
+    let mut last = 0;
+    for &c in cuts {
+        if c > last && c < s.len() && s.is_char_boundary(c) {
+            parts.push(s[last..c].to_owned());
+            last = c;
+        }
+    }
+    parts.push(s[last..].to_owned());
+    parts
+}
+
+fn openai_tool_chunks(index: usize, id: &str, name: &str, args: &[String]) -> Vec<(&'static str, String)> {
+    let mut v = vec![(
+        "",
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}
+        ]}}]})
+        .to_string(),
+    )];
+    for a in args {
+        v.push((
+            "",
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+                {"index": index, "function": {"arguments": a}}
+            ]}}]})
+            .to_string(),
+        ));
+    }
+    v
+}
+
+proptest! {
+    /// However the arguments of two parallel calls are split and
+    /// interleaved, the finished calls carry the whole arguments.
+    #[test]
+    fn openai_parallel_calls_survive_any_split(
+        cuts_a in proptest::collection::vec(0usize..40, 0..8),
+        cuts_b in proptest::collection::vec(0usize..40, 0..8),
+        interleave in any::<bool>(),
+    ) {
+        let args_a = r#"{"path":"src/main.rs","note":"ünïcode ✓"}"#;
+        let args_b = r#"{"pattern":"fn main","glob":"**/*.rs"}"#;
+        let mut ca = cuts_a; ca.sort_unstable(); ca.dedup();
+        let mut cb = cuts_b; cb.sort_unstable(); cb.dedup();
+        let a = openai_tool_chunks(0, "call_a", "read_file", &split(args_a, &ca));
+        let b = openai_tool_chunks(1, "call_b", "grep", &split(args_b, &cb));
+        let mut events = Vec::new();
+        if interleave {
+            let (mut ia, mut ib) = (a.into_iter(), b.into_iter());
+            loop {
+                match (ia.next(), ib.next()) {
+                    (None, None) => break,
+                    (x, y) => { events.extend(x); events.extend(y); }
+                }
+            }
+        } else {
+            events.extend(a);
+            events.extend(b);
+        }
+        events.push(("", json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}).to_string()));
+        events.push(("", "[DONE]".to_owned()));
+        let mut p = OpenAiParser::default();
+        feed(&mut p, &events).unwrap();
+        let f = p.finish().unwrap();
+        prop_assert_eq!(f.stop, Stop::ToolUse);
+        prop_assert_eq!(f.calls.len(), 2);
+        prop_assert_eq!(parse_args(&f.calls[0].args), serde_json::from_str::<serde_json::Value>(args_a).unwrap());
+        prop_assert_eq!(&f.calls[1].name, "grep");
+        prop_assert_eq!(parse_args(&f.calls[1].args), serde_json::from_str::<serde_json::Value>(args_b).unwrap());
+    }
+
+    /// The same for Anthropic's `input_json_delta`.
+    #[test]
+    fn anthropic_tool_input_survives_any_split(cuts in proptest::collection::vec(0usize..40, 0..10)) {
+        let args = r#"{"command":"ls -la","timeout_ms":5000}"#;
+        let mut c = cuts; c.sort_unstable(); c.dedup();
+        let mut events = vec![
+            ("message_start", json!({"type":"message_start","message":{"usage":{"input_tokens":12,"output_tokens":1}}}).to_string()),
+            ("content_block_start", json!({"type":"content_block_start","index":0,"content_block":{"type":"tool_use","id":"toolu_1","name":"shell","input":{}}}).to_string()),
+        ];
+        for part in split(args, &c) {
+            events.push(("content_block_delta", json!({"type":"content_block_delta","index":0,"delta":{"type":"input_json_delta","partial_json":part}}).to_string()));
+        }
+        events.push(("content_block_stop", json!({"type":"content_block_stop","index":0}).to_string()));
+        events.push(("message_delta", json!({"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":30}}).to_string()));
+        events.push(("message_stop", json!({"type":"message_stop"}).to_string()));
+        let mut p = AnthropicParser::default();
+        feed(&mut p, &events).unwrap();
+        let f = p.finish().unwrap();
+        prop_assert_eq!(f.stop, Stop::ToolUse);
+        prop_assert_eq!(f.usage, (12, 30));
+        prop_assert_eq!(parse_args(&f.calls[0].args), serde_json::from_str::<serde_json::Value>(args).unwrap());
+    }
+}
+
+#[test]
+fn openai_text_usage_and_stop_reasons() {
+    for (reason, stop) in [
+        ("stop", Stop::EndTurn),
+        ("length", Stop::MaxTokens),
+        ("content_filter", Stop::Refusal),
+    ] {
+        let mut p = OpenAiParser::default();
+        let d = feed(
+            &mut p,
+            &[
+                ("", json!({"choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"}}]}).to_string()),
+                ("", json!({"choices":[{"index":0,"delta":{"reasoning_content":"hmm"}}]}).to_string()),
+                ("", json!({"choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":reason}]}).to_string()),
+                ("", json!({"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}).to_string()),
+                ("", "[DONE]".into()),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            d,
+            vec![
+                Delta::Text("Hel".into()),
+                Delta::Thought("hmm".into()),
+                Delta::Text("lo".into())
+            ]
+        );
+        let f = p.finish().unwrap();
+        assert_eq!((f.stop, f.usage), (stop, (7, 2)), "{reason}");
+    }
+}
+
+#[test]
+fn incomplete_streams_have_no_finish() {
+    let mut p = OpenAiParser::default();
+    feed(&mut p, &[("", json!({"choices":[{"index":0,"delta":{"content":"Hi"}}]}).to_string())]).unwrap();
+    assert_eq!(p.finish(), None);
+    let mut a = AnthropicParser::default();
+    feed(
+        &mut a,
+        &[("content_block_start", json!({"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}).to_string())],
+    )
+    .unwrap();
+    assert_eq!(a.finish(), None);
+}
+
+#[test]
+fn errors_mid_stream_are_reported() {
+    let mut p = OpenAiParser::default();
+    let e = p
+        .event("", &json!({"error":{"message":"overloaded","type":"server_error"}}).to_string())
+        .unwrap_err();
+    assert!(e.contains("server_error: overloaded"), "{e}");
+    let mut a = AnthropicParser::default();
+    let e = a
+        .event("error", &json!({"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}).to_string())
+        .unwrap_err();
+    assert!(e.contains("overloaded_error: Overloaded"), "{e}");
+    assert!(OpenAiParser::default().event("", "{not json").is_err());
+}
+
+#[test]
+fn anthropic_text_thinking_and_refusal() {
+    let mut p = AnthropicParser::default();
+    let d = feed(
+        &mut p,
+        &[
+            ("content_block_start", json!({"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":""}}).to_string()),
+            ("content_block_delta", json!({"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"consider"}}).to_string()),
+            ("content_block_start", json!({"type":"content_block_start","index":1,"content_block":{"type":"text","text":""}}).to_string()),
+            ("content_block_delta", json!({"type":"content_block_delta","index":1,"delta":{"type":"text_delta","text":"No."}}).to_string()),
+            ("ping", json!({"type":"ping"}).to_string()),
+            ("message_delta", json!({"type":"message_delta","delta":{"stop_reason":"refusal"},"usage":{"output_tokens":3}}).to_string()),
+            ("message_stop", json!({"type":"message_stop"}).to_string()),
+        ],
+    )
+    .unwrap();
+    assert_eq!(d, vec![Delta::Thought("consider".into()), Delta::Text("No.".into())]);
+    assert_eq!(p.finish().unwrap().stop, Stop::Refusal);
+}
+
+fn cfg(provider: Provider) -> ModelConfig {
+    ModelConfig {
+        name: "t".into(),
+        provider,
+        base_url: "http://127.0.0.1:1".into(),
+        model: "m".into(),
+        models: vec![],
+        api_key_env: None,
+        max_tokens: None,
+        temperature: None,
+        system_prompt: Some("be brief".into()),
+        request_timeout: Duration::from_secs(5),
+        max_retries: 0,
+        retry_base: Duration::from_millis(10),
+        max_requests_per_turn: 10,
+    }
+}
+
+fn conversation() -> Vec<Message> {
+    vec![
+        Message::User { text: "list".into() },
+        Message::Assistant {
+            text: "Looking.".into(),
+            calls: vec![
+                CallRecord { id: "a".into(), name: "list_dir".into(), input: json!({"path": "."}) },
+                CallRecord { id: "b".into(), name: "glob".into(), input: json!({"pattern": "*"}) },
+            ],
+        },
+        Message::ToolResult { id: "a".into(), ok: true, output: "x".into() },
+        Message::User { text: "steer: only rust".into() },
+        Message::ToolResult { id: "b".into(), ok: false, output: "no".into() },
+    ]
+}
+
+#[test]
+fn anthropic_body_groups_user_side_blocks_results_first() {
+    let b = anthropic::body(&cfg(Provider::Anthropic), "m", &conversation(), &[]);
+    assert_eq!(b["system"], "be brief");
+    assert_eq!(b["max_tokens"], 8192);
+    let msgs = b["messages"].as_array().unwrap();
+    assert_eq!(msgs.len(), 3);
+    let last: Vec<&str> = msgs[2]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(last, ["tool_result", "tool_result", "text"]);
+    assert_eq!(msgs[2]["content"][1]["is_error"], true);
+    assert_eq!(msgs[1]["content"][1]["type"], "tool_use");
+}
+
+#[test]
+fn openai_body_carries_calls_and_results() {
+    let tools = vec![ToolSpec {
+        name: "glob".into(),
+        description: "d".into(),
+        input_schema: json!({"type": "object"}),
+        kind: ToolKind::Read,
+    }];
+    let b = openai::body(&cfg(Provider::OpenAi), "m", &conversation(), &tools);
+    let msgs = b["messages"].as_array().unwrap();
+    assert_eq!(msgs[0]["role"], "system");
+    assert_eq!(msgs[2]["tool_calls"][1]["function"]["arguments"], r#"{"pattern":"*"}"#);
+    assert_eq!(msgs[3]["role"], "tool");
+    assert_eq!(b["tools"][0]["function"]["name"], "glob");
+    assert_eq!(b["stream"], true);
+}
+
+#[test]
+fn args_parse_leniently() {
+    assert_eq!(parse_args(""), json!({}));
+    assert_eq!(parse_args("{\"a\":1}"), json!({"a": 1}));
+    assert_eq!(parse_args("{\"a\":"), json!("{\"a\":"));
+}
