@@ -4,6 +4,7 @@ use serde_json::json;
 use super::anthropic::AnthropicParser;
 use super::openai::OpenAiParser;
 use super::*;
+use crate::ToolSpec;
 
 /// Feeds `data` events; collects deltas.
 fn feed(p: &mut dyn Parser, events: &[(&str, String)]) -> Result<Vec<Delta>, String> {
