@@ -161,7 +161,15 @@ mod tests {
             .collect();
         assert_eq!(
             ids,
-            ["u:go", "a:2", "r:a:true", "r:b:false", "u:next", "a:1", "r:c:false"]
+            [
+                "u:go",
+                "a:2",
+                "r:a:true",
+                "r:b:false",
+                "u:next",
+                "a:1",
+                "r:c:false"
+            ]
         );
         // Idempotent.
         let before = c.snapshot();

@@ -286,7 +286,10 @@ mod tests {
         let sink: SignalSink = Arc::new(move |s| sink_seen.lock().unwrap().push(s));
         let engine = ScriptedEngine;
         let prompt = engine.prepare(text).unwrap();
-        (engine.start(TurnId(7), prompt, TurnContext::default(), sink), seen)
+        (
+            engine.start(TurnId(7), prompt, TurnContext::default(), sink),
+            seen,
+        )
     }
 
     async fn settle_until(seen: &Arc<Mutex<Vec<EngineSignal>>>, n: usize) -> Vec<EngineSignal> {

@@ -42,7 +42,9 @@ pub(super) fn body(cfg: &ModelConfig, model: &str, msgs: &[Message], tools: &[To
                     } else {
                         json!({})
                     };
-                    content.push(json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input}));
+                    content.push(
+                        json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input}),
+                    );
                 }
                 if content.is_empty() {
                     content.push(json!({"type": "text", "text": "(no reply)"}));

@@ -206,7 +206,10 @@ fn parser(p: Provider) -> Box<dyn Parser> {
 
 /// A provider's error object as one line.
 fn error_text(err: &serde_json::Value) -> String {
-    let kind = err["type"].as_str().or(err["code"].as_str()).unwrap_or("error");
+    let kind = err["type"]
+        .as_str()
+        .or(err["code"].as_str())
+        .unwrap_or("error");
     let msg = err["message"].as_str().unwrap_or("no message");
     format!("the model reported an error: {kind}: {msg}")
 }
@@ -252,7 +255,10 @@ impl Run {
         });
     }
 
-    fn input(&mut self, input: Option<EngineInput>) -> Result<Option<Vec<crate::ToolResult>>, Aborted> {
+    fn input(
+        &mut self,
+        input: Option<EngineInput>,
+    ) -> Result<Option<Vec<crate::ToolResult>>, Aborted> {
         match input {
             Some(EngineInput::Steer { id, text }) => {
                 self.steers.push_back((id, text));
@@ -276,7 +282,10 @@ impl Run {
                 self.emit(SignalKind::Idle);
             }
             Err(Some(message)) => {
-                self.emit(SignalKind::Failed(ErrorKind::ModelStreamInterrupted, message));
+                self.emit(SignalKind::Failed(
+                    ErrorKind::ModelStreamInterrupted,
+                    message,
+                ));
             }
         }
     }
@@ -447,7 +456,10 @@ impl Run {
         let resp = match resp {
             Err(_) => {
                 return Err(CallError::Retryable(
-                    format!("no response from the model within {}s", timeout.as_secs_f64()),
+                    format!(
+                        "no response from the model within {}s",
+                        timeout.as_secs_f64()
+                    ),
                     None,
                 ));
             }
@@ -473,7 +485,8 @@ impl Run {
                 .map(|v| error_text(&v["error"]))
                 .unwrap_or_else(|| text.chars().take(300).collect());
             let why = format!("the model answered HTTP {status}: {detail}");
-            let retryable = status.as_u16() == 429 || status.as_u16() == 408 || status.is_server_error();
+            let retryable =
+                status.as_u16() == 429 || status.as_u16() == 408 || status.is_server_error();
             return Err(if retryable {
                 CallError::Retryable(why, after)
             } else {

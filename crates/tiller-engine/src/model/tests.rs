@@ -29,7 +29,12 @@ fn split(s: &str, cuts: &[usize]) -> Vec<String> {
     parts
 }
 
-fn openai_tool_chunks(index: usize, id: &str, name: &str, args: &[String]) -> Vec<(&'static str, String)> {
+fn openai_tool_chunks(
+    index: usize,
+    id: &str,
+    name: &str,
+    args: &[String],
+) -> Vec<(&'static str, String)> {
     let mut v = vec![(
         "",
         json!({"choices": [{"index": 0, "delta": {"tool_calls": [
@@ -148,7 +153,14 @@ fn openai_text_usage_and_stop_reasons() {
 #[test]
 fn incomplete_streams_have_no_finish() {
     let mut p = OpenAiParser::default();
-    feed(&mut p, &[("", json!({"choices":[{"index":0,"delta":{"content":"Hi"}}]}).to_string())]).unwrap();
+    feed(
+        &mut p,
+        &[(
+            "",
+            json!({"choices":[{"index":0,"delta":{"content":"Hi"}}]}).to_string(),
+        )],
+    )
+    .unwrap();
     assert_eq!(p.finish(), None);
     let mut a = AnthropicParser::default();
     feed(
@@ -163,12 +175,19 @@ fn incomplete_streams_have_no_finish() {
 fn errors_mid_stream_are_reported() {
     let mut p = OpenAiParser::default();
     let e = p
-        .event("", &json!({"error":{"message":"overloaded","type":"server_error"}}).to_string())
+        .event(
+            "",
+            &json!({"error":{"message":"overloaded","type":"server_error"}}).to_string(),
+        )
         .unwrap_err();
     assert!(e.contains("server_error: overloaded"), "{e}");
     let mut a = AnthropicParser::default();
     let e = a
-        .event("error", &json!({"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}).to_string())
+        .event(
+            "error",
+            &json!({"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}})
+                .to_string(),
+        )
         .unwrap_err();
     assert!(e.contains("overloaded_error: Overloaded"), "{e}");
     assert!(OpenAiParser::default().event("", "{not json").is_err());
@@ -190,7 +209,10 @@ fn anthropic_text_thinking_and_refusal() {
         ],
     )
     .unwrap();
-    assert_eq!(d, vec![Delta::Thought("consider".into()), Delta::Text("No.".into())]);
+    assert_eq!(
+        d,
+        vec![Delta::Thought("consider".into()), Delta::Text("No.".into())]
+    );
     assert_eq!(p.finish().unwrap().stop, Stop::Refusal);
 }
 
@@ -214,17 +236,37 @@ fn cfg(provider: Provider) -> ModelConfig {
 
 fn conversation() -> Vec<Message> {
     vec![
-        Message::User { text: "list".into() },
+        Message::User {
+            text: "list".into(),
+        },
         Message::Assistant {
             text: "Looking.".into(),
             calls: vec![
-                CallRecord { id: "a".into(), name: "list_dir".into(), input: json!({"path": "."}) },
-                CallRecord { id: "b".into(), name: "glob".into(), input: json!({"pattern": "*"}) },
+                CallRecord {
+                    id: "a".into(),
+                    name: "list_dir".into(),
+                    input: json!({"path": "."}),
+                },
+                CallRecord {
+                    id: "b".into(),
+                    name: "glob".into(),
+                    input: json!({"pattern": "*"}),
+                },
             ],
         },
-        Message::ToolResult { id: "a".into(), ok: true, output: "x".into() },
-        Message::User { text: "steer: only rust".into() },
-        Message::ToolResult { id: "b".into(), ok: false, output: "no".into() },
+        Message::ToolResult {
+            id: "a".into(),
+            ok: true,
+            output: "x".into(),
+        },
+        Message::User {
+            text: "steer: only rust".into(),
+        },
+        Message::ToolResult {
+            id: "b".into(),
+            ok: false,
+            output: "no".into(),
+        },
     ]
 }
 
@@ -257,7 +299,10 @@ fn openai_body_carries_calls_and_results() {
     let b = openai::body(&cfg(Provider::OpenAi), "m", &conversation(), &tools);
     let msgs = b["messages"].as_array().unwrap();
     assert_eq!(msgs[0]["role"], "system");
-    assert_eq!(msgs[2]["tool_calls"][1]["function"]["arguments"], r#"{"pattern":"*"}"#);
+    assert_eq!(
+        msgs[2]["tool_calls"][1]["function"]["arguments"],
+        r#"{"pattern":"*"}"#
+    );
     assert_eq!(msgs[3]["role"], "tool");
     assert_eq!(b["tools"][0]["function"]["name"], "glob");
     assert_eq!(b["stream"], true);
