@@ -35,6 +35,35 @@ impl From<rusqlite::Error> for StoreError {
     }
 }
 
+/// Which piece of a session's state to save.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateColumn {
+    /// The engine's name.
+    Engine,
+    /// Session settings (JSON).
+    Settings,
+    /// The model conversation (JSON).
+    Conversation,
+}
+
+impl StateColumn {
+    fn as_str(self) -> &'static str {
+        match self {
+            StateColumn::Engine => "engine",
+            StateColumn::Settings => "settings",
+            StateColumn::Conversation => "conversation",
+        }
+    }
+}
+
+/// A session's stored state beyond its record.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SessionExtras {
+    pub engine: Option<String>,
+    pub settings: Option<String>,
+    pub conversation: Option<String>,
+}
+
 /// A session row.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionRecord {
@@ -204,6 +233,13 @@ enum Cmd {
         window_s: i64,
         reply: Reply<bool>,
     },
+    SaveState {
+        id: SessionId,
+        column: StateColumn,
+        value: String,
+        reply: Reply<()>,
+    },
+    LoadState(SessionId, Reply<SessionExtras>),
     CloseSession(SessionId, Reply<()>),
     /// Appends (and updates the ledger); `reply` answers after the commit.
     Append(StoredEvent, Option<LedgerOp>, Option<Reply<()>>),
@@ -331,6 +367,28 @@ impl Store {
             reply,
         })
         .await
+    }
+
+    /// Stores one piece of a session's state (engine, settings JSON or
+    /// conversation JSON).
+    pub async fn save_state(
+        &self,
+        id: SessionId,
+        column: StateColumn,
+        value: String,
+    ) -> Result<(), StoreError> {
+        self.ask(|reply| Cmd::SaveState {
+            id,
+            column,
+            value,
+            reply,
+        })
+        .await
+    }
+
+    /// A session's stored state (all `None` when nothing was saved).
+    pub async fn load_state(&self, id: SessionId) -> Result<SessionExtras, StoreError> {
+        self.ask(|reply| Cmd::LoadState(id, reply)).await
     }
 
     /// Durable replay guard for channel requests: true when `key` is new.
@@ -634,6 +692,13 @@ const SCHEMA: &[&str] = &[
     );",
     // v7: channel requests seen within the replay window.
     "CREATE TABLE channel_seen (key TEXT PRIMARY KEY, seen_s INTEGER NOT NULL);",
+    // v8: per-session engine, settings and model conversation.
+    "CREATE TABLE session_state (
+        session_id TEXT PRIMARY KEY,
+        engine TEXT,
+        settings TEXT,
+        conversation TEXT
+    );",
 ];
 
 fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -708,6 +773,41 @@ fn run(mut conn: Connection, rx: std_mpsc::Receiver<Cmd>) {
                 reply,
             } => {
                 let r = list_sessions(&conn, cursor, limit, cwd.as_deref());
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::SaveState {
+                id,
+                column,
+                value,
+                reply,
+            } => {
+                let col = column.as_str();
+                let r = conn
+                    .execute(
+                        &format!(
+                            "INSERT INTO session_state (session_id, {col}) VALUES (?1, ?2)
+                             ON CONFLICT(session_id) DO UPDATE SET {col} = excluded.{col}"
+                        ),
+                        params![id.to_string(), value],
+                    )
+                    .map(drop);
+                let _ = reply.send(r.map_err(Into::into));
+            }
+            Cmd::LoadState(id, reply) => {
+                let r = conn
+                    .query_row(
+                        "SELECT engine, settings, conversation FROM session_state WHERE session_id = ?1",
+                        params![id.to_string()],
+                        |r| {
+                            Ok(SessionExtras {
+                                engine: r.get(0)?,
+                                settings: r.get(1)?,
+                                conversation: r.get(2)?,
+                            })
+                        },
+                    )
+                    .optional()
+                    .map(Option::unwrap_or_default);
                 let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::ChannelSeen {
@@ -1424,6 +1524,30 @@ mod tests {
         );
         assert_eq!(events[0], ev(a.id, 3));
         assert!(store.get_session(SessionId::new()).await.unwrap().is_none());
+    }
+
+
+    #[tokio::test]
+    async fn session_state_saves_each_column_and_survives_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let id = SessionId::new();
+        {
+            let store = Store::open(&path).unwrap();
+            assert_eq!(store.load_state(id).await.unwrap(), SessionExtras::default());
+            store.save_state(id, StateColumn::Engine, "openai".into()).await.unwrap();
+            store.save_state(id, StateColumn::Conversation, "[1]".into()).await.unwrap();
+            store.save_state(id, StateColumn::Conversation, "[2]".into()).await.unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(
+            store.load_state(id).await.unwrap(),
+            SessionExtras {
+                engine: Some("openai".into()),
+                settings: None,
+                conversation: Some("[2]".into()),
+            }
+        );
     }
 
     #[tokio::test]
