@@ -27,7 +27,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
     let store = Store::open(&dir.path().join("t.db")).unwrap();
     let sessions = Sessions::start(
         store,
-        Arc::new(ScriptedEngine),
+        tiller_session::Engines::single(Arc::new(ScriptedEngine)),
         SessionConfig {
             turn: TurnConfig {
                 max_queued_prompts: 1,
@@ -39,6 +39,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
             notification_cap: 32,
             delivery_hosts: Vec::new(),
             delivery_wake: None,
+            tools: Default::default(),
         },
     )
     .await

@@ -32,7 +32,7 @@ async fn main() {
     let store = Store::open(&dir.path().join("bench.db")).expect("store");
     let sessions = Sessions::start(
         store,
-        Arc::new(ScriptedEngine),
+        tiller_session::Engines::single(Arc::new(ScriptedEngine)),
         SessionConfig {
             turn: TurnConfig::default(),
             max_sessions: n + 1,
@@ -41,6 +41,7 @@ async fn main() {
             notification_cap: 32,
             delivery_hosts: Vec::new(),
             delivery_wake: None,
+            tools: Default::default(),
         },
     )
     .await

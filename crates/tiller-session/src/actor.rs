@@ -13,14 +13,17 @@ use tiller_core::{
     TurnId,
 };
 use tiller_engine::{
-    Engine, EngineHandle, EngineInput, EngineSignal, PreparedPrompt, SignalKind, Update,
+    Conversation, Engine, EngineHandle, EngineInput, EngineSignal, PreparedPrompt, SignalKind,
+    ToolOutput, TurnContext, Update,
 };
+use tiller_tools::{ClientTools, McpServer, Toolbox};
 use tiller_store::{LogHead, Store};
 use tokio::sync::oneshot;
 use tracing::{Instrument, Span};
 
 use crate::event::{EventBody, EventRecord};
-use crate::tools::{Batch, Decision, Permissions, Progress};
+use crate::event::ConfigOption;
+use crate::tools::{Batch, Decision, PermissionMode, Permissions, Progress};
 use crate::{
     PermissionRefused, PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber,
     SubscriberId, TurnState,
@@ -186,6 +189,27 @@ pub enum SessionMsg {
     },
     /// A signal from this session's engine.
     Engine(EngineSignal),
+    /// A tool call that ran off the actor finished.
+    ToolDone {
+        turn: TurnId,
+        id: String,
+        output: ToolOutput,
+    },
+    /// The session's MCP servers (connected by the edge), and the events
+    /// that report them.
+    SetMcp {
+        servers: Vec<Arc<McpServer>>,
+        events: Vec<EventBody>,
+        done: oneshot::Sender<()>,
+    },
+    /// The session's options.
+    Options(oneshot::Sender<Vec<ConfigOption>>),
+    /// Change one option; answers the options after the change.
+    SetOption {
+        id: String,
+        value: String,
+        reply: oneshot::Sender<Result<Vec<ConfigOption>, String>>,
+    },
     /// A timer armed by the core fired.
     Tick,
     /// Attach a subscriber; answers with the state at that instant, whose
@@ -217,6 +241,20 @@ pub struct SessionArgs {
     pub store: Store,
     pub config: Arc<SessionConfig>,
     pub automation: Automation,
+    /// The session's working directory.
+    pub cwd: String,
+    /// What the store kept of the session (settings, conversation).
+    pub extras: tiller_store::SessionExtras,
+}
+
+/// Session options kept in the store (`session_state.settings`).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Settings {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    permission_mode: Option<String>,
 }
 
 /// A prompt admitted but not yet settled.
@@ -247,8 +285,11 @@ struct RunningEngine {
     guard: LoopGuard,
     /// The agent text of the turn so far (the final text a delivery sends).
     text: String,
-    /// The tool batch going through the pipeline (paused on a permission).
+    /// The tool batch going through the pipeline (paused on a permission
+    /// or a running call).
     batch: Option<Batch>,
+    /// The call running off the actor.
+    exec: Option<tokio::task::JoinHandle<()>>,
     /// The turn's tracing span.
     span: Span,
 }
@@ -271,6 +312,14 @@ pub struct SessionState {
     loop_stopped: Option<PromptId>,
     /// The permission mode and the tools allowed for the whole session.
     permissions: Permissions,
+    /// The session's tools (built-ins in its cwd, MCP servers).
+    toolbox: Toolbox,
+    /// The model conversation (model engines append to it).
+    conversation: Conversation,
+    /// Messages of the conversation already stored.
+    conversation_saved: usize,
+    /// The model chosen with `session/set_config_option`.
+    model: Option<String>,
     /// The `permission_requested` the running turn waits on.
     pending_permission: Option<Arc<EventRecord>>,
     /// The last sequence number published.
@@ -325,7 +374,28 @@ impl Actor for SessionActor {
             _ => None,
         };
         let span = tracing::info_span!("session", session = %args.id);
+        let settings: Settings = args
+            .extras
+            .settings
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok())
+            .unwrap_or_default();
+        let conversation: Vec<tiller_engine::Message> = args
+            .extras
+            .conversation
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok())
+            .unwrap_or_default();
+        let mode = settings
+            .permission_mode
+            .as_deref()
+            .and_then(PermissionMode::parse)
+            .unwrap_or(args.config.permission_mode);
         Ok(SessionState {
+            toolbox: Toolbox::new(args.cwd.clone().into(), args.config.tools.clone()),
+            conversation_saved: conversation.len(),
+            conversation: Conversation::new(conversation),
+            model: settings.model,
             id: args.id,
             core: SessionCore::new(args.config.turn.clone(), args.head.last_turn)
                 .with_automatic(args.automation.origins()),
@@ -336,7 +406,7 @@ impl Actor for SessionActor {
             engine: args.engine,
             store: args.store,
             loops: args.config.loops.clone(),
-            permissions: Permissions::new(args.config.permission_mode),
+            permissions: Permissions::new(mode),
             pending_permission: None,
             seq: args.head.last_seq,
             last_turn_error,
@@ -421,6 +491,30 @@ impl SessionState {
                 .await;
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
+            SessionMsg::ToolDone { turn, id, output } => {
+                if let Some(loop_type) = self.tool_done(turn, &id, output) {
+                    self.feed(myself, Input::LoopTrip { turn, loop_type }, None)
+                        .await;
+                }
+            }
+            SessionMsg::SetMcp {
+                servers,
+                events,
+                done,
+            } => {
+                self.toolbox = self.toolbox.clone().with_mcp(servers);
+                for body in events {
+                    self.publish(None, None, body);
+                }
+                let _ = done.send(());
+            }
+            SessionMsg::Options(reply) => {
+                let _ = reply.send(self.options());
+            }
+            SessionMsg::SetOption { id, value, reply } => {
+                let r = self.set_option(&id, &value).await;
+                let _ = reply.send(r);
+            }
             SessionMsg::Kick => self.feed(myself, Input::Kick, None).await,
             SessionMsg::Offer { origin, poll, work } => {
                 self.offer(myself, origin, poll, work).await;
@@ -950,9 +1044,14 @@ impl SessionState {
         let sink: tiller_engine::SignalSink = Arc::new(move |sig| {
             let _ = actor.send_message(SessionMsg::Engine(sig));
         });
+        let ctx = TurnContext {
+            conversation: self.conversation.clone(),
+            tools: Arc::new(self.toolbox.specs()),
+            model: self.model.clone(),
+        };
         let handle = {
             let _g = span.enter();
-            self.engine.start(turn, prepared, sink)
+            self.engine.start(turn, prepared, ctx, sink)
         };
         self.running = Some(RunningEngine {
             turn,
@@ -962,6 +1061,7 @@ impl SessionState {
             guard: LoopGuard::new(self.loops.clone()),
             text: String::new(),
             batch: None,
+            exec: None,
             span,
         });
     }
@@ -980,6 +1080,13 @@ impl SessionState {
             SignalKind::Update(Update::Thought(text)) => {
                 (vec![EventBody::AgentThoughtChunk { text }], None)
             }
+            SignalKind::Update(Update::Usage { input, output }) => (
+                vec![EventBody::Usage {
+                    input_tokens: input,
+                    output_tokens: output,
+                }],
+                None,
+            ),
             SignalKind::Update(Update::Plan(entries)) => (
                 vec![EventBody::Plan {
                     entries: entries
@@ -994,7 +1101,8 @@ impl SessionState {
                 let mut events = Vec::new();
                 let progress = batch.advance(&mut run.guard, &self.permissions, &mut events);
                 run.batch = Some(batch);
-                (events, batch_progress(run, progress))
+                let exec = Exec::of(&self.toolbox, &self.subscribers, &self.myself);
+                (events, batch_progress(run, progress, &exec))
             }
             _ => (Vec::new(), None),
         };
@@ -1034,7 +1142,8 @@ impl SessionState {
         let mut events = Vec::new();
         let progress = batch.decide(decision, &mut run.guard, &mut self.permissions, &mut events);
         let turn = run.turn;
-        let trip = batch_progress(run, progress);
+        let exec = Exec::of(&self.toolbox, &self.subscribers, &self.myself);
+        let trip = batch_progress(run, progress, &exec);
         for body in events {
             self.publish(prompt, Some(turn), body);
         }
@@ -1042,25 +1151,136 @@ impl SessionState {
     }
 
     /// A turn that ends (cancel, settle) while a call waits for permission
-    /// resolves the request as cancelled, so no call stays pending.
+    /// or runs resolves it as cancelled (a running call is stopped), so no
+    /// call stays pending.
     fn abandon_permission(&mut self, turn: TurnId) {
         let Some(run) = self.running.as_mut().filter(|r| r.turn == turn) else {
             return;
         };
+        if let Some(task) = run.exec.take() {
+            task.abort();
+        }
         let prompt = Some(run.prompt);
-        let Some(batch) = run.batch.as_mut().filter(|b| b.waiting().is_some()) else {
+        let Some(batch) = run.batch.as_mut() else {
             return;
         };
         let mut events = Vec::new();
-        let progress = batch.decide(
-            Decision::Cancelled,
-            &mut run.guard,
-            &mut self.permissions,
-            &mut events,
-        );
-        batch_progress(run, progress);
+        let Some(progress) = batch.abandon(&mut run.guard, &mut self.permissions, &mut events)
+        else {
+            return;
+        };
+        let exec = Exec::of(&self.toolbox, &self.subscribers, &self.myself);
+        batch_progress(run, progress, &exec);
         for body in events {
             self.publish(prompt, Some(turn), body);
+        }
+    }
+
+    /// A call that ran off the actor finished: the batch goes on. Returns
+    /// a loop trip found while it did.
+    fn tool_done(&mut self, turn: TurnId, id: &str, output: ToolOutput) -> Option<LoopType> {
+        let run = self.running.as_mut().filter(|r| r.turn == turn)?;
+        let prompt = Some(run.prompt);
+        let batch = run.batch.as_mut()?;
+        if batch.running() != Some(id) {
+            return None; // abandoned meanwhile
+        }
+        run.exec = None;
+        let mut events = Vec::new();
+        let progress = batch.finish(id, output, &mut run.guard, &self.permissions, &mut events);
+        let exec = Exec::of(&self.toolbox, &self.subscribers, &self.myself);
+        let trip = batch_progress(run, progress, &exec);
+        for body in events {
+            self.publish(prompt, Some(turn), body);
+        }
+        trip
+    }
+
+    /// The options a client may change.
+    fn options(&self) -> Vec<ConfigOption> {
+        let mut v = Vec::new();
+        let models = self.engine.models();
+        if let Some(default) = models.first() {
+            v.push(ConfigOption {
+                id: "model".into(),
+                name: "Model".into(),
+                category: "model".into(),
+                current: self
+                    .model
+                    .clone()
+                    .filter(|m| models.contains(m))
+                    .unwrap_or_else(|| default.clone()),
+                choices: models.clone(),
+            });
+        }
+        v.push(ConfigOption {
+            id: "permission_mode".into(),
+            name: "Permission mode".into(),
+            category: "mode".into(),
+            current: self.permissions.mode.as_str().into(),
+            choices: ["ask", "accept-edits", "allow-all"].map(String::from).to_vec(),
+        });
+        v
+    }
+
+    async fn set_option(&mut self, id: &str, value: &str) -> Result<Vec<ConfigOption>, String> {
+        let Some(opt) = self.options().into_iter().find(|o| o.id == id) else {
+            let known: Vec<String> = self.options().into_iter().map(|o| o.id).collect();
+            return Err(format!(
+                "unknown config option `{id}` (this session has: {})",
+                known.join(", ")
+            ));
+        };
+        if !opt.choices.iter().any(|c| c == value) {
+            return Err(format!(
+                "`{value}` is not a value of `{id}` (choices: {})",
+                opt.choices.join(", ")
+            ));
+        }
+        match id {
+            "model" => self.model = Some(value.to_owned()),
+            _ => {
+                self.permissions.mode =
+                    PermissionMode::parse(value).expect("choices are valid modes");
+            }
+        }
+        let settings = Settings {
+            model: self.model.clone(),
+            permission_mode: Some(self.permissions.mode.as_str().into()),
+        };
+        let json = serde_json::to_string(&settings).expect("settings serialize");
+        if let Err(e) = self
+            .store
+            .save_state(self.id, tiller_store::StateColumn::Settings, json)
+            .await
+        {
+            tracing::error!(error = %e, "cannot store the session's settings");
+        }
+        let options = self.options();
+        self.publish(
+            None,
+            None,
+            EventBody::ConfigOptions {
+                options: options.clone(),
+            },
+        );
+        Ok(options)
+    }
+
+    /// Stores the conversation when a turn added to it.
+    async fn save_conversation(&mut self) {
+        let msgs = self.conversation.snapshot();
+        if msgs.len() == self.conversation_saved {
+            return;
+        }
+        self.conversation_saved = msgs.len();
+        let json = serde_json::to_string(&msgs).expect("messages serialize");
+        if let Err(e) = self
+            .store
+            .save_state(self.id, tiller_store::StateColumn::Conversation, json)
+            .await
+        {
+            tracing::error!(error = %e, "cannot store the conversation");
         }
     }
 
@@ -1089,6 +1309,7 @@ impl SessionState {
             run.span
                 .in_scope(|| tracing::info!(outcome = terminal.outcome_label(), "turn settled"));
             drop(run); // the engine never outlives its turn
+            self.save_conversation().await;
         }
         if terminal == Terminal::Completed(tiller_core::StopReason::Cancelled)
             && let Some(at) = self.cancel_at.take()
@@ -1256,11 +1477,49 @@ impl SessionState {
     }
 }
 
-/// Hands a batch's results to the engine once it is done. Returns the loop
-/// trip that stopped it, if any.
-fn batch_progress(run: &mut RunningEngine, progress: Progress) -> Option<LoopType> {
+/// What running a call off the actor needs.
+struct Exec {
+    toolbox: Toolbox,
+    client: Option<Arc<dyn ClientTools>>,
+    actor: ActorRef<SessionMsg>,
+}
+
+impl Exec {
+    /// The newest attached client that offers file or terminal methods
+    /// acts for the session.
+    fn of(
+        toolbox: &Toolbox,
+        subscribers: &[(SubscriberId, Box<dyn Subscriber>)],
+        actor: &ActorRef<SessionMsg>,
+    ) -> Exec {
+        Exec {
+            toolbox: toolbox.clone(),
+            client: subscribers.iter().rev().find_map(|(_, s)| s.client_tools()),
+            actor: actor.clone(),
+        }
+    }
+}
+
+/// Hands a batch's results to the engine once it is done, or starts the
+/// call it waits on. Returns the loop trip that stopped it, if any.
+fn batch_progress(run: &mut RunningEngine, progress: Progress, exec: &Exec) -> Option<LoopType> {
     match progress {
         Progress::Waiting => None,
+        Progress::Run(call) => {
+            let (toolbox, client, actor) =
+                (exec.toolbox.clone(), exec.client.clone(), exec.actor.clone());
+            let turn = run.turn;
+            let task = async move {
+                let output = toolbox.run(&call, client).await;
+                let _ = actor.send_message(SessionMsg::ToolDone {
+                    turn,
+                    id: call.id,
+                    output,
+                });
+            };
+            run.exec = Some(tokio::spawn(task.instrument(run.span.clone())));
+            None
+        }
         Progress::Done(results) => {
             run.batch = None;
             run.handle.send(EngineInput::ToolResults(results));

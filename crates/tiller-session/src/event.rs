@@ -152,6 +152,34 @@ pub enum EventBody {
     LoopStopped { loop_type: String, message: String },
     /// The session was closed.
     SessionClosed,
+    /// Tokens one model request used.
+    Usage { input_tokens: u64, output_tokens: u64 },
+    /// The session's options changed (model, permission mode).
+    ConfigOptions { options: Vec<ConfigOption> },
+    /// An MCP server connected (with its tools) or failed to.
+    McpServer {
+        name: String,
+        #[serde(default)]
+        tools: Vec<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
+}
+
+/// A session option a client may change (`session/set_config_option`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigOption {
+    /// `model` or `permission_mode`.
+    pub id: String,
+    /// A label.
+    pub name: String,
+    /// ACP's category: `model` or `mode`.
+    pub category: String,
+    /// The current value.
+    pub current: String,
+    /// The values it may take.
+    pub choices: Vec<String>,
 }
 
 impl EventBody {
@@ -183,6 +211,9 @@ impl EventBody {
             EventBody::TurnError { .. } => "turn_error",
             EventBody::LoopStopped { .. } => "loop_stopped",
             EventBody::SessionClosed => "session_closed",
+            EventBody::Usage { .. } => "usage",
+            EventBody::ConfigOptions { .. } => "config_options",
+            EventBody::McpServer { .. } => "mcp_server",
         }
     }
 }

@@ -22,7 +22,7 @@ use tiller_store::{SessionPage, Store, StoreError};
 use tokio::sync::oneshot;
 
 pub use actor::{SessionMsg, Settlement};
-pub use event::{EventBody, EventRecord, PermissionOption, ToolError, ToolStatus};
+pub use event::{ConfigOption, EventBody, EventRecord, PermissionOption, ToolError, ToolStatus};
 use registry::{Registry, RegistryArgs, RegistryMsg};
 pub use tools::Decision;
 pub use tools::PermissionMode;
@@ -44,6 +44,8 @@ pub struct SessionConfig {
     pub delivery_hosts: Vec<String>,
     /// Wakes the delivery worker when a delivery is scheduled.
     pub delivery_wake: Option<Arc<tokio::sync::Notify>>,
+    /// The built-in tools' settings.
+    pub tools: Arc<tiller_tools::ToolsConfig>,
 }
 
 /// Why a session could not be found or created.
@@ -59,6 +61,55 @@ pub enum SessionError {
     Stopped,
     #[error("internal error: {0}")]
     Internal(String),
+    #[error("unknown engine `{0}` (configured: {1})")]
+    UnknownEngine(String, String),
+}
+
+/// The engines this daemon has, by name, and the default one.
+#[derive(Clone)]
+pub struct Engines {
+    default: String,
+    by_name: Arc<std::collections::BTreeMap<String, Arc<dyn Engine>>>,
+}
+
+impl Engines {
+    /// `engines` by their names; `default` must be one of them.
+    pub fn new(default: &str, engines: Vec<Arc<dyn Engine>>) -> Engines {
+        let by_name: std::collections::BTreeMap<_, _> = engines
+            .into_iter()
+            .map(|e| (e.name().to_owned(), e))
+            .collect();
+        assert!(by_name.contains_key(default), "the default engine exists");
+        Engines {
+            default: default.to_owned(),
+            by_name: Arc::new(by_name),
+        }
+    }
+
+    /// One engine, the default.
+    pub fn single(engine: Arc<dyn Engine>) -> Engines {
+        let name = engine.name().to_owned();
+        Engines::new(&name, vec![engine])
+    }
+
+    /// The engine called `name` (the default for `None`).
+    pub fn get(&self, name: Option<&str>) -> Result<Arc<dyn Engine>, SessionError> {
+        let name = name.unwrap_or(&self.default);
+        self.by_name
+            .get(name)
+            .cloned()
+            .ok_or_else(|| SessionError::UnknownEngine(name.to_owned(), self.names().join(", ")))
+    }
+
+    /// The engines' names.
+    pub fn names(&self) -> Vec<String> {
+        self.by_name.keys().cloned().collect()
+    }
+
+    /// The default engine's name.
+    pub fn default_name(&self) -> &str {
+        &self.default
+    }
 }
 
 /// Why a prompt (or steer) was not admitted.
@@ -135,6 +186,12 @@ pub struct SubscriberId(pub u64);
 /// so it never slows the session or the other subscribers.
 pub trait Subscriber: Send + 'static {
     fn deliver(&self, event: &Arc<EventRecord>) -> bool;
+
+    /// The client's file and terminal methods, when it offers them (an
+    /// ACP editor): the session's tools then act through it.
+    fn client_tools(&self) -> Option<Arc<dyn tiller_tools::ClientTools>> {
+        None
+    }
 }
 
 /// Entry point for edges: create, open, list sessions.
@@ -145,6 +202,7 @@ pub struct Sessions {
     cron: ActorRef<cron::CronMsg>,
     goal: ActorRef<goal::GoalMsg>,
     store: Store,
+    engines: Engines,
     next_subscriber: Arc<AtomicU64>,
 }
 
@@ -152,7 +210,7 @@ impl Sessions {
     /// Starts the registry.
     pub async fn start(
         store: Store,
-        engine: Arc<dyn Engine>,
+        engines: Engines,
         config: SessionConfig,
     ) -> Result<Sessions, SessionError> {
         let reconciled = reconcile(&store, None, tiller_core::ErrorKind::DaemonRestarted).await?;
@@ -179,7 +237,7 @@ impl Sessions {
                 cron: Some(cron.clone()),
                 goal: Some(goal.clone()),
             },
-            engine,
+            engines: engines.clone(),
             config: Arc::new(config),
         };
         let (registry, _) = Actor::spawn(None, Registry, args)
@@ -191,6 +249,7 @@ impl Sessions {
             cron,
             goal,
             store,
+            engines,
             next_subscriber: Arc::new(AtomicU64::new(1)),
         };
         // Work queued before a restart runs: wake the sessions it is for.
@@ -390,16 +449,36 @@ impl Sessions {
         rx.await.map_err(|_| SessionError::Stopped)
     }
 
-    /// Creates a session.
+    /// Creates a session with the default engine.
     pub async fn create(
         &self,
         cwd: String,
         title: Option<String>,
     ) -> Result<SessionHandle, SessionError> {
+        self.create_with(cwd, title, None).await
+    }
+
+    /// Creates a session with the engine called `engine`.
+    pub async fn create_with(
+        &self,
+        cwd: String,
+        title: Option<String>,
+        engine: Option<String>,
+    ) -> Result<SessionHandle, SessionError> {
         let (id, actor) = self
-            .ask(|reply| RegistryMsg::Create { cwd, title, reply })
+            .ask(|reply| RegistryMsg::Create {
+                cwd,
+                title,
+                engine,
+                reply,
+            })
             .await??;
         Ok(SessionHandle { id, actor })
+    }
+
+    /// The engines sessions may use.
+    pub fn engines(&self) -> &Engines {
+        &self.engines
     }
 
     /// Finds a live session or loads it from the store.
@@ -605,6 +684,77 @@ impl SessionHandle {
         self.send(SessionMsg::Permission {
             request_id,
             option_id,
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Connects the MCP servers a client passed (each within `timeout`) and
+    /// gives their tools to the session. A server that fails is reported
+    /// in the log (`mcp_server` with `error`) and skipped. Returns the
+    /// failures.
+    pub async fn set_mcp(
+        &self,
+        configs: Vec<tiller_tools::McpServerConfig>,
+        timeout: std::time::Duration,
+    ) -> Result<Vec<String>, SessionError> {
+        let results = futures::future::join_all(
+            configs
+                .iter()
+                .map(|c| tiller_tools::McpServer::connect(c, timeout)),
+        )
+        .await;
+        let mut servers = Vec::new();
+        let mut events = Vec::new();
+        let mut failures = Vec::new();
+        for (cfg, r) in configs.iter().zip(results) {
+            match r {
+                Ok(server) => {
+                    events.push(EventBody::McpServer {
+                        name: cfg.name().to_owned(),
+                        tools: server.specs().into_iter().map(|t| t.name).collect(),
+                        error: None,
+                    });
+                    servers.push(Arc::new(server));
+                }
+                Err(e) => {
+                    tracing::warn!(session = %self.id, server = cfg.name(), error = %e, "MCP server unavailable");
+                    events.push(EventBody::McpServer {
+                        name: cfg.name().to_owned(),
+                        tools: Vec::new(),
+                        error: Some(e.clone()),
+                    });
+                    failures.push(e);
+                }
+            }
+        }
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::SetMcp {
+            servers,
+            events,
+            done: tx,
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)?;
+        Ok(failures)
+    }
+
+    /// The options a client may change.
+    pub async fn options(&self) -> Result<Vec<ConfigOption>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Options(tx))?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Changes an option; `Ok(Err(message))` for an unknown option or value.
+    pub async fn set_option(
+        &self,
+        id: String,
+        value: String,
+    ) -> Result<Result<Vec<ConfigOption>, String>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::SetOption {
+            id,
+            value,
             reply: tx,
         })?;
         rx.await.map_err(|_| SessionError::Stopped)

@@ -7,11 +7,10 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tiller_core::SessionId;
-use tiller_engine::Engine;
-use tiller_store::{LogHead, SessionRecord, Store};
+use tiller_store::{LogHead, SessionExtras, SessionRecord, StateColumn, Store};
 use tokio::sync::oneshot;
 
-use crate::SessionConfig;
+use crate::{Engines, SessionConfig};
 use crate::SessionError;
 use crate::actor::{Automation, SessionActor, SessionArgs, SessionMsg};
 
@@ -21,6 +20,8 @@ pub enum RegistryMsg {
     Create {
         cwd: String,
         title: Option<String>,
+        /// The engine's name (the default when `None`).
+        engine: Option<String>,
         reply: oneshot::Sender<Result<(SessionId, ActorRef<SessionMsg>), SessionError>>,
     },
     /// Find a live session or load it from the store.
@@ -38,7 +39,7 @@ pub enum RegistryMsg {
 pub struct RegistryArgs {
     pub store: Store,
     pub automation: Automation,
-    pub engine: Arc<dyn Engine>,
+    pub engines: Engines,
     pub config: Arc<SessionConfig>,
 }
 
@@ -47,7 +48,7 @@ pub struct RegistryState {
     store: Store,
     /// The queue actors every session polls.
     automation: Automation,
-    engine: Arc<dyn Engine>,
+    engines: Engines,
     config: Arc<SessionConfig>,
     /// Live sessions.
     live: HashMap<SessionId, ActorRef<SessionMsg>>,
@@ -71,7 +72,7 @@ impl Actor for Registry {
         Ok(RegistryState {
             store: args.store,
             automation: args.automation,
-            engine: args.engine,
+            engines: args.engines,
             config: args.config,
             live: HashMap::new(),
             by_actor: HashMap::new(),
@@ -85,8 +86,13 @@ impl Actor for Registry {
         st: &mut RegistryState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            RegistryMsg::Create { cwd, title, reply } => {
-                let _ = reply.send(st.create(&myself, cwd, title).await);
+            RegistryMsg::Create {
+                cwd,
+                title,
+                engine,
+                reply,
+            } => {
+                let _ = reply.send(st.create(&myself, cwd, title, engine).await);
             }
             RegistryMsg::Open { id, reply } => {
                 let _ = reply.send(st.open(&myself, id).await);
@@ -162,14 +168,25 @@ impl RegistryState {
         myself: &ActorRef<RegistryMsg>,
         id: SessionId,
         head: LogHead,
+        cwd: String,
+        extras: SessionExtras,
     ) -> Result<ActorRef<SessionMsg>, SessionError> {
         if self.live.len() >= self.config.max_sessions {
             return Err(SessionError::TooManySessions(self.config.max_sessions));
         }
+        let engine = match self.engines.get(extras.engine.as_deref()) {
+            Ok(e) => e,
+            Err(_) => {
+                tracing::warn!(%id, engine = ?extras.engine, "the session's engine is no longer configured; using the default");
+                self.engines.get(None)?
+            }
+        };
         let args = SessionArgs {
             id,
             head,
-            engine: self.engine.clone(),
+            cwd,
+            extras,
+            engine,
             store: self.store.clone(),
             config: self.config.clone(),
             automation: self.automation.clone(),
@@ -188,10 +205,12 @@ impl RegistryState {
         myself: &ActorRef<RegistryMsg>,
         cwd: String,
         title: Option<String>,
+        engine: Option<String>,
     ) -> Result<(SessionId, ActorRef<SessionMsg>), SessionError> {
         if self.live.len() >= self.config.max_sessions {
             return Err(SessionError::TooManySessions(self.config.max_sessions));
         }
+        let engine_name = self.engines.get(engine.as_deref())?.name().to_owned();
         let id = SessionId::new();
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -200,15 +219,22 @@ impl RegistryState {
         self.store
             .create_session(SessionRecord {
                 id,
-                cwd,
+                cwd: cwd.clone(),
                 title,
                 created_ms: now,
                 updated_ms: now,
                 closed: false,
             })
             .await?;
+        self.store
+            .save_state(id, StateColumn::Engine, engine_name.clone())
+            .await?;
         metrics::counter!("tiller_sessions_created_total").increment(1);
-        let actor = self.spawn(myself, id, LogHead::default()).await?;
+        let extras = SessionExtras {
+            engine: Some(engine_name),
+            ..SessionExtras::default()
+        };
+        let actor = self.spawn(myself, id, LogHead::default(), cwd, extras).await?;
         Ok((id, actor))
     }
 
@@ -221,7 +247,10 @@ impl RegistryState {
             return Ok(actor.clone());
         }
         match self.store.get_session(id).await? {
-            Some((rec, head)) if !rec.closed => self.spawn(myself, id, head).await,
+            Some((rec, head)) if !rec.closed => {
+                let extras = self.store.load_state(id).await?;
+                self.spawn(myself, id, head, rec.cwd, extras).await
+            }
             _ => Err(SessionError::Unknown(id)),
         }
     }

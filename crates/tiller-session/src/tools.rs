@@ -1,9 +1,10 @@
 //! The session's tool pipeline. Each call goes through the loop guard, then
 //! permission, then execution, in the batch's order. A batch is resumable:
 //! when a call needs a person's decision it pauses (the session keeps
-//! handling messages) and continues when the decision arrives. The scripted
-//! engine's calls carry a simulated outcome; nothing on disk or in processes
-//! is touched.
+//! handling messages) and continues when the decision arrives. A call that
+//! really runs (a file, search, shell or MCP tool) pauses the batch the same
+//! way: the actor runs it off the mailbox and hands the output back. The
+//! scripted engine's calls carry a simulated outcome and finish at once.
 
 use std::collections::HashSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -26,6 +27,15 @@ pub enum PermissionMode {
 }
 
 impl PermissionMode {
+    /// The config and wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PermissionMode::Ask => "ask",
+            PermissionMode::AcceptEdits => "accept-edits",
+            PermissionMode::AllowAll => "allow-all",
+        }
+    }
+
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "ask" => PermissionMode::Ask,
@@ -130,6 +140,9 @@ pub enum Progress {
     Done(Vec<ToolResult>),
     /// A call waits for a person.
     Waiting,
+    /// This call must run now (off the actor); hand its output to
+    /// [`Batch::finish`].
+    Run(ToolCall),
     /// The loop guard stopped the batch; the rest of it failed unstarted.
     Tripped(LoopType, Vec<ToolResult>),
 }
@@ -143,6 +156,8 @@ pub struct Batch {
     results: Vec<ToolResult>,
     /// The call paused on a decision, if any.
     waiting: Option<Waiting>,
+    /// The call running off the actor, if any, and its loop-guard key.
+    running: Option<(usize, CallKey)>,
 }
 
 impl Batch {
@@ -152,6 +167,7 @@ impl Batch {
             calls,
             next: 0,
             waiting: None,
+            running: None,
         }
     }
 
@@ -168,7 +184,7 @@ impl Batch {
         perms: &Permissions,
         events: &mut Vec<EventBody>,
     ) -> Progress {
-        while self.waiting.is_none() && self.next < self.calls.len() {
+        while self.waiting.is_none() && self.running.is_none() && self.next < self.calls.len() {
             let i = self.next;
             self.next += 1;
             let call = self.calls[i].clone();
@@ -201,9 +217,13 @@ impl Batch {
                 });
                 return Progress::Waiting;
             }
-            self.run(i, &key, guard, events);
+            if let Some(call) = self.run(i, key, guard, events) {
+                return Progress::Run(call);
+            }
         }
-        if self.waiting.is_some() {
+        if let Some((i, _)) = &self.running {
+            Progress::Run(self.calls[*i].clone())
+        } else if self.waiting.is_some() {
             Progress::Waiting
         } else {
             Progress::Done(std::mem::take(&mut self.results))
@@ -231,7 +251,9 @@ impl Batch {
                 if decision == Decision::AllowAlways {
                     perms.always.insert(self.calls[w.index].name.clone());
                 }
-                self.run(w.index, &w.key, guard, events);
+                if let Some(call) = self.run(w.index, w.key, guard, events) {
+                    return Progress::Run(call);
+                }
                 self.advance(guard, perms, events)
             }
             Decision::Reject | Decision::Cancelled => {
@@ -262,7 +284,59 @@ impl Batch {
         }
     }
 
-    fn run(&mut self, i: usize, key: &CallKey, guard: &mut LoopGuard, events: &mut Vec<EventBody>) {
+    /// The id of the call running off the actor, if any.
+    pub fn running(&self) -> Option<&str> {
+        self.running.as_ref().map(|(i, _)| self.calls[*i].id.as_str())
+    }
+
+    /// Takes the output of the running call `id`, then advances. A stale id
+    /// (the call was abandoned) changes nothing.
+    pub fn finish(
+        &mut self,
+        id: &str,
+        output: ToolOutput,
+        guard: &mut LoopGuard,
+        perms: &Permissions,
+        events: &mut Vec<EventBody>,
+    ) -> Progress {
+        if self.running() != Some(id) {
+            return Progress::Waiting;
+        }
+        let (i, key) = self.running.take().expect("checked above");
+        self.complete(i, &key, output, guard, events);
+        self.advance(guard, perms, events)
+    }
+
+    /// The turn ended: a call waiting for permission or still running
+    /// fails, nothing more runs, and the results so far are returned.
+    pub fn abandon(
+        &mut self,
+        guard: &mut LoopGuard,
+        perms: &mut Permissions,
+        events: &mut Vec<EventBody>,
+    ) -> Option<Progress> {
+        if self.waiting.is_some() {
+            return Some(self.decide(Decision::Cancelled, guard, perms, events));
+        }
+        let (i, _) = self.running.take()?;
+        let output = ToolOutput {
+            ok: false,
+            output: "The turn ended before this call finished; it was stopped.".into(),
+        };
+        self.fail(i, output, None, events);
+        self.next = self.calls.len();
+        Some(Progress::Done(std::mem::take(&mut self.results)))
+    }
+
+    /// Starts call `i`: a simulated call completes now; a real one is
+    /// returned to be run off the actor.
+    fn run(
+        &mut self,
+        i: usize,
+        key: CallKey,
+        guard: &mut LoopGuard,
+        events: &mut Vec<EventBody>,
+    ) -> Option<ToolCall> {
         let call = &self.calls[i];
         events.push(EventBody::ToolCallUpdate {
             tool_call_id: call.id.clone(),
@@ -270,7 +344,28 @@ impl Batch {
             output: None,
             error: None,
         });
-        let output = execute(call);
+        match call.simulated.clone() {
+            Some(output) => {
+                self.complete(i, &key, output, guard, events);
+                None
+            }
+            None => {
+                let call = call.clone();
+                self.running = Some((i, key));
+                Some(call)
+            }
+        }
+    }
+
+    fn complete(
+        &mut self,
+        i: usize,
+        key: &CallKey,
+        output: ToolOutput,
+        guard: &mut LoopGuard,
+        events: &mut Vec<EventBody>,
+    ) {
+        let call = &self.calls[i];
         guard.finished(
             key,
             CallOutcome {
@@ -359,16 +454,6 @@ pub fn skip_message(loop_type: LoopType) -> String {
     )
 }
 
-fn execute(call: &ToolCall) -> ToolOutput {
-    match &call.simulated {
-        Some(out) => out.clone(),
-        None => ToolOutput {
-            ok: false,
-            output: format!("no executor for tool `{}` in this daemon", call.name),
-        },
-    }
-}
-
 fn signature(out: &ToolOutput) -> u64 {
     let mut h = DefaultHasher::new();
     out.ok.hash(&mut h);
@@ -451,25 +536,68 @@ mod tests {
     }
 
     #[test]
-    fn every_call_ends_completed_or_failed() {
-        let mut calls = vec![call("a", "read_file", serde_json::json!({}), true, "fine")];
-        calls.push(ToolCall {
+    fn a_real_call_pauses_the_batch_until_its_output_arrives() {
+        let real = |id: &str| ToolCall {
             simulated: None,
-            ..call("b", "x", serde_json::json!({}), true, "")
-        });
+            ..call(id, "list_dir", serde_json::json!({"p": id}), true, "")
+        };
+        let calls = vec![
+            call("a", "read_file", serde_json::json!({}), true, "fine"),
+            real("b"),
+            real("c"),
+        ];
         let mut ev = Vec::new();
-        let p = Batch::new(calls).advance(&mut guard(), &Permissions::default(), &mut ev);
+        let mut g = guard();
+        let perms = Permissions::default();
+        let mut b = Batch::new(calls);
+        let Progress::Run(c) = b.advance(&mut g, &perms, &mut ev) else {
+            panic!("b must run off the actor")
+        };
+        assert_eq!((c.id.as_str(), b.running()), ("b", Some("b")));
+        // A stale output changes nothing.
+        let out = |ok| ToolOutput {
+            ok,
+            output: "x".into(),
+        };
+        assert_eq!(b.finish("zz", out(true), &mut g, &perms, &mut ev), Progress::Waiting);
+        let Progress::Run(c) = b.finish("b", out(false), &mut g, &perms, &mut ev) else {
+            panic!("c runs next")
+        };
+        assert_eq!(c.id, "c");
+        let p = b.finish("c", out(true), &mut g, &perms, &mut ev);
         let Progress::Done(results) = p else {
             panic!("{p:?}")
         };
         assert_eq!(
+            results.iter().map(|r| r.output.ok).collect::<Vec<_>>(),
+            vec![true, false, true]
+        );
+        assert_eq!(
             finals(&ev),
             vec![
                 ("a".into(), ToolStatus::Completed),
-                ("b".into(), ToolStatus::Failed)
+                ("b".into(), ToolStatus::Failed),
+                ("c".into(), ToolStatus::Completed)
             ]
         );
-        assert!(results[0].output.ok && !results[1].output.ok);
+    }
+
+    #[test]
+    fn abandoning_a_running_call_fails_it_and_ends_the_batch() {
+        let real = |id: &str| ToolCall {
+            simulated: None,
+            ..call(id, "list_dir", serde_json::json!({"p": id}), true, "")
+        };
+        let mut ev = Vec::new();
+        let mut g = guard();
+        let mut perms = Permissions::default();
+        let mut b = Batch::new(vec![real("a"), real("b")]);
+        assert!(matches!(b.advance(&mut g, &perms, &mut ev), Progress::Run(_)));
+        let p = b.abandon(&mut g, &mut perms, &mut ev);
+        assert!(matches!(p, Some(Progress::Done(ref r)) if r.len() == 1 && !r[0].output.ok));
+        assert_eq!(finals(&ev), vec![("a".into(), ToolStatus::Failed)]);
+        assert_eq!(b.running(), None);
+        assert!(b.abandon(&mut g, &mut perms, &mut ev).is_none());
     }
 
     #[test]

@@ -33,8 +33,9 @@ async fn sessions(dir: &tempfile::TempDir) -> Sessions {
         notification_cap: 32,
         delivery_hosts: Vec::new(),
         delivery_wake: None,
+        tools: Default::default(),
     };
-    Sessions::start(store, Arc::new(ScriptedEngine), config)
+    Sessions::start(store, tiller_session::Engines::single(Arc::new(ScriptedEngine)), config)
         .await
         .unwrap()
 }

@@ -46,10 +46,111 @@ pub struct StoreCfg {
     pub path: String,
 }
 
+/// `[engine]`: the default engine and the model engines, one table each
+/// (`[engine.NAME]`).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct EngineCfg {
     pub default: String,
+    #[serde(flatten)]
+    pub models: std::collections::BTreeMap<String, ModelEngineCfg>,
+}
+
+/// `[engine.NAME]`: a model engine.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelEngineCfg {
+    /// `openai` (Chat Completions and compatible servers) or `anthropic`.
+    /// Defaults to the table's name when that is one of them.
+    #[serde(default)]
+    pub kind: Option<String>,
+    /// The API root; defaults to the provider's public API.
+    #[serde(default)]
+    pub base_url: Option<String>,
+    /// The default model.
+    pub model: String,
+    /// More models a session may switch to (`session/set_config_option`).
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// The environment variable holding the API key. Defaults to
+    /// OPENAI_API_KEY / ANTHROPIC_API_KEY for the public APIs, and to none
+    /// when `base_url` is set; "" sends no key.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    #[serde(default = "default_request_timeout", with = "humantime_serde")]
+    pub request_timeout: Duration,
+    #[serde(default = "default_max_retries")]
+    pub max_retries: u32,
+    #[serde(default = "default_retry_base", with = "humantime_serde")]
+    pub retry_base: Duration,
+    #[serde(default = "default_max_requests")]
+    pub max_requests_per_turn: u32,
+}
+
+fn default_request_timeout() -> Duration {
+    Duration::from_secs(120)
+}
+fn default_max_retries() -> u32 {
+    3
+}
+fn default_retry_base() -> Duration {
+    Duration::from_millis(500)
+}
+fn default_max_requests() -> u32 {
+    100
+}
+
+impl ModelEngineCfg {
+    /// The engine's settings, `name` being its table's name.
+    pub fn to_model(&self, name: &str) -> Result<tiller_engine::model::ModelConfig, String> {
+        use tiller_engine::model::{ModelConfig, Provider};
+        let kind = self.kind.as_deref().unwrap_or(name);
+        let provider = Provider::parse(kind).ok_or_else(|| {
+            format!("key `engine.{name}.kind`: unknown kind `{kind}` (expected openai or anthropic)")
+        })?;
+        if self.model.trim().is_empty() {
+            return Err(format!("key `engine.{name}.model`: give the model's name"));
+        }
+        let base_url = self
+            .base_url
+            .clone()
+            .unwrap_or_else(|| provider.default_base_url().to_owned());
+        match url::Url::parse(&base_url) {
+            Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
+            _ => {
+                return Err(format!(
+                    "key `engine.{name}.base_url`: `{base_url}` is not an http(s) URL"
+                ));
+            }
+        }
+        let api_key_env = match (&self.api_key_env, &self.base_url, provider) {
+            (Some(v), _, _) => Some(v.clone()).filter(|v| !v.is_empty()),
+            (None, Some(_), _) => None,
+            (None, None, Provider::OpenAi) => Some("OPENAI_API_KEY".into()),
+            (None, None, Provider::Anthropic) => Some("ANTHROPIC_API_KEY".into()),
+        };
+        Ok(ModelConfig {
+            name: name.to_owned(),
+            provider,
+            base_url,
+            model: self.model.clone(),
+            models: self.models.clone(),
+            api_key_env,
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            system_prompt: self.system_prompt.clone(),
+            request_timeout: self.request_timeout,
+            max_retries: self.max_retries,
+            retry_base: self.retry_base,
+            max_requests_per_turn: self.max_requests_per_turn.max(1),
+        })
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -130,12 +231,24 @@ pub struct DeliveryCfg {
 #[serde(deny_unknown_fields, default)]
 pub struct Tools {
     pub permission_mode: String,
+    #[serde(with = "humantime_serde")]
+    pub shell_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    pub max_shell_timeout: Duration,
+    pub max_output_bytes: usize,
+    #[serde(with = "humantime_serde")]
+    pub mcp_connect_timeout: Duration,
 }
 
 impl Default for Tools {
     fn default() -> Self {
+        let t = tiller_tools::ToolsConfig::default();
         Self {
             permission_mode: "ask".into(),
+            shell_timeout: t.shell_timeout,
+            max_shell_timeout: t.max_shell_timeout,
+            max_output_bytes: t.max_output_bytes,
+            mcp_connect_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -179,6 +292,7 @@ impl Default for EngineCfg {
     fn default() -> Self {
         Self {
             default: "scripted".into(),
+            models: Default::default(),
         }
     }
 }
@@ -225,8 +339,8 @@ impl Default for Metrics {
 #[error("{0}")]
 pub struct ConfigError(pub String);
 
-/// Engines this build knows.
-pub const ENGINES: &[&str] = &["scripted"];
+/// The engine that needs no model and no key.
+pub const SCRIPTED: &str = "scripted";
 
 impl Config {
     /// Reads `path` (or the embedded defaults when `None`), then applies
@@ -309,12 +423,26 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        if !ENGINES.contains(&self.engine.default.as_str()) {
+        if self.engine.models.contains_key(SCRIPTED) {
             return Err(ConfigError(format!(
-                "key `engine.default`: unknown engine `{}` (known: {})",
-                self.engine.default,
-                ENGINES.join(", ")
+                "key `engine.{SCRIPTED}`: the name is reserved for the built-in scripted engine"
             )));
+        }
+        for (name, m) in &self.engine.models {
+            m.to_model(name).map_err(ConfigError)?;
+        }
+        let names = self.engine_names();
+        if !names.contains(&self.engine.default) {
+            return Err(ConfigError(format!(
+                "key `engine.default`: unknown engine `{}` (configured: {})",
+                self.engine.default,
+                names.join(", ")
+            )));
+        }
+        if self.tools.shell_timeout.is_zero() || self.tools.max_shell_timeout < self.tools.shell_timeout {
+            return Err(ConfigError(
+                "key `tools.shell_timeout`: must be above zero and at most tools.max_shell_timeout".into(),
+            ));
         }
         if tiller_session::PermissionMode::parse(&self.tools.permission_mode).is_none() {
             return Err(ConfigError(format!(
@@ -387,6 +515,22 @@ impl Config {
     }
 
     /// Which tool calls ask first.
+    /// Every engine's name: `scripted` and the model engines.
+    pub fn engine_names(&self) -> Vec<String> {
+        std::iter::once(SCRIPTED.to_owned())
+            .chain(self.engine.models.keys().cloned())
+            .collect()
+    }
+
+    /// The built-in tools' settings.
+    pub fn tools_config(&self) -> tiller_tools::ToolsConfig {
+        tiller_tools::ToolsConfig {
+            shell_timeout: self.tools.shell_timeout,
+            max_shell_timeout: self.tools.max_shell_timeout,
+            max_output_bytes: self.tools.max_output_bytes.max(1024),
+        }
+    }
+
     pub fn permission_mode(&self) -> tiller_session::PermissionMode {
         tiller_session::PermissionMode::parse(&self.tools.permission_mode)
             .expect("validated by Config::load")

@@ -7,8 +7,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use tiller_acp::AcpConfig;
+use tiller_engine::model::ModelEngine;
 use tiller_engine::{Engine, ScriptedEngine};
-use tiller_session::{SessionConfig, Sessions};
+use tiller_session::{Engines, SessionConfig, Sessions};
 use tiller_store::Store;
 use tokio::sync::{Semaphore, watch};
 
@@ -26,10 +27,19 @@ pub fn init_tracing(cfg: &Config) {
         .init();
 }
 
-/// The configured engine (`Config::load` has checked the name; the
-/// scripted engine is the only one this build has).
-fn engine(_cfg: &Config) -> Arc<dyn Engine> {
-    Arc::new(ScriptedEngine)
+/// The configured engines (`Config::load` has checked them).
+fn engines(cfg: &Config) -> Engines {
+    let mut all: Vec<Arc<dyn Engine>> = vec![Arc::new(ScriptedEngine)];
+    for (name, m) in &cfg.engine.models {
+        let model = m.to_model(name).expect("validated by Config::load");
+        if let Some(var) = &model.api_key_env
+            && std::env::var(var).map_or(true, |v| v.trim().is_empty())
+        {
+            tracing::warn!(engine = %name, variable = %var, "the engine's API key variable is not set; its turns will fail until it is");
+        }
+        all.push(Arc::new(ModelEngine::new(model)));
+    }
+    Engines::new(&cfg.engine.default, all)
 }
 
 fn acp_config(cfg: &Config) -> AcpConfig {
@@ -52,7 +62,7 @@ async fn start_sessions(
     let store = tokio::task::block_in_place(|| Store::open(db))?;
     let sessions = Sessions::start(
         store.clone(),
-        engine(cfg),
+        engines(cfg),
         SessionConfig {
             turn: cfg.turn_config(),
             max_sessions: cfg.limits.max_sessions,
@@ -61,6 +71,7 @@ async fn start_sessions(
             notification_cap: cfg.limits.max_queued_notifications,
             delivery_hosts: cfg.delivery.allowed_hosts.clone(),
             delivery_wake,
+            tools: Arc::new(cfg.tools_config()),
         },
     )
     .await?;
