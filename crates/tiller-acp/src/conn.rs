@@ -16,8 +16,9 @@ use agent_client_protocol::v1::schema::{
     Implementation, InitializeRequest, InitializeResponse, ListSessionsRequest,
     ListSessionsResponse, LoadSessionRequest, LoadSessionResponse, NewSessionRequest,
     NewSessionResponse, PromptCapabilities, PromptRequest, ResumeSessionRequest,
-    ResumeSessionResponse, SessionCapabilities, SessionCloseCapabilities, SessionInfo,
-    SessionListCapabilities, SessionResumeCapabilities,
+    McpCapabilities, ResumeSessionResponse, SessionCapabilities, SessionCloseCapabilities,
+    SessionInfo, SessionListCapabilities, SessionResumeCapabilities, SetSessionConfigOptionRequest,
+    SetSessionConfigOptionResponse,
 };
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -27,6 +28,7 @@ use tiller_session::{
 };
 use tokio::sync::{Mutex, Notify, mpsc};
 
+use crate::client::{Calls, ClientCaps};
 use crate::jsonrpc::{self, Incoming, RpcError, code};
 use crate::map;
 
@@ -48,6 +50,8 @@ pub struct AcpConfig {
     pub subscriber_queue: usize,
     /// Reported in `initialize`.
     pub version: String,
+    /// Bound on connecting to each MCP server a client passes.
+    pub mcp_connect_timeout: std::time::Duration,
 }
 
 /// Messages into the connection's writer loop.
@@ -72,6 +76,8 @@ enum Out {
 /// Delivers a session's events into a connection's writer loop.
 struct ConnSubscriber {
     id: SubscriberId,
+    /// The client's file and terminal methods for this session.
+    client: Option<Arc<dyn tiller_tools::ClientTools>>,
     tx: mpsc::Sender<Out>,
     /// Raised when the queue is full: the connection is then closed, so the
     /// client reconnects and reloads instead of silently missing events.
@@ -89,6 +95,10 @@ impl Subscriber for ConnSubscriber {
             Err(mpsc::error::TrySendError::Closed(_)) => false,
         }
     }
+
+    fn client_tools(&self) -> Option<Arc<dyn tiller_tools::ClientTools>> {
+        self.client.clone()
+    }
 }
 
 /// State shared by the request tasks of one connection.
@@ -100,6 +110,8 @@ struct Shared {
     /// Current subscription per attached session (guarded so two requests
     /// never attach the same session twice).
     attached: Mutex<HashMap<SessionId, (SessionHandle, SubscriberId)>>,
+    /// Our requests to the client (`fs/*`, `terminal/*`).
+    calls: Arc<Calls>,
 }
 
 /// Serves one connection until the transport closes (or the client is too
@@ -113,12 +125,14 @@ pub async fn serve(
 ) {
     metrics::gauge!("tiller_connections_active", "transport" => transport).increment(1.0);
     let (tx, mut rx) = mpsc::channel::<Out>(config.subscriber_queue.max(16));
+    let (call_tx, mut call_rx) = mpsc::channel::<String>(64);
     let shared = Arc::new(Shared {
         sessions,
         config,
         tx,
         overflow: Arc::new(Notify::new()),
         attached: Mutex::new(HashMap::new()),
+        calls: Calls::new(call_tx),
     });
     let mut writer = Writer::default();
     // Once the client stops sending, answer what is in flight, then end.
@@ -134,6 +148,8 @@ pub async fn serve(
                     Incoming::Response { id, result } => {
                         if let Some((session, request_id)) = writer.answered(&id) {
                             answer_permission(&shared, session, request_id, result);
+                        } else if !shared.calls.answered(&id, result) {
+                            tracing::debug!(?id, "response to no request of ours ignored");
                         }
                     }
                     other => dispatch(&shared, other, &inflight),
@@ -141,6 +157,11 @@ pub async fn serve(
                 Some(Frame::TooLarge(n)) => too_large(&shared, n, &inflight),
                 None => input_open = false,
             },
+            Some(msg) = call_rx.recv() => {
+                if outgoing.send(msg).await.is_err() {
+                    break;
+                }
+            }
             // Wake up to re-check the drain condition.
             () = tokio::time::sleep(std::time::Duration::from_millis(50)), if !input_open => {}
             out = rx.recv() => {
@@ -157,6 +178,7 @@ pub async fn serve(
             }
         }
     }
+    shared.calls.close();
     let attached = std::mem::take(&mut *shared.attached.lock().await);
     for (handle, sub) in attached.into_values() {
         handle.unsubscribe(sub);
@@ -408,6 +430,10 @@ fn unknown_session(raw: &str) -> Reply {
 fn session_error(e: SessionError) -> Reply {
     match e {
         SessionError::Unknown(id) => unknown_session(&id.to_string()),
+        SessionError::UnknownEngine(..) => Reply::Error(
+            RpcError::invalid_params(e.to_string())
+                .with_data(json!({ "field": "_meta.tiller.engine" })),
+        ),
         SessionError::TooManySessions(_) => Reply::Error(
             RpcError::new(code::OVERLOADED, e.to_string())
                 .with_data(json!({ "errorKind": "overloaded", "retryable": true })),
@@ -450,7 +476,7 @@ impl Shared {
         let sub = self.sessions.subscriber_id();
         let _ = self.tx.send(Out::Attached(handle.id(), sub)).await;
         handle
-            .subscribe(sub, Box::new(self.subscriber(sub)))
+            .subscribe(sub, Box::new(self.subscriber(sub, handle.id())))
             .await
             .map_err(session_error)?;
         attached.insert(handle.id(), (handle.clone(), sub));
@@ -464,7 +490,7 @@ impl Shared {
         let sub = self.sessions.subscriber_id();
         let _ = self.tx.send(Out::Replaying(handle.id(), sub)).await;
         let last = handle
-            .subscribe(sub, Box::new(self.subscriber(sub)))
+            .subscribe(sub, Box::new(self.subscriber(sub, handle.id())))
             .await
             .map_err(session_error)?
             .last_seq;
@@ -474,9 +500,10 @@ impl Shared {
         Ok(last)
     }
 
-    fn subscriber(&self, id: SubscriberId) -> ConnSubscriber {
+    fn subscriber(&self, id: SubscriberId, session: SessionId) -> ConnSubscriber {
         ConnSubscriber {
             id,
+            client: self.calls.tools_for(session),
             tx: self.tx.clone(),
             overflow: self.overflow.clone(),
         }
@@ -491,10 +518,12 @@ impl Shared {
 async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Reply> {
     match method {
         "initialize" => {
+            shared.calls.set_caps(ClientCaps::from_initialize(&raw));
             let _req: InitializeRequest = params(raw)?;
             let caps = AgentCapabilities::new()
                 .load_session(true)
                 .prompt_capabilities(PromptCapabilities::new())
+                .mcp_capabilities(McpCapabilities::new().http(true))
                 .session_capabilities(
                     SessionCapabilities::new()
                         .list(SessionListCapabilities::new())
@@ -519,17 +548,85 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
         }
         "session/new" => {
             let req: NewSessionRequest = params(raw)?;
+            if !req.cwd.is_absolute() {
+                return Err(Reply::Error(
+                    RpcError::invalid_params(format!(
+                        "cwd must be an absolute path; got {}",
+                        req.cwd.display()
+                    ))
+                    .with_data(json!({ "field": "cwd" })),
+                ));
+            }
+            let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
+            // `_meta.tiller.engine` picks an engine other than the default.
+            let engine = match req
+                .meta
+                .as_ref()
+                .and_then(|m| m.get("tiller"))
+                .and_then(|t| t.get("engine"))
+            {
+                None | Some(Value::Null) => None,
+                Some(Value::String(e)) => Some(e.clone()),
+                Some(other) => {
+                    return Err(Reply::Error(
+                        RpcError::invalid_params(format!("engine must be a string; got {other}"))
+                            .with_data(json!({ "field": "_meta.tiller.engine" })),
+                    ));
+                }
+            };
             let handle = shared
                 .sessions
-                .create(req.cwd.display().to_string(), None)
+                .create_with(req.cwd.display().to_string(), None, engine)
                 .await
                 .map_err(session_error)?;
+            if !mcp.is_empty() {
+                handle
+                    .set_mcp(mcp, shared.config.mcp_connect_timeout)
+                    .await
+                    .map_err(session_error)?;
+            }
             shared.attach(&handle).await?;
-            Ok(to_value(NewSessionResponse::new(handle.id().to_string())))
+            let options = handle.options().await.map_err(session_error)?;
+            Ok(to_value(
+                NewSessionResponse::new(handle.id().to_string())
+                    .config_options(map::config_options(&options)),
+            ))
+        }
+        "session/set_config_option" => {
+            let req: SetSessionConfigOptionRequest = params(raw)?;
+            let value = match serde_json::to_value(&req.value) {
+                Ok(Value::Object(o)) => match o.get("value") {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(Value::Bool(b)) => b.to_string(),
+                    _ => String::new(),
+                },
+                _ => String::new(),
+            };
+            let handle = shared.open(&req.session_id.0).await?;
+            shared.attach(&handle).await?;
+            let options = handle
+                .set_option(req.config_id.0.to_string(), value)
+                .await
+                .map_err(session_error)?
+                .map_err(|e| {
+                    Reply::Error(
+                        RpcError::invalid_params(e).with_data(json!({ "field": "configId/value" })),
+                    )
+                })?;
+            Ok(to_value(SetSessionConfigOptionResponse::new(
+                map::config_options(&options),
+            )))
         }
         "session/load" => {
             let req: LoadSessionRequest = params(raw)?;
+            let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
+            if !mcp.is_empty() {
+                handle
+                    .set_mcp(mcp, shared.config.mcp_connect_timeout)
+                    .await
+                    .map_err(session_error)?;
+            }
             let last = shared.attach_for_replay(&handle).await?;
             let history = match shared
                 .sessions
@@ -560,7 +657,14 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
         }
         "session/resume" => {
             let req: ResumeSessionRequest = params(raw)?;
+            let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
+            if !mcp.is_empty() {
+                handle
+                    .set_mcp(mcp, shared.config.mcp_connect_timeout)
+                    .await
+                    .map_err(session_error)?;
+            }
             shared.attach(&handle).await?;
             Ok(to_value(ResumeSessionResponse::new()))
         }

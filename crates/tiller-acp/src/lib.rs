@@ -4,6 +4,7 @@
 //! small JSON-RPC layer (see ARCHITECTURE.md for why): one connection loop
 //! ([`conn::serve`]) shared by stdio, the unix socket and WebSocket.
 
+pub mod client;
 pub mod conn;
 pub mod jsonrpc;
 pub mod map;

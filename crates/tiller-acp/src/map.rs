@@ -1,14 +1,16 @@
 //! Mapping between the session log and ACP's wire types.
 
 use agent_client_protocol::v1::schema::{
-    ContentBlock, ContentChunk, PermissionOption, PermissionOptionKind, Plan, PlanEntry,
+    ConfigOptionUpdate, ContentBlock, ContentChunk, McpServer, PermissionOption, PermissionOptionKind, Plan, PlanEntry,
     PlanEntryPriority, PlanEntryStatus, RequestPermissionOutcome, RequestPermissionRequest,
-    RequestPermissionResponse, SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall,
+    RequestPermissionResponse, SessionConfigOption, SessionConfigOptionCategory,
+    SessionConfigSelectOption, SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall,
     ToolCallContent, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
-use tiller_session::{EventBody, EventRecord, ToolStatus};
+use tiller_session::{ConfigOption, EventBody, EventRecord, ToolStatus};
+use tiller_tools::McpServerConfig;
 
 use crate::jsonrpc::{RpcError, code};
 
@@ -44,7 +46,7 @@ pub fn session_update(rec: &EventRecord) -> Option<SessionNotification> {
             status,
         } => SessionUpdate::ToolCall(
             ToolCall::new(tool_call_id.clone(), name.clone())
-                .kind(ToolKind::Other)
+                .kind(tool_kind(name))
                 .status(tool_status(*status))
                 .raw_input(input.clone()),
         ),
@@ -69,13 +71,88 @@ pub fn session_update(rec: &EventRecord) -> Option<SessionNotification> {
                         "code": e.code,
                     }));
             } else if let Some(out) = output {
-                fields = fields.raw_output(Value::String(out.clone()));
+                // Editors show `content`; keep it short, the raw output whole.
+                let shown: String = out.chars().take(8 * 1024).collect();
+                fields = fields
+                    .content(vec![ToolCallContent::from(ContentBlock::from(shown))])
+                    .raw_output(Value::String(out.clone()));
             }
             SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(tool_call_id.clone(), fields))
+        }
+        EventBody::ConfigOptions { options } => {
+            SessionUpdate::ConfigOptionUpdate(ConfigOptionUpdate::new(config_options(options)))
         }
         _ => return None,
     };
     Some(SessionNotification::new(rec.session.to_string(), update))
+}
+
+/// ACP's kind of a tool, by name (MCP tools are `other`).
+fn tool_kind(name: &str) -> ToolKind {
+    match name {
+        "read_file" => ToolKind::Read,
+        "write_file" | "edit" => ToolKind::Edit,
+        "list_dir" | "glob" | "grep" => ToolKind::Search,
+        "shell" => ToolKind::Execute,
+        _ => ToolKind::Other,
+    }
+}
+
+/// A session's options as ACP config options (selects).
+pub fn config_options(options: &[ConfigOption]) -> Vec<SessionConfigOption> {
+    options
+        .iter()
+        .map(|o| {
+            let choices: Vec<SessionConfigSelectOption> = o
+                .choices
+                .iter()
+                .map(|c| SessionConfigSelectOption::new(c.clone(), c.clone()))
+                .collect();
+            let category = match o.category.as_str() {
+                "model" => SessionConfigOptionCategory::Model,
+                "mode" => SessionConfigOptionCategory::Mode,
+                other => SessionConfigOptionCategory::Other(other.to_owned()),
+            };
+            SessionConfigOption::select(o.id.clone(), o.name.clone(), o.current.clone(), choices)
+                .category(category)
+        })
+        .collect()
+}
+
+/// The MCP servers of `session/new` (or load/resume) as the tools crate
+/// takes them. SSE is deprecated in MCP and refused with a clear error.
+pub fn mcp_servers(servers: &[McpServer]) -> Result<Vec<McpServerConfig>, RpcError> {
+    servers
+        .iter()
+        .map(|s| match s {
+            McpServer::Stdio(s) => Ok(McpServerConfig::Stdio {
+                name: s.name.clone(),
+                command: s.command.display().to_string(),
+                args: s.args.clone(),
+                env: s
+                    .env
+                    .iter()
+                    .map(|e| (e.name.clone(), e.value.clone()))
+                    .collect(),
+            }),
+            McpServer::Http(h) => Ok(McpServerConfig::Http {
+                name: h.name.clone(),
+                url: h.url.clone(),
+                headers: h
+                    .headers
+                    .iter()
+                    .map(|e| (e.name.clone(), e.value.clone()))
+                    .collect(),
+            }),
+            McpServer::Sse(s) => Err(RpcError::invalid_params(format!(
+                "MCP server `{}`: the SSE transport is not supported; use HTTP or stdio",
+                s.name
+            ))
+            .with_data(json!({ "field": "mcpServers" }))),
+            _ => Err(RpcError::invalid_params("unsupported MCP server transport")
+                .with_data(json!({ "field": "mcpServers" }))),
+        })
+        .collect()
 }
 
 fn tool_status(s: ToolStatus) -> ToolCallStatus {

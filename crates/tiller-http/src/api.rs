@@ -47,6 +47,7 @@ impl From<SessionError> for ApiError {
                 StatusCode::NOT_FOUND,
                 json!({ "errorKind": "unknown_session", "message": e.to_string(), "sessionId": id.to_string() }),
             ),
+            SessionError::UnknownEngine(..) => bad_request(e.to_string()),
             SessionError::TooManySessions(_) => ApiError(
                 StatusCode::SERVICE_UNAVAILABLE,
                 json!({ "errorKind": "overloaded", "retryable": true, "message": e.to_string() }),
@@ -210,18 +211,47 @@ pub async fn create_session(
     } else {
         serde_json::from_slice(&body).map_err(|e| bad_request(format!("invalid body: {e}")))?
     };
-    if let Some(e) = &body.engine
-        && e != &st.engine
-    {
-        return Err(bad_request(format!(
-            "unknown engine `{e}` (this daemon runs `{}`)",
-            st.engine
-        )));
-    }
     let cwd = body.cwd.unwrap_or_else(|| "/".into());
-    let handle = st.sessions.create(cwd, body.title).await?;
+    if !std::path::Path::new(&cwd).is_absolute() {
+        return Err(bad_request(format!("cwd must be an absolute path; got {cwd}")));
+    }
+    let handle = st
+        .sessions
+        .create_with(cwd, body.title, body.engine)
+        .await?;
     let rec = st.sessions.record(handle.id()).await?;
     Ok((StatusCode::CREATED, Json(session_json(&rec))))
+}
+
+/// `GET /api/sessions/:id/options`: the options a client may change.
+pub async fn get_options(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let options = open(&st, &id).await?.options().await?;
+    Ok(Json(json!({ "options": options })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptionBody {
+    value: String,
+}
+
+/// `PUT /api/sessions/:id/options/:option` `{value}`.
+pub async fn set_option(
+    State(st): State<AppState>,
+    Path((id, option)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> ApiResult<Json<Value>> {
+    let body: OptionBody =
+        serde_json::from_slice(&body).map_err(|e| bad_request(format!("invalid body: {e}")))?;
+    let options = open(&st, &id)
+        .await?
+        .set_option(option, body.value)
+        .await?
+        .map_err(bad_request)?;
+    Ok(Json(json!({ "options": options })))
 }
 
 pub async fn get_session(

@@ -67,6 +67,11 @@ pub fn router(state: AppState) -> Router {
             "/api/sessions/{id}",
             get(api::get_session).delete(api::close_session),
         )
+        .route("/api/sessions/{id}/options", get(api::get_options))
+        .route(
+            "/api/sessions/{id}/options/{option}",
+            axum::routing::put(api::set_option),
+        )
         .route("/api/sessions/{id}/prompts", post(api::post_prompt))
         .route("/api/sessions/{id}/steer", post(api::post_steer))
         .route("/api/sessions/{id}/cancel", post(api::post_cancel))

@@ -50,6 +50,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
             max_message_bytes: 1 << 20,
             subscriber_queue: 64,
             version: "test".into(),
+            mcp_connect_timeout: std::time::Duration::from_secs(5),
         },
         metrics: PrometheusBuilder::new().build_recorder().handle(),
         permits: Arc::new(Semaphore::new(8)),

@@ -47,6 +47,7 @@ fn acp_config(cfg: &Config) -> AcpConfig {
         max_message_bytes: cfg.limits.max_message_bytes,
         subscriber_queue: cfg.limits.subscriber_queue,
         version: env!("CARGO_PKG_VERSION").to_owned(),
+        mcp_connect_timeout: cfg.tools.mcp_connect_timeout,
     }
 }
 
