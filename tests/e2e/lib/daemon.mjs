@@ -91,12 +91,31 @@ export function connectStream(stream, onClose = () => {}) {
   };
   // Answers permission requests; tests replace it. Default: deny.
   const self = { answer: async () => ({ outcome: { outcome: "selected", optionId: "reject_once" } }) };
-  const app = client()
-    .onRequest("session/request_permission", async ({ params }) => {
-      permissionRequests.push(params);
-      notify();
-      return self.answer(params);
-    })
+  // Requests for the client's fs/terminal methods; tests set `onClient`.
+  const clientRequests = [];
+  self.onClient = async (method) => {
+    throw new Error(`${method} not supported by this test client`);
+  };
+  let app = client().onRequest("session/request_permission", async ({ params }) => {
+    permissionRequests.push(params);
+    notify();
+    return self.answer(params);
+  });
+  for (const method of [
+    "fs/read_text_file",
+    "fs/write_text_file",
+    "terminal/create",
+    "terminal/output",
+    "terminal/wait_for_exit",
+    "terminal/kill",
+    "terminal/release",
+  ]) {
+    app = app.onRequest(method, async ({ params }) => {
+      clientRequests.push({ method, params });
+      return self.onClient(method, params);
+    });
+  }
+  app = app
     .onNotification("session/update", ({ params }) => {
       updates.push(params);
       notify();
@@ -113,6 +132,7 @@ export function connectStream(stream, onClose = () => {}) {
     updates,
     ext,
     permissionRequests,
+    clientRequests,
     request: (method, params) => conn.agent.request(method, params),
     notify: (method, params) => conn.agent.notify(method, params),
     /** Waits until `pred()` holds (re-checked on every notification). */

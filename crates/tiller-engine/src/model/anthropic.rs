@@ -180,7 +180,7 @@ impl Parser for AnthropicParser {
         Ok(out)
     }
 
-    fn finish(&mut self) -> Option<Finish> {
+    fn finish(&mut self, _ended: bool) -> Option<Finish> {
         if !self.done {
             return None;
         }

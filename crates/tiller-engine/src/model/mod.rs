@@ -193,8 +193,9 @@ pub(crate) struct Finish {
 pub(crate) trait Parser: Send {
     /// Takes one event; `Err` is an error the model reported mid-stream.
     fn event(&mut self, event: &str, data: &str) -> Result<Vec<Delta>, String>;
-    /// The response, once the stream said it is complete.
-    fn finish(&mut self) -> Option<Finish>;
+    /// The response, once the stream said it is complete (`ended`: the
+    /// byte stream ended too).
+    fn finish(&mut self, ended: bool) -> Option<Finish>;
 }
 
 fn parser(p: Provider) -> Box<dyn Parser> {
@@ -540,12 +541,12 @@ impl Run {
                     Delta::ToolProgress => {}
                 }
             }
-            if let Some(done) = parser.finish() {
+            if let Some(done) = parser.finish(false) {
                 drop(events);
                 return Ok(self.finished(text, done));
             }
         }
-        match parser.finish() {
+        match parser.finish(true) {
             Some(done) => Ok(self.finished(text, done)),
             None => Err(if started {
                 CallError::Fatal("the model stream ended before the response was complete".into())

@@ -142,10 +142,11 @@ impl Parser for OpenAiParser {
         Ok(out)
     }
 
-    fn finish(&mut self) -> Option<Finish> {
-        // Some compatible servers end the stream without `[DONE]`; a
-        // finish reason is then the sign of a complete response.
-        if !self.done && self.stop.is_none() {
+    fn finish(&mut self, ended: bool) -> Option<Finish> {
+        // Usage comes after the finish reason, so `[DONE]` ends a response;
+        // some compatible servers close the stream without it, and a finish
+        // reason is then the sign of a complete response.
+        if !(self.done || ended && self.stop.is_some()) {
             return None;
         }
         let calls: Vec<RawCall> = std::mem::take(&mut self.calls)

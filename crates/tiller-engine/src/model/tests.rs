@@ -86,7 +86,7 @@ proptest! {
         events.push(("", "[DONE]".to_owned()));
         let mut p = OpenAiParser::default();
         feed(&mut p, &events).unwrap();
-        let f = p.finish().unwrap();
+        let f = p.finish(false).unwrap();
         prop_assert_eq!(f.stop, Stop::ToolUse);
         prop_assert_eq!(f.calls.len(), 2);
         prop_assert_eq!(parse_args(&f.calls[0].args), serde_json::from_str::<serde_json::Value>(args_a).unwrap());
@@ -111,7 +111,7 @@ proptest! {
         events.push(("message_stop", json!({"type":"message_stop"}).to_string()));
         let mut p = AnthropicParser::default();
         feed(&mut p, &events).unwrap();
-        let f = p.finish().unwrap();
+        let f = p.finish(false).unwrap();
         prop_assert_eq!(f.stop, Stop::ToolUse);
         prop_assert_eq!(f.usage, (12, 30));
         prop_assert_eq!(parse_args(&f.calls[0].args), serde_json::from_str::<serde_json::Value>(args).unwrap());
@@ -145,7 +145,7 @@ fn openai_text_usage_and_stop_reasons() {
                 Delta::Text("lo".into())
             ]
         );
-        let f = p.finish().unwrap();
+        let f = p.finish(false).unwrap();
         assert_eq!((f.stop, f.usage), (stop, (7, 2)), "{reason}");
     }
 }
@@ -161,14 +161,14 @@ fn incomplete_streams_have_no_finish() {
         )],
     )
     .unwrap();
-    assert_eq!(p.finish(), None);
+    assert_eq!(p.finish(false), None);
     let mut a = AnthropicParser::default();
     feed(
         &mut a,
         &[("content_block_start", json!({"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}).to_string())],
     )
     .unwrap();
-    assert_eq!(a.finish(), None);
+    assert_eq!(a.finish(true), None);
 }
 
 #[test]
@@ -213,7 +213,7 @@ fn anthropic_text_thinking_and_refusal() {
         d,
         vec![Delta::Thought("consider".into()), Delta::Text("No.".into())]
     );
-    assert_eq!(p.finish().unwrap().stop, Stop::Refusal);
+    assert_eq!(p.finish(false).unwrap().stop, Stop::Refusal);
 }
 
 fn cfg(provider: Provider) -> ModelConfig {

@@ -1,0 +1,537 @@
+// Model engines against a local server that streams the real OpenAI and
+// Anthropic wire formats: real tool calls through the session's pipeline,
+// retries, cancel, steering, loop protection, permissions, MCP servers, the
+// editor's fs/terminal methods, and config options.
+
+import assert from "node:assert/strict";
+import { existsSync, readFileSync, writeFileSync } from "node:fs";
+import path from "node:path";
+import { after, before, beforeEach, describe, test } from "node:test";
+
+import { agentText, api, initialize, startDaemon, tempDir, textPrompt, transports } from "./lib/daemon.mjs";
+import { mcpServerPath, startMcpHttp } from "./lib/mcp-server.mjs";
+import { anthropic, openai, startMockModel, userSide } from "./lib/mockmodel.mjs";
+
+const KEY = "sk-test-SECRET-0123456789abcdef";
+let mock;
+let daemon;
+let c;
+
+before(async () => {
+  mock = await startMockModel();
+  const dir = tempDir();
+  const config = path.join(dir, "tiller.toml");
+  writeFileSync(
+    config,
+    `
+[engine.mock-openai]
+kind = "openai"
+base_url = "${mock.url}/v1"
+model = "mock-1"
+models = ["mock-2"]
+api_key_env = "TILLER_TEST_MODEL_KEY"
+retry_base = "10ms"
+max_retries = 2
+request_timeout = "2s"
+
+[engine.mock-anthropic]
+kind = "anthropic"
+base_url = "${mock.url}"
+model = "claude-mock"
+api_key_env = "TILLER_TEST_MODEL_KEY"
+retry_base = "10ms"
+
+[engine.mock-slow]
+kind = "openai"
+base_url = "${mock.url}/v1"
+model = "slow"
+request_timeout = "300ms"
+max_retries = 1
+retry_base = "10ms"
+`,
+  );
+  daemon = await startDaemon({
+    dataDir: dir,
+    args: ["--config", config],
+    env: { TILLER_TEST_MODEL_KEY: KEY, TILLER_TURN__STALL_TIMEOUT: "10s" },
+  });
+  c = await transports.unix(daemon);
+  await initialize(c);
+});
+
+after(async () => {
+  c?.close();
+  await daemon?.stop();
+  await mock?.close();
+});
+
+beforeEach(() => {
+  mock.replies.length = 0;
+});
+
+/** A session on `engine` in a fresh directory holding `files`. */
+async function session(engine, files = {}, extra = {}) {
+  const cwd = tempDir();
+  for (const [name, text] of Object.entries(files)) writeFileSync(path.join(cwd, name), text);
+  const res = await (extra.conn ?? c).request("session/new", {
+    cwd,
+    mcpServers: extra.mcpServers ?? [],
+    _meta: { tiller: { engine } },
+  });
+  return { sid: res.sessionId, cwd, res };
+}
+
+const since = (n) => mock.requests.slice(n);
+const toolResults = (req) => userSide(req).filter((m) => m.role === "tool");
+const statuses = (conn, sid) =>
+  conn.updates
+    .filter((u) => u.sessionId === sid && u.update.sessionUpdate === "tool_call_update")
+    .map((u) => [u.update.toolCallId, u.update.status])
+    .filter(([, s]) => s === "completed" || s === "failed");
+
+/** Polls `pred` (for conditions no notification announces). */
+async function waitFor(pred, ms = 5000) {
+  const end = Date.now() + ms;
+  while (!pred()) {
+    if (Date.now() > end) throw new Error("condition not met in time");
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
+async function rejection(promise) {
+  try {
+    await promise;
+  } catch (e) {
+    return e;
+  }
+  assert.fail("the prompt was expected to fail");
+}
+
+describe("OpenAI-compatible engine", () => {
+  test("a multi-tool turn: parallel calls with split arguments run for real", async () => {
+    const { sid, cwd } = await session("mock-openai", { "notes.txt": "alpha\nbeta\n" });
+    const n = mock.requests.length;
+    mock.reply(
+      {
+        events: openai.tools(
+          [
+            { id: "call_1", name: "read_file", args: { path: "notes.txt" } },
+            { id: "call_2", name: "list_dir", args: { path: "." } },
+          ],
+          { pieces: 4 },
+        ),
+        split: 7, // SSE frames cut across writes too
+      },
+      { events: openai.text("Two entries found.") },
+    );
+    const res = await c.request("session/prompt", textPrompt(sid, "What is here?"));
+    assert.equal(res.stopReason, "end_turn");
+    await c.until(() => agentText(c, sid) === "Two entries found.");
+    const [first, second] = since(n);
+    assert.equal(first.path, "/v1/chat/completions");
+    assert.equal(first.headers.authorization, `Bearer ${KEY}`);
+    assert.equal(first.body.model, "mock-1");
+    assert.equal(first.body.stream, true);
+    const offered = first.body.tools.map((t) => t.function.name);
+    for (const t of ["read_file", "write_file", "edit", "list_dir", "glob", "grep", "shell"]) assert.ok(offered.includes(t), t);
+    assert.deepEqual(userSide(first).at(-1), { role: "user", text: "What is here?", id: undefined });
+    const results = toolResults(second);
+    assert.deepEqual(results.map((r) => r.id), ["call_1", "call_2"]);
+    assert.equal(results[0].text, "alpha\nbeta\n");
+    assert.equal(results[1].text, "notes.txt");
+    assert.deepEqual(statuses(c, sid), [
+      ["call_1", "completed"],
+      ["call_2", "completed"],
+    ]);
+    const kinds = c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "tool_call").map((u) => u.update.kind);
+    assert.deepEqual(kinds, ["read", "search"]);
+    // Usage is in the log; nothing was written to the directory.
+    const h = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=200`);
+    assert.ok(h.body.events.some((e) => e.type === "usage" && e.data.inputTokens === 11 && e.data.outputTokens === 7));
+    assert.ok(existsSync(path.join(cwd, "notes.txt")));
+  });
+
+  test("the conversation carries over to the next prompt", async () => {
+    const { sid } = await session("mock-openai");
+    const n = mock.requests.length;
+    mock.reply({ events: openai.text("First answer.") }, { events: openai.text("Second answer.") });
+    await c.request("session/prompt", textPrompt(sid, "one"));
+    await c.request("session/prompt", textPrompt(sid, "two"));
+    const msgs = since(n)[1].body.messages.map((m) => [m.role, m.content]);
+    assert.deepEqual(msgs, [
+      ["user", "one"],
+      ["assistant", "First answer."],
+      ["user", "two"],
+    ]);
+  });
+
+  test("an error mid-stream fails the prompt with model_stream_interrupted", async () => {
+    const { sid } = await session("mock-openai");
+    mock.reply({ events: openai.text("Partial answer that never").slice(0, 3), drop: true });
+    const e = await rejection(c.request("session/prompt", textPrompt(sid, "go")));
+    assert.equal(e.code, -32603);
+    assert.equal(e.data.errorKind, "model_stream_interrupted");
+    assert.ok(agentText(c, sid).startsWith("Partial"));
+    // The session goes on.
+    mock.reply({ events: openai.text("Recovered.") });
+    const res = await c.request("session/prompt", textPrompt(sid, "again"));
+    assert.equal(res.stopReason, "end_turn");
+  });
+
+  test("429, then success: retried with backoff before the first token", async () => {
+    const { sid } = await session("mock-openai");
+    const n = mock.requests.length;
+    mock.reply(
+      { status: 429, headers: { "retry-after": "0" }, body: { error: { type: "rate_limit", message: "slow down" } } },
+      { status: 503, body: { error: { type: "server_error", message: "busy" } } },
+      { events: openai.text("Made it.") },
+    );
+    const res = await c.request("session/prompt", textPrompt(sid, "go"));
+    assert.equal(res.stopReason, "end_turn");
+    assert.equal(since(n).length, 3);
+    await c.until(() => agentText(c, sid) === "Made it.");
+  });
+
+  test("retries run out: the turn fails with the provider's reason", async () => {
+    const { sid } = await session("mock-openai");
+    const busy = { status: 500, body: { error: { type: "server_error", message: "down for maintenance" } } };
+    mock.reply(busy, busy, busy);
+    const e = await rejection(c.request("session/prompt", textPrompt(sid, "go")));
+    assert.equal(e.data.errorKind, "model_stream_interrupted");
+    assert.match(e.message, /HTTP 500.*down for maintenance/);
+  });
+
+  test("cancel mid-stream aborts the HTTP stream", async () => {
+    const { sid } = await session("mock-openai");
+    const n = mock.requests.length;
+    mock.reply({ events: openai.text("Thinking about it").slice(0, 2), hang: true });
+    const pending = c.request("session/prompt", textPrompt(sid, "go"));
+    await c.until(() => agentText(c, sid).length > 0);
+    await c.notify("session/cancel", { sessionId: sid });
+    const res = await pending;
+    await waitFor(() => mock.closed.length > 0 && since(n)[0].closedEarly, 3000);
+    assert.equal(res.stopReason, "cancelled");
+    assert.ok(since(n)[0].closedEarly, "the model stream was closed by the daemon");
+  });
+
+  test("a steer mid-turn joins the conversation at the next model boundary", async () => {
+    const { sid } = await session("mock-openai", { "a.txt": "A" });
+    const n = mock.requests.length;
+    mock.reply(
+      { events: openai.tools([{ id: "call_s", name: "read_file", args: { path: "a.txt" } }]), pace: 60 },
+      { events: openai.text("Focusing on tests as asked.") },
+    );
+    const pending = c.request("session/prompt", textPrompt(sid, "Review the code"));
+    // While the first response still streams.
+    await waitFor(() => mock.requests.length > n);
+    const answer = await c.request("_session/steering", {
+      sessionId: sid,
+      prompt: [{ type: "text", text: "Only look at the tests." }],
+    });
+    assert.equal(answer.outcome, "injected");
+    const res = await pending;
+    assert.equal(res.stopReason, "end_turn");
+    const second = since(n)[1];
+    const side = userSide(second);
+    const steer = side.findIndex((m) => m.role === "user" && m.text === "Only look at the tests.");
+    const result = side.findIndex((m) => m.role === "tool" && m.id === "call_s");
+    assert.ok(steer > result && result >= 0, JSON.stringify(side));
+    const h = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=200`);
+    assert.ok(h.body.events.some((e) => e.type === "steer_consumed" && e.data.steerId === answer.steerId));
+    assert.ok(!h.body.events.some((e) => e.type === "steer_dropped"));
+  });
+
+  test("loop protection trips on real tool calls; the next prompt works", async () => {
+    const { sid } = await session("mock-openai", { "same.txt": "same" });
+    const n = mock.requests.length;
+    const same = [1, 2, 3, 4, 5, 6].map((i) => ({ id: `call_l${i}`, name: "read_file", args: { path: "same.txt" } }));
+    mock.reply({ events: openai.tools(same) });
+    const e = await rejection(c.request("session/prompt", textPrompt(sid, "read it")));
+    assert.equal(e.code, -32603);
+    assert.equal(e.data.errorKind, "loop_detected");
+    assert.equal(e.data.loopType, "consecutive_identical_tool_calls");
+    await c.until(() => statuses(c, sid).length === 6);
+    const st = statuses(c, sid).map(([, s]) => s);
+    assert.deepEqual(st, ["completed", "completed", "completed", "completed", "failed", "failed"]);
+    assert.equal(since(n).length, 1, "the engine was stopped: no further model call");
+    mock.reply({ events: openai.text("Okay.") });
+    const res = await c.request("session/prompt", textPrompt(sid, "something else"));
+    assert.equal(res.stopReason, "end_turn");
+    // Every call the model made has a result in the conversation.
+    const msgs = since(n)[1].body.messages;
+    const callIds = msgs.flatMap((m) => (m.tool_calls ?? []).map((t) => t.id));
+    const resultIds = msgs.filter((m) => m.role === "tool").map((m) => m.tool_call_id);
+    assert.deepEqual(resultIds, callIds);
+  });
+
+  test("permission: a denied write does not run, an allowed one does", async () => {
+    const { sid, cwd } = await session("mock-openai");
+    const n = mock.requests.length;
+    mock.reply(
+      { events: openai.tools([{ id: "call_w1", name: "write_file", args: { path: "denied.txt", content: "no" } }]) },
+      { events: openai.tools([{ id: "call_w2", name: "write_file", args: { path: "allowed.txt", content: "yes" } }]) },
+      { events: openai.text("Done writing.") },
+    );
+    const answers = ["reject_once", "allow_once"];
+    c.answer = async (params) => {
+      assert.equal(params.sessionId, sid);
+      return { outcome: { outcome: "selected", optionId: answers.shift() } };
+    };
+    try {
+      const res = await c.request("session/prompt", textPrompt(sid, "write files"));
+      assert.equal(res.stopReason, "end_turn");
+    } finally {
+      c.answer = async () => ({ outcome: { outcome: "selected", optionId: "reject_once" } });
+    }
+    assert.ok(!existsSync(path.join(cwd, "denied.txt")));
+    assert.equal(readFileSync(path.join(cwd, "allowed.txt"), "utf8"), "yes");
+    await c.until(() => statuses(c, sid).length === 2);
+    const denied = toolResults(since(n)[1])[0];
+    assert.match(denied.text, /denied/);
+    assert.deepEqual(statuses(c, sid), [
+      ["call_w1", "failed"],
+      ["call_w2", "completed"],
+    ]);
+  });
+
+  test("a request that gets no answer is bounded by request_timeout", async () => {
+    const { sid } = await session("mock-slow");
+    mock.reply({ waitHeaders: 1500 }, { waitHeaders: 1500 });
+    const e = await rejection(c.request("session/prompt", textPrompt(sid, "go")));
+    assert.equal(e.data.errorKind, "model_stream_interrupted");
+    assert.match(e.message, /no response from the model within 0.3s/);
+  });
+
+  test("stop reasons: length is max_tokens", async () => {
+    const { sid } = await session("mock-openai");
+    mock.reply({ events: openai.text("Cut", { finish: "length" }) });
+    const res = await c.request("session/prompt", textPrompt(sid, "go"));
+    assert.equal(res.stopReason, "max_tokens");
+  });
+
+  test("the API key never appears in errors or logs", async () => {
+    const { sid } = await session("mock-openai");
+    mock.reply({ status: 401, body: { error: { type: "invalid_request_error", message: `Incorrect API key provided: ${KEY}.` } } });
+    const e = await rejection(c.request("session/prompt", textPrompt(sid, "go")));
+    assert.match(e.message, /HTTP 401/);
+    const seen = e.message + JSON.stringify(e.data);
+    assert.ok(!seen.includes(KEY));
+    assert.ok(seen.includes("[redacted]"), seen);
+    const h = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=200`);
+    assert.ok(!JSON.stringify(h.body).includes(KEY));
+    assert.ok(!daemon.log().includes(KEY));
+  });
+
+  test("session/set_config_option switches the model", async () => {
+    const { sid, res } = await session("mock-openai");
+    const model = res.configOptions.find((o) => o.id === "model");
+    assert.equal(model.currentValue, "mock-1");
+    assert.deepEqual(model.options.map((o) => o.value), ["mock-1", "mock-2"]);
+    assert.ok(res.configOptions.some((o) => o.id === "permission_mode" && o.currentValue === "ask"));
+    const set = await c.request("session/set_config_option", { sessionId: sid, configId: "model", value: "mock-2" });
+    assert.equal(set.configOptions.find((o) => o.id === "model").currentValue, "mock-2");
+    await c.until(() => c.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "config_option_update"));
+    const n = mock.requests.length;
+    mock.reply({ events: openai.text("From mock-2.") });
+    await c.request("session/prompt", textPrompt(sid, "go"));
+    assert.equal(since(n)[0].body.model, "mock-2");
+    const bad = await rejection(c.request("session/set_config_option", { sessionId: sid, configId: "model", value: "gpt-9" }));
+    assert.equal(bad.code, -32602);
+    const unknown = await rejection(c.request("session/set_config_option", { sessionId: sid, configId: "colour", value: "red" }));
+    assert.equal(unknown.code, -32602);
+    // allow-all: a write runs without asking.
+    await c.request("session/set_config_option", { sessionId: sid, configId: "permission_mode", value: "allow-all" });
+    const before = c.permissionRequests.length;
+    mock.reply(
+      { events: openai.tools([{ id: "call_aa", name: "shell", args: { command: "echo hi > hi.txt" } }]) },
+      { events: openai.text("ok") },
+    );
+    await c.request("session/prompt", textPrompt(sid, "go"));
+    assert.equal(c.permissionRequests.length, before);
+    await c.until(() => statuses(c, sid).some(([id]) => id === "call_aa"));
+    assert.deepEqual(statuses(c, sid).at(-1), ["call_aa", "completed"]);
+  });
+});
+
+describe("Anthropic engine", () => {
+  test("a multi-tool turn with split tool input", async () => {
+    const { sid } = await session("mock-anthropic", { "lib.rs": "fn main() {}\n// TODO: tests\n" });
+    const n = mock.requests.length;
+    mock.reply(
+      {
+        events: anthropic.tools(
+          [
+            { id: "toolu_1", name: "grep", args: { pattern: "TODO" } },
+            { id: "toolu_2", name: "glob", args: { pattern: "*.rs" } },
+          ],
+          { pieces: 5 },
+        ),
+        split: 11,
+      },
+      { events: anthropic.text("One TODO in lib.rs.") },
+    );
+    const res = await c.request("session/prompt", textPrompt(sid, "Find TODOs"));
+    assert.equal(res.stopReason, "end_turn");
+    await c.until(() => agentText(c, sid) === "One TODO in lib.rs.");
+    const [first, second] = since(n);
+    assert.equal(first.path, "/v1/messages");
+    assert.equal(first.headers["x-api-key"], KEY);
+    assert.equal(first.headers["anthropic-version"], "2023-06-01");
+    assert.equal(first.body.max_tokens, 8192);
+    assert.ok(first.body.tools.some((t) => t.name === "grep" && t.input_schema.type === "object"));
+    const results = toolResults(second);
+    assert.deepEqual(results.map((r) => r.id), ["toolu_1", "toolu_2"]);
+    assert.equal(results[0].text, "lib.rs:2: // TODO: tests\n");
+    assert.equal(results[1].text, "lib.rs");
+  });
+
+  test("an error event mid-stream fails the prompt; 529 is retried", async () => {
+    const { sid } = await session("mock-anthropic");
+    mock.reply(
+      { status: 529, body: { type: "error", error: { type: "overloaded_error", message: "Overloaded" } } },
+      {
+        events: [
+          ...anthropic.text("Starting now").slice(0, 4),
+          { event: "error", data: { type: "error", error: { type: "api_error", message: "Internal server error" } } },
+        ],
+      },
+    );
+    const e = await rejection(c.request("session/prompt", textPrompt(sid, "go")));
+    assert.equal(e.data.errorKind, "model_stream_interrupted");
+    assert.match(e.message, /api_error: Internal server error/);
+  });
+
+  test("refusal maps to the refusal stop reason", async () => {
+    const { sid } = await session("mock-anthropic");
+    mock.reply({ events: anthropic.text("I can't help with that.", { stop: "refusal" }) });
+    const res = await c.request("session/prompt", textPrompt(sid, "go"));
+    assert.equal(res.stopReason, "refusal");
+  });
+
+  test("cancel mid-stream aborts the HTTP stream", async () => {
+    const { sid } = await session("mock-anthropic");
+    const n = mock.requests.length;
+    mock.reply({ events: anthropic.text("Let me think").slice(0, 4), hang: true });
+    const pending = c.request("session/prompt", textPrompt(sid, "go"));
+    await c.until(() => agentText(c, sid).length > 0);
+    await c.notify("session/cancel", { sessionId: sid });
+    assert.equal((await pending).stopReason, "cancelled");
+    await waitFor(() => since(n)[0].closedEarly, 3000);
+  });
+});
+
+describe("MCP servers from session/new", () => {
+  test("stdio and HTTP servers' tools are offered and called", async () => {
+    const web = await startMcpHttp();
+    try {
+      const { sid } = await session("mock-openai", {}, {
+        mcpServers: [
+          { name: "calc", command: process.execPath, args: [mcpServerPath], env: [] },
+          { type: "http", name: "web", url: web.url, headers: [] },
+        ],
+      });
+      const n = mock.requests.length;
+      mock.reply(
+        {
+          events: openai.tools([
+            { id: "call_m1", name: "calc__add", args: { a: 2, b: 3 } },
+            { id: "call_m2", name: "web__add", args: { a: 5, b: 7 } },
+            { id: "call_m3", name: "calc__fail", args: {} },
+          ]),
+        },
+        { events: openai.text("5 and 12.") },
+      );
+      const res = await c.request("session/prompt", textPrompt(sid, "add"));
+      assert.equal(res.stopReason, "end_turn");
+      const offered = since(n)[0].body.tools.map((t) => t.function.name);
+      for (const t of ["calc__add", "calc__fail", "web__add", "web__fail"]) assert.ok(offered.includes(t), t);
+      const results = toolResults(since(n)[1]);
+      assert.deepEqual(results.map((r) => r.text), ["sum=5", "sum=12", "it broke"]);
+      assert.deepEqual(web.calls, [{ tool: "add", a: 5, b: 7 }]);
+      await c.until(() => statuses(c, sid).length === 3);
+      assert.deepEqual(statuses(c, sid).map(([, s]) => s), ["completed", "completed", "failed"]);
+      const h = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=200`);
+      const servers = h.body.events.filter((e) => e.type === "mcp_server").map((e) => [e.data.name, e.data.tools.length]);
+      assert.deepEqual(servers.sort(), [["calc", 2], ["web", 2]]);
+    } finally {
+      await web.close();
+    }
+  });
+
+  test("a server that cannot start is reported, and the session still works", async () => {
+    const { sid } = await session("mock-openai", {}, {
+      mcpServers: [{ name: "broken", command: "/nonexistent/mcp-server", args: [], env: [] }],
+    });
+    const h = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=50`);
+    const ev = h.body.events.find((e) => e.type === "mcp_server");
+    assert.equal(ev.data.name, "broken");
+    assert.match(ev.data.error, /cannot start/);
+    mock.reply({ events: openai.text("Fine.") });
+    assert.equal((await c.request("session/prompt", textPrompt(sid, "go"))).stopReason, "end_turn");
+  });
+});
+
+describe("the editor's fs and terminal methods", () => {
+  test("reads, edits and commands go through the client that offers them", async () => {
+    const ed = await transports.websocket(daemon);
+    try {
+      await ed.request("initialize", {
+        protocolVersion: 1,
+        clientCapabilities: { fs: { readTextFile: true, writeTextFile: true }, terminal: true },
+      });
+      const { sid, cwd } = await session("mock-openai", { "main.rs": "on disk" }, { conn: ed });
+      const buffers = new Map([[path.join(cwd, "main.rs"), "unsaved buffer"]]);
+      ed.onClient = async (method, params) => {
+        assert.equal(params.sessionId, sid);
+        switch (method) {
+          case "fs/read_text_file":
+            return { content: buffers.get(params.path) };
+          case "fs/write_text_file":
+            buffers.set(params.path, params.content);
+            return {};
+          case "terminal/create":
+            assert.deepEqual(params.args, ["-c", "cargo test"]);
+            assert.equal(params.cwd, cwd);
+            return { terminalId: "term-1" };
+          case "terminal/wait_for_exit":
+            return { exitCode: 0, signal: null };
+          case "terminal/output":
+            return { output: "test result: ok", truncated: false, exitStatus: { exitCode: 0, signal: null } };
+          default:
+            return {};
+        }
+      };
+      ed.answer = async () => ({ outcome: { outcome: "selected", optionId: "allow_always" } });
+      const n = mock.requests.length;
+      mock.reply(
+        {
+          events: openai.tools([
+            { id: "call_e1", name: "read_file", args: { path: "main.rs" } },
+            { id: "call_e2", name: "edit", args: { path: "main.rs", old_string: "unsaved", new_string: "edited" } },
+            { id: "call_e3", name: "shell", args: { command: "cargo test" } },
+          ]),
+        },
+        { events: openai.text("All good.") },
+      );
+      const res = await ed.request("session/prompt", textPrompt(sid, "check"));
+      assert.equal(res.stopReason, "end_turn");
+      const results = toolResults(since(n)[1]);
+      assert.equal(results[0].text, "unsaved buffer");
+      assert.match(results[2].text, /test result: ok/);
+      assert.equal(buffers.get(path.join(cwd, "main.rs")), "edited buffer");
+      assert.equal(readFileSync(path.join(cwd, "main.rs"), "utf8"), "on disk");
+      const methods = ed.clientRequests.map((r) => r.method);
+      assert.deepEqual(methods, [
+        "fs/read_text_file",
+        "fs/read_text_file",
+        "fs/write_text_file",
+        "terminal/create",
+        "terminal/wait_for_exit",
+        "terminal/output",
+        "terminal/release",
+      ]);
+    } finally {
+      ed.close();
+    }
+  });
+});
