@@ -8,7 +8,7 @@ import { existsSync, readFileSync, writeFileSync } from "node:fs";
 import path from "node:path";
 import { after, before, beforeEach, describe, test } from "node:test";
 
-import { agentText, api, initialize, startDaemon, tempDir, textPrompt, transports } from "./lib/daemon.mjs";
+import { agentText, api, connectEditor, initialize, startDaemon, tempDir, textPrompt, transports } from "./lib/daemon.mjs";
 import { mcpServerPath, startMcpHttp } from "./lib/mcp-server.mjs";
 import { anthropic, openai, startMockModel, userSide } from "./lib/mockmodel.mjs";
 
@@ -247,6 +247,7 @@ describe("OpenAI-compatible engine", () => {
     const same = [1, 2, 3, 4, 5, 6].map((i) => ({ id: `call_l${i}`, name: "read_file", args: { path: "same.txt" } }));
     mock.reply({ events: openai.tools(same) });
     const e = await rejection(c.request("session/prompt", textPrompt(sid, "read it")));
+    if (e.data.errorKind !== "loop_detected") console.log(daemon.log().split("\n").slice(-30).join("\n"));
     assert.equal(e.code, -32603);
     assert.equal(e.data.errorKind, "loop_detected");
     assert.equal(e.data.loopType, "consecutive_identical_tool_calls");
@@ -473,7 +474,7 @@ describe("MCP servers from session/new", () => {
 
 describe("the editor's fs and terminal methods", () => {
   test("reads, edits and commands go through the client that offers them", async () => {
-    const ed = await transports.websocket(daemon);
+    const ed = await connectEditor(daemon);
     try {
       await ed.request("initialize", {
         protocolVersion: 1,

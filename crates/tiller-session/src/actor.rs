@@ -290,6 +290,9 @@ struct RunningEngine {
     batch: Option<Batch>,
     /// The call running off the actor.
     exec: Option<tokio::task::JoinHandle<()>>,
+    /// The turn is ending (cancel, settle): results no longer go to the
+    /// engine.
+    stopping: bool,
     /// The turn's tracing span.
     span: Span,
 }
@@ -313,7 +316,7 @@ pub struct SessionState {
     /// The permission mode and the tools allowed for the whole session.
     permissions: Permissions,
     /// The session's tools (built-ins in its cwd, MCP servers).
-    toolbox: Toolbox,
+    toolbox: Arc<Toolbox>,
     /// The model conversation (model engines append to it).
     conversation: Conversation,
     /// Messages of the conversation already stored.
@@ -392,7 +395,10 @@ impl Actor for SessionActor {
             .and_then(PermissionMode::parse)
             .unwrap_or(args.config.permission_mode);
         Ok(SessionState {
-            toolbox: Toolbox::new(args.cwd.clone().into(), args.config.tools.clone()),
+            toolbox: Arc::new(Toolbox::new(
+                args.cwd.clone().into(),
+                args.config.tools.clone(),
+            )),
             conversation_saved: conversation.len(),
             conversation: Conversation::new(conversation),
             model: settings.model,
@@ -502,7 +508,7 @@ impl SessionState {
                 events,
                 done,
             } => {
-                self.toolbox = self.toolbox.clone().with_mcp(servers);
+                self.toolbox = Arc::new((*self.toolbox).clone().with_mcp(servers));
                 for body in events {
                     self.publish(None, None, body);
                 }
@@ -1062,6 +1068,7 @@ impl SessionState {
             text: String::new(),
             batch: None,
             exec: None,
+            stopping: false,
             span,
         });
     }
@@ -1070,6 +1077,8 @@ impl SessionState {
     /// tool pipeline's guard found one.
     fn deliver(&mut self, turn: TurnId, kind: SignalKind) -> Option<LoopType> {
         let prompt = self.core.active().map(|(p, _)| p);
+        // Only a tool batch needs what running calls takes.
+        let exec = matches!(kind, SignalKind::ToolBatch(_)).then(|| Exec::of(self));
         let run = self.running.as_mut().filter(|r| r.turn == turn)?;
         let (events, trip) = match kind {
             SignalKind::Update(Update::Text(text)) => {
@@ -1101,8 +1110,8 @@ impl SessionState {
                 let mut events = Vec::new();
                 let progress = batch.advance(&mut run.guard, &self.permissions, &mut events);
                 run.batch = Some(batch);
-                let exec = Exec::of(&self.toolbox, &self.subscribers, &self.myself);
-                (events, batch_progress(run, progress, &exec))
+                let exec = exec.as_ref().expect("made for tool batches");
+                (events, batch_progress(run, progress, exec))
             }
             _ => (Vec::new(), None),
         };
@@ -1132,6 +1141,7 @@ impl SessionState {
     ) -> Result<Option<LoopType>, PermissionRefused> {
         let unknown = || PermissionRefused::Unknown(request_id.to_owned());
         let prompt = self.core.active().map(|(p, _)| p);
+        let exec = Exec::of(self);
         let run = self.running.as_mut().ok_or_else(unknown)?;
         let batch = run.batch.as_mut().ok_or_else(unknown)?;
         if batch.waiting().map(|(w, _)| w.request_id.as_str()) != Some(request_id) {
@@ -1142,7 +1152,6 @@ impl SessionState {
         let mut events = Vec::new();
         let progress = batch.decide(decision, &mut run.guard, &mut self.permissions, &mut events);
         let turn = run.turn;
-        let exec = Exec::of(&self.toolbox, &self.subscribers, &self.myself);
         let trip = batch_progress(run, progress, &exec);
         for body in events {
             self.publish(prompt, Some(turn), body);
@@ -1154,9 +1163,11 @@ impl SessionState {
     /// or runs resolves it as cancelled (a running call is stopped), so no
     /// call stays pending.
     fn abandon_permission(&mut self, turn: TurnId) {
+        let exec = Exec::of(self);
         let Some(run) = self.running.as_mut().filter(|r| r.turn == turn) else {
             return;
         };
+        run.stopping = true;
         if let Some(task) = run.exec.take() {
             task.abort();
         }
@@ -1169,7 +1180,6 @@ impl SessionState {
         else {
             return;
         };
-        let exec = Exec::of(&self.toolbox, &self.subscribers, &self.myself);
         batch_progress(run, progress, &exec);
         for body in events {
             self.publish(prompt, Some(turn), body);
@@ -1179,6 +1189,7 @@ impl SessionState {
     /// A call that ran off the actor finished: the batch goes on. Returns
     /// a loop trip found while it did.
     fn tool_done(&mut self, turn: TurnId, id: &str, output: ToolOutput) -> Option<LoopType> {
+        let exec = Exec::of(self);
         let run = self.running.as_mut().filter(|r| r.turn == turn)?;
         let prompt = Some(run.prompt);
         let batch = run.batch.as_mut()?;
@@ -1188,7 +1199,6 @@ impl SessionState {
         run.exec = None;
         let mut events = Vec::new();
         let progress = batch.finish(id, output, &mut run.guard, &self.permissions, &mut events);
-        let exec = Exec::of(&self.toolbox, &self.subscribers, &self.myself);
         let trip = batch_progress(run, progress, &exec);
         for body in events {
             self.publish(prompt, Some(turn), body);
@@ -1479,23 +1489,33 @@ impl SessionState {
 
 /// What running a call off the actor needs.
 struct Exec {
-    toolbox: Toolbox,
+    toolbox: Arc<Toolbox>,
     client: Option<Arc<dyn ClientTools>>,
     actor: ActorRef<SessionMsg>,
+    conversation: Conversation,
 }
 
 impl Exec {
+    /// Adds a batch's results to the conversation (for an engine that will
+    /// not see them).
+    fn record(&self, results: Vec<tiller_engine::ToolResult>) {
+        for r in results {
+            self.conversation.push(tiller_engine::Message::ToolResult {
+                id: r.id,
+                ok: r.output.ok,
+                output: r.output.output,
+            });
+        }
+    }
+
     /// The newest attached client that offers file or terminal methods
     /// acts for the session.
-    fn of(
-        toolbox: &Toolbox,
-        subscribers: &[(SubscriberId, Box<dyn Subscriber>)],
-        actor: &ActorRef<SessionMsg>,
-    ) -> Exec {
+    fn of(st: &SessionState) -> Exec {
         Exec {
-            toolbox: toolbox.clone(),
-            client: subscribers.iter().rev().find_map(|(_, s)| s.client_tools()),
-            actor: actor.clone(),
+            toolbox: st.toolbox.clone(),
+            client: st.subscribers.iter().rev().find_map(|(_, s)| s.client_tools()),
+            actor: st.myself.clone(),
+            conversation: st.conversation.clone(),
         }
     }
 }
@@ -1504,6 +1524,14 @@ impl Exec {
 /// call it waits on. Returns the loop trip that stopped it, if any.
 fn batch_progress(run: &mut RunningEngine, progress: Progress, exec: &Exec) -> Option<LoopType> {
     match progress {
+        // The turn is ending: the engine is about to be stopped and must
+        // not take the results as a cue to call its model again. The
+        // conversation still records every result.
+        Progress::Done(results) if run.stopping => {
+            run.batch = None;
+            exec.record(results);
+            None
+        }
         Progress::Waiting => None,
         Progress::Run(call) => {
             let (toolbox, client, actor) =
@@ -1526,9 +1554,9 @@ fn batch_progress(run: &mut RunningEngine, progress: Progress, exec: &Exec) -> O
             None
         }
         Progress::Tripped(loop_type, results) => {
+            // As above: the trip stops the engine; skipped calls included.
             run.batch = None;
-            // The engine learns every result, skipped calls included.
-            run.handle.send(EngineInput::ToolResults(results));
+            exec.record(results);
             Some(loop_type)
         }
     }

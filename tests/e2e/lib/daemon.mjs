@@ -81,7 +81,7 @@ export async function startDaemon({ dataDir = tempDir(), env = {}, args = [] } =
  * A client connection that records every notification it receives.
  * `conn.agent.request(...)` sends requests.
  */
-export function connectStream(stream, onClose = () => {}) {
+export function connectStream(stream, onClose = () => {}, { editor = false } = {}) {
   const updates = [];
   const ext = [];
   const permissionRequests = [];
@@ -101,7 +101,10 @@ export function connectStream(stream, onClose = () => {}) {
     notify();
     return self.answer(params);
   });
-  for (const method of [
+  // Only an "editor" client answers fs/terminal requests (registering the
+  // handlers changes how the SDK orders its callbacks, so plain clients
+  // keep the default set).
+  for (const method of !editor ? [] : [
     "fs/read_text_file",
     "fs/write_text_file",
     "terminal/create",
@@ -177,6 +180,11 @@ export async function connectUnix(daemon) {
 /** ACP over WebSocket at /acp. */
 export async function connectWs(daemon) {
   return connectStream(createWebSocketStream(daemon.ws));
+}
+
+/** An editor-like client over WebSocket: it also answers fs/* and terminal/*. */
+export async function connectEditor(daemon) {
+  return connectStream(createWebSocketStream(daemon.ws), () => {}, { editor: true });
 }
 
 /** ACP over stdio, through `tiller acp` relaying to the daemon. */
