@@ -1,11 +1,12 @@
 //! Mapping between the session log and ACP's wire types.
 
 use agent_client_protocol::v1::schema::{
-    ConfigOptionUpdate, ContentBlock, ContentChunk, McpServer, PermissionOption, PermissionOptionKind, Plan, PlanEntry,
-    PlanEntryPriority, PlanEntryStatus, RequestPermissionOutcome, RequestPermissionRequest,
-    RequestPermissionResponse, SessionConfigOption, SessionConfigOptionCategory,
-    SessionConfigSelectOption, SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall,
-    ToolCallContent, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
+    ConfigOptionUpdate, ContentBlock, ContentChunk, McpServer, PermissionOption,
+    PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
+    RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
+    SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption,
+    SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall, ToolCallContent,
+    ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};

@@ -213,7 +213,9 @@ pub async fn create_session(
     };
     let cwd = body.cwd.unwrap_or_else(|| "/".into());
     if !std::path::Path::new(&cwd).is_absolute() {
-        return Err(bad_request(format!("cwd must be an absolute path; got {cwd}")));
+        return Err(bad_request(format!(
+            "cwd must be an absolute path; got {cwd}"
+        )));
     }
     let handle = st
         .sessions

@@ -16,13 +16,13 @@ use tiller_engine::{
     Conversation, Engine, EngineHandle, EngineInput, EngineSignal, PreparedPrompt, SignalKind,
     ToolOutput, TurnContext, Update,
 };
-use tiller_tools::{ClientTools, McpServer, Toolbox};
 use tiller_store::{LogHead, Store};
+use tiller_tools::{ClientTools, McpServer, Toolbox};
 use tokio::sync::oneshot;
 use tracing::{Instrument, Span};
 
-use crate::event::{EventBody, EventRecord};
 use crate::event::ConfigOption;
+use crate::event::{EventBody, EventRecord};
 use crate::tools::{Batch, Decision, PermissionMode, Permissions, Progress};
 use crate::{
     PermissionRefused, PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber,
@@ -1228,7 +1228,9 @@ impl SessionState {
             name: "Permission mode".into(),
             category: "mode".into(),
             current: self.permissions.mode.as_str().into(),
-            choices: ["ask", "accept-edits", "allow-all"].map(String::from).to_vec(),
+            choices: ["ask", "accept-edits", "allow-all"]
+                .map(String::from)
+                .to_vec(),
         });
         v
     }
@@ -1513,7 +1515,11 @@ impl Exec {
     fn of(st: &SessionState) -> Exec {
         Exec {
             toolbox: st.toolbox.clone(),
-            client: st.subscribers.iter().rev().find_map(|(_, s)| s.client_tools()),
+            client: st
+                .subscribers
+                .iter()
+                .rev()
+                .find_map(|(_, s)| s.client_tools()),
             actor: st.myself.clone(),
             conversation: st.conversation.clone(),
         }
@@ -1534,8 +1540,11 @@ fn batch_progress(run: &mut RunningEngine, progress: Progress, exec: &Exec) -> O
         }
         Progress::Waiting => None,
         Progress::Run(call) => {
-            let (toolbox, client, actor) =
-                (exec.toolbox.clone(), exec.client.clone(), exec.actor.clone());
+            let (toolbox, client, actor) = (
+                exec.toolbox.clone(),
+                exec.client.clone(),
+                exec.actor.clone(),
+            );
             let turn = run.turn;
             let task = async move {
                 let output = toolbox.run(&call, client).await;

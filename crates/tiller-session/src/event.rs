@@ -153,7 +153,10 @@ pub enum EventBody {
     /// The session was closed.
     SessionClosed,
     /// Tokens one model request used.
-    Usage { input_tokens: u64, output_tokens: u64 },
+    Usage {
+        input_tokens: u64,
+        output_tokens: u64,
+    },
     /// The session's options changed (model, permission mode).
     ConfigOptions { options: Vec<ConfigOption> },
     /// An MCP server connected (with its tools) or failed to.

@@ -10,9 +10,9 @@ use tiller_core::SessionId;
 use tiller_store::{LogHead, SessionExtras, SessionRecord, StateColumn, Store};
 use tokio::sync::oneshot;
 
-use crate::{Engines, SessionConfig};
 use crate::SessionError;
 use crate::actor::{Automation, SessionActor, SessionArgs, SessionMsg};
+use crate::{Engines, SessionConfig};
 
 /// The closed set of messages the registry handles.
 pub enum RegistryMsg {
@@ -234,7 +234,9 @@ impl RegistryState {
             engine: Some(engine_name),
             ..SessionExtras::default()
         };
-        let actor = self.spawn(myself, id, LogHead::default(), cwd, extras).await?;
+        let actor = self
+            .spawn(myself, id, LogHead::default(), cwd, extras)
+            .await?;
         Ok((id, actor))
     }
 

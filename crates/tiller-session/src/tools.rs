@@ -286,7 +286,9 @@ impl Batch {
 
     /// The id of the call running off the actor, if any.
     pub fn running(&self) -> Option<&str> {
-        self.running.as_ref().map(|(i, _)| self.calls[*i].id.as_str())
+        self.running
+            .as_ref()
+            .map(|(i, _)| self.calls[*i].id.as_str())
     }
 
     /// Takes the output of the running call `id`, then advances. A stale id
@@ -559,7 +561,10 @@ mod tests {
             ok,
             output: "x".into(),
         };
-        assert_eq!(b.finish("zz", out(true), &mut g, &perms, &mut ev), Progress::Waiting);
+        assert_eq!(
+            b.finish("zz", out(true), &mut g, &perms, &mut ev),
+            Progress::Waiting
+        );
         let Progress::Run(c) = b.finish("b", out(false), &mut g, &perms, &mut ev) else {
             panic!("c runs next")
         };
@@ -592,7 +597,10 @@ mod tests {
         let mut g = guard();
         let mut perms = Permissions::default();
         let mut b = Batch::new(vec![real("a"), real("b")]);
-        assert!(matches!(b.advance(&mut g, &perms, &mut ev), Progress::Run(_)));
+        assert!(matches!(
+            b.advance(&mut g, &perms, &mut ev),
+            Progress::Run(_)
+        ));
         let p = b.abandon(&mut g, &mut perms, &mut ev);
         assert!(matches!(p, Some(Progress::Done(ref r)) if r.len() == 1 && !r[0].output.ok));
         assert_eq!(finals(&ev), vec![("a".into(), ToolStatus::Failed)]);

@@ -35,9 +35,13 @@ async fn sessions(dir: &tempfile::TempDir) -> Sessions {
         delivery_wake: None,
         tools: Default::default(),
     };
-    Sessions::start(store, tiller_session::Engines::single(Arc::new(ScriptedEngine)), config)
-        .await
-        .unwrap()
+    Sessions::start(
+        store,
+        tiller_session::Engines::single(Arc::new(ScriptedEngine)),
+        config,
+    )
+    .await
+    .unwrap()
 }
 
 fn kinds(events: &[Arc<EventRecord>]) -> Vec<&'static str> {

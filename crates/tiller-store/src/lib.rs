@@ -1526,7 +1526,6 @@ mod tests {
         assert!(store.get_session(SessionId::new()).await.unwrap().is_none());
     }
 
-
     #[tokio::test]
     async fn session_state_saves_each_column_and_survives_reopen() {
         let dir = tempfile::tempdir().unwrap();
@@ -1534,10 +1533,22 @@ mod tests {
         let id = SessionId::new();
         {
             let store = Store::open(&path).unwrap();
-            assert_eq!(store.load_state(id).await.unwrap(), SessionExtras::default());
-            store.save_state(id, StateColumn::Engine, "openai".into()).await.unwrap();
-            store.save_state(id, StateColumn::Conversation, "[1]".into()).await.unwrap();
-            store.save_state(id, StateColumn::Conversation, "[2]".into()).await.unwrap();
+            assert_eq!(
+                store.load_state(id).await.unwrap(),
+                SessionExtras::default()
+            );
+            store
+                .save_state(id, StateColumn::Engine, "openai".into())
+                .await
+                .unwrap();
+            store
+                .save_state(id, StateColumn::Conversation, "[1]".into())
+                .await
+                .unwrap();
+            store
+                .save_state(id, StateColumn::Conversation, "[2]".into())
+                .await
+                .unwrap();
         }
         let store = Store::open(&path).unwrap();
         assert_eq!(

@@ -112,7 +112,9 @@ impl ModelEngineCfg {
         use tiller_engine::model::{ModelConfig, Provider};
         let kind = self.kind.as_deref().unwrap_or(name);
         let provider = Provider::parse(kind).ok_or_else(|| {
-            format!("key `engine.{name}.kind`: unknown kind `{kind}` (expected openai or anthropic)")
+            format!(
+                "key `engine.{name}.kind`: unknown kind `{kind}` (expected openai or anthropic)"
+            )
         })?;
         if self.model.trim().is_empty() {
             return Err(format!("key `engine.{name}.model`: give the model's name"));
@@ -439,9 +441,12 @@ impl Config {
                 names.join(", ")
             )));
         }
-        if self.tools.shell_timeout.is_zero() || self.tools.max_shell_timeout < self.tools.shell_timeout {
+        if self.tools.shell_timeout.is_zero()
+            || self.tools.max_shell_timeout < self.tools.shell_timeout
+        {
             return Err(ConfigError(
-                "key `tools.shell_timeout`: must be above zero and at most tools.max_shell_timeout".into(),
+                "key `tools.shell_timeout`: must be above zero and at most tools.max_shell_timeout"
+                    .into(),
             ));
         }
         if tiller_session::PermissionMode::parse(&self.tools.permission_mode).is_none() {

@@ -529,7 +529,7 @@ impl Run {
             };
             let deltas = parser
                 .event(&ev.event, &ev.data)
-                .map_err(|why| interrupted(why))?;
+                .map_err(interrupted)?;
             for d in deltas {
                 started = true;
                 match d {
