@@ -380,6 +380,33 @@ impl Config {
                 .map_err(|e| ConfigError(format!("environment variable {key}: {e}")))?;
             from_env.push((path.join("."), key));
         }
+        // Model engine tables are flattened into `[engine]`, which hides
+        // their keys' paths from the general error below: check each one
+        // on its own first.
+        if let Some(toml::Value::Table(engines)) = table.get("engine") {
+            for (name, v) in engines {
+                if name != "default" && !v.is_table() {
+                    return Err(ConfigError(format!(
+                        "{origin}: key `engine.{name}`: unknown key (expected `default` or an [engine.NAME] table)"
+                    )));
+                }
+                if let toml::Value::Table(_) = v {
+                    serde_path_to_error::deserialize::<_, ModelEngineCfg>(v.clone()).map_err(
+                        |e| {
+                            let at = e.path().to_string();
+                            let at = if at == "." || at.is_empty() {
+                                format!("engine.{name}")
+                            } else {
+                                format!("engine.{name}.{at}")
+                            };
+                            let inner = e.into_inner().to_string();
+                            let inner = inner.lines().next().unwrap_or_default().trim().to_owned();
+                            ConfigError(format!("{origin}: key `{at}`: {inner}"))
+                        },
+                    )?;
+                }
+            }
+        }
         let config: Config =
             serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
                 let at = e.path().to_string();
@@ -621,6 +648,39 @@ mod tests {
     }
 
     #[test]
+    fn the_example_configs_load() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/examples");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let c = Config::load(Some(&path), []).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(c.engine_names().contains(&c.engine.default), "{}", path.display());
+            for (name, m) in &c.engine.models {
+                m.to_model(name).unwrap();
+            }
+            seen += 1;
+        }
+        assert_eq!(seen, 3);
+    }
+
+    #[test]
+    fn model_engines_take_their_defaults() {
+        let c = load_str(
+            "[engine]\ndefault = \"anthropic\"\n[engine.anthropic]\nmodel = \"c\"\n[engine.local]\nkind = \"openai\"\nbase_url = \"http://127.0.0.1:11434/v1\"\nmodel = \"q\"\n",
+            &[],
+        )
+        .unwrap();
+        let a = c.engine.models["anthropic"].to_model("anthropic").unwrap();
+        assert_eq!(a.provider, tiller_engine::model::Provider::Anthropic);
+        assert_eq!(a.base_url, "https://api.anthropic.com");
+        assert_eq!(a.api_key_env.as_deref(), Some("ANTHROPIC_API_KEY"));
+        assert_eq!(a.request_timeout, Duration::from_secs(120));
+        let l = c.engine.models["local"].to_model("local").unwrap();
+        assert_eq!(l.api_key_env, None, "a local server needs no key by default");
+        assert_eq!(c.engine_names(), ["scripted", "anthropic", "local"]);
+    }
+
+    #[test]
     fn env_overrides_apply() {
         let c = load_str(
             "",
@@ -680,6 +740,28 @@ mod tests {
                 "tools.permission_mode",
             ),
             ("this is not toml", &[], "c.toml"),
+            (
+                "[engine.gpt]\nmodel = \"x\"\n",
+                &[],
+                "engine.gpt.kind",
+            ),
+            ("[engine.openai]\n", &[], "engine.openai"),
+            (
+                "[engine.openai]\nmodel = \"m\"\nbase_url = \"ftp://x\"\n",
+                &[],
+                "engine.openai.base_url",
+            ),
+            (
+                "[engine.openai]\nmodel = \"m\"\nmodle = \"n\"\n",
+                &[],
+                "modle",
+            ),
+            (
+                "[engine.scripted]\nkind = \"openai\"\nmodel = \"m\"\n",
+                &[],
+                "engine.scripted",
+            ),
+            ("[engine]\ndefualt = \"openai\"\n", &[], "engine.defualt"),
         ];
         for (text, env, want) in cases {
             let e = load_str(text, env).unwrap_err().0;
