@@ -16,11 +16,16 @@ const KEY = "sk-test-SECRET-0123456789abcdef";
 let mock;
 let daemon;
 let c;
+let dataDir;
+let configPath;
+const daemonEnv = { TILLER_TEST_MODEL_KEY: KEY, TILLER_TURN__STALL_TIMEOUT: "10s" };
 
 before(async () => {
   mock = await startMockModel();
   const dir = tempDir();
+  dataDir = dir;
   const config = path.join(dir, "tiller.toml");
+  configPath = config;
   writeFileSync(
     config,
     `
@@ -50,11 +55,7 @@ max_retries = 1
 retry_base = "10ms"
 `,
   );
-  daemon = await startDaemon({
-    dataDir: dir,
-    args: ["--config", config],
-    env: { TILLER_TEST_MODEL_KEY: KEY, TILLER_TURN__STALL_TIMEOUT: "10s" },
-  });
+  daemon = await startDaemon({ dataDir: dir, args: ["--config", config], env: daemonEnv });
   c = await transports.unix(daemon);
   await initialize(c);
 });
@@ -534,5 +535,63 @@ describe("the editor's fs and terminal methods", () => {
     } finally {
       ed.close();
     }
+  });
+});
+
+describe("HTTP and restarts", () => {
+  test("HTTP picks the engine and changes options; unknown engines are 400", async () => {
+    const bad = await api(daemon, "POST", "/api/sessions", { cwd: tempDir(), engine: "gpt-9" });
+    assert.equal(bad.status, 400);
+    assert.match(bad.body.error.message, /unknown engine `gpt-9`.*mock-openai/);
+    const rel = await api(daemon, "POST", "/api/sessions", { cwd: "relative/dir" });
+    assert.equal(rel.status, 400);
+    const made = await api(daemon, "POST", "/api/sessions", { cwd: tempDir(), engine: "mock-openai" });
+    assert.equal(made.status, 201);
+    const id = made.body.id;
+    const opts = await api(daemon, "GET", `/api/sessions/${id}/options`);
+    assert.deepEqual(
+      opts.body.options.map((o) => [o.id, o.current]),
+      [["model", "mock-1"], ["permission_mode", "ask"]],
+    );
+    const set = await api(daemon, "PUT", `/api/sessions/${id}/options/model`, { value: "mock-2" });
+    assert.equal(set.status, 200);
+    assert.equal(set.body.options[0].current, "mock-2");
+    const wrong = await api(daemon, "PUT", `/api/sessions/${id}/options/model`, { value: "nope" });
+    assert.equal(wrong.status, 400);
+    const n = mock.requests.length;
+    mock.reply({ events: openai.text("Via HTTP.") });
+    const p = await api(daemon, "POST", `/api/sessions/${id}/prompts`, { text: "hello" });
+    assert.equal(p.status, 202);
+    await waitFor(() => mock.requests.length > n);
+    assert.equal(since(n)[0].body.model, "mock-2");
+  });
+
+  test("a session keeps its engine, options and conversation across a restart", async () => {
+    const { sid } = await session("mock-anthropic");
+    await c.request("session/set_config_option", { sessionId: sid, configId: "permission_mode", value: "accept-edits" });
+    mock.reply({ events: anthropic.text("Remember the number 42.") });
+    await c.request("session/prompt", textPrompt(sid, "Pick a number"));
+    c.close();
+    await daemon.stop();
+    daemon = await startDaemon({ dataDir, args: ["--config", configPath], env: daemonEnv });
+    c = await transports.unix(daemon);
+    await initialize(c);
+    await c.request("session/load", { sessionId: sid, cwd: "/", mcpServers: [] });
+    const opts = await api(daemon, "GET", `/api/sessions/${sid}/options`);
+    assert.equal(opts.body.options.find((o) => o.id === "permission_mode").current, "accept-edits");
+    const n = mock.requests.length;
+    mock.reply({ events: anthropic.text("It was 42.") });
+    const res = await c.request("session/prompt", textPrompt(sid, "Which number?"));
+    assert.equal(res.stopReason, "end_turn");
+    const req = since(n)[0];
+    assert.equal(req.path, "/v1/messages", "still the Anthropic engine");
+    assert.deepEqual(
+      req.body.messages.map((m) => [m.role, m.content.map((b) => b.text).join("")]),
+      [
+        ["user", "Pick a number"],
+        ["assistant", "Remember the number 42."],
+        ["user", "Which number?"],
+      ],
+    );
   });
 });
