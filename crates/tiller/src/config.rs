@@ -649,12 +649,17 @@ mod tests {
 
     #[test]
     fn the_example_configs_load() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/examples");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/examples");
         let mut seen = 0;
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
-            let c = Config::load(Some(&path), []).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            assert!(c.engine_names().contains(&c.engine.default), "{}", path.display());
+            let c =
+                Config::load(Some(&path), []).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(
+                c.engine_names().contains(&c.engine.default),
+                "{}",
+                path.display()
+            );
             for (name, m) in &c.engine.models {
                 m.to_model(name).unwrap();
             }
@@ -676,7 +681,10 @@ mod tests {
         assert_eq!(a.api_key_env.as_deref(), Some("ANTHROPIC_API_KEY"));
         assert_eq!(a.request_timeout, Duration::from_secs(120));
         let l = c.engine.models["local"].to_model("local").unwrap();
-        assert_eq!(l.api_key_env, None, "a local server needs no key by default");
+        assert_eq!(
+            l.api_key_env, None,
+            "a local server needs no key by default"
+        );
         assert_eq!(c.engine_names(), ["scripted", "anthropic", "local"]);
     }
 
@@ -740,11 +748,7 @@ mod tests {
                 "tools.permission_mode",
             ),
             ("this is not toml", &[], "c.toml"),
-            (
-                "[engine.gpt]\nmodel = \"x\"\n",
-                &[],
-                "engine.gpt.kind",
-            ),
+            ("[engine.gpt]\nmodel = \"x\"\n", &[], "engine.gpt.kind"),
             ("[engine.openai]\n", &[], "engine.openai"),
             (
                 "[engine.openai]\nmodel = \"m\"\nbase_url = \"ftp://x\"\n",

@@ -527,9 +527,7 @@ impl Run {
                 }
                 Ok(Some(Ok(ev))) => ev,
             };
-            let deltas = parser
-                .event(&ev.event, &ev.data)
-                .map_err(interrupted)?;
+            let deltas = parser.event(&ev.event, &ev.data).map_err(interrupted)?;
             for d in deltas {
                 started = true;
                 match d {
