@@ -296,6 +296,24 @@ describe("OpenAI-compatible engine", () => {
     ]);
   });
 
+  test("cancel while a command runs stops the command and fails the call", async () => {
+    const { sid, cwd } = await session("mock-openai");
+    await c.request("session/set_config_option", { sessionId: sid, configId: "permission_mode", value: "allow-all" });
+    mock.reply({ events: openai.tools([{ id: "call_sh", name: "shell", args: { command: "sleep 1; touch late.txt" } }]) });
+    const pending = c.request("session/prompt", textPrompt(sid, "run it"));
+    await c.until(() =>
+      c.updates.some(
+        (u) => u.sessionId === sid && u.update.sessionUpdate === "tool_call_update" && u.update.status === "in_progress",
+      ),
+    );
+    await c.notify("session/cancel", { sessionId: sid });
+    assert.equal((await pending).stopReason, "cancelled");
+    await c.until(() => statuses(c, sid).length === 1);
+    assert.deepEqual(statuses(c, sid), [["call_sh", "failed"]]);
+    await new Promise((r) => setTimeout(r, 1500));
+    assert.ok(!existsSync(path.join(cwd, "late.txt")), "the command was killed with its turn");
+  });
+
   test("a request that gets no answer is bounded by request_timeout", async () => {
     const { sid } = await session("mock-slow");
     mock.reply({ waitHeaders: 1500 }, { waitHeaders: 1500 });
@@ -593,5 +611,61 @@ describe("HTTP and restarts", () => {
         ["user", "Which number?"],
       ],
     );
+  });
+});
+
+describe("Web Shell with model engines", () => {
+  test("a session on a chosen engine and model, from the browser", async () => {
+    const { launch, page: newPage, screenshot } = await import("./lib/browser.mjs");
+    const { createRequire } = await import("node:module");
+    const AXE = readFileSync(createRequire(import.meta.url).resolve("axe-core/axe.min.js"), "utf8");
+    const browser = await launch();
+    try {
+      const p = await newPage(browser);
+      await p.goto(daemon.http);
+      await p.waitForSelector("#new-engine option[value='mock-openai']", { state: "attached" });
+      await p.click("#new-session");
+      const cwd = tempDir();
+      await p.fill("#new-cwd", cwd);
+      await p.selectOption("#new-engine", "mock-openai");
+      // The dialog passes an accessibility check.
+      await p.addScriptTag({ content: AXE });
+      const violations = await p.evaluate(async () => {
+        const r = await window.axe.run(document, { resultTypes: ["violations"] });
+        return r.violations.filter((v) => v.impact === "serious" || v.impact === "critical").map((v) => v.id);
+      });
+      assert.deepEqual(violations, []);
+      await p.click("#new-create");
+      await p.waitForFunction((dir) => document.querySelector("#session-title")?.textContent.includes(dir), cwd);
+      await p.waitForSelector("#option-model");
+      assert.equal(await p.inputValue("#option-model"), "mock-1");
+      await p.selectOption("#option-model", "mock-2");
+      const sid = await p.evaluate(() => location.hash.slice(1));
+      for (let i = 0; i < 100; i++) {
+        const o = await api(daemon, "GET", `/api/sessions/${sid}/options`);
+        if (o.body.options[0].current === "mock-2") break;
+        await new Promise((r) => setTimeout(r, 20));
+      }
+      const n = mock.requests.length;
+      mock.reply({ events: openai.text("Hello from the browser.") });
+      await p.fill("#prompt-text", "hi");
+      await p.click("#send");
+      await p.waitForFunction(() => document.querySelector("#transcript")?.textContent.includes("Hello from the browser."));
+      assert.equal(since(n)[0].body.model, "mock-2");
+      const rec = await api(daemon, "GET", `/api/sessions/${sid}`);
+      assert.equal(rec.body.cwd, cwd);
+      // Another client changes the mode: the page follows.
+      await api(daemon, "PUT", `/api/sessions/${sid}/options/permission_mode`, { value: "allow-all" });
+      await p.waitForFunction(() => document.querySelector("#option-permission_mode")?.value === "allow-all");
+      await screenshot(p, "webshell-model-engine");
+      // A bad directory is refused in the dialog, nothing is created.
+      await p.click("#new-session");
+      await p.fill("#new-cwd", "relative/path");
+      await p.click("#new-create");
+      await p.waitForFunction(() => document.querySelector("#new-status")?.textContent.includes("absolute"));
+      assert.ok(await p.isVisible("#new-session-dialog"));
+    } finally {
+      await browser.close();
+    }
   });
 });

@@ -225,6 +225,19 @@ pub async fn create_session(
     Ok((StatusCode::CREATED, Json(session_json(&rec))))
 }
 
+/// `GET /api/engines`: the engines sessions may use.
+pub async fn list_engines(State(st): State<AppState>) -> Json<Value> {
+    let engines = st.sessions.engines();
+    Json(json!({
+        "default": engines.default_name(),
+        "engines": engines
+            .describe()
+            .into_iter()
+            .map(|(name, models)| json!({ "name": name, "models": models }))
+            .collect::<Vec<_>>(),
+    }))
+}
+
 /// `GET /api/sessions/:id/options`: the options a client may change.
 pub async fn get_options(
     State(st): State<AppState>,

@@ -67,6 +67,7 @@ pub fn router(state: AppState) -> Router {
             "/api/sessions/{id}",
             get(api::get_session).delete(api::close_session),
         )
+        .route("/api/engines", get(api::list_engines))
         .route("/api/sessions/{id}/options", get(api::get_options))
         .route(
             "/api/sessions/{id}/options/{option}",

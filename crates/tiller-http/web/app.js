@@ -13,6 +13,7 @@ const state = {
   lang: "en",
   t: translator("en"),
   sessions: [],
+  engines: { default: "scripted", engines: [] },
   current: null, // { id, title, events: Map(seq -> event), snapshot, es, hasMore, nextBefore }
 };
 
@@ -49,6 +50,7 @@ function setLanguage(lang) {
   for (const node of document.querySelectorAll("[data-i18n]")) node.textContent = state.t(node.dataset.i18n);
   if (state.current) $("session-title").textContent = state.current.title;
   render();
+  renderOptions();
 }
 
 // --- sessions -------------------------------------------------------------
@@ -82,10 +84,40 @@ function renderSessions() {
   );
 }
 
-async function newSession() {
-  const s = await api("POST", "/api/sessions", { cwd: "/" });
-  await loadSessions();
-  await openSession(s.id);
+async function loadEngines() {
+  try {
+    state.engines = await api("GET", "/api/engines");
+  } catch {
+    // An older daemon: only its default engine.
+  }
+  const sel = $("new-engine");
+  sel.replaceChildren(...state.engines.engines.map((e) => el("option", { value: e.name, text: e.name })));
+  sel.value = state.engines.default;
+}
+
+function newSession() {
+  const dlg = $("new-session-dialog");
+  $("new-cwd").value = localStorage.getItem("tiller.cwd") ?? state.current?.snapshot?.cwd ?? "/";
+  $("new-engine").value = localStorage.getItem("tiller.engine") ?? state.engines.default;
+  if (!$("new-engine").value) $("new-engine").value = state.engines.default;
+  $("new-status").textContent = "";
+  dlg.showModal();
+  $("new-cwd").focus();
+}
+
+async function createSession() {
+  const cwd = $("new-cwd").value.trim();
+  const engine = $("new-engine").value || undefined;
+  try {
+    const s = await api("POST", "/api/sessions", { cwd, engine });
+    localStorage.setItem("tiller.cwd", cwd);
+    if (engine) localStorage.setItem("tiller.engine", engine);
+    $("new-session-dialog").close();
+    await loadSessions();
+    await openSession(s.id);
+  } catch (e) {
+    $("new-status").textContent = e.message;
+  }
 }
 
 async function openSession(id) {
@@ -104,12 +136,60 @@ async function openSession(id) {
   history.replaceState(null, "", `#${id}`);
   $("session-title").textContent = cur.title;
   renderSessions();
+  renderOptions(); // the previous session's options go at once
   const page = await api("GET", `/api/sessions/${id}/history?limit=100`);
   for (const ev of page.events) cur.events.set(ev.seq, ev);
   cur.hasMore = page.hasMore;
   cur.nextBefore = page.nextBefore;
   render(true);
   connect(cur);
+  try {
+    cur.options = (await api("GET", `/api/sessions/${id}/options`)).options;
+  } catch {
+    cur.options = [];
+  }
+  renderOptions();
+}
+
+// --- session options (model, permission mode) ------------------------------
+
+function renderOptions() {
+  const cur = state.current;
+  const t = state.t;
+  const box = $("options");
+  if (!cur?.options) {
+    box.replaceChildren();
+    return;
+  }
+  box.replaceChildren(
+    ...cur.options.map((o) => {
+      const id = `option-${o.id}`;
+      const label = (v) => (o.id === "permission_mode" ? t(`mode_${v}`) : v);
+      return el(
+        "label",
+        { for: id, class: "option" },
+        el("span", { text: t(`option_${o.id}`) }),
+        el(
+          "select",
+          { id, "data-option": o.id, onchange: (e) => setOption(cur, o.id, e.target.value) },
+          ...o.choices.map((c) => {
+            const opt = el("option", { value: c, text: label(c) });
+            opt.selected = c === o.current;
+            return opt;
+          }),
+        ),
+      );
+    }),
+  );
+}
+
+async function setOption(cur, id, value) {
+  try {
+    cur.options = (await api("PUT", `/api/sessions/${cur.id}/options/${encodeURIComponent(id)}`, { value })).options;
+  } catch (e) {
+    $("form-status").textContent = e.message;
+  }
+  if (state.current === cur) renderOptions();
 }
 
 function lastSeq(cur) {
@@ -143,6 +223,10 @@ const STATE_EVENTS = new Set([
 function addEvent(cur, ev) {
   if (state.current !== cur || cur.events.has(ev.seq)) return;
   cur.events.set(ev.seq, ev);
+  if (ev.type === "config_options") {
+    cur.options = ev.data.options;
+    renderOptions();
+  }
   scheduleRender();
   if (STATE_EVENTS.has(ev.type)) refreshSnapshot(cur);
 }
@@ -274,6 +358,9 @@ function render(scrollToEnd = false) {
         into().append(el("div", { class: "notice" }, `${t("steerDropped")} “${d.text}” `,
           el("button", { type: "button", class: "secondary", text: t("resend"), onclick: () => sendText(d.text) })));
         break;
+      case "mcp_server":
+        if (d.error) into().append(el("div", { class: "notice", "data-mcp": d.name, text: t("mcpFailed", { name: d.name, error: d.error }) }));
+        break;
       case "goal_paused":
         into().append(el("div", { class: "notice", text: d.reason === "loop_detected" ? t("goalPaused") : t("goalPausedUser") }));
         break;
@@ -388,12 +475,18 @@ $("cancel").addEventListener("click", async () => {
   if (cur) await api("POST", `/api/sessions/${cur.id}/cancel`);
 });
 $("new-session").addEventListener("click", newSession);
+$("new-session-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  createSession();
+});
+$("new-close").addEventListener("click", () => $("new-session-dialog").close());
 $("lang-select").addEventListener("change", (e) => setLanguage(e.target.value));
 $("transcript").addEventListener("scroll", (e) => {
   if (e.target.scrollTop < 20) loadOlder();
 });
 
 setLanguage(localStorage.getItem("tiller.lang") ?? pickLanguage(navigator.languages));
+await loadEngines();
 await loadSessions();
 const wanted = location.hash.slice(1);
 if (wanted && state.sessions.some((s) => s.id === wanted)) await openSession(wanted);

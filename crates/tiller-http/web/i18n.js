@@ -5,6 +5,10 @@ export const LANGS = ["en", "zh-CN", "ja", "de", "es"];
 
 const STRINGS = {
   en: {
+    workingDir: "Working directory", engine: "Engine", create: "Create",
+    option_model: "Model", option_permission_mode: "Permissions",
+    mode_ask: "Ask before edits and commands", "mode_accept-edits": "Accept edits, ask before commands", "mode_allow-all": "Allow everything",
+    mcpFailed: "The MCP server {name} is unavailable: {error}",
     plan: "Plan",
     queued: "{n} queued",
     sessions: "Sessions", newSession: "New session", language: "Language", noSession: "No session selected",
@@ -28,6 +32,10 @@ const STRINGS = {
     lastError: "Last turn stopped:",
   },
   "zh-CN": {
+    workingDir: "工作目录", engine: "引擎", create: "创建",
+    option_model: "模型", option_permission_mode: "权限",
+    mode_ask: "编辑和命令前询问", "mode_accept-edits": "自动接受编辑，命令前询问", "mode_allow-all": "全部允许",
+    mcpFailed: "MCP 服务器 {name} 不可用：{error}",
     plan: "计划",
     queued: "{n} 个排队中",
     sessions: "会话", newSession: "新建会话", language: "语言", noSession: "未选择会话",
@@ -51,6 +59,10 @@ const STRINGS = {
     lastError: "上一轮已停止：",
   },
   ja: {
+    workingDir: "作業ディレクトリ", engine: "エンジン", create: "作成",
+    option_model: "モデル", option_permission_mode: "権限",
+    mode_ask: "編集とコマンドの前に確認", "mode_accept-edits": "編集は許可、コマンドの前に確認", "mode_allow-all": "すべて許可",
+    mcpFailed: "MCP サーバー {name} は利用できません: {error}",
     plan: "計画",
     queued: "{n} 件待機",
     sessions: "セッション", newSession: "新しいセッション", language: "言語", noSession: "セッションが選択されていません",
@@ -74,6 +86,10 @@ const STRINGS = {
     lastError: "前のターンは停止しました：",
   },
   de: {
+    workingDir: "Arbeitsverzeichnis", engine: "Engine", create: "Erstellen",
+    option_model: "Modell", option_permission_mode: "Berechtigungen",
+    mode_ask: "Vor Änderungen und Befehlen fragen", "mode_accept-edits": "Änderungen erlauben, vor Befehlen fragen", "mode_allow-all": "Alles erlauben",
+    mcpFailed: "Der MCP-Server {name} ist nicht verfügbar: {error}",
     plan: "Plan",
     queued: "{n} in der Warteschlange",
     sessions: "Sitzungen", newSession: "Neue Sitzung", language: "Sprache", noSession: "Keine Sitzung ausgewählt",
@@ -97,6 +113,10 @@ const STRINGS = {
     lastError: "Der letzte Durchgang wurde beendet:",
   },
   es: {
+    workingDir: "Directorio de trabajo", engine: "Motor", create: "Crear",
+    option_model: "Modelo", option_permission_mode: "Permisos",
+    mode_ask: "Preguntar antes de ediciones y comandos", "mode_accept-edits": "Aceptar ediciones, preguntar antes de comandos", "mode_allow-all": "Permitir todo",
+    mcpFailed: "El servidor MCP {name} no está disponible: {error}",
     plan: "Plan",
     queued: "{n} en cola",
     sessions: "Sesiones", newSession: "Nueva sesión", language: "Idioma", noSession: "Ninguna sesión seleccionada",

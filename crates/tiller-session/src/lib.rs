@@ -110,6 +110,15 @@ impl Engines {
     pub fn default_name(&self) -> &str {
         &self.default
     }
+
+    /// Each engine's name and the models a session may choose (empty for
+    /// an engine without a choice).
+    pub fn describe(&self) -> Vec<(String, Vec<String>)> {
+        self.by_name
+            .iter()
+            .map(|(name, e)| (name.clone(), e.models()))
+            .collect()
+    }
 }
 
 /// Why a prompt (or steer) was not admitted.
