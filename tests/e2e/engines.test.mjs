@@ -46,6 +46,12 @@ model = "claude-mock"
 api_key_env = "TILLER_TEST_MODEL_KEY"
 retry_base = "10ms"
 
+[engine.mock-short]
+kind = "openai"
+base_url = "${mock.url}/v1"
+model = "short"
+max_requests_per_turn = 2
+
 [engine.mock-slow]
 kind = "openai"
 base_url = "${mock.url}/v1"
@@ -322,6 +328,16 @@ describe("OpenAI-compatible engine", () => {
     assert.match(e.message, /no response from the model within 0.3s/);
   });
 
+  test("max_requests_per_turn bounds the model calls of one turn", async () => {
+    const { sid } = await session("mock-short", { "f.txt": "x" });
+    const n = mock.requests.length;
+    const again = () => ({ events: openai.tools([{ id: `call_r${Math.random()}`, name: "list_dir", args: {} }]) });
+    mock.reply(again(), again(), again());
+    const res = await c.request("session/prompt", textPrompt(sid, "loop forever"));
+    assert.equal(res.stopReason, "max_turn_requests");
+    assert.equal(since(n).length, 2);
+  });
+
   test("stop reasons: length is max_tokens", async () => {
     const { sid } = await session("mock-openai");
     mock.reply({ events: openai.text("Cut", { finish: "length" }) });
@@ -419,6 +435,28 @@ describe("Anthropic engine", () => {
     const e = await rejection(c.request("session/prompt", textPrompt(sid, "go")));
     assert.equal(e.data.errorKind, "model_stream_interrupted");
     assert.match(e.message, /api_error: Internal server error/);
+  });
+
+  test("a steer mid-turn joins the conversation after the tool results", async () => {
+    const { sid } = await session("mock-anthropic", { "a.txt": "A" });
+    const n = mock.requests.length;
+    mock.reply(
+      { events: anthropic.tools([{ id: "toolu_s", name: "read_file", args: { path: "a.txt" } }]), pace: 60 },
+      { events: anthropic.text("Steered.") },
+    );
+    const pending = c.request("session/prompt", textPrompt(sid, "Review"));
+    await waitFor(() => mock.requests.length > n);
+    const answer = await c.request("_session/steering", { sessionId: sid, prompt: [{ type: "text", text: "Be brief." }] });
+    assert.equal(answer.outcome, "injected");
+    assert.equal((await pending).stopReason, "end_turn");
+    // One user message: the tool result first, then the steer.
+    const last = since(n)[1].body.messages.at(-1);
+    assert.equal(last.role, "user");
+    assert.deepEqual(
+      last.content.map((b) => b.type),
+      ["tool_result", "text"],
+    );
+    assert.equal(last.content[1].text, "Be brief.");
   });
 
   test("refusal maps to the refusal stop reason", async () => {
