@@ -4,7 +4,8 @@
 //   cargo build --release
 //   TILLER_BIN=target/release/tiller node bench/model-stream.mjs [runs] [chunks]
 // Prints, against reading the same stream straight from the server:
-// time to first chunk and chunks per second. Asserts nothing about speed.
+// time to first chunk and chunks per second; then session/cancel latency
+// with a model stream open. Asserts nothing about speed.
 
 import { writeFileSync } from "node:fs";
 import path from "node:path";
@@ -70,6 +71,21 @@ for (let i = 0; i < runs; i++) {
   viaTiller.rate.push(chunks / (elapsed / 1000));
 }
 
+// Cancel mid-stream: session/cancel -> `cancelled`, the HTTP stream dropped.
+const cancels = [];
+for (let i = 0; i < runs; i++) {
+  const { sessionId } = await c.request("session/new", { cwd: dir, mcpServers: [] });
+  mock.reply({ events: openai.text("one two three").slice(0, 2), hang: true });
+  const before = c.updates.length;
+  const pending = c.request("session/prompt", textPrompt(sessionId, "go"));
+  await c.until(() => c.updates.slice(before).some((u) => u.update.sessionUpdate === "agent_message_chunk"));
+  const t0 = performance.now();
+  await c.notify("session/cancel", { sessionId });
+  const res = await pending;
+  cancels.push(performance.now() - t0);
+  if (res.stopReason !== "cancelled") throw new Error(`got ${res.stopReason}`);
+}
+
 const fmt = (r) => {
   const f = stats(r.first);
   const x = stats(r.rate);
@@ -78,6 +94,8 @@ const fmt = (r) => {
 console.log(`${chunks}-chunk reply, ${runs} runs`);
 console.log(`  straight from the server: ${fmt(direct)}`);
 console.log(`  through tiller (ACP):     ${fmt(viaTiller)}`);
+const cs = stats(cancels);
+console.log(`  cancel mid-stream -> cancelled: p50 ${cs.p50.toFixed(2)} ms (max ${cs.max.toFixed(2)})`);
 c.close();
 await daemon.stop();
 await mock.close();
