@@ -98,6 +98,10 @@ pub enum Input {
     /// The tool pipeline's loop guard tripped in this turn (the offending
     /// calls are already failed and the engine must stop).
     LoopTrip { turn: TurnId, loop_type: LoopType },
+    /// The tool pipeline finished a call of this turn. While tools run the
+    /// engine is silent on purpose; this is progress for the stall bound,
+    /// and nothing else.
+    ToolProgress { turn: TurnId },
     /// A timer armed by [`Effect::ArmTimer`] fired (or any wake-up: the core
     /// re-checks every deadline against `now`).
     Tick,
@@ -371,6 +375,11 @@ impl SessionCore {
             Input::Cancel => self.cancel(now, &mut fx),
             Input::Signal { turn, signal } => self.signal(now, turn, signal, &mut fx),
             Input::LoopTrip { turn, loop_type } => self.loop_trip(now, turn, loop_type, &mut fx),
+            Input::ToolProgress { turn } => {
+                if let Some(active) = self.active.as_mut().filter(|a| a.turn == turn) {
+                    active.last_signal = now;
+                }
+            }
             Input::Tick => {}
             Input::Kick => {
                 if self.active.is_none() && self.polling.is_none() {

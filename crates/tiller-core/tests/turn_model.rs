@@ -54,6 +54,8 @@ enum Step {
     Signal(Which, SigKind),
     /// The tool pipeline's loop guard trips in a turn.
     LoopTrip(Which, LoopType),
+    /// The tool pipeline finished a call of a turn.
+    ToolProgress(Which),
     /// A queue actor says work may be waiting.
     Kick,
     /// A queue actor answers the last poll (or, when `stale`, an older one).
@@ -109,7 +111,8 @@ impl ReferenceStateMachine for Model {
             3 => any::<bool>().prop_map(|start_new| Step::Steer { start_new }),
             2 => Just(Step::Cancel),
             10 => (which.clone(), kind).prop_map(|(w, k)| Step::Signal(w, k)),
-            2 => (which, loop_type).prop_map(|(w, t)| Step::LoopTrip(w, t)),
+            2 => (which.clone(), loop_type).prop_map(|(w, t)| Step::LoopTrip(w, t)),
+            2 => which.prop_map(Step::ToolProgress),
             1 => Just(Step::Duplicate),
             1 => Just(Step::Kick),
             4 => (prop_oneof![Just(Origin::Goal), Just(Origin::Notification), Just(Origin::Cron)], any::<bool>(), prop::bool::weighted(0.2))
@@ -181,6 +184,16 @@ impl Sut {
             round: None,
             last_poll: 0,
         }
+    }
+
+    /// The turn a step aims at.
+    fn turn_of(&self, which: Which) -> TurnId {
+        let newest = self.current_turn().0;
+        TurnId(match which {
+            Which::Current => newest,
+            Which::Behind(n) => newest.saturating_sub(n),
+            Which::Ahead => newest + 1,
+        })
     }
 
     fn fresh(&mut self) -> u128 {
@@ -381,12 +394,7 @@ impl StateMachineTest for TurnCoreTest {
             }
             Step::Cancel => sut.feed(Input::Cancel),
             Step::Signal(which, kind) => {
-                let newest = sut.current_turn().0;
-                let turn = TurnId(match which {
-                    Which::Current => newest,
-                    Which::Behind(n) => newest.saturating_sub(n),
-                    Which::Ahead => newest + 1,
-                });
+                let turn = sut.turn_of(which);
                 let signal = match kind {
                     SigKind::Update => Signal::Update,
                     SigKind::ToolBatch => Signal::ToolBatch,
@@ -413,13 +421,12 @@ impl StateMachineTest for TurnCoreTest {
                 sut.feed(Input::Signal { turn, signal });
             }
             Step::LoopTrip(which, loop_type) => {
-                let newest = sut.current_turn().0;
-                let turn = TurnId(match which {
-                    Which::Current => newest,
-                    Which::Behind(n) => newest.saturating_sub(n),
-                    Which::Ahead => newest + 1,
-                });
+                let turn = sut.turn_of(which);
                 sut.feed(Input::LoopTrip { turn, loop_type });
+            }
+            Step::ToolProgress(which) => {
+                let turn = sut.turn_of(which);
+                sut.feed(Input::ToolProgress { turn });
             }
             Step::Kick => sut.feed(Input::Kick),
             Step::Offer(origin, some, stale) => {

@@ -498,7 +498,11 @@ impl SessionState {
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
             SessionMsg::ToolDone { turn, id, output } => {
-                if let Some(loop_type) = self.tool_done(turn, &id, output) {
+                let trip = self.tool_done(turn, &id, output);
+                // The engine is silent while tools run: a finished call is
+                // the turn's progress (the stall bound restarts).
+                self.feed(myself, Input::ToolProgress { turn }, None).await;
+                if let Some(loop_type) = trip {
                     self.feed(myself, Input::LoopTrip { turn, loop_type }, None)
                         .await;
                 }
@@ -563,16 +567,21 @@ impl SessionState {
                 let trip = match self.permission(&request_id, &option_id) {
                     Ok(trip) => {
                         let _ = reply.send(Ok(()));
-                        trip
+                        Some(trip)
                     }
                     Err(e) => {
                         let _ = reply.send(Err(e));
                         None
                     }
                 };
-                if let (Some(loop_type), Some((_, turn))) = (trip, self.core.active()) {
-                    self.feed(myself, Input::LoopTrip { turn, loop_type }, None)
-                        .await;
+                if let (Some(trip), Some((_, turn))) = (trip, self.core.active()) {
+                    // A decision is progress too: the stall bound restarts
+                    // for what the call does next.
+                    self.feed(myself, Input::ToolProgress { turn }, None).await;
+                    if let Some(loop_type) = trip {
+                        self.feed(myself, Input::LoopTrip { turn, loop_type }, None)
+                            .await;
+                    }
                 }
             }
             SessionMsg::Subscribe {

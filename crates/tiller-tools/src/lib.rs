@@ -72,7 +72,7 @@ impl Default for ToolsConfig {
     fn default() -> Self {
         Self {
             shell_timeout: Duration::from_secs(120),
-            max_shell_timeout: Duration::from_secs(600),
+            max_shell_timeout: Duration::from_secs(300),
             max_output_bytes: 64 * 1024,
         }
     }

@@ -441,6 +441,37 @@ fn stall_is_measured_from_the_last_signal_of_the_turn() {
 }
 
 #[test]
+fn tool_progress_defers_the_stall_and_nothing_else() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    // Another turn's progress does not count.
+    h.at(500, Input::ToolProgress { turn: TurnId(9) });
+    assert!(
+        h.at(800, Input::ToolProgress { turn: TurnId(1) })
+            .iter()
+            .all(|e| matches!(e, Effect::ArmTimer { .. }))
+    );
+    assert_eq!(settled(&h.at(1_799, Input::Tick)), None);
+    assert_eq!(
+        settled(&h.at(1_800, Input::Tick)),
+        Some(Terminal::failed(ErrorKind::Stalled))
+    );
+    // While cancelling, progress neither settles nor extends the grace.
+    let mut h = Harness::new();
+    h.prompt(1);
+    h.at(100, Input::Cancel);
+    assert_eq!(
+        settled(&h.at(110, Input::ToolProgress { turn: TurnId(1) })),
+        None
+    );
+    assert_eq!(settled(&h.at(119, Input::Tick)), None);
+    assert_eq!(
+        settled(&h.at(120, Input::Tick)),
+        Some(Terminal::Completed(StopReason::Cancelled))
+    );
+}
+
+#[test]
 fn restored_core_continues_turn_ids() {
     let mut core = SessionCore::new(CFG, 41);
     let fx = core.on(
