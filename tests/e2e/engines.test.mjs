@@ -601,6 +601,14 @@ describe("HTTP and restarts", () => {
     assert.match(bad.body.error.message, /unknown engine `gpt-9`.*mock-openai/);
     const rel = await api(daemon, "POST", "/api/sessions", { cwd: "relative/dir" });
     assert.equal(rel.status, 400);
+    const gone = await api(daemon, "POST", "/api/sessions", { cwd: "/nonexistent/tiller-dir", engine: "mock-openai" });
+    assert.equal(gone.status, 400);
+    assert.match(gone.body.error.message, /nonexistent\/tiller-dir is not a directory/);
+    const acpGone = await rejection(
+      c.request("session/new", { cwd: "/nonexistent/tiller-dir", mcpServers: [], _meta: { tiller: { engine: "mock-anthropic" } } }),
+    );
+    assert.equal(acpGone.code, -32602);
+    assert.equal(acpGone.data.field, "cwd");
     const made = await api(daemon, "POST", "/api/sessions", { cwd: tempDir(), engine: "mock-openai" });
     assert.equal(made.status, 201);
     const id = made.body.id;

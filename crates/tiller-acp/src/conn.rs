@@ -430,6 +430,9 @@ fn unknown_session(raw: &str) -> Reply {
 fn session_error(e: SessionError) -> Reply {
     match e {
         SessionError::Unknown(id) => unknown_session(&id.to_string()),
+        SessionError::BadCwd(..) => Reply::Error(
+            RpcError::invalid_params(e.to_string()).with_data(json!({ "field": "cwd" })),
+        ),
         SessionError::UnknownEngine(..) => Reply::Error(
             RpcError::invalid_params(e.to_string())
                 .with_data(json!({ "field": "_meta.tiller.engine" })),

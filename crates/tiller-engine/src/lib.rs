@@ -201,6 +201,12 @@ pub trait Engine: Send + Sync + 'static {
         sink: SignalSink,
     ) -> EngineHandle;
 
+    /// Whether its turns touch the session's directory (real tools); such
+    /// a session needs a directory that exists.
+    fn uses_directory(&self) -> bool {
+        false
+    }
+
     /// The models a session may choose (`session/set_config_option`);
     /// the first is the default. Empty when the engine has no choice.
     fn models(&self) -> Vec<String> {

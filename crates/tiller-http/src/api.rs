@@ -47,7 +47,9 @@ impl From<SessionError> for ApiError {
                 StatusCode::NOT_FOUND,
                 json!({ "errorKind": "unknown_session", "message": e.to_string(), "sessionId": id.to_string() }),
             ),
-            SessionError::UnknownEngine(..) => bad_request(e.to_string()),
+            SessionError::UnknownEngine(..) | SessionError::BadCwd(..) => {
+                bad_request(e.to_string())
+            }
             SessionError::TooManySessions(_) => ApiError(
                 StatusCode::SERVICE_UNAVAILABLE,
                 json!({ "errorKind": "overloaded", "retryable": true, "message": e.to_string() }),

@@ -63,6 +63,8 @@ pub enum SessionError {
     Internal(String),
     #[error("unknown engine `{0}` (configured: {1})")]
     UnknownEngine(String, String),
+    #[error("cwd {0} is not a directory this daemon can use: {1}")]
+    BadCwd(String, String),
 }
 
 /// The engines this daemon has, by name, and the default one.

@@ -143,6 +143,10 @@ impl Engine for ModelEngine {
         EngineHandle::new(tx, tokio::spawn(run.play(prompt.text)))
     }
 
+    fn uses_directory(&self) -> bool {
+        true
+    }
+
     fn models(&self) -> Vec<String> {
         let mut m = vec![self.cfg.model.clone()];
         for x in &self.cfg.models {
