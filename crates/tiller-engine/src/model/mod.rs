@@ -484,7 +484,13 @@ impl Run {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<f64>().ok())
                 .map(|s| Duration::from_secs_f64(s.clamp(0.0, 60.0)));
-            let text = resp.text().await.unwrap_or_default();
+            // The error body is bounded too: a server that sends headers
+            // and then nothing must not hold the turn.
+            let text = tokio::time::timeout(timeout, resp.text())
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or_default();
             let detail = serde_json::from_str::<serde_json::Value>(&text)
                 .ok()
                 .map(|v| error_text(&v["error"]))
