@@ -37,8 +37,6 @@ pub struct AppState {
     pub permits: Arc<Semaphore>,
     /// False until start-up is complete, and again during shutdown.
     pub ready: Arc<AtomicBool>,
-    /// The engine sessions run (`POST /api/sessions` may name it).
-    pub engine: String,
     /// Events buffered per SSE stream before it is told to resync.
     pub subscriber_queue: usize,
     /// Token, Host and Origin checks.

@@ -55,7 +55,6 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
         metrics: PrometheusBuilder::new().build_recorder().handle(),
         permits: Arc::new(Semaphore::new(8)),
         ready: Arc::new(AtomicBool::new(true)),
-        engine: "scripted".into(),
         subscriber_queue,
         auth: Arc::new(auth),
         channels: Arc::new(tiller_http::channels::Channels::default()),

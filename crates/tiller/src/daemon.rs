@@ -119,7 +119,6 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
         metrics,
         permits: permits.clone(),
         ready: ready.clone(),
-        engine: cfg.engine.default.clone(),
         subscriber_queue: cfg.limits.subscriber_queue,
         auth: Arc::new(tiller_http::auth::AuthConfig {
             token: Some(cfg.server.token.clone()).filter(|t| !t.is_empty()),
