@@ -1,0 +1,240 @@
+//! The model engine's turn loop against an in-process HTTP server that
+//! streams the OpenAI wire format: the engine-level rules the end-to-end
+//! tests do not reach (a steer during the final answer, a missing key,
+//! tool calls cut off by max_tokens, abort during a retry's backoff).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use serde_json::{Value, json};
+use tiller_core::{ErrorKind, SteerId, SteerReceipt, StopReason, TurnId};
+use tiller_engine::model::{ModelConfig, ModelEngine, Provider};
+use tiller_engine::{Engine, EngineInput, Message, SignalKind, TurnContext};
+use tokio::sync::mpsc;
+
+#[derive(Clone, Default)]
+struct Mock {
+    replies: Arc<Mutex<VecDeque<(u16, String)>>>,
+    bodies: Arc<Mutex<Vec<Value>>>,
+}
+
+async fn chat(State(m): State<Mock>, body: String) -> Response {
+    m.bodies
+        .lock()
+        .unwrap()
+        .push(serde_json::from_str(&body).unwrap());
+    // Slow enough that inputs sent at the start of a turn arrive first.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (status, text) = m
+        .replies
+        .lock()
+        .unwrap()
+        .pop_front()
+        .unwrap_or((500, "{}".into()));
+    let ct = if status == 200 {
+        "text/event-stream"
+    } else {
+        "application/json"
+    };
+    (
+        StatusCode::from_u16(status).unwrap(),
+        [(header::CONTENT_TYPE, ct)],
+        text,
+    )
+        .into_response()
+}
+
+fn sse(chunks: &[Value]) -> String {
+    let mut s: String = chunks.iter().map(|c| format!("data: {c}\n\n")).collect();
+    s.push_str("data: [DONE]\n\n");
+    s
+}
+
+fn text(t: &str, finish: &str) -> String {
+    sse(&[
+        json!({"choices": [{"index": 0, "delta": {"content": t}}]}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}),
+    ])
+}
+
+async fn serve(mock: Mock) -> String {
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .with_state(mock);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}/v1")
+}
+
+fn config(base_url: String) -> ModelConfig {
+    ModelConfig {
+        name: "test".into(),
+        provider: Provider::OpenAi,
+        base_url,
+        model: "m".into(),
+        models: vec![],
+        api_key_env: None,
+        max_tokens: None,
+        temperature: None,
+        system_prompt: None,
+        request_timeout: Duration::from_secs(5),
+        max_retries: 2,
+        retry_base: Duration::from_millis(10),
+        max_requests_per_turn: 10,
+    }
+}
+
+/// Starts a turn; returns its input handle, the signals and the
+/// conversation.
+fn start(
+    engine: &ModelEngine,
+    prompt: &str,
+) -> (
+    tiller_engine::EngineHandle,
+    mpsc::UnboundedReceiver<SignalKind>,
+    tiller_engine::Conversation,
+) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let ctx = TurnContext::default();
+    let conversation = ctx.conversation.clone();
+    let sink: tiller_engine::SignalSink = Arc::new(move |s: tiller_engine::EngineSignal| {
+        assert_eq!(s.turn, TurnId(1));
+        let _ = tx.send(s.kind);
+    });
+    let prepared = engine.prepare(prompt).unwrap();
+    (
+        engine.start(TurnId(1), prepared, ctx, sink),
+        rx,
+        conversation,
+    )
+}
+
+/// Signals until the turn's last one (`Idle` or `Failed`).
+async fn until_end(rx: &mut mpsc::UnboundedReceiver<SignalKind>) -> Vec<SignalKind> {
+    let mut out = Vec::new();
+    loop {
+        let s = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("the turn ends")
+            .expect("the engine runs");
+        let end = matches!(s, SignalKind::Idle | SignalKind::Failed(..));
+        out.push(s);
+        if end {
+            return out;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_steer_during_the_final_answer_gets_one_more_model_call() {
+    let mock = Mock::default();
+    mock.replies.lock().unwrap().extend([
+        (200, text("Done.", "stop")),
+        (200, text("Steered answer.", "stop")),
+    ]);
+    let engine = ModelEngine::new(config(serve(mock.clone()).await));
+    let (h, mut rx, conversation) = start(&engine, "do it");
+    // The steer arrives while the (final) answer is on its way.
+    while mock.bodies.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let steer = SteerId::new();
+    h.send(EngineInput::Steer {
+        id: steer,
+        text: "actually, be brief".into(),
+    });
+    let signals = until_end(&mut rx).await;
+    assert!(signals.contains(&SignalKind::SteerReceipt(steer, SteerReceipt::Consumed)));
+    assert_eq!(
+        signals[signals.len() - 2..],
+        [SignalKind::Result(StopReason::EndTurn), SignalKind::Idle]
+    );
+    let bodies = mock.bodies.lock().unwrap();
+    assert_eq!(bodies.len(), 2);
+    let last = bodies[1]["messages"].as_array().unwrap();
+    assert_eq!(last.last().unwrap()["content"], "actually, be brief");
+    assert_eq!(
+        conversation.snapshot().last(),
+        Some(&Message::Assistant {
+            text: "Steered answer.".into(),
+            calls: vec![]
+        })
+    );
+}
+
+#[tokio::test]
+async fn a_missing_key_fails_the_turn_naming_the_variable_and_sends_nothing() {
+    let mock = Mock::default();
+    let mut cfg = config(serve(mock.clone()).await);
+    cfg.api_key_env = Some("TILLER_TEST_SURELY_UNSET_KEY".into());
+    let engine = ModelEngine::new(cfg);
+    let (_h, mut rx, _) = start(&engine, "hi");
+    let signals = until_end(&mut rx).await;
+    match signals.last() {
+        Some(SignalKind::Failed(ErrorKind::ModelStreamInterrupted, m)) => {
+            assert!(m.contains("TILLER_TEST_SURELY_UNSET_KEY"), "{m}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(mock.bodies.lock().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn tool_calls_cut_off_by_max_tokens_never_run() {
+    let mock = Mock::default();
+    mock.replies.lock().unwrap().push_back((
+        200,
+        sse(&[
+            json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "write_file", "arguments": "{\"path\": \"a"}}]}}]}),
+            json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}),
+        ]),
+    ));
+    let engine = ModelEngine::new(config(serve(mock.clone()).await));
+    let (_h, mut rx, conversation) = start(&engine, "write");
+    let signals = until_end(&mut rx).await;
+    assert!(
+        !signals
+            .iter()
+            .any(|s| matches!(s, SignalKind::ToolBatch(_)))
+    );
+    assert!(signals.contains(&SignalKind::Result(StopReason::MaxTokens)));
+    assert!(
+        conversation
+            .snapshot()
+            .iter()
+            .all(|m| !matches!(m, Message::Assistant { calls, .. } if !calls.is_empty()))
+    );
+}
+
+#[tokio::test]
+async fn abort_during_a_retry_backoff_stops_at_once() {
+    let mock = Mock::default();
+    mock.replies
+        .lock()
+        .unwrap()
+        .push_back((429, r#"{"error": {"message": "slow down"}}"#.into()));
+    let mut cfg = config(serve(mock.clone()).await);
+    cfg.retry_base = Duration::from_secs(30);
+    let engine = ModelEngine::new(cfg);
+    let (h, mut rx, _) = start(&engine, "hi");
+    // Wait until the first call was answered (429), then abort.
+    while mock.bodies.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    h.send(EngineInput::Abort);
+    // (until_end gives up after 5 s; the backoff is 30 s.)
+    let signals = until_end(&mut rx).await;
+    assert_eq!(
+        signals,
+        [SignalKind::Result(StopReason::Cancelled), SignalKind::Idle]
+    );
+    assert_eq!(mock.bodies.lock().unwrap().len(), 1, "no retry after abort");
+}
