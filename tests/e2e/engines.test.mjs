@@ -635,6 +635,14 @@ describe("HTTP and restarts", () => {
     await c.request("session/set_config_option", { sessionId: sid, configId: "permission_mode", value: "accept-edits" });
     mock.reply({ events: anthropic.text("Remember the number 42.") });
     await c.request("session/prompt", textPrompt(sid, "Pick a number"));
+    // "Always allow" is remembered across the restart too.
+    const other = await session("mock-openai");
+    mock.reply(
+      { events: openai.tools([{ id: "call_a1", name: "shell", args: { command: "echo one" } }]) },
+      { events: openai.text("ok") },
+    );
+    c.answer = async () => ({ outcome: { outcome: "selected", optionId: "allow_always" } });
+    await c.request("session/prompt", textPrompt(other.sid, "run"));
     c.close();
     await daemon.stop();
     daemon = await startDaemon({ dataDir, args: ["--config", configPath], env: daemonEnv });
@@ -649,6 +657,14 @@ describe("HTTP and restarts", () => {
     assert.equal(res.stopReason, "end_turn");
     const req = since(n)[0];
     assert.equal(req.path, "/v1/messages", "still the Anthropic engine");
+    mock.reply(
+      { events: openai.tools([{ id: "call_a2", name: "shell", args: { command: "echo two" } }]) },
+      { events: openai.text("ok") },
+    );
+    await c.request("session/resume", { sessionId: other.sid, cwd: "/", mcpServers: [] });
+    await c.request("session/prompt", textPrompt(other.sid, "run again"));
+    assert.equal(c.permissionRequests.length, 0, "no permission asked after the restart");
+    assert.match(toolResults(mock.requests.at(-1)).at(-1).text, /two/);
     assert.deepEqual(
       req.body.messages.map((m) => [m.role, m.content.map((b) => b.text).join("")]),
       [

@@ -255,6 +255,9 @@ struct Settings {
     model: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     permission_mode: Option<String>,
+    /// Tools the user allowed "always" in this session.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    always: Vec<String>,
 }
 
 /// A prompt admitted but not yet settled.
@@ -412,7 +415,7 @@ impl Actor for SessionActor {
             engine: args.engine,
             store: args.store,
             loops: args.config.loops.clone(),
-            permissions: Permissions::new(mode),
+            permissions: Permissions::new(mode).with_always(settings.always),
             pending_permission: None,
             seq: args.head.last_seq,
             last_turn_error,
@@ -567,6 +570,9 @@ impl SessionState {
                 let trip = match self.permission(&request_id, &option_id) {
                     Ok(trip) => {
                         let _ = reply.send(Ok(()));
+                        if option_id == "allow_always" {
+                            self.save_settings().await;
+                        }
                         Some(trip)
                     }
                     Err(e) => {
@@ -1265,18 +1271,7 @@ impl SessionState {
                     PermissionMode::parse(value).expect("choices are valid modes");
             }
         }
-        let settings = Settings {
-            model: self.model.clone(),
-            permission_mode: Some(self.permissions.mode.as_str().into()),
-        };
-        let json = serde_json::to_string(&settings).expect("settings serialize");
-        if let Err(e) = self
-            .store
-            .save_state(self.id, tiller_store::StateColumn::Settings, json)
-            .await
-        {
-            tracing::error!(error = %e, "cannot store the session's settings");
-        }
+        self.save_settings().await;
         let options = self.options();
         self.publish(
             None,
@@ -1286,6 +1281,25 @@ impl SessionState {
             },
         );
         Ok(options)
+    }
+
+    /// Stores the session's options and "always allowed" tools.
+    async fn save_settings(&mut self) {
+        let settings = Settings {
+            model: self.model.clone(),
+            // A session on the configured mode follows the config.
+            permission_mode: (self.permissions.mode != self.config.permission_mode)
+                .then(|| self.permissions.mode.as_str().into()),
+            always: self.permissions.always(),
+        };
+        let json = serde_json::to_string(&settings).expect("settings serialize");
+        if let Err(e) = self
+            .store
+            .save_state(self.id, tiller_store::StateColumn::Settings, json)
+            .await
+        {
+            tracing::error!(error = %e, "cannot store the session's settings");
+        }
     }
 
     /// Stores the conversation when a turn added to it.

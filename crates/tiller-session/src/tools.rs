@@ -62,6 +62,19 @@ impl Permissions {
         }
     }
 
+    /// Tools allowed for the rest of the session, restored from the store.
+    pub fn with_always(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        self.always.extend(names);
+        self
+    }
+
+    /// The tools allowed "always", sorted.
+    pub fn always(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.always.iter().cloned().collect();
+        v.sort();
+        v
+    }
+
     fn needs(&self, call: &ToolCall) -> bool {
         if self.always.contains(&call.name) {
             return false;
