@@ -51,6 +51,7 @@ kind = "openai"
 base_url = "${mock.url}/v1"
 model = "short"
 max_requests_per_turn = 2
+context_chars = 1000
 
 [engine.mock-slow]
 kind = "openai"
@@ -336,6 +337,29 @@ describe("OpenAI-compatible engine", () => {
     const res = await c.request("session/prompt", textPrompt(sid, "loop forever"));
     assert.equal(res.stopReason, "max_turn_requests");
     assert.equal(since(n).length, 2);
+  });
+
+  test("old turns are left out of a call when the conversation outgrows context_chars", async () => {
+    const { sid } = await session("mock-short");
+    const n = mock.requests.length;
+    const long = (i) => `turn ${i} ` + "x".repeat(300);
+    for (let i = 0; i < 5; i++) {
+      mock.reply({ events: openai.text(`answer ${i}`) });
+      await c.request("session/prompt", textPrompt(sid, long(i)));
+    }
+    const last = since(n).at(-1).body.messages;
+    assert.match(last[0].content, /left out to fit the model's context window/);
+    assert.deepEqual(
+      last.slice(1).map((m) => [m.role, m.content.slice(0, 8)]),
+      // Three ~315-char turns fit 1000 chars; a fourth would not.
+      [
+        ["user", "turn 2 x"],
+        ["assistant", "answer 2"],
+        ["user", "turn 3 x"],
+        ["assistant", "answer 3"],
+        ["user", "turn 4 x"],
+      ],
+    );
   });
 
   test("stop reasons: length is max_tokens", async () => {

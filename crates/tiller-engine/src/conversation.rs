@@ -89,10 +89,73 @@ impl Conversation {
         *msgs = out;
     }
 
+    /// Drops the oldest turns while the conversation holds more than
+    /// `max_chars` (it keeps at least the last user turn). Memory and the
+    /// stored copy stay bounded in a session that lives for months.
+    pub fn trim(&self, max_chars: usize) {
+        let mut msgs = self.lock();
+        let cut = cut_for(&msgs, max_chars);
+        if cut > 0 {
+            msgs.drain(..cut);
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Message>> {
         // A turn that panicked mid-push leaves a usable vector.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// The text a message carries, in chars (what a context window holds).
+fn size(m: &Message) -> usize {
+    match m {
+        Message::User { text } => text.len(),
+        Message::Assistant { text, calls } => {
+            text.len()
+                + calls
+                    .iter()
+                    .map(|c| c.name.len() + c.input.to_string().len())
+                    .sum::<usize>()
+        }
+        Message::ToolResult { output, .. } => output.len(),
+    }
+}
+
+/// Where a suffix that fits `max_chars` starts: always at a user message
+/// (so every tool result keeps its call), as early as fits; the last user
+/// message when even that turn alone is larger.
+fn cut_for(msgs: &[Message], max_chars: usize) -> usize {
+    let mut total = 0;
+    let mut cut = None;
+    for (i, m) in msgs.iter().enumerate().rev() {
+        total += size(m);
+        if matches!(m, Message::User { .. }) {
+            if total <= max_chars || cut.is_none() {
+                cut = Some(i);
+            } else {
+                break;
+            }
+        }
+    }
+    cut.unwrap_or(0)
+}
+
+/// The note that stands for turns left out of a request.
+pub const OMITTED: &str =
+    "(Earlier messages of this session were left out to fit the model's context window.)";
+
+/// The messages to send: the newest turns that fit `max_chars`, after a
+/// note when older ones were left out.
+pub fn window(msgs: &[Message], max_chars: usize) -> Vec<Message> {
+    let cut = cut_for(msgs, max_chars);
+    let mut out = Vec::with_capacity(msgs.len() - cut + 1);
+    if cut > 0 {
+        out.push(Message::User {
+            text: OMITTED.into(),
+        });
+    }
+    out.extend_from_slice(&msgs[cut..]);
+    out
 }
 
 fn close(open: &mut Vec<String>, out: &mut Vec<Message>) {
@@ -175,6 +238,79 @@ mod tests {
         let before = c.snapshot();
         c.repair();
         assert_eq!(c.snapshot(), before);
+    }
+
+    fn arb_conversation() -> impl proptest::strategy::Strategy<Value = Vec<Message>> {
+        use proptest::prelude::*;
+        // Turns: a user message, then rounds of calls and their results.
+        let turn = (
+            "[a-z]{0,30}",
+            proptest::collection::vec(("[a-z]{0,20}", 0usize..3, "[a-z]{0,40}"), 0..3),
+        );
+        proptest::collection::vec(turn, 0..8).prop_map(|turns| {
+            let mut out = Vec::new();
+            let mut n = 0;
+            for (prompt, rounds) in turns {
+                out.push(Message::User { text: prompt });
+                for (text, k, result) in rounds {
+                    let calls: Vec<CallRecord> = (0..k)
+                        .map(|_| {
+                            n += 1;
+                            call(&format!("c{n}"))
+                        })
+                        .collect();
+                    let ids: Vec<String> = calls.iter().map(|c| c.id.clone()).collect();
+                    out.push(Message::Assistant { text, calls });
+                    for id in ids {
+                        out.push(Message::ToolResult {
+                            id,
+                            ok: true,
+                            output: result.clone(),
+                        });
+                    }
+                }
+            }
+            out
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_window_is_a_fitting_suffix_that_keeps_calls_with_results(
+            msgs in arb_conversation(),
+            max in 0usize..400,
+        ) {
+            let w = window(&msgs, max);
+            let omitted = w.first() == Some(&Message::User { text: OMITTED.into() });
+            let kept = if omitted { &w[1..] } else { &w[..] };
+            // A suffix of the conversation.
+            proptest::prop_assert!(msgs.ends_with(kept));
+            proptest::prop_assert_eq!(omitted, kept.len() < msgs.len());
+            // It starts at a user message (when there is one).
+            if msgs.iter().any(|m| matches!(m, Message::User { .. })) {
+                let starts_with_user = matches!(kept.first(), Some(Message::User { .. }));
+                proptest::prop_assert!(starts_with_user);
+            }
+            // Every result's call is in it.
+            let ids: Vec<&str> = kept.iter().flat_map(|m| match m {
+                Message::Assistant { calls, .. } => calls.iter().map(|c| c.id.as_str()).collect(),
+                _ => Vec::new(),
+            }).collect();
+            for m in kept {
+                if let Message::ToolResult { id, .. } = m {
+                    proptest::prop_assert!(ids.contains(&id.as_str()));
+                }
+            }
+            // It fits, unless the last user turn alone does not.
+            let total: usize = kept.iter().map(size).sum();
+            let last_user = msgs.iter().rposition(|m| matches!(m, Message::User { .. }));
+            let last_turn: usize = last_user.map_or(0, |i| msgs[i..].iter().map(size).sum());
+            proptest::prop_assert!(total <= max || kept.len() == msgs.len() - last_user.unwrap_or(0) && total == last_turn);
+            // Trimming keeps the same suffix.
+            let c = Conversation::new(msgs.clone());
+            c.trim(max);
+            proptest::prop_assert_eq!(c.snapshot(), kept.to_vec());
+        }
     }
 
     #[test]

@@ -88,6 +88,7 @@ fn config(base_url: String) -> ModelConfig {
         max_retries: 2,
         retry_base: Duration::from_millis(10),
         max_requests_per_turn: 10,
+        context_chars: 100_000,
     }
 }
 

@@ -91,6 +91,8 @@ pub struct ModelEngineCfg {
     pub retry_base: Duration,
     #[serde(default = "default_max_requests")]
     pub max_requests_per_turn: u32,
+    #[serde(default = "default_context_chars")]
+    pub context_chars: usize,
 }
 
 fn default_request_timeout() -> Duration {
@@ -104,6 +106,9 @@ fn default_retry_base() -> Duration {
 }
 fn default_max_requests() -> u32 {
     100
+}
+fn default_context_chars() -> usize {
+    400_000
 }
 
 impl ModelEngineCfg {
@@ -151,6 +156,7 @@ impl ModelEngineCfg {
             max_retries: self.max_retries,
             retry_base: self.retry_base,
             max_requests_per_turn: self.max_requests_per_turn.max(1),
+            context_chars: self.context_chars.max(1000),
         })
     }
 }

@@ -84,6 +84,9 @@ pub struct ModelConfig {
     pub retry_base: Duration,
     /// Most model calls in one turn (then the turn ends `max_turn_requests`).
     pub max_requests_per_turn: u32,
+    /// The most conversation text (chars) sent with a call: older turns
+    /// are left out, with a note. The session keeps four times this.
+    pub context_chars: usize,
 }
 
 /// A model engine (see the module docs).
@@ -276,6 +279,9 @@ impl Run {
 
     async fn play(mut self, prompt: String) {
         self.ctx.conversation.repair();
+        self.ctx
+            .conversation
+            .trim(self.cfg.context_chars.saturating_mul(4));
         self.ctx.conversation.push(Message::User { text: prompt });
         match self.turn_loop().await {
             Ok(stop) => {
@@ -426,7 +432,7 @@ impl Run {
     }
 
     async fn call(&mut self) -> Result<Response, CallError> {
-        let msgs = self.ctx.conversation.snapshot();
+        let msgs = crate::window(&self.ctx.conversation.snapshot(), self.cfg.context_chars);
         let body = match self.cfg.provider {
             Provider::OpenAi => openai::body(&self.cfg, &self.model, &msgs, &self.ctx.tools),
             Provider::Anthropic => anthropic::body(&self.cfg, &self.model, &msgs, &self.ctx.tools),

@@ -231,6 +231,7 @@ fn cfg(provider: Provider) -> ModelConfig {
         max_retries: 0,
         retry_base: Duration::from_millis(10),
         max_requests_per_turn: 10,
+        context_chars: 100_000,
     }
 }
 
