@@ -180,10 +180,19 @@ describe("OpenAI-compatible engine", () => {
     assert.equal(e.code, -32603);
     assert.equal(e.data.errorKind, "model_stream_interrupted");
     assert.ok(agentText(c, sid).startsWith("Partial"));
-    // The session goes on.
+    // The session goes on, and the model sees what the user saw.
+    const n = mock.requests.length;
     mock.reply({ events: openai.text("Recovered.") });
     const res = await c.request("session/prompt", textPrompt(sid, "again"));
     assert.equal(res.stopReason, "end_turn");
+    assert.deepEqual(
+      since(n)[0].body.messages.map((m) => [m.role, m.content]),
+      [
+        ["user", "go"],
+        ["assistant", "Partial answer "],
+        ["user", "again"],
+      ],
+    );
   });
 
   test("429, then success: retried with backoff before the first token", async () => {
@@ -625,6 +634,9 @@ describe("HTTP and restarts", () => {
     assert.match(bad.body.error.message, /unknown engine `gpt-9`.*mock-openai/);
     const rel = await api(daemon, "POST", "/api/sessions", { cwd: "relative/dir" });
     assert.equal(rel.status, 400);
+    const noCwd = await api(daemon, "POST", "/api/sessions", { engine: "mock-openai" });
+    assert.equal(noCwd.status, 400);
+    assert.match(noCwd.body.error.message, /cwd is required/);
     const gone = await api(daemon, "POST", "/api/sessions", { cwd: "/nonexistent/tiller-dir", engine: "mock-openai" });
     assert.equal(gone.status, 400);
     assert.match(gone.body.error.message, /nonexistent\/tiller-dir is not a directory/);

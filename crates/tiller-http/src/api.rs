@@ -213,7 +213,18 @@ pub async fn create_session(
     } else {
         serde_json::from_slice(&body).map_err(|e| bad_request(format!("invalid body: {e}")))?
     };
-    let cwd = body.cwd.unwrap_or_else(|| "/".into());
+    let engine = st.sessions.engines().get(body.engine.as_deref())?;
+    let cwd = match body.cwd {
+        Some(cwd) => cwd,
+        // Its tools act in that directory: never a default.
+        None if engine.uses_directory() => {
+            return Err(bad_request(format!(
+                "cwd is required for a session on engine `{}` (its tools work in that directory)",
+                engine.name()
+            )));
+        }
+        None => "/".into(),
+    };
     if !std::path::Path::new(&cwd).is_absolute() {
         return Err(bad_request(format!(
             "cwd must be an absolute path; got {cwd}"

@@ -142,6 +142,7 @@ impl Engine for ModelEngine {
             model,
             ctx,
             steers: VecDeque::new(),
+            partial: String::new(),
         };
         EngineHandle::new(tx, tokio::spawn(run.play(prompt.text)))
     }
@@ -248,6 +249,9 @@ struct Run {
     client: reqwest::Client,
     model: String,
     ctx: TurnContext,
+    /// Text of the model call in progress (kept when the call breaks off:
+    /// the user saw it).
+    partial: String,
     /// Steers received and not yet in the conversation.
     steers: VecDeque<(SteerId, String)>,
 }
@@ -283,7 +287,14 @@ impl Run {
             .conversation
             .trim(self.cfg.context_chars.saturating_mul(4));
         self.ctx.conversation.push(Message::User { text: prompt });
-        match self.turn_loop().await {
+        let outcome = self.turn_loop().await;
+        if outcome.is_err() && !self.partial.is_empty() {
+            self.ctx.conversation.push(Message::Assistant {
+                text: std::mem::take(&mut self.partial),
+                calls: Vec::new(),
+            });
+        }
+        match outcome {
             Ok(stop) => {
                 self.emit(SignalKind::Result(stop));
                 self.emit(SignalKind::Idle);
@@ -513,6 +524,7 @@ impl Run {
         let mut parser = parser(self.cfg.provider);
         let mut events = resp.bytes_stream().eventsource();
         let mut text = String::new();
+        self.partial.clear();
         let mut started = false;
         loop {
             let next = tokio::time::timeout(timeout, events.next());
@@ -549,6 +561,7 @@ impl Run {
                 match d {
                     Delta::Text(t) => {
                         text.push_str(&t);
+                        self.partial.push_str(&t);
                         self.emit(SignalKind::Update(Update::Text(t)));
                     }
                     Delta::Thought(t) => self.emit(SignalKind::Update(Update::Thought(t))),
@@ -571,6 +584,7 @@ impl Run {
     }
 
     fn finished(&mut self, text: String, done: Finish) -> Response {
+        self.partial.clear();
         let (input, output) = done.usage;
         if input + output > 0 {
             metrics::counter!("tiller_model_tokens_total", "engine" => self.cfg.name.clone(), "kind" => "input").increment(input);
