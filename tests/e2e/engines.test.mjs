@@ -4,7 +4,7 @@
 // editor's fs/terminal methods, and config options.
 
 import assert from "node:assert/strict";
-import { existsSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, readFileSync, realpathSync, writeFileSync } from "node:fs";
 import path from "node:path";
 import { after, before, beforeEach, describe, test } from "node:test";
 
@@ -153,6 +153,10 @@ describe("OpenAI-compatible engine", () => {
     ]);
     const kinds = c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "tool_call").map((u) => u.update.kind);
     assert.deepEqual(kinds, ["read", "search"]);
+    // Editors can follow along: the call names the file it reads.
+    const announced = c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "tool_call");
+    assert.deepEqual(announced[0].update.locations, [{ path: path.join(realpathSync(cwd), "notes.txt") }]);
+    assert.deepEqual(announced[1].update.locations, [{ path: realpathSync(cwd) }]);
     // Usage is in the log; nothing was written to the directory.
     const h = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=200`);
     assert.ok(h.body.events.some((e) => e.type === "usage" && e.data.inputTokens === 11 && e.data.outputTokens === 7));

@@ -1,12 +1,14 @@
 //! Mapping between the session log and ACP's wire types.
 
+use std::path::PathBuf;
+
 use agent_client_protocol::v1::schema::{
     ConfigOptionUpdate, ContentBlock, ContentChunk, McpServer, PermissionOption,
     PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
     SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption,
     SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall, ToolCallContent,
-    ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
+    ToolCallLocation, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
@@ -45,11 +47,18 @@ pub fn session_update(rec: &EventRecord) -> Option<SessionNotification> {
             name,
             input,
             status,
+            locations,
         } => SessionUpdate::ToolCall(
             ToolCall::new(tool_call_id.clone(), name.clone())
                 .kind(tool_kind(name))
                 .status(tool_status(*status))
-                .raw_input(input.clone()),
+                .raw_input(input.clone())
+                .locations(
+                    locations
+                        .iter()
+                        .map(|p| ToolCallLocation::new(PathBuf::from(p)))
+                        .collect::<Vec<_>>(),
+                ),
         ),
         EventBody::ToolCallUpdate {
             tool_call_id,

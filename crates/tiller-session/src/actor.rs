@@ -1487,7 +1487,16 @@ impl SessionState {
     }
 
     /// Appends an event (ordered, not awaited) and fans it out.
-    fn publish(&mut self, prompt: Option<PromptId>, turn: Option<TurnId>, body: EventBody) {
+    fn publish(&mut self, prompt: Option<PromptId>, turn: Option<TurnId>, mut body: EventBody) {
+        if let EventBody::ToolCall {
+            name,
+            input,
+            locations,
+            ..
+        } = &mut body
+        {
+            *locations = self.toolbox.locations(name, input);
+        }
         let rec = self.record(prompt, turn, body);
         self.store.append(rec.to_stored(), rec.ledger_op());
         self.fan_out(&rec);

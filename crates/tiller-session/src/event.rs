@@ -82,6 +82,9 @@ pub enum EventBody {
         name: String,
         input: serde_json::Value,
         status: ToolStatus,
+        /// Absolute paths the call works on (editors follow along).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        locations: Vec<String>,
     },
     /// A tool call changed status.
     ToolCallUpdate {
@@ -302,6 +305,7 @@ mod tests {
                 name: "n".into(),
                 input: serde_json::json!({"x": 1}),
                 status: ToolStatus::Pending,
+                locations: vec!["/w/a.rs".into()],
             },
             EventBody::ToolCallUpdate {
                 tool_call_id: "a".into(),

@@ -201,12 +201,7 @@ impl Batch {
             let i = self.next;
             self.next += 1;
             let call = self.calls[i].clone();
-            events.push(EventBody::ToolCall {
-                tool_call_id: call.id.clone(),
-                name: call.name.clone(),
-                input: call.input.clone(),
-                status: ToolStatus::Pending,
-            });
+            events.push(announce(&call));
             let key = CallKey {
                 tool: call.name.clone(),
                 args: canonical_json(&call.input),
@@ -433,13 +428,7 @@ impl Batch {
         let message = skip_message(loop_type);
         for i in from..self.calls.len() {
             if i > from {
-                let call = &self.calls[i];
-                events.push(EventBody::ToolCall {
-                    tool_call_id: call.id.clone(),
-                    name: call.name.clone(),
-                    input: call.input.clone(),
-                    status: ToolStatus::Pending,
-                });
+                events.push(announce(&self.calls[i]));
             }
             let error = ToolError {
                 error_kind: "loop_detected".into(),
@@ -458,6 +447,17 @@ impl Batch {
             );
         }
         self.next = self.calls.len();
+    }
+}
+
+/// The event that announces a call (the session adds its locations).
+fn announce(call: &ToolCall) -> EventBody {
+    EventBody::ToolCall {
+        tool_call_id: call.id.clone(),
+        name: call.name.clone(),
+        input: call.input.clone(),
+        status: ToolStatus::Pending,
+        locations: Vec::new(),
     }
 }
 

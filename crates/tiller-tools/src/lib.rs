@@ -129,6 +129,21 @@ impl Toolbox {
             .map_or(ToolKind::Other, |s| s.kind)
     }
 
+    /// The absolute paths a built-in call works on, when it names one
+    /// inside the session's directory (for editors to follow along).
+    pub fn locations(&self, name: &str, input: &serde_json::Value) -> Vec<String> {
+        let is_builtin = matches!(
+            name,
+            "read_file" | "write_file" | "edit" | "list_dir" | "glob" | "grep"
+        );
+        match input.get("path").and_then(serde_json::Value::as_str) {
+            Some(p) if is_builtin => resolve(&self.root, p)
+                .map(|p| vec![p.display().to_string()])
+                .unwrap_or_default(),
+            _ => Vec::new(),
+        }
+    }
+
     /// Runs one call. Never panics on bad input: every failure is an
     /// output with `ok: false` the model can read.
     pub async fn run(&self, call: &ToolCall, client: Option<Arc<dyn ClientTools>>) -> ToolOutput {
