@@ -625,6 +625,31 @@ describe("the editor's fs and terminal methods", () => {
         "terminal/output",
         "terminal/release",
       ]);
+      // A command past its timeout is killed in the editor's terminal.
+      ed.clientRequests.length = 0;
+      const base = ed.onClient;
+      ed.onClient = async (method, params) => {
+        if (method === "terminal/wait_for_exit") return new Promise(() => {}); // never exits
+        if (method === "terminal/kill") return {};
+        if (method === "terminal/output") return { output: "still going", truncated: false, exitStatus: null };
+        if (method === "terminal/create") return { terminalId: "term-2" };
+        return base(method, params);
+      };
+      const m = mock.requests.length;
+      mock.reply(
+        { events: openai.tools([{ id: "call_e4", name: "shell", args: { command: "sleep 100", timeout_ms: 200 } }]) },
+        { events: openai.text("It timed out.") },
+      );
+      assert.equal((await ed.request("session/prompt", textPrompt(sid, "slow"))).stopReason, "end_turn");
+      assert.deepEqual(ed.clientRequests.map((r) => r.method), [
+        "terminal/create",
+        "terminal/wait_for_exit",
+        "terminal/kill",
+        "terminal/output",
+        "terminal/release",
+      ]);
+      const timedOut = toolResults(since(m)[1]).at(-1);
+      assert.match(timedOut.text, /still going[\s\S]*killed after the 200ms timeout/);
     } finally {
       ed.close();
     }
