@@ -680,11 +680,11 @@ describe("HTTP and restarts", () => {
     const opts = await api(daemon, "GET", `/api/sessions/${id}/options`);
     assert.deepEqual(
       opts.body.options.map((o) => [o.id, o.current]),
-      [["model", "mock-1"], ["permission_mode", "ask"]],
+      [["engine", "mock-openai"], ["model", "mock-1"], ["permission_mode", "ask"]],
     );
     const set = await api(daemon, "PUT", `/api/sessions/${id}/options/model`, { value: "mock-2" });
     assert.equal(set.status, 200);
-    assert.equal(set.body.options[0].current, "mock-2");
+    assert.equal(set.body.options.find((o) => o.id === "model").current, "mock-2");
     const wrong = await api(daemon, "PUT", `/api/sessions/${id}/options/model`, { value: "nope" });
     assert.equal(wrong.status, 400);
     const n = mock.requests.length;
@@ -693,6 +693,32 @@ describe("HTTP and restarts", () => {
     assert.equal(p.status, 202);
     await waitFor(() => mock.requests.length > n);
     assert.equal(since(n)[0].body.model, "mock-2");
+  });
+
+  test("a session switches engine between turns and keeps its conversation", async () => {
+    const { sid, res } = await session("mock-openai");
+    const engine = res.configOptions.find((o) => o.id === "engine");
+    assert.equal(engine.currentValue, "mock-openai");
+    assert.ok(engine.options.some((o) => o.value === "mock-anthropic"));
+    const n = mock.requests.length;
+    mock.reply({ events: openai.text("From OpenAI.") }, { events: anthropic.text("From Anthropic.") });
+    await c.request("session/prompt", textPrompt(sid, "first"));
+    const set = await c.request("session/set_config_option", { sessionId: sid, configId: "engine", value: "mock-anthropic" });
+    assert.equal(set.configOptions.find((o) => o.id === "model").currentValue, "claude-mock");
+    await c.request("session/prompt", textPrompt(sid, "second"));
+    const [a, b] = since(n);
+    assert.equal(a.path, "/v1/chat/completions");
+    assert.equal(b.path, "/v1/messages");
+    assert.deepEqual(
+      b.body.messages.map((m) => [m.role, m.content.map((x) => x.text).join("")]),
+      [
+        ["user", "first"],
+        ["assistant", "From OpenAI."],
+        ["user", "second"],
+      ],
+    );
+    const bad = await rejection(c.request("session/set_config_option", { sessionId: sid, configId: "engine", value: "nope" }));
+    assert.equal(bad.code, -32602);
   });
 
   test("a session keeps its engine, options and conversation across a restart", async () => {
@@ -770,7 +796,7 @@ describe("Web Shell with model engines", () => {
       const sid = await p.evaluate(() => location.hash.slice(1));
       for (let i = 0; i < 100; i++) {
         const o = await api(daemon, "GET", `/api/sessions/${sid}/options`);
-        if (o.body.options[0].current === "mock-2") break;
+        if (o.body.options.find((x) => x.id === "model").current === "mock-2") break;
         await new Promise((r) => setTimeout(r, 20));
       }
       const n = mock.requests.length;

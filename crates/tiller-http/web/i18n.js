@@ -6,7 +6,7 @@ export const LANGS = ["en", "zh-CN", "ja", "de", "es"];
 const STRINGS = {
   en: {
     workingDir: "Working directory", engine: "Engine", create: "Create",
-    option_model: "Model", option_permission_mode: "Permissions",
+    option_engine: "Engine", option_model: "Model", option_permission_mode: "Permissions",
     mode_ask: "Ask before edits and commands", "mode_accept-edits": "Accept edits, ask before commands", "mode_allow-all": "Allow everything",
     mcpFailed: "The MCP server {name} is unavailable: {error}",
     plan: "Plan",
@@ -33,7 +33,7 @@ const STRINGS = {
   },
   "zh-CN": {
     workingDir: "工作目录", engine: "引擎", create: "创建",
-    option_model: "模型", option_permission_mode: "权限",
+    option_engine: "引擎", option_model: "模型", option_permission_mode: "权限",
     mode_ask: "编辑和命令前询问", "mode_accept-edits": "自动接受编辑，命令前询问", "mode_allow-all": "全部允许",
     mcpFailed: "MCP 服务器 {name} 不可用：{error}",
     plan: "计划",
@@ -60,7 +60,7 @@ const STRINGS = {
   },
   ja: {
     workingDir: "作業ディレクトリ", engine: "エンジン", create: "作成",
-    option_model: "モデル", option_permission_mode: "権限",
+    option_engine: "エンジン", option_model: "モデル", option_permission_mode: "権限",
     mode_ask: "編集とコマンドの前に確認", "mode_accept-edits": "編集は許可、コマンドの前に確認", "mode_allow-all": "すべて許可",
     mcpFailed: "MCP サーバー {name} は利用できません: {error}",
     plan: "計画",
@@ -87,7 +87,7 @@ const STRINGS = {
   },
   de: {
     workingDir: "Arbeitsverzeichnis", engine: "Engine", create: "Erstellen",
-    option_model: "Modell", option_permission_mode: "Berechtigungen",
+    option_engine: "Engine", option_model: "Modell", option_permission_mode: "Berechtigungen",
     mode_ask: "Vor Änderungen und Befehlen fragen", "mode_accept-edits": "Änderungen erlauben, vor Befehlen fragen", "mode_allow-all": "Alles erlauben",
     mcpFailed: "Der MCP-Server {name} ist nicht verfügbar: {error}",
     plan: "Plan",
@@ -114,7 +114,7 @@ const STRINGS = {
   },
   es: {
     workingDir: "Directorio de trabajo", engine: "Motor", create: "Crear",
-    option_model: "Modelo", option_permission_mode: "Permisos",
+    option_engine: "Motor", option_model: "Modelo", option_permission_mode: "Permisos",
     mode_ask: "Preguntar antes de ediciones y comandos", "mode_accept-edits": "Aceptar ediciones, preguntar antes de comandos", "mode_allow-all": "Permitir todo",
     mcpFailed: "El servidor MCP {name} no está disponible: {error}",
     plan: "Plan",

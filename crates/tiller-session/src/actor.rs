@@ -238,6 +238,8 @@ pub struct SessionArgs {
     pub id: SessionId,
     pub head: LogHead,
     pub engine: Arc<dyn Engine>,
+    /// Every engine, for switching with `session/set_config_option`.
+    pub engines: crate::Engines,
     pub store: Store,
     pub config: Arc<SessionConfig>,
     pub automation: Automation,
@@ -305,6 +307,8 @@ pub struct SessionState {
     id: SessionId,
     core: SessionCore,
     engine: Arc<dyn Engine>,
+    /// Every engine (the session may switch between turns).
+    engines: crate::Engines,
     store: Store,
     /// Loop protection settings for each new turn's guard.
     loops: LoopConfig,
@@ -413,6 +417,7 @@ impl Actor for SessionActor {
             myself: myself.clone(),
             loop_stopped: None,
             engine: args.engine,
+            engines: args.engines,
             store: args.store,
             loops: args.config.loops.clone(),
             permissions: Permissions::new(mode).with_always(settings.always),
@@ -1224,6 +1229,16 @@ impl SessionState {
     /// The options a client may change.
     fn options(&self) -> Vec<ConfigOption> {
         let mut v = Vec::new();
+        let engines = self.engines.names();
+        if engines.len() > 1 {
+            v.push(ConfigOption {
+                id: "engine".into(),
+                name: "Engine".into(),
+                category: "engine".into(),
+                current: self.engine.name().to_owned(),
+                choices: engines,
+            });
+        }
         let models = self.engine.models();
         if let Some(default) = models.first() {
             v.push(ConfigOption {
@@ -1265,6 +1280,27 @@ impl SessionState {
             ));
         }
         match id {
+            "engine" => {
+                let engine = self.engines.get(Some(value)).map_err(|e| e.to_string())?;
+                let root = self.toolbox.root();
+                if engine.uses_directory() && !root.is_dir() {
+                    return Err(format!(
+                        "engine `{value}` runs tools in the session's directory, and {} is not one",
+                        root.display()
+                    ));
+                }
+                // The next turn runs on it, with the whole conversation.
+                self.engine = engine;
+                if let Err(e) = self
+                    .store
+                    .save_state(self.id, tiller_store::StateColumn::Engine, value.to_owned())
+                    .await
+                {
+                    tracing::error!(error = %e, "cannot store the session's engine");
+                }
+                let models = self.engine.models();
+                self.model = self.model.take().filter(|m| models.contains(m));
+            }
             "model" => self.model = Some(value.to_owned()),
             _ => {
                 self.permissions.mode =

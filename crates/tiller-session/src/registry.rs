@@ -187,6 +187,7 @@ impl RegistryState {
             cwd,
             extras,
             engine,
+            engines: self.engines.clone(),
             store: self.store.clone(),
             config: self.config.clone(),
             automation: self.automation.clone(),
