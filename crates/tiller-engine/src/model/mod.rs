@@ -281,6 +281,18 @@ impl Run {
         }
     }
 
+    /// Runs `fut` while taking in steers (results outside a batch wait are
+    /// ignored); `Err` on abort.
+    async fn wait<F: Future>(&mut self, fut: F) -> Result<F::Output, Aborted> {
+        tokio::pin!(fut);
+        loop {
+            tokio::select! {
+                out = &mut fut => return Ok(out),
+                input = self.rx.recv() => { self.input(input)?; }
+            }
+        }
+    }
+
     async fn play(mut self, prompt: String) {
         self.ctx.conversation.repair();
         self.ctx
@@ -404,14 +416,9 @@ impl Run {
                         .min(Duration::from_secs(60));
                     tracing::warn!(attempt, delay_ms = delay.as_millis() as u64, why = %self.redact(&why), "model call failed; retrying");
                     metrics::counter!("tiller_model_retries_total", "engine" => self.cfg.name.clone()).increment(1);
-                    let sleep = tokio::time::sleep(delay);
-                    tokio::pin!(sleep);
-                    loop {
-                        tokio::select! {
-                            () = &mut sleep => break,
-                            input = self.rx.recv() => { self.input(input).map_err(|_| None)?; }
-                        }
-                    }
+                    self.wait(tokio::time::sleep(delay))
+                        .await
+                        .map_err(|_| None)?;
                 }
                 Err(CallError::Retryable(why, _) | CallError::Fatal(why)) => {
                     metrics::counter!("tiller_model_requests_total", "engine" => self.cfg.name.clone(), "outcome" => "error").increment(1);
@@ -467,14 +474,10 @@ impl Run {
             req = req.header("anthropic-version", "2023-06-01");
         }
         let timeout = self.cfg.request_timeout;
-        let send = tokio::time::timeout(timeout, req.send());
-        tokio::pin!(send);
-        let resp = loop {
-            tokio::select! {
-                r = &mut send => break r,
-                input = self.rx.recv() => { self.input(input).map_err(|_| CallError::Aborted)?; }
-            }
-        };
+        let resp = self
+            .wait(tokio::time::timeout(timeout, req.send()))
+            .await
+            .map_err(|_| CallError::Aborted)?;
         let resp = match resp {
             Err(_) => {
                 return Err(CallError::Retryable(
@@ -527,14 +530,10 @@ impl Run {
         self.partial.clear();
         let mut started = false;
         loop {
-            let next = tokio::time::timeout(timeout, events.next());
-            tokio::pin!(next);
-            let ev = loop {
-                tokio::select! {
-                    ev = &mut next => break ev,
-                    input = self.rx.recv() => { self.input(input).map_err(|_| CallError::Aborted)?; }
-                }
-            };
+            let ev = self
+                .wait(tokio::time::timeout(timeout, events.next()))
+                .await
+                .map_err(|_| CallError::Aborted)?;
             let interrupted = |why: String| {
                 if started {
                     CallError::Fatal(why)
