@@ -503,6 +503,22 @@ impl Shared {
         Ok(last)
     }
 
+    /// Gives the session the MCP servers a request passed (none: keeps
+    /// what it has).
+    async fn connect_mcp(
+        &self,
+        handle: &SessionHandle,
+        servers: Vec<tiller_tools::McpServerConfig>,
+    ) -> Result<(), Reply> {
+        if !servers.is_empty() {
+            handle
+                .set_mcp(servers, self.config.mcp_connect_timeout)
+                .await
+                .map_err(session_error)?;
+        }
+        Ok(())
+    }
+
     fn subscriber(&self, id: SubscriberId, session: SessionId) -> ConnSubscriber {
         ConnSubscriber {
             id,
@@ -582,12 +598,7 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
                 .create_with(req.cwd.display().to_string(), None, engine)
                 .await
                 .map_err(session_error)?;
-            if !mcp.is_empty() {
-                handle
-                    .set_mcp(mcp, shared.config.mcp_connect_timeout)
-                    .await
-                    .map_err(session_error)?;
-            }
+            shared.connect_mcp(&handle, mcp).await?;
             shared.attach(&handle).await?;
             let options = handle.options().await.map_err(session_error)?;
             Ok(to_value(
@@ -624,12 +635,7 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
             let req: LoadSessionRequest = params(raw)?;
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
-            if !mcp.is_empty() {
-                handle
-                    .set_mcp(mcp, shared.config.mcp_connect_timeout)
-                    .await
-                    .map_err(session_error)?;
-            }
+            shared.connect_mcp(&handle, mcp).await?;
             let last = shared.attach_for_replay(&handle).await?;
             let history = match shared
                 .sessions
@@ -662,12 +668,7 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
             let req: ResumeSessionRequest = params(raw)?;
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
-            if !mcp.is_empty() {
-                handle
-                    .set_mcp(mcp, shared.config.mcp_connect_timeout)
-                    .await
-                    .map_err(session_error)?;
-            }
+            shared.connect_mcp(&handle, mcp).await?;
             shared.attach(&handle).await?;
             Ok(to_value(ResumeSessionResponse::new()))
         }
