@@ -56,16 +56,6 @@ impl Conversation {
         self.lock().clone()
     }
 
-    /// How many messages it holds.
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    /// Whether it holds none.
-    pub fn is_empty(&self) -> bool {
-        self.lock().is_empty()
-    }
-
     /// Makes the conversation valid for a provider after a turn ended
     /// abruptly: every call gets a result (a call without one is answered
     /// "did not run"), so no request is refused for a dangling tool call.

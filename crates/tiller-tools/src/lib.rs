@@ -14,7 +14,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tiller_engine::{ToolCall, ToolKind, ToolOutput, ToolSpec};
+use tiller_engine::{ToolCall, ToolOutput, ToolSpec};
 
 pub use local::{builtin_specs, resolve};
 pub use mcp::{McpServer, McpServerConfig};
@@ -115,18 +115,6 @@ impl Toolbox {
             specs.extend(s.specs());
         }
         specs
-    }
-
-    /// The kind of a tool by name (unknown names are `Other`).
-    pub fn kind_of(&self, name: &str) -> ToolKind {
-        if let Some(s) = builtin_specs().into_iter().find(|s| s.name == name) {
-            return s.kind;
-        }
-        self.mcp
-            .iter()
-            .flat_map(|m| m.specs())
-            .find(|s| s.name == name)
-            .map_or(ToolKind::Other, |s| s.kind)
     }
 
     /// The absolute paths a built-in call works on, when it names one

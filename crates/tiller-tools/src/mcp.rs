@@ -164,11 +164,6 @@ impl McpServer {
         })
     }
 
-    /// The server's name from `session/new`.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// Its tools, as offered to models.
     pub fn specs(&self) -> Vec<ToolSpec> {
         let mut v: Vec<ToolSpec> = self.tools.values().map(|(_, s)| s.clone()).collect();
