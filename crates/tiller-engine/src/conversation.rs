@@ -38,29 +38,48 @@ pub enum Message {
 /// The conversation a session shares with its running turn. One turn runs
 /// at a time, so the lock is never contended for long.
 #[derive(Clone, Debug, Default)]
-pub struct Conversation(Arc<Mutex<Vec<Message>>>);
+pub struct Conversation(Arc<Mutex<Inner>>);
+
+#[derive(Debug, Default)]
+struct Inner {
+    msgs: Vec<Message>,
+    /// Bumped by every change, so the owner knows when to store it.
+    revision: u64,
+}
 
 impl Conversation {
     /// A conversation holding `messages`.
     pub fn new(messages: Vec<Message>) -> Self {
-        Self(Arc::new(Mutex::new(messages)))
+        Self(Arc::new(Mutex::new(Inner {
+            msgs: messages,
+            revision: 0,
+        })))
     }
 
     /// Appends a message.
     pub fn push(&self, m: Message) {
-        self.lock().push(m);
+        let mut inner = self.lock();
+        inner.msgs.push(m);
+        inner.revision += 1;
     }
 
     /// A copy of the messages.
     pub fn snapshot(&self) -> Vec<Message> {
-        self.lock().clone()
+        self.lock().msgs.clone()
+    }
+
+    /// Its revision: it changed iff this did.
+    pub fn revision(&self) -> u64 {
+        self.lock().revision
     }
 
     /// Makes the conversation valid for a provider after a turn ended
     /// abruptly: every call gets a result (a call without one is answered
     /// "did not run"), so no request is refused for a dangling tool call.
     pub fn repair(&self) {
-        let mut msgs = self.lock();
+        let mut inner = self.lock();
+        let msgs = &mut inner.msgs;
+        let before = msgs.len();
         let mut out = Vec::with_capacity(msgs.len());
         let mut open: Vec<String> = Vec::new();
         for m in msgs.drain(..) {
@@ -77,20 +96,24 @@ impl Conversation {
         }
         close(&mut open, &mut out);
         *msgs = out;
+        if msgs.len() != before {
+            inner.revision += 1;
+        }
     }
 
     /// Drops the oldest turns while the conversation holds more than
     /// `max_chars` (it keeps at least the last user turn). Memory and the
     /// stored copy stay bounded in a session that lives for months.
     pub fn trim(&self, max_chars: usize) {
-        let mut msgs = self.lock();
-        let cut = cut_for(&msgs, max_chars);
+        let mut inner = self.lock();
+        let cut = cut_for(&inner.msgs, max_chars);
         if cut > 0 {
-            msgs.drain(..cut);
+            inner.msgs.drain(..cut);
+            inner.revision += 1;
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Message>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // A turn that panicked mid-push leaves a usable vector.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -301,6 +324,24 @@ mod tests {
             c.trim(max);
             proptest::prop_assert_eq!(c.snapshot(), kept.to_vec());
         }
+    }
+
+    #[test]
+    fn every_change_moves_the_revision_even_at_the_same_length() {
+        let c = Conversation::new(vec![
+            Message::User {
+                text: "a".repeat(50),
+            },
+            Message::User { text: "b".into() },
+        ]);
+        let r0 = c.revision();
+        c.repair();
+        c.trim(1000);
+        assert_eq!(c.revision(), r0, "no change, same revision");
+        c.trim(10);
+        c.push(Message::User { text: "c".into() });
+        assert_eq!(c.snapshot().len(), 2, "same length as before");
+        assert!(c.revision() > r0 + 1);
     }
 
     #[test]

@@ -326,8 +326,8 @@ pub struct SessionState {
     toolbox: Arc<Toolbox>,
     /// The model conversation (model engines append to it).
     conversation: Conversation,
-    /// Messages of the conversation already stored.
-    conversation_saved: usize,
+    /// The conversation's revision already stored.
+    conversation_saved: u64,
     /// The model chosen with `session/set_config_option`.
     model: Option<String>,
     /// The `permission_requested` the running turn waits on.
@@ -406,7 +406,7 @@ impl Actor for SessionActor {
                 args.cwd.clone().into(),
                 args.config.tools.clone(),
             )),
-            conversation_saved: conversation.len(),
+            conversation_saved: 0,
             conversation: Conversation::new(conversation),
             model: settings.model,
             id: args.id,
@@ -1340,11 +1340,12 @@ impl SessionState {
 
     /// Stores the conversation when a turn added to it.
     async fn save_conversation(&mut self) {
-        let msgs = self.conversation.snapshot();
-        if msgs.len() == self.conversation_saved {
+        let revision = self.conversation.revision();
+        if revision == self.conversation_saved {
             return;
         }
-        self.conversation_saved = msgs.len();
+        self.conversation_saved = revision;
+        let msgs = self.conversation.snapshot();
         let json = serde_json::to_string(&msgs).expect("messages serialize");
         if let Err(e) = self
             .store
