@@ -5,6 +5,7 @@
 //! The session's pipeline decides *whether* a call runs (loop guard, then
 //! permission); this crate only runs it.
 
+pub mod bounded;
 mod local;
 pub mod mcp;
 
