@@ -6,6 +6,7 @@
 //! permission); this crate only runs it.
 
 pub mod bounded;
+pub mod egress;
 mod local;
 pub mod mcp;
 
