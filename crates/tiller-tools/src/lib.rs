@@ -9,6 +9,7 @@ pub mod bounded;
 pub mod egress;
 mod local;
 pub mod mcp;
+mod supervise;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -20,6 +21,7 @@ use tiller_engine::{ToolCall, ToolOutput, ToolSpec};
 
 pub use local::{builtin_specs, resolve};
 pub use mcp::{McpServer, McpServerConfig};
+pub use supervise::{SUPERVISE_ARG, supervise};
 
 /// A boxed future, for the client bridge's object-safe methods.
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
