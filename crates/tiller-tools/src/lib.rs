@@ -4,6 +4,12 @@
 //!
 //! The session's pipeline decides *whether* a call runs (loop guard, then
 //! permission); this crate only runs it.
+//!
+//! Spawning is configured, never requested: an MCP stdio server runs
+//! only if its command is in [`McpPolicy::allowed_commands`], with exactly
+//! [`ToolsConfig::child_env`] as its environment (never the daemon's,
+//! which holds API keys and `TILLER_*` secrets); an HTTP server is
+//! reached only at a destination [`egress::Policy`] allows.
 
 pub mod bounded;
 pub mod egress;
@@ -20,7 +26,7 @@ use std::time::Duration;
 use tiller_engine::{ToolCall, ToolOutput, ToolSpec};
 
 pub use local::{builtin_specs, resolve};
-pub use mcp::{McpServer, McpServerConfig};
+pub use mcp::{McpPolicy, McpServer, McpServerConfig};
 pub use supervise::{SUPERVISE_ARG, supervise};
 
 /// A boxed future, for the client bridge's object-safe methods.
@@ -62,14 +68,41 @@ pub trait ClientTools: Send + Sync {
 }
 
 /// Settings of the built-in tools (`[tools]`).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct ToolsConfig {
     /// Default bound on a `shell` call.
     pub shell_timeout: Duration,
     /// Longest bound a call may ask for.
     pub max_shell_timeout: Duration,
-    /// Largest output handed back to the model (bytes).
+    /// Largest output handed back to the model (bytes): also the bound of
+    /// every buffer a tool fills.
     pub max_output_bytes: usize,
+    /// The complete environment of every child (`shell`, MCP stdio
+    /// servers), which start from an empty one: the daemon's own holds
+    /// secrets. Build it with [`child_env`].
+    pub child_env: Vec<(String, String)>,
+    /// The binary to run commands under, as `<path> __supervise -- sh -c
+    /// CMD` (see [`supervise`]), so that everything a command starts dies
+    /// with it. `None`: `sh` runs in its own process group, which a
+    /// `setsid` inside the command escapes.
+    pub supervisor: Option<PathBuf>,
+    /// Which MCP servers may be started or reached.
+    pub mcp: McpPolicy,
+}
+
+impl std::fmt::Debug for ToolsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Names only: a variable passed on may hold a secret.
+        let env: Vec<&str> = self.child_env.iter().map(|(k, _)| k.as_str()).collect();
+        f.debug_struct("ToolsConfig")
+            .field("shell_timeout", &self.shell_timeout)
+            .field("max_shell_timeout", &self.max_shell_timeout)
+            .field("max_output_bytes", &self.max_output_bytes)
+            .field("child_env", &env)
+            .field("supervisor", &self.supervisor)
+            .field("mcp", &self.mcp)
+            .finish()
+    }
 }
 
 impl Default for ToolsConfig {
@@ -78,8 +111,33 @@ impl Default for ToolsConfig {
             shell_timeout: Duration::from_secs(120),
             max_shell_timeout: Duration::from_secs(300),
             max_output_bytes: 64 * 1024,
+            child_env: child_env(std::env::vars(), &[], &[]),
+            supervisor: None,
+            mcp: McpPolicy::default(),
         }
     }
+}
+
+/// Variables every child gets when the daemon has them.
+const BASE_ENV: &[&str] = &["PATH", "HOME", "LANG", "TERM"];
+
+/// The environment for children, from `vars` (usually
+/// `std::env::vars()`): only `PATH`, `HOME`, `LANG`, `TERM` and the names
+/// in `pass_env`; never a name in `deny`, nor any name starting with
+/// `TILLER_` (the daemon's own settings and secrets), even when listed in
+/// `pass_env`.
+pub fn child_env(
+    vars: impl IntoIterator<Item = (String, String)>,
+    pass_env: &[String],
+    deny: &[String],
+) -> Vec<(String, String)> {
+    vars.into_iter()
+        .filter(|(k, _)| {
+            (BASE_ENV.contains(&k.as_str()) || pass_env.contains(k))
+                && !deny.contains(k)
+                && !k.starts_with("TILLER_")
+        })
+        .collect()
 }
 
 /// A session's tools: the built-ins rooted at its directory, and its MCP
@@ -143,5 +201,66 @@ impl Toolbox {
             return server.call(&call.name, &call.input, &self.config).await;
         }
         local::run(&self.root, &self.config, call, client).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn child_env_keeps_only_what_is_allowed() {
+        let vars = || {
+            [
+                ("PATH", "/usr/bin"),
+                ("HOME", "/home/t"),
+                ("LANG", "C.UTF-8"),
+                ("TERM", "xterm"),
+                ("LC_ALL", "C"),
+                ("OPENAI_API_KEY", "sk-secret"),
+                ("TILLER_SERVER__TOKEN", "tok"),
+                ("TILLER_PATH", "x"),
+                ("GITHUB_TOKEN", "gh"),
+                ("EDITOR", "vi"),
+            ]
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        };
+        let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // (pass_env, deny, the names kept)
+        let cases: &[(&[&str], &[&str], &[&str])] = &[
+            (&[], &[], &["PATH", "HOME", "LANG", "TERM"]),
+            (
+                &["EDITOR"],
+                &[],
+                &["PATH", "HOME", "LANG", "TERM", "EDITOR"],
+            ),
+            (
+                &["TILLER_SERVER__TOKEN", "TILLER_PATH"],
+                &[],
+                &["PATH", "HOME", "LANG", "TERM"],
+            ),
+            (&["EDITOR"], &["EDITOR", "HOME"], &["PATH", "LANG", "TERM"]),
+            (&["MISSING"], &[], &["PATH", "HOME", "LANG", "TERM"]),
+        ];
+        for (pass, deny, want) in cases {
+            let got: Vec<String> = child_env(vars(), &s(pass), &s(deny))
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect();
+            assert_eq!(got, s(want), "pass {pass:?} deny {deny:?}");
+        }
+    }
+
+    #[test]
+    fn debug_shows_variable_names_not_values() {
+        let cfg = ToolsConfig {
+            child_env: vec![("GITHUB_TOKEN".into(), "gh-secret".into())],
+            ..ToolsConfig::default()
+        };
+        let shown = format!("{cfg:?}");
+        assert!(
+            shown.contains("GITHUB_TOKEN") && !shown.contains("gh-secret"),
+            "{shown}"
+        );
     }
 }

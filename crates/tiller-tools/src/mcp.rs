@@ -1,9 +1,21 @@
 //! MCP servers a client passed in `session/new` (stdio or streamable
 //! HTTP), through the official Rust SDK. Their tools are offered to the
 //! model as `<server>__<tool>`.
+//!
+//! A client only *asks*; the daemon's configuration ([`McpPolicy`])
+//! decides. A stdio command runs only when it is in
+//! [`McpPolicy::allowed_commands`], with the scrubbed environment of
+//! [`ToolsConfig::child_env`] (plus the server's own variables, minus
+//! loader and `TILLER_` ones), in its own process group, killed with the
+//! group when the server is dropped. An HTTP server is reached only at a
+//! destination [`McpPolicy::egress`] allows, through its pinned resolver,
+//! without redirects. Results are bounded by
+//! [`ToolsConfig::max_output_bytes`].
 
 use std::collections::HashMap;
 use std::time::Duration;
+
+use rustix::process::{Pid, Signal, kill_process_group};
 
 use rmcp::model::{CallToolRequestParams, Tool};
 use rmcp::service::RunningService;
@@ -14,25 +26,124 @@ use rmcp::transport::{
 use rmcp::{RoleClient, ServiceExt};
 use tiller_engine::{ToolKind, ToolOutput, ToolSpec};
 
-use crate::ToolsConfig;
+use crate::bounded::truncate;
+use crate::{ToolsConfig, egress};
 
-/// How to reach one MCP server.
+/// Which MCP servers clients may use (`[tools.mcp]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct McpPolicy {
+    /// The commands a stdio server may be started with: bare program
+    /// names (`npx`, matched against a bare command, found on the
+    /// scrubbed `PATH`), absolute paths (matched exactly) or absolute
+    /// path globs (`/opt/mcp/bin/*`, where `*` stays within one
+    /// directory). Empty: no stdio server runs.
+    pub allowed_commands: Vec<String>,
+    /// Where HTTP servers may be.
+    pub egress: egress::Policy,
+    /// Bound on connecting, initializing and listing the tools.
+    pub connect_timeout: Duration,
+}
+
+impl Default for McpPolicy {
+    fn default() -> Self {
+        Self {
+            allowed_commands: Vec::new(),
+            egress: egress::Policy::default(),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl McpPolicy {
+    /// Whether `command` may be started, or why not.
+    pub fn check_command(&self, command: &str) -> Result<(), String> {
+        let refused = |why: &str| {
+            format!(
+                "refused: `{command}` {why}; a stdio MCP server must be allowed in tools.mcp.allowed_commands"
+            )
+        };
+        if command.is_empty() {
+            return Err(refused("is empty"));
+        }
+        let path = std::path::Path::new(command);
+        if command.contains('/') {
+            if !path.is_absolute() {
+                return Err(refused(
+                    "is a relative path (give a bare name or an absolute path)",
+                ));
+            }
+            if path.components().any(|c| {
+                matches!(
+                    c,
+                    std::path::Component::ParentDir | std::path::Component::CurDir
+                )
+            }) || command.contains("//")
+            {
+                return Err(refused("is not a plain absolute path (`.`, `..` or `//`)"));
+            }
+        }
+        let allowed = self.allowed_commands.iter().any(|entry| {
+            if !entry.contains('/') {
+                // A bare name matches only the same bare name.
+                return entry == command;
+            }
+            if !entry.starts_with('/') || !command.starts_with('/') {
+                return false;
+            }
+            if entry == command {
+                return true;
+            }
+            globset::GlobBuilder::new(entry)
+                .literal_separator(true)
+                .build()
+                .is_ok_and(|g| g.compile_matcher().is_match(command))
+        });
+        if allowed {
+            Ok(())
+        } else {
+            Err(format!(
+                "refused: `{command}` is not in tools.mcp.allowed_commands; add it there to let clients start it"
+            ))
+        }
+    }
+}
+
+/// Whether a variable a client set for its stdio server is dropped: the
+/// dynamic loader's (`LD_*`, `DYLD_*`: code injection) and the daemon's
+/// own (`TILLER_*`).
+fn dropped_var(name: &str) -> bool {
+    name.starts_with("LD_") || name.starts_with("DYLD_") || name.starts_with("TILLER_")
+}
+
+/// How to reach one MCP server (as a client asked; [`McpPolicy`]
+/// decides whether it may).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum McpServerConfig {
+    /// A child process speaking MCP on stdin/stdout.
     Stdio {
+        /// The client's name for the server.
         name: String,
+        /// The program: a bare name (looked up on the scrubbed `PATH`) or
+        /// an absolute path.
         command: String,
+        /// Its arguments.
         args: Vec<String>,
+        /// Variables added to the scrubbed environment.
         env: Vec<(String, String)>,
     },
+    /// A streamable HTTP server.
     Http {
+        /// The client's name for the server.
         name: String,
+        /// Its endpoint.
         url: String,
+        /// Headers sent with every request (`Authorization` included).
         headers: Vec<(String, String)>,
     },
 }
 
 impl McpServerConfig {
+    /// The client's name for the server.
     pub fn name(&self) -> &str {
         match self {
             McpServerConfig::Stdio { name, .. } | McpServerConfig::Http { name, .. } => name,
@@ -42,10 +153,15 @@ impl McpServerConfig {
 
 /// A connected MCP server and the tools it listed.
 pub struct McpServer {
+    /// The client's name for it, in messages.
     name: String,
+    /// The connection.
     service: RunningService<RoleClient, ()>,
     /// Our name for each tool -> (its own name, spec).
     tools: HashMap<String, (String, ToolSpec)>,
+    /// A stdio server's process group, killed on drop (whatever the
+    /// server started dies with it).
+    group: Option<Pid>,
 }
 
 impl std::fmt::Debug for McpServer {
@@ -82,29 +198,62 @@ fn kind(tool: &Tool) -> ToolKind {
 
 impl McpServer {
     /// Connects, initializes and lists the server's tools, all within
-    /// `timeout`.
-    pub async fn connect(cfg: &McpServerConfig, timeout: Duration) -> Result<McpServer, String> {
+    /// `tools.mcp.connect_timeout`, if `tools.mcp` allows the server: a
+    /// command not allowed is never started, a URL not allowed never
+    /// requested.
+    pub async fn connect(cfg: &McpServerConfig, tools: &ToolsConfig) -> Result<McpServer, String> {
         let name = cfg.name().to_owned();
+        let timeout = tools.mcp.connect_timeout;
+        let policy = &tools.mcp;
+        let mut group = None;
         let fut = async {
             let service = match cfg {
                 McpServerConfig::Stdio {
                     command, args, env, ..
                 } => {
-                    let cmd = tokio::process::Command::new(command).configure(|c| {
-                        c.args(args);
-                        for (k, v) in env {
-                            c.env(k, v);
+                    policy.check_command(command)?;
+                    let mut extra = Vec::new();
+                    for (k, v) in env {
+                        if dropped_var(k) {
+                            tracing::warn!(server = %name, variable = %k, "dropped an environment variable the client set for an MCP server");
+                        } else {
+                            extra.push((k.clone(), v.clone()));
                         }
-                        c.stderr(std::process::Stdio::null());
+                    }
+                    let cmd = tokio::process::Command::new(command).configure(|c| {
+                        c.args(args)
+                            .env_clear()
+                            .envs(tools.child_env.iter().cloned())
+                            .envs(extra)
+                            .process_group(0)
+                            .kill_on_drop(true);
                     });
-                    let transport = TokioChildProcess::new(cmd)
-                        .map_err(|e| format!("cannot start `{command}`: {e}"))?;
+                    // fork and exec block: not on an async worker.
+                    let (transport, _) = tokio::task::spawn_blocking(move || {
+                        TokioChildProcess::builder(cmd)
+                            .stderr(std::process::Stdio::null())
+                            .spawn()
+                    })
+                    .await
+                    .map_err(|e| format!("cannot start `{command}`: {e}"))?
+                    .map_err(|e| format!("cannot start `{command}`: {e}"))?;
+                    group = transport
+                        .id()
+                        .and_then(|id| i32::try_from(id).ok())
+                        .and_then(Pid::from_raw);
                     ().serve(transport)
                         .await
                         .map_err(|e| format!("initialize failed: {e}"))?
                 }
                 McpServerConfig::Http { url, headers, .. } => {
-                    let mut config = StreamableHttpClientTransportConfig::with_uri(url.as_str());
+                    let checked = policy.egress.check(url)?;
+                    if let Some(url::Host::Domain(host)) = checked.host() {
+                        // Resolving first gives a clear error; the client
+                        // resolves (and filters) again when it connects.
+                        policy.egress.resolve(host).await?;
+                    }
+                    let mut config =
+                        StreamableHttpClientTransportConfig::with_uri(checked.as_str());
                     let mut custom = HashMap::new();
                     for (k, v) in headers {
                         if k.eq_ignore_ascii_case("authorization") {
@@ -119,11 +268,16 @@ impl McpServer {
                         }
                     }
                     let config = config.custom_headers(custom);
-                    let transport =
-                        StreamableHttpClientTransport::with_client(reqwest::Client::new(), config);
+                    let client = policy
+                        .egress
+                        .client_builder()
+                        .connect_timeout(timeout)
+                        .build()
+                        .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
+                    let transport = StreamableHttpClientTransport::with_client(client, config);
                     ().serve(transport)
                         .await
-                        .map_err(|e| format!("initialize failed: {e}"))?
+                        .map_err(|e| format!("initialize failed at {}: {e}", egress::redact(url)))?
                 }
             };
             let listed = service
@@ -132,10 +286,25 @@ impl McpServer {
                 .map_err(|e| format!("tools/list failed: {e}"))?;
             Ok::<_, String>((service, listed))
         };
-        let (service, listed) = tokio::time::timeout(timeout, fut)
-            .await
-            .map_err(|_| format!("MCP server `{name}` did not answer within {timeout:?}"))?
-            .map_err(|e| format!("MCP server `{name}`: {e}"))?;
+        let r = tokio::time::timeout(timeout, fut).await;
+        let kill = |group: Option<Pid>| {
+            if let Some(g) = group {
+                let _ = kill_process_group(g, Signal::KILL);
+            }
+        };
+        let (service, listed) = match r {
+            Err(_) => {
+                kill(group);
+                return Err(format!(
+                    "MCP server `{name}` did not answer within {timeout:?}"
+                ));
+            }
+            Ok(Err(e)) => {
+                kill(group);
+                return Err(format!("MCP server `{name}`: {e}"));
+            }
+            Ok(Ok(v)) => v,
+        };
         let prefix = clean(&name);
         let tools = listed
             .into_iter()
@@ -161,6 +330,7 @@ impl McpServer {
             name,
             service,
             tools,
+            group,
         })
     }
 
@@ -208,7 +378,10 @@ impl McpServer {
             },
             Ok(Err(e)) => ToolOutput {
                 ok: false,
-                output: format!("MCP server `{}`: {e}", self.name),
+                output: truncate(
+                    format!("MCP server `{}`: {e}", self.name),
+                    cfg.max_output_bytes,
+                ),
             },
             Ok(Ok(r)) => {
                 let mut text: Vec<String> = r
@@ -223,7 +396,7 @@ impl McpServer {
                 }
                 ToolOutput {
                     ok: !r.is_error.unwrap_or(false),
-                    output: text.join("\n"),
+                    output: truncate(text.join("\n"), cfg.max_output_bytes),
                 }
             }
         }
@@ -232,7 +405,70 @@ impl McpServer {
 
 impl Drop for McpServer {
     fn drop(&mut self) {
-        // Stops the service (and a stdio server's process).
+        // Stops the service, and a stdio server's process group (the
+        // server and whatever it started).
         self.service.cancellation_token().cancel();
+        if let Some(g) = self.group {
+            let _ = kill_process_group(g, Signal::KILL);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commands_match_only_configured_entries() {
+        // (allowed, command, allowed?)
+        let cases: &[(&[&str], &str, bool)] = &[
+            (&[], "npx", false),
+            (&["npx"], "npx", true),
+            (&["npx"], "npx2", false),
+            (&["npx", "uvx"], "uvx", true),
+            // A path is matched only by a path.
+            (&["node"], "/usr/bin/node", false),
+            (&["/usr/bin/node"], "/usr/bin/node", true),
+            (&["/usr/bin/node"], "node", false),
+            (&["/opt/mcp/bin/*"], "/opt/mcp/bin/server", true),
+            (&["/opt/mcp/bin/*"], "/opt/mcp/bin/sub/server", false),
+            (&["/opt/mcp/**"], "/opt/mcp/bin/sub/server", true),
+            (&["/opt/mcp/**"], "/opt/mcp/../../bin/sh", false),
+            (&["/opt/mcp/bin/*"], "/opt/mcp/bin/./x", false),
+            (&["/opt/mcp/bin/*"], "/opt/mcp/bin//x", false),
+            (&["bin/server"], "bin/server", false),
+            (&["node"], "./node", false),
+            (&["*"], "sh", false),
+            (&["/*"], "/sh", true),
+            (&["node"], "", false),
+        ];
+        for (allowed, command, ok) in cases {
+            let p = McpPolicy {
+                allowed_commands: allowed.iter().map(|s| s.to_string()).collect(),
+                ..McpPolicy::default()
+            };
+            match p.check_command(command) {
+                Ok(()) => assert!(ok, "{allowed:?} {command} was allowed"),
+                Err(e) => {
+                    assert!(!ok, "{allowed:?} {command}: {e}");
+                    assert!(e.starts_with("refused: "), "{e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn loader_and_daemon_variables_are_dropped() {
+        for (name, dropped) in [
+            ("LD_PRELOAD", true),
+            ("LD_LIBRARY_PATH", true),
+            ("DYLD_INSERT_LIBRARIES", true),
+            ("TILLER_SERVER__TOKEN", true),
+            ("NODE_ENV", false),
+            ("OLD_PATH", false),
+            ("API_KEY", false),
+        ] {
+            assert_eq!(dropped_var(name), dropped, "{name}");
+        }
     }
 }
