@@ -3,18 +3,34 @@
 //! `fs` or `terminal`), and tools of MCP servers.
 //!
 //! The session's pipeline decides *whether* a call runs (loop guard, then
-//! permission); this crate only runs it.
+//! permission); this crate only runs it. What it guarantees:
 //!
-//! Spawning is configured, never requested: an MCP stdio server runs
-//! only if its command is in [`McpPolicy::allowed_commands`], with exactly
-//! [`ToolsConfig::child_env`] as its environment (never the daemon's,
-//! which holds API keys and `TILLER_*` secrets); an HTTP server is
-//! reached only at a destination [`egress::Policy`] allows.
+//! - **Confinement by construction.** The file tools open everything
+//!   through a directory handle on the session's directory
+//!   (`cap_std::fs::Dir`): no `..`, absolute path or symbolic link
+//!   (dangling or not) leads out of it, and there is no window between a
+//!   check and an open. Absolute paths are accepted only inside the
+//!   directory; [`resolve`] is the lexical helper for showing paths.
+//! - **Regular files only.** FIFOs, sockets, devices and files on procfs
+//!   or sysfs are refused at once (a FIFO never blocks a call).
+//! - **Bounded memory.** Every output is streamed into a buffer of
+//!   [`ToolsConfig::max_output_bytes`] ([`bounded::OutputBuffer`]); what
+//!   was cut is counted and said.
+//! - **Scrubbed environment.** Every child (`shell`, MCP stdio servers)
+//!   starts with exactly [`ToolsConfig::child_env`], never the daemon's
+//!   environment (API keys, `TILLER_*` secrets).
+//! - **Whole process trees die.** With [`ToolsConfig::supervisor`] set, a
+//!   command runs under [`supervise`], which kills everything the command
+//!   started (`setsid` included) when it ends, times out or is cancelled.
+//! - **Spawning is configured, never requested.** An MCP stdio server
+//!   runs only if its command is in [`McpPolicy::allowed_commands`]; an
+//!   HTTP server only at a destination [`egress::Policy`] allows.
 
 pub mod bounded;
 pub mod egress;
 mod local;
 pub mod mcp;
+mod shell;
 mod supervise;
 
 use std::future::Future;

@@ -2,7 +2,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use super::*;
-use crate::BoxFuture;
+use crate::{BoxFuture, CommandOutput};
 
 fn call(name: &str, input: Value) -> ToolCall {
     ToolCall {
@@ -25,26 +25,30 @@ async fn paths_cannot_leave_the_session_directory() {
     std::fs::create_dir(&root).unwrap();
     std::fs::write(outer.path().join("secret"), "s").unwrap();
     std::os::unix::fs::symlink(outer.path(), root.join("up")).unwrap();
-    for bad in [
-        "../secret",
-        "/etc/passwd",
-        "up/secret",
-        "a/../../secret",
-        "up/new-file",
-    ] {
-        let e = resolve(&root, bad).unwrap_err();
-        assert!(e.contains("outside"), "{bad}: {e}");
-    }
     let real_root = root.canonicalize().unwrap();
-    assert_eq!(
-        resolve(&root, "a/../b.txt").unwrap(),
-        real_root.join("b.txt")
-    );
-    assert_eq!(
-        resolve(&root, "new/dir/f").unwrap(),
-        real_root.join("new/dir/f")
-    );
+    // The lexical helper: (input, Some(path inside the root) or None).
+    let inside = real_root.join("x").display().to_string();
+    let cases: &[(&str, Option<&str>)] = &[
+        ("../secret", None),
+        ("/etc/passwd", None),
+        ("a/../../secret", None),
+        ("a/../b.txt", Some("b.txt")),
+        ("new/dir/f", Some("new/dir/f")),
+        (&inside, Some("x")),
+        // Lexically inside: the helper does not look at links, which is
+        // why the file tools never use it to open anything.
+        ("up/secret", Some("up/secret")),
+    ];
+    for (input, want) in cases {
+        match (resolve(&root, input), want) {
+            (Ok(p), Some(w)) => assert_eq!(p, real_root.join(w), "{input}"),
+            (Err(e), None) => assert!(e.contains("outside"), "{input}: {e}"),
+            (got, _) => panic!("{input}: {got:?}"),
+        }
+    }
     let out = go(&root, "read_file", json!({"path": "../secret"})).await;
+    assert!(!out.ok && out.output.contains("outside"), "{out:?}");
+    let out = go(&root, "read_file", json!({"path": "up/secret"})).await;
     assert!(!out.ok && out.output.contains("outside"), "{out:?}");
     let out = go(
         &root,
@@ -52,8 +56,321 @@ async fn paths_cannot_leave_the_session_directory() {
         json!({"path": "up/x", "content": "no"}),
     )
     .await;
-    assert!(!out.ok);
+    assert!(!out.ok && out.output.contains("outside"), "{out:?}");
     assert!(!outer.path().join("x").exists());
+}
+
+fn cfg_with_max(max: usize) -> ToolsConfig {
+    ToolsConfig {
+        max_output_bytes: max,
+        ..ToolsConfig::default()
+    }
+}
+
+/// Runs a call that must not hang (a FIFO would, without `O_NONBLOCK`).
+async fn go_quick(root: &Path, cfg: &ToolsConfig, name: &str, input: Value) -> ToolOutput {
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        run(root, cfg, &call(name, input), None),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("{name} hung"))
+}
+
+#[tokio::test]
+async fn non_regular_files_are_refused_at_once() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path();
+    let cfg = ToolsConfig::default();
+    let st = std::process::Command::new("mkfifo")
+        .arg(root.join("fifo"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _sock = std::os::unix::net::UnixListener::bind(root.join("sock")).unwrap();
+    std::fs::write(root.join("plain.txt"), "needle\n").unwrap();
+    // (root, path, expected words)
+    let mut cases: Vec<(PathBuf, &str, &str)> = vec![
+        (root.to_owned(), "fifo", "is a FIFO, not a regular file"),
+        (root.to_owned(), "sock", "is a socket, not a regular file"),
+        (root.to_owned(), ".", "is a directory, not a regular file"),
+        (
+            "/dev".into(),
+            "null",
+            "is a character device, not a regular file",
+        ),
+        ("/proc/self".into(), "status", "is on procfs"),
+    ];
+    if Path::new("/sys/kernel/uevent_seqnum").is_file() {
+        cases.push(("/sys/kernel".into(), "uevent_seqnum", "is on sysfs"));
+    }
+    for (root, path, want) in &cases {
+        let out = go_quick(root, &cfg, "read_file", json!({"path": path})).await;
+        assert!(!out.ok && out.output.contains(want), "{path}: {out:?}");
+        let out = go_quick(root, &cfg, "grep", json!({"pattern": "x", "path": path})).await;
+        if *path != "." {
+            assert!(!out.ok && out.output.contains(want), "grep {path}: {out:?}");
+        }
+    }
+    for path in ["fifo", "sock"] {
+        let out = go_quick(
+            root,
+            &cfg,
+            "write_file",
+            json!({"path": path, "content": "x"}),
+        )
+        .await;
+        assert!(
+            !out.ok && out.output.contains("not a regular file"),
+            "{path}: {out:?}"
+        );
+        let out = go_quick(
+            root,
+            &cfg,
+            "edit",
+            json!({"path": path, "old_string": "a", "new_string": "b"}),
+        )
+        .await;
+        assert!(
+            !out.ok && out.output.contains("not a regular file"),
+            "{path}: {out:?}"
+        );
+    }
+    // A search skips them silently.
+    let out = go_quick(root, &cfg, "grep", json!({"pattern": "needle"})).await;
+    assert_eq!(out.output, "plain.txt:1: needle\n");
+}
+
+#[tokio::test]
+async fn read_file_reads_at_most_the_bound() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path();
+    // 8 GiB, nearly all of it a hole: reading it whole would exhaust
+    // memory.
+    let f = std::fs::File::create(root.join("huge.txt")).unwrap();
+    (&f).write_all("line\n".repeat(20_000).as_bytes()).unwrap();
+    f.set_len(8 << 30).unwrap();
+    let cfg = cfg_with_max(4096);
+    let out = go_quick(root, &cfg, "read_file", json!({"path": "huge.txt"})).await;
+    assert!(out.ok, "{out:?}");
+    assert!(out.output.starts_with("line\nline\n"));
+    assert!(
+        out.output
+            .ends_with("\n[output truncated: 8589934592 bytes, showing the first 4096]"),
+        "{}",
+        &out.output[out.output.len() - 100..]
+    );
+    let out = go_quick(
+        root,
+        &cfg,
+        "read_file",
+        json!({"path": "huge.txt", "offset": 2, "limit": 3}),
+    )
+    .await;
+    assert_eq!(out.output, "line\nline\nline");
+    // Lines past the bound are counted, not kept.
+    std::fs::write(root.join("many.txt"), "abcdefghi\n".repeat(1000)).unwrap();
+    let out = go_quick(
+        root,
+        &cfg_with_max(25),
+        "read_file",
+        json!({"path": "many.txt", "offset": 1, "limit": 500}),
+    )
+    .await;
+    assert_eq!(
+        out.output,
+        "abcdefghi\nabcdefghi\nabcde\n[output truncated: 4999 bytes, showing the first 25]"
+    );
+    // CRLF files read as lines.
+    std::fs::write(root.join("crlf.txt"), "a\r\nb\r\nc\r\n").unwrap();
+    let out = go_quick(
+        root,
+        &cfg,
+        "read_file",
+        json!({"path": "crlf.txt", "offset": 2}),
+    )
+    .await;
+    assert_eq!(out.output, "b\nc");
+    let out = go_quick(
+        root,
+        &cfg,
+        "read_file",
+        json!({"path": "/proc/self/status"}),
+    )
+    .await;
+    assert!(!out.ok && out.output.contains("outside"), "{out:?}");
+}
+
+#[test]
+fn the_line_reader_keeps_at_most_its_cap() {
+    // 64 MiB without a newline, then a short line.
+    let data = std::io::repeat(b'x')
+        .take(64 << 20)
+        .chain(&b"\nshort\n"[..]);
+    let mut r = BufReader::new(data);
+    let mut line = Vec::new();
+    assert_eq!(
+        read_line_capped(&mut r, &mut line, MAX_LINE).unwrap(),
+        Some(64 << 20)
+    );
+    assert_eq!(line.len(), MAX_LINE);
+    assert!(line.capacity() < 2 * MAX_LINE, "{}", line.capacity());
+    assert_eq!(
+        read_line_capped(&mut r, &mut line, MAX_LINE).unwrap(),
+        Some(5)
+    );
+    assert_eq!(line, b"short");
+    assert_eq!(read_line_capped(&mut r, &mut line, MAX_LINE).unwrap(), None);
+    // A last line without `\n` still counts.
+    let mut r = &b"a\nb"[..];
+    assert_eq!(read_line_capped(&mut r, &mut line, 10).unwrap(), Some(1));
+    assert_eq!(read_line_capped(&mut r, &mut line, 10).unwrap(), Some(1));
+    assert_eq!(line, b"b");
+    assert_eq!(read_line_capped(&mut r, &mut line, 10).unwrap(), None);
+}
+
+#[tokio::test]
+async fn grep_streams_lines_and_skips_binary_files() {
+    let d = tempfile::tempdir().unwrap();
+    let root = d.path();
+    // Line 20002 is 32 MiB long (a hole): it is cut, the lines after it
+    // keep their numbers.
+    // (Enough text first that the first block has no NUL.)
+    let mut f = std::fs::File::create(root.join("long.txt")).unwrap();
+    let head = format!("needle one\n{}", "pad\n".repeat(20_000));
+    f.write_all(head.as_bytes()).unwrap();
+    f.set_len(head.len() as u64 + (32 << 20)).unwrap();
+    use std::io::Seek;
+    f.seek(std::io::SeekFrom::End(0)).unwrap();
+    f.write_all(b"\nneedle two\n").unwrap();
+    std::fs::write(root.join("bin.dat"), b"needle\0\x01\x02").unwrap();
+    let long_line = format!("{}needle\n", "y".repeat(MAX_LINE + 10));
+    std::fs::write(
+        root.join("wide.txt"),
+        format!("{long_line}{}", "z".repeat(10)),
+    )
+    .unwrap();
+    let cfg = ToolsConfig::default();
+    let out = go_quick(
+        root,
+        &cfg,
+        "grep",
+        json!({"pattern": "needle", "glob": "long.txt"}),
+    )
+    .await;
+    assert_eq!(
+        out.output,
+        "long.txt:1: needle one\nlong.txt:20003: needle two\n"
+    );
+    let out = go_quick(
+        root,
+        &cfg,
+        "grep",
+        json!({"pattern": "needle", "glob": "*.dat"}),
+    )
+    .await;
+    assert_eq!(out.output, "no matches");
+    // A match past the cap of an over-long line is not seen.
+    let out = go_quick(
+        root,
+        &cfg,
+        "grep",
+        json!({"pattern": "needle", "path": "wide.txt"}),
+    )
+    .await;
+    assert_eq!(out.output, "no matches");
+    let out = go_quick(
+        root,
+        &cfg,
+        "grep",
+        json!({"pattern": "^y", "path": "wide.txt"}),
+    )
+    .await;
+    assert!(
+        out.output.contains(&format!(
+            "[line cut: {} bytes, showing {MAX_LINE}]",
+            MAX_LINE + 16
+        )),
+        "{}",
+        &out.output[out.output.len().saturating_sub(200)..]
+    );
+    // MAX_RESULTS bounds the matches.
+    std::fs::write(root.join("many.txt"), "hit\n".repeat(MAX_RESULTS + 5)).unwrap();
+    let out = go_quick(
+        root,
+        &cfg,
+        "grep",
+        json!({"pattern": "hit", "path": "many.txt"}),
+    )
+    .await;
+    assert_eq!(out.output.lines().count(), MAX_RESULTS + 1);
+    assert!(out.output.ends_with("[more matches; narrow the search]\n"));
+}
+
+#[tokio::test]
+async fn shell_output_is_bounded_head_and_tail() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg_with_max(1000);
+    let out = go_quick(
+        d.path(),
+        &cfg,
+        "shell",
+        json!({"command": "yes line | head -n 100000"}),
+    )
+    .await;
+    assert!(out.ok, "{}", out.output);
+    assert!(out.output.starts_with("line\nline\n"), "{}", out.output);
+    assert!(
+        out.output.contains("\n[... 499000 bytes cut ...]\n"),
+        "{}",
+        out.output
+    );
+    assert!(
+        out.output.ends_with("line\nline\n[exit code 0]"),
+        "{}",
+        out.output
+    );
+    assert!(out.output.len() < 1100);
+    // Both streams, as they come.
+    let out = go_quick(
+        d.path(),
+        &cfg,
+        "shell",
+        json!({"command": "echo out1; sleep 0.1; echo err1 >&2; sleep 0.1; echo out2"}),
+    )
+    .await;
+    assert_eq!(out.output, "out1\nerr1\nout2\n[exit code 0]");
+}
+
+#[tokio::test]
+async fn a_timed_out_command_returns_what_it_printed() {
+    let d = tempfile::tempdir().unwrap();
+    let out = go(
+        d.path(),
+        "shell",
+        json!({"command": "echo before; sleep 5", "timeout_ms": 300}),
+    )
+    .await;
+    assert!(!out.ok, "{out:?}");
+    assert_eq!(out.output, "before\n[killed after the 300ms timeout]");
+}
+
+#[tokio::test]
+async fn a_background_process_holding_stdout_does_not_hang_the_call() {
+    let d = tempfile::tempdir().unwrap();
+    let start = std::time::Instant::now();
+    let out = go(
+        d.path(),
+        "shell",
+        json!({"command": "sleep 301 & echo hi", "timeout_ms": 20000}),
+    )
+    .await;
+    assert_eq!(out.output, "hi\n[exit code 0]");
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        start.elapsed()
+    );
 }
 
 #[tokio::test]

@@ -1,0 +1,459 @@
+//! The session's directory as a capability: every file the built-in tools
+//! touch is opened through a `cap_std::fs::Dir` handle on it, so the
+//! kernel (`openat2` with `RESOLVE_BENEATH`) or cap-std's own resolution
+//! refuses any path, `..` or symbolic link that would lead out of it, at
+//! the moment of the open.
+
+use std::ffi::OsStr;
+use std::io;
+use std::ops::ControlFlow;
+use std::path::{Component, Path, PathBuf};
+
+use cap_std::fs::{Dir, File, FileTypeExt, Metadata, OpenOptions, OpenOptionsExt};
+
+use super::SKIP_DIRS;
+
+/// Deepest directory nesting the walkers descend into.
+const MAX_DEPTH: usize = 128;
+
+/// The session's directory, opened.
+pub(crate) struct Root {
+    /// The handle every access goes through.
+    dir: Dir,
+    /// Its canonical absolute path: for messages, for absolute paths
+    /// given by a model, and for paths handed to an editor.
+    path: PathBuf,
+    /// The directory as configured, when it differs from `path` (a path
+    /// through a symlink): absolute paths under it are accepted too.
+    given: PathBuf,
+}
+
+/// The lexical form of `p`: `.` dropped, `..` applied (never above the
+/// start). `None` when `..` would climb above it.
+fn normalize(p: &Path) -> Option<PathBuf> {
+    let mut out = PathBuf::new();
+    let mut depth = 0usize;
+    for c in p.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                if depth == 0 {
+                    return None;
+                }
+                out.pop();
+                depth -= 1;
+            }
+            Component::Normal(n) => {
+                out.push(n);
+                depth += 1;
+            }
+            Component::RootDir | Component::Prefix(_) => out.push(c.as_os_str()),
+        }
+    }
+    Some(out)
+}
+
+/// `path` relative to the session directory `root` (canonical) or
+/// `given`, lexically: relative paths as they are, absolute paths only
+/// when inside the directory.
+fn relative_to(root: &Path, given: &Path, path: &str) -> Result<PathBuf, String> {
+    if path.is_empty() {
+        return Err("the path is empty; give a path relative to the working directory".into());
+    }
+    let p = Path::new(path);
+    if !p.is_absolute() {
+        // `..` that climbs above the directory on paper is refused here,
+        // with a clear message; the open judges the rest (links).
+        if normalize(p).is_none() {
+            return Err(format!(
+                "{} leads outside the session's directory {} (`..` climbs above it); only files inside it can be used",
+                Shown(path),
+                root.display()
+            ));
+        }
+        return Ok(p.to_owned());
+    }
+    let outside = || {
+        format!(
+            "`{path}` is outside the session's directory {}; give a path relative to it or an absolute path inside it",
+            root.display()
+        )
+    };
+    let norm = normalize(p).ok_or_else(outside)?;
+    for base in [root, given] {
+        if let Ok(rel) = norm.strip_prefix(base) {
+            return Ok(if rel.as_os_str().is_empty() {
+                PathBuf::from(".")
+            } else {
+                rel.to_owned()
+            });
+        }
+    }
+    Err(outside())
+}
+
+/// The lexical helper behind [`crate::resolve`]: the absolute path of
+/// `path` inside `root`, or an error when it is not inside.
+pub(crate) fn lexical(root: &Path, path: &str) -> Result<PathBuf, String> {
+    let real = root
+        .canonicalize()
+        .map_err(|e| format!("the working directory {} is unusable: {e}", root.display()))?;
+    let rel = relative_to(&real, root, path)?;
+    let norm = normalize(&rel).ok_or_else(|| {
+        format!(
+            "{path} is outside the session's directory {}; `..` may not climb above it",
+            real.display()
+        )
+    })?;
+    Ok(real.join(norm))
+}
+
+/// What a file is, when it is not a regular file.
+fn not_regular(meta: &Metadata) -> Option<&'static str> {
+    let t = meta.file_type();
+    if t.is_file() {
+        None
+    } else if t.is_dir() {
+        Some("a directory")
+    } else if t.is_fifo() {
+        Some("a FIFO")
+    } else if t.is_socket() {
+        Some("a socket")
+    } else if t.is_char_device() {
+        Some("a character device")
+    } else if t.is_block_device() {
+        Some("a block device")
+    } else if t.is_symlink() {
+        Some("a symbolic link")
+    } else {
+        Some("a special file")
+    }
+}
+
+/// Refuses files on pseudo file systems, whose sizes lie and whose reads
+/// have effects or never end.
+#[cfg(target_os = "linux")]
+fn pseudo_fs(file: &File) -> Option<&'static str> {
+    use rustix::fs::{FsWord, PROC_SUPER_MAGIC, fstatfs};
+    const SYSFS_MAGIC: FsWord = 0x6265_6572;
+    match fstatfs(file) {
+        Ok(s) if s.f_type == PROC_SUPER_MAGIC => Some("procfs"),
+        Ok(s) if s.f_type == SYSFS_MAGIC => Some("sysfs"),
+        _ => None,
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn pseudo_fs(_: &File) -> Option<&'static str> {
+    None
+}
+
+/// Flags of every open: a FIFO never blocks the open, a terminal never
+/// becomes ours.
+fn flags() -> i32 {
+    use rustix::fs::OFlags;
+    (OFlags::NONBLOCK | OFlags::NOCTTY).bits() as i32
+}
+
+/// How the file tools name a file in messages.
+pub(crate) struct Shown<'a>(pub &'a str);
+
+impl std::fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "`{}`", self.0)
+    }
+}
+
+impl Root {
+    /// Opens the session's directory `root`.
+    pub fn open(root: &Path) -> Result<Root, String> {
+        let path = root
+            .canonicalize()
+            .map_err(|e| format!("the working directory {} is unusable: {e}", root.display()))?;
+        let dir = Dir::open_ambient_dir(&path, cap_std::ambient_authority())
+            .map_err(|e| format!("the working directory {} is unusable: {e}", path.display()))?;
+        Ok(Root {
+            dir,
+            path,
+            given: root.to_owned(),
+        })
+    }
+
+    /// Its canonical path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `path` (as a model gave it) relative to the directory, lexically.
+    /// `..` that stays inside on paper is left for the open to judge
+    /// (it may follow a link).
+    pub fn relative(&self, path: &str) -> Result<PathBuf, String> {
+        relative_to(&self.path, &self.given, path)
+    }
+
+    /// A message for an I/O error on `path` while trying to `what`.
+    pub fn error(&self, what: &str, path: &str, e: &io::Error) -> String {
+        // cap-std's word for a path that would leave the directory.
+        if e.kind() == io::ErrorKind::PermissionDenied && e.to_string().contains("outside") {
+            return format!(
+                "{} leads outside the session's directory {} (through `..` or a symbolic link; links with absolute targets are never followed); only files inside it can be used",
+                Shown(path),
+                self.path.display()
+            );
+        }
+        if e.kind() == io::ErrorKind::NotFound {
+            return format!("cannot {what} {}: it does not exist", Shown(path));
+        }
+        format!("cannot {what} {}: {e}", Shown(path))
+    }
+
+    fn refuse(&self, path: &str, kind: &str) -> String {
+        let hint = match kind {
+            "a directory" => "; use list_dir to see what it holds",
+            _ => "; the file tools only use regular files (use shell for anything else)",
+        };
+        format!("{} is {kind}, not a regular file{hint}", Shown(path))
+    }
+
+    /// Checks an opened file: a regular file, not on a pseudo file system.
+    fn vet(&self, file: &File, path: &str) -> Result<u64, String> {
+        let meta = file
+            .metadata()
+            .map_err(|e| self.error("inspect", path, &e))?;
+        if let Some(kind) = not_regular(&meta) {
+            return Err(self.refuse(path, kind));
+        }
+        if let Some(fs) = pseudo_fs(file) {
+            return Err(format!(
+                "{} is on {fs}, not a regular file on disk; the file tools do not read it (use shell)",
+                Shown(path)
+            ));
+        }
+        Ok(meta.len())
+    }
+
+    /// Opens `rel` for reading: a regular file, checked on the opened
+    /// handle. Returns it with its size.
+    pub fn open_read(&self, rel: &Path, path: &str) -> Result<(File, u64), String> {
+        // Look first, so a device node is never even opened.
+        match self.dir.metadata(rel) {
+            Ok(m) => {
+                if let Some(kind) = not_regular(&m) {
+                    return Err(self.refuse(path, kind));
+                }
+            }
+            Err(e) => return Err(self.error("read", path, &e)),
+        }
+        let mut o = OpenOptions::new();
+        o.read(true).custom_flags(flags());
+        let file = self
+            .dir
+            .open_with(rel, &o)
+            .map_err(|e| self.error("read", path, &e))?;
+        let len = self.vet(&file, path)?;
+        Ok((file, len))
+    }
+
+    /// Opens `rel` for writing (created if missing, with its parent
+    /// directories; emptied): a regular file, checked on the opened handle
+    /// before anything is changed.
+    pub fn open_write(&self, rel: &Path, path: &str) -> Result<File, String> {
+        match self.dir.metadata(rel) {
+            Ok(m) => {
+                if let Some(kind) = not_regular(&m) {
+                    return Err(self.refuse(path, kind));
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+                    self.dir
+                        .create_dir_all(parent)
+                        .map_err(|e| self.error("create the parent directories of", path, &e))?;
+                }
+            }
+            Err(e) => return Err(self.error("write", path, &e)),
+        }
+        let mut o = OpenOptions::new();
+        o.write(true).create(true).custom_flags(flags());
+        let file = self
+            .dir
+            .open_with(rel, &o)
+            .map_err(|e| self.error("write", path, &e))?;
+        self.vet(&file, path)?;
+        file.set_len(0).map_err(|e| self.error("write", path, &e))?;
+        Ok(file)
+    }
+
+    /// Opens the directory `rel`.
+    pub fn open_dir(&self, rel: &Path, path: &str) -> Result<Dir, String> {
+        match self.dir.metadata(rel) {
+            Ok(m) if !m.is_dir() => {
+                return Err(format!("{} is not a directory", Shown(path)));
+            }
+            Ok(_) => {}
+            Err(e) => return Err(self.error("list", path, &e)),
+        }
+        self.dir
+            .open_dir(rel)
+            .map_err(|e| self.error("list", path, &e))
+    }
+
+    /// The metadata of `rel` (links inside followed).
+    pub fn metadata(&self, rel: &Path, path: &str) -> Result<Metadata, String> {
+        self.dir
+            .metadata(rel)
+            .map_err(|e| self.error("read", path, &e))
+    }
+
+    /// The absolute path of `rel` with no symbolic link in it, for an
+    /// editor (which opens paths itself): the longest existing prefix is
+    /// resolved through the handle (so a link out is refused), the rest
+    /// appended. A dangling link is refused: the editor would follow it.
+    pub fn editor_path(&self, rel: &Path, path: &str) -> Result<PathBuf, String> {
+        let mut existing = rel.to_owned();
+        let mut rest: Vec<std::ffi::OsString> = Vec::new();
+        loop {
+            let probe = if existing.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                existing.as_path()
+            };
+            match self.dir.symlink_metadata(probe) {
+                Ok(_) => break,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(self.error("resolve", path, &e)),
+            }
+            match (existing.file_name(), existing.parent()) {
+                (Some(name), Some(parent)) => {
+                    rest.push(name.to_owned());
+                    existing = parent.to_owned();
+                }
+                // `..` or `.` at the end: resolve it as it is.
+                _ => break,
+            }
+        }
+        let probe = if existing.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            existing.as_path()
+        };
+        let real = self.dir.canonicalize(probe).map_err(|e| {
+            if e.kind() == io::ErrorKind::NotFound {
+                format!(
+                    "{} goes through a dangling symbolic link; the editor cannot be asked to follow it",
+                    Shown(path)
+                )
+            } else {
+                self.error("resolve", path, &e)
+            }
+        })?;
+        let mut out = self.path.join(real);
+        for r in rest.into_iter().rev() {
+            if r == OsStr::new("..") || r == OsStr::new(".") {
+                return Err(format!(
+                    "{} leads outside the session's directory {}",
+                    Shown(path),
+                    self.path.display()
+                ));
+            }
+            out.push(r);
+        }
+        let out = normalize(&out).unwrap_or(out);
+        if !out.starts_with(&self.path) {
+            return Err(format!(
+                "{} leads outside the session's directory {}",
+                Shown(path),
+                self.path.display()
+            ));
+        }
+        Ok(out)
+    }
+}
+
+/// Calls `f(dir, rel, name)` for every regular file under `dir` (whose
+/// path is `rel`), never following symbolic links, skipping
+/// [`SKIP_DIRS`] and anything it cannot open; stops when `f` breaks.
+pub(crate) fn walk(
+    dir: &Dir,
+    rel: &Path,
+    f: &mut dyn FnMut(&Dir, &Path, &OsStr) -> ControlFlow<()>,
+) -> ControlFlow<()> {
+    walk_at(dir, rel, 0, f)
+}
+
+fn walk_at(
+    dir: &Dir,
+    rel: &Path,
+    depth: usize,
+    f: &mut dyn FnMut(&Dir, &Path, &OsStr) -> ControlFlow<()>,
+) -> ControlFlow<()> {
+    let Ok(entries) = dir.entries() else {
+        return ControlFlow::Continue(());
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let Ok(t) = entry.file_type() else { continue };
+        let name = entry.file_name();
+        let child = rel.join(&name);
+        if t.is_dir() {
+            if depth + 1 >= MAX_DEPTH || SKIP_DIRS.iter().any(|s| OsStr::new(s) == name) {
+                continue;
+            }
+            if let Ok(sub) = entry.open_dir() {
+                walk_at(&sub, &child, depth + 1, f)?;
+            }
+        } else if t.is_file() {
+            f(dir, &child, &name)?;
+        }
+    }
+    ControlFlow::Continue(())
+}
+
+/// Opens `name` in `dir` for reading when it is a regular file on a real
+/// file system (for the walkers: anything else is skipped).
+pub(crate) fn open_walked(dir: &Dir, name: &OsStr) -> Option<File> {
+    let mut o = OpenOptions::new();
+    o.read(true).custom_flags(flags());
+    let file = dir.open_with(name, &o).ok()?;
+    let meta = file.metadata().ok()?;
+    (meta.is_file() && pseudo_fs(&file).is_none()).then_some(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absolute_and_relative_paths_map_into_the_root() {
+        let root = Path::new("/srv/proj");
+        let given = Path::new("/link/proj");
+        // (input, Ok(relative) or Err)
+        let cases: &[(&str, Result<&str, ()>)] = &[
+            ("a/b", Ok("a/b")),
+            ("a/../b", Ok("a/../b")), // judged by the open, through the handle
+            ("link/../b", Ok("link/../b")),
+            ("../x", Err(())),
+            ("a/../../x", Err(())),
+            ("/srv/proj", Ok(".")),
+            ("/srv/proj/a/b", Ok("a/b")),
+            ("/srv/proj/a/../b", Ok("b")),
+            ("/srv/proj/../proj/b", Ok("b")),
+            ("/link/proj/c", Ok("c")),
+            ("/srv/proj/../other", Err(())),
+            ("/srv/projx/a", Err(())),
+            ("/etc/passwd", Err(())),
+            ("/../../etc", Err(())),
+            ("", Err(())),
+        ];
+        for (input, want) in cases {
+            let got = relative_to(root, given, input);
+            match (want, &got) {
+                (Ok(w), Ok(g)) => assert_eq!(g, Path::new(w), "{input}"),
+                (Err(()), Err(e)) => assert!(
+                    input.is_empty() || e.contains("outside the session's directory /srv/proj"),
+                    "{input}: {e}"
+                ),
+                _ => panic!("{input}: {got:?}"),
+            }
+        }
+    }
+}
