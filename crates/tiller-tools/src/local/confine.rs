@@ -105,6 +105,10 @@ pub(crate) fn lexical(root: &Path, path: &str) -> Result<PathBuf, String> {
             real.display()
         )
     })?;
+    // `join("")` would add a trailing slash: the root itself stays as it is.
+    if norm.as_os_str().is_empty() {
+        return Ok(real);
+    }
     Ok(real.join(norm))
 }
 
