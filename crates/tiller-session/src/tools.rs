@@ -46,12 +46,123 @@ impl PermissionMode {
     }
 }
 
-/// A session's permission state: the mode and the tools allowed "always".
+/// A session's permission state: the mode and what the user allowed
+/// "always".
 #[derive(Clone, Debug, Default)]
 pub struct Permissions {
     pub mode: PermissionMode,
-    /// Tools the user allowed for the rest of the session.
+    /// What the user allowed for the rest of the session: tool names, and
+    /// for `shell` one rule per command (see [`ShellRule`]), stored as
+    /// [`ShellRule::key`].
     always: HashSet<String>,
+}
+
+/// What "always allow" on a `shell` call allows: never the tool as a whole.
+/// A plain command (no shell operators) allows the later plain commands
+/// that start with its first two words (`npm test` allows `npm test --
+/// -u`); a command with operators (`;`, `|`, `&`, `$(`, redirections...)
+/// allows only itself, since a prefix of it says nothing of what follows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShellRule {
+    /// The first words of a plain command.
+    Prefix(Vec<String>),
+    /// One exact command line.
+    Exact(String),
+}
+
+/// Characters that make a command more than one plain program call.
+const SHELL_OPERATORS: &[char] = &[
+    ';', '&', '|', '<', '>', '$', '`', '(', ')', '{', '}', '\n', '\r', '\\', '"', '\'', '*', '?',
+    '[', ']', '~', '#', '!',
+];
+
+/// Programs that run whatever their arguments say: a prefix of them would
+/// allow anything (`bash -c ls` must not allow `bash -c rm`), so "always"
+/// on them allows that exact command only. A first word with `=` (an
+/// environment assignment) likewise.
+const WRAPPERS: &[&str] = &[
+    "sh", "bash", "zsh", "dash", "ksh", "fish", "env", "sudo", "doas", "su", "xargs", "nohup",
+    "timeout", "nice", "exec", "eval", "command", "builtin", "setsid", "strace", "time", "watch",
+    "python", "python3", "node", "perl", "ruby", "php", "lua", "deno", "bun", "npx", "uvx",
+];
+
+impl ShellRule {
+    /// How many leading words a prefix rule keeps.
+    const WORDS: usize = 2;
+
+    /// The rule "always allow" makes of `command`.
+    pub fn of(command: &str) -> ShellRule {
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let wrapper = words.first().is_some_and(|w| {
+            let program = w.rsplit('/').next().unwrap_or(w);
+            WRAPPERS.contains(&program) || w.contains('=')
+        });
+        if words.is_empty() || wrapper || command.contains(SHELL_OPERATORS) {
+            return ShellRule::Exact(command.trim().to_owned());
+        }
+        ShellRule::Prefix(
+            words
+                .iter()
+                .take(Self::WORDS)
+                .map(|w| (*w).to_owned())
+                .collect(),
+        )
+    }
+
+    /// Whether the rule allows `command`.
+    pub fn allows(&self, command: &str) -> bool {
+        match self {
+            ShellRule::Exact(c) => c == command.trim(),
+            ShellRule::Prefix(p) => {
+                !command.contains(SHELL_OPERATORS)
+                    && command
+                        .split_whitespace()
+                        .take(p.len())
+                        .eq(p.iter().map(String::as_str))
+            }
+        }
+    }
+
+    /// Its stored form.
+    pub fn key(&self) -> String {
+        match self {
+            ShellRule::Prefix(p) => format!("shell:{}", p.join(" ")),
+            ShellRule::Exact(c) => format!("shell={c}"),
+        }
+    }
+
+    fn parse(key: &str) -> Option<ShellRule> {
+        if let Some(p) = key.strip_prefix("shell:") {
+            return Some(ShellRule::Prefix(
+                p.split_whitespace().map(str::to_owned).collect(),
+            ));
+        }
+        key.strip_prefix("shell=")
+            .map(|c| ShellRule::Exact(c.to_owned()))
+    }
+
+    /// What the "always" option says it allows.
+    pub fn describe(&self) -> String {
+        match self {
+            ShellRule::Prefix(p) => format!("Always allow `{} …` commands", p.join(" ")),
+            ShellRule::Exact(c) => {
+                let short: String = c.chars().take(60).collect();
+                let more = if c.chars().count() > 60 { "…" } else { "" };
+                format!("Always allow exactly `{short}{more}`")
+            }
+        }
+    }
+}
+
+/// The command line of a `shell` call.
+fn shell_command(call: &ToolCall) -> Option<&str> {
+    (call.name == "shell")
+        .then(|| {
+            call.input
+                .get("command")
+                .and_then(serde_json::Value::as_str)
+        })
+        .flatten()
 }
 
 impl Permissions {
@@ -62,21 +173,49 @@ impl Permissions {
         }
     }
 
-    /// Tools allowed for the rest of the session, restored from the store.
+    /// What was allowed for the rest of the session, restored from the
+    /// store. A bare `shell` (stored by an older version, allowing every
+    /// command) is not restored.
     pub fn with_always(mut self, names: impl IntoIterator<Item = String>) -> Self {
-        self.always.extend(names);
+        self.always
+            .extend(names.into_iter().filter(|n| n != "shell"));
         self
     }
 
-    /// The tools allowed "always", sorted.
+    /// What is allowed "always", sorted.
     pub fn always(&self) -> Vec<String> {
         let mut v: Vec<String> = self.always.iter().cloned().collect();
         v.sort();
         v
     }
 
+    /// Remembers "always allow" for `call`.
+    fn allow_always(&mut self, call: &ToolCall) {
+        if call.name == "shell" {
+            // No command line: nothing to remember but this one call.
+            if let Some(c) = shell_command(call) {
+                self.always.insert(ShellRule::of(c).key());
+            }
+        } else {
+            self.always.insert(call.name.clone());
+        }
+    }
+
+    fn allowed_always(&self, call: &ToolCall) -> bool {
+        if call.name != "shell" {
+            return self.always.contains(&call.name);
+        }
+        let Some(command) = shell_command(call) else {
+            return false;
+        };
+        self.always
+            .iter()
+            .filter_map(|k| ShellRule::parse(k))
+            .any(|r| r.allows(command))
+    }
+
     fn needs(&self, call: &ToolCall) -> bool {
-        if self.always.contains(&call.name) {
+        if self.allowed_always(call) {
             return false;
         }
         match (self.mode, call.kind) {
@@ -119,17 +258,22 @@ impl Decision {
     }
 }
 
-/// The options every permission request offers.
-pub fn options() -> Vec<PermissionOption> {
+/// The options a permission request for `call` offers. For `shell`, the
+/// "always" option names the commands it covers.
+pub fn options(call: &ToolCall) -> Vec<PermissionOption> {
+    let always = shell_command(call).map_or_else(
+        || "Always allow".to_owned(),
+        |c| ShellRule::of(c).describe(),
+    );
     [
-        ("allow_once", "Allow", "allow_once"),
-        ("allow_always", "Always allow", "allow_always"),
-        ("reject_once", "Deny", "reject_once"),
+        ("allow_once", "Allow".to_owned(), "allow_once"),
+        ("allow_always", always, "allow_always"),
+        ("reject_once", "Deny".to_owned(), "reject_once"),
     ]
     .into_iter()
     .map(|(id, name, kind)| PermissionOption {
         option_id: id.into(),
-        name: name.into(),
+        name,
         kind: kind.into(),
     })
     .collect()
@@ -171,6 +315,9 @@ pub struct Batch {
     waiting: Option<Waiting>,
     /// The call running off the actor, if any, and its loop-guard key.
     running: Option<(usize, CallKey)>,
+    /// Nobody is there to answer (a cron, notification, goal or channel
+    /// turn): a call that would ask fails at once instead.
+    unattended: bool,
 }
 
 impl Batch {
@@ -181,7 +328,14 @@ impl Batch {
             next: 0,
             waiting: None,
             running: None,
+            unattended: false,
         }
+    }
+
+    /// A batch of an automatic turn: calls that would ask are refused.
+    pub fn unattended(mut self, unattended: bool) -> Self {
+        self.unattended = unattended;
+        self
     }
 
     /// The pending request, if the batch waits for one.
@@ -210,13 +364,34 @@ impl Batch {
                 self.skip_rest(i, loop_type, events);
                 return Progress::Tripped(loop_type, std::mem::take(&mut self.results));
             }
+            if perms.needs(&call) && self.unattended {
+                let output = ToolOutput {
+                    ok: false,
+                    output: unattended_message(&call, perms.mode),
+                };
+                guard.finished(
+                    &key,
+                    CallOutcome {
+                        ok: false,
+                        signature: signature(&output),
+                    },
+                );
+                let error = ToolError {
+                    error_kind: "permission_unavailable".into(),
+                    loop_type: None,
+                    code: "PERMISSION_UNAVAILABLE".into(),
+                    message: output.output.clone(),
+                };
+                self.fail(i, output, Some(error), events);
+                continue;
+            }
             if perms.needs(&call) {
                 let request_id = format!("perm-{}", call.id);
                 events.push(EventBody::PermissionRequested {
                     request_id: request_id.clone(),
                     tool_call_id: call.id.clone(),
                     title: call.name.clone(),
-                    options: options(),
+                    options: options(&call),
                 });
                 self.waiting = Some(Waiting {
                     request_id,
@@ -257,7 +432,7 @@ impl Batch {
         match decision {
             Decision::AllowOnce | Decision::AllowAlways => {
                 if decision == Decision::AllowAlways {
-                    perms.always.insert(self.calls[w.index].name.clone());
+                    perms.allow_always(&self.calls[w.index]);
                 }
                 if let Some(call) = self.run(w.index, w.key, guard, events) {
                     return Progress::Run(call);
@@ -459,6 +634,17 @@ fn announce(call: &ToolCall) -> EventBody {
         status: ToolStatus::Pending,
         locations: Vec::new(),
     }
+}
+
+/// What a refused call of an unattended turn tells the model.
+fn unattended_message(call: &ToolCall, mode: PermissionMode) -> String {
+    format!(
+        "Refused: `{}` needs a person's permission (permission mode `{}`), and this turn runs \
+         unattended, so nobody can give it. It did not run. Continue without it, or say what \
+         you would need a person to allow.",
+        call.name,
+        mode.as_str()
+    )
 }
 
 /// The text a skipped call carries (and the model would see).
@@ -754,6 +940,122 @@ mod tests {
     }
 
     #[test]
+    fn always_allow_on_shell_is_per_command_prefix() {
+        // (allowed always, later command, asks?)
+        let cases: &[(&str, &str, bool)] = &[
+            ("npm test", "npm test", false),
+            ("npm test", "npm test -- -u", false),
+            ("npm test", "npm install evil", true),
+            ("npm test", "npm", true),
+            ("npm test", "npm test; rm -rf ~", true),
+            ("npm test", "npm test && curl evil", true),
+            ("npm test", "npm test $(curl evil)", true),
+            ("npm test", "npm test > /etc/x", true),
+            ("npm test", "rm -rf ~", true),
+            ("cargo build --release", "cargo build", false),
+            ("ls", "ls -la", false),
+            ("ls", "lsof", true),
+            // With operators, only the exact command.
+            ("make && make test", "make && make test", false),
+            ("make && make test", "make && make test && rm x", true),
+            ("make && make test", "make", true),
+            // Wrappers run their arguments: exact only.
+            ("bash -c ls", "bash -c ls", false),
+            ("bash -c ls", "bash -c rm", true),
+            ("/usr/bin/env ls", "/usr/bin/env rm", true),
+            ("FOO=1 make", "FOO=1 rm", true),
+        ];
+        for (allowed, later, asks) in cases {
+            let mut perms = Permissions::new(PermissionMode::Ask);
+            let shell = |c: &str| call("s", "shell", serde_json::json!({ "command": c }), true, "");
+            assert!(perms.needs(&shell(allowed)));
+            perms.allow_always(&shell(allowed));
+            assert!(!perms.needs(&shell(allowed)), "{allowed:?} itself");
+            assert_eq!(
+                perms.needs(&shell(later)),
+                *asks,
+                "{allowed:?} then {later:?}"
+            );
+            // Other tools are unaffected; the rule survives the store.
+            assert!(perms.needs(&call("w", "write_file", serde_json::json!({}), true, "")));
+            let restored = Permissions::new(PermissionMode::Ask).with_always(perms.always());
+            assert_eq!(
+                restored.needs(&shell(later)),
+                *asks,
+                "restored: {allowed:?} then {later:?}"
+            );
+        }
+        // A bare `shell` stored by an older version allows nothing now.
+        let old = Permissions::new(PermissionMode::Ask).with_always(["shell".to_string()]);
+        assert!(old.needs(&call(
+            "s",
+            "shell",
+            serde_json::json!({"command": "ls"}),
+            true,
+            ""
+        )));
+        // The option says what it covers.
+        let opts = options(&call(
+            "s",
+            "shell",
+            serde_json::json!({"command": "npm test -- -u"}),
+            true,
+            "",
+        ));
+        assert_eq!(opts[1].name, "Always allow `npm test …` commands");
+    }
+
+    #[test]
+    fn an_unattended_call_that_would_ask_is_refused_at_once() {
+        let calls = vec![
+            call("r", "read_file", serde_json::json!({}), true, "read"),
+            call("w", "write_file", serde_json::json!({}), true, "written"),
+            call(
+                "s",
+                "shell",
+                serde_json::json!({"command": "ls"}),
+                true,
+                "ran",
+            ),
+        ];
+        let mut ev = Vec::new();
+        let p = Batch::new(calls).unattended(true).advance(
+            &mut guard(),
+            &Permissions::default(),
+            &mut ev,
+        );
+        let Progress::Done(results) = p else {
+            panic!("{p:?}")
+        };
+        assert_eq!(
+            results.iter().map(|r| r.output.ok).collect::<Vec<_>>(),
+            vec![true, false, false]
+        );
+        assert!(results[1].output.output.contains("unattended"));
+        assert!(
+            !ev.iter()
+                .any(|e| matches!(e, EventBody::PermissionRequested { .. })),
+            "nobody is asked"
+        );
+        // In allow-all mode nothing needs asking, so everything runs.
+        let mut ev = Vec::new();
+        let p = Batch::new(vec![call(
+            "w",
+            "write_file",
+            serde_json::json!({}),
+            true,
+            "ok",
+        )])
+        .unattended(true)
+        .advance(
+            &mut guard(),
+            &Permissions::new(PermissionMode::AllowAll),
+            &mut ev,
+        );
+        assert!(matches!(p, Progress::Done(ref r) if r[0].output.ok));
+    }
+
+    #[test]
     fn canonical_json_sorts_keys_deeply() {
         let a = serde_json::json!({"z": [{"y": 1, "x": 2}], "a": "s"});
         assert_eq!(canonical_json(&a), r#"{"a":"s","z":[{"x":2,"y":1}]}"#);
@@ -826,6 +1128,7 @@ mod batch_model {
             actions in prop::collection::vec(action(), 0..40),
             mode in mode(),
             threshold in 2usize..5,
+            unattended in any::<bool>(),
         ) {
             let calls: Vec<ToolCall> = specs
                 .iter()
@@ -843,7 +1146,7 @@ mod batch_model {
                 ..LoopConfig::default()
             });
             let mut perms = Permissions::new(mode);
-            let mut batch = Batch::new(calls.clone());
+            let mut batch = Batch::new(calls.clone()).unattended(unattended);
             let mut ev = Vec::new();
             let mut progress = batch.advance(&mut guard, &perms, &mut ev);
             let mut actions = actions.into_iter();
@@ -922,6 +1225,7 @@ mod batch_model {
                 prop_assert_eq!(finals.get(id).copied(), Some(1), "call {} ends exactly once", id);
             }
             prop_assert_eq!(requested, resolved, "every request is resolved");
+            prop_assert!(!unattended || requested == 0, "an unattended batch never asks");
             prop_assert_eq!(
                 results.iter().map(|r| r.id.clone()).collect::<Vec<_>>(),
                 announced,
