@@ -2,13 +2,21 @@
 //!
 //! The connection is generic over channels: the transport feeds [`Frame`]s
 //! in and writes the `String`s that come out, one JSON-RPC message each.
-//! A single loop owns everything written to the client, so a prompt's
-//! response always follows the updates of its turn, and a `session/load`
-//! replay is never interleaved with live events.
+//! A single writer task owns everything written to the client, so a
+//! prompt's response always follows the updates of its turn, and a
+//! `session/load` replay is never interleaved with live events.
+//!
+//! A client that reads slower than its sessions publish is never cut off
+//! and never slows them: live events that do not fit its queue are
+//! skipped and noted, and before writing anything else the writer reads
+//! what the client lacks from the store, page by page, with runs of text
+//! and thought chunks coalesced. `session/load` is the same mechanism
+//! from the log's start, so no history is ever held in memory whole.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use agent_client_protocol::schema::ProtocolVersion;
 use agent_client_protocol::v1::schema::{
@@ -26,7 +34,7 @@ use tiller_core::{Origin, SessionId};
 use tiller_session::{
     EventRecord, PromptRefused, SessionError, SessionHandle, Sessions, Subscriber, SubscriberId,
 };
-use tokio::sync::{Mutex, Notify, mpsc};
+use tokio::sync::{Mutex, mpsc};
 
 use crate::client::{Calls, ClientCaps};
 use crate::jsonrpc::{self, Incoming, RpcError, code};
@@ -50,38 +58,81 @@ pub struct AcpConfig {
     pub subscriber_queue: usize,
     /// Reported in `initialize`.
     pub version: String,
-    /// Bound on connecting to each MCP server a client passes.
-    pub mcp_connect_timeout: std::time::Duration,
 }
 
-/// Messages into the connection's writer loop.
+/// Messages into the connection's writer task.
 enum Out {
     /// A live event from one of our subscriptions.
     Event(SubscriberId, Arc<EventRecord>),
-    /// From now on, events of `session` come from subscription `sub`.
-    Attached(SessionId, SubscriberId),
-    /// Like `Attached`, but buffer live events until `Replayed`.
-    Replaying(SessionId, SubscriberId),
-    /// The stored history up to `last`, then the response.
+    /// From now on, events of `session` come from subscription `sub` (sent
+    /// before subscribing, so none of its events arrives unknown). With
+    /// `replay`, its events wait for `Replayed` (a `session/load`).
+    Attach {
+        session: SessionId,
+        sub: SubscriberId,
+        replay: bool,
+    },
+    /// Subscription `sub` started after event `last`: the client has what
+    /// it needs up to there.
+    Position {
+        session: SessionId,
+        sub: SubscriberId,
+        last: u64,
+    },
+    /// `session/load`: replay the stored log (history up to `last`, then
+    /// whatever followed), then the response.
     Replayed {
         session: SessionId,
-        history: Vec<EventRecord>,
+        sub: SubscriberId,
         last: u64,
         response: String,
     },
     /// A ready-made message.
     Raw(String),
+    /// Everything before this is written: end.
+    Close,
 }
 
-/// Delivers a session's events into a connection's writer loop.
+/// Sessions whose live events this connection could not queue: the
+/// writer reads what they missed from the store before it writes
+/// anything else, so a slow client loses nothing and is never cut off.
+#[derive(Default)]
+struct Lag {
+    /// Set when `sessions` gained one (checked once per message).
+    any: AtomicBool,
+    sessions: std::sync::Mutex<HashSet<SessionId>>,
+}
+
+impl Lag {
+    fn mark(&self, session: SessionId) {
+        self.sessions
+            .lock()
+            .expect("lag set poisoned")
+            .insert(session);
+        self.any.store(true, Ordering::Release);
+    }
+
+    fn take(&self) -> Vec<SessionId> {
+        if !self.any.swap(false, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        self.sessions
+            .lock()
+            .expect("lag set poisoned")
+            .drain()
+            .collect()
+    }
+}
+
+/// Delivers a session's events into a connection's writer task.
 struct ConnSubscriber {
     id: SubscriberId,
+    session: SessionId,
     /// The client's file and terminal methods for this session.
     client: Option<Arc<dyn tiller_tools::ClientTools>>,
     tx: mpsc::Sender<Out>,
-    /// Raised when the queue is full: the connection is then closed, so the
-    /// client reconnects and reloads instead of silently missing events.
-    overflow: Arc<Notify>,
+    /// Where an event that did not fit is noted (it is in the store).
+    lag: Arc<Lag>,
 }
 
 impl Subscriber for ConnSubscriber {
@@ -89,8 +140,10 @@ impl Subscriber for ConnSubscriber {
         match self.tx.try_send(Out::Event(self.id, event.clone())) {
             Ok(()) => true,
             Err(mpsc::error::TrySendError::Full(_)) => {
-                self.overflow.notify_one();
-                false
+                // Costs the session nothing: the writer catches up from
+                // the store.
+                self.lag.mark(self.session);
+                true
             }
             Err(mpsc::error::TrySendError::Closed(_)) => false,
         }
@@ -106,16 +159,18 @@ struct Shared {
     sessions: Sessions,
     config: AcpConfig,
     tx: mpsc::Sender<Out>,
-    overflow: Arc<Notify>,
+    lag: Arc<Lag>,
     /// Current subscription per attached session (guarded so two requests
     /// never attach the same session twice).
     attached: Mutex<HashMap<SessionId, (SessionHandle, SubscriberId)>>,
     /// Our requests to the client (`fs/*`, `terminal/*`).
     calls: Arc<Calls>,
+    /// Our permission requests: JSON-RPC id -> (session, request id).
+    asked: Arc<std::sync::Mutex<HashMap<String, (SessionId, String)>>>,
 }
 
-/// Serves one connection until the transport closes (or the client is too
-/// slow to keep up). `outgoing` receives one JSON-RPC message per item.
+/// Serves one connection until the transport closes. `outgoing` receives
+/// one JSON-RPC message per item.
 pub async fn serve(
     sessions: Sessions,
     config: AcpConfig,
@@ -124,29 +179,41 @@ pub async fn serve(
     outgoing: mpsc::Sender<String>,
 ) {
     metrics::gauge!("tiller_connections_active", "transport" => transport).increment(1.0);
-    let (tx, mut rx) = mpsc::channel::<Out>(config.subscriber_queue.max(16));
+    let (tx, rx) = mpsc::channel::<Out>(config.subscriber_queue.max(16));
     let (call_tx, mut call_rx) = mpsc::channel::<String>(64);
+    let lag = Arc::new(Lag::default());
+    let asked = Arc::new(std::sync::Mutex::new(HashMap::new()));
     let shared = Arc::new(Shared {
-        sessions,
+        sessions: sessions.clone(),
         config,
         tx,
-        overflow: Arc::new(Notify::new()),
+        lag: lag.clone(),
         attached: Mutex::new(HashMap::new()),
         calls: Calls::new(call_tx),
+        asked: asked.clone(),
     });
-    let mut writer = Writer::default();
+    let writer = Writer {
+        sessions,
+        lag,
+        asked,
+        out: outgoing.clone(),
+        attached: HashMap::new(),
+        next_request: 0,
+    };
+    let mut writing = tokio::spawn(writer.run(rx));
     // Once the client stops sending, answer what is in flight, then end.
     let mut input_open = true;
     let inflight = Arc::new(());
     loop {
-        if !input_open && Arc::strong_count(&inflight) == 1 && rx.is_empty() {
+        if !input_open && Arc::strong_count(&inflight) == 1 {
             break;
         }
         tokio::select! {
             frame = incoming.recv(), if input_open => match frame {
                 Some(Frame::Text(text)) => match jsonrpc::parse(&text) {
                     Incoming::Response { id, result } => {
-                        if let Some((session, request_id)) = writer.answered(&id) {
+                        let ours = id.as_str().and_then(|id| shared.asked.lock().expect("poisoned").remove(id));
+                        if let Some((session, request_id)) = ours {
                             answer_permission(&shared, session, request_id, result);
                         } else if !shared.calls.answered(&id, result) {
                             tracing::debug!(?id, "response to no request of ours ignored");
@@ -164,18 +231,8 @@ pub async fn serve(
             }
             // Wake up to re-check the drain condition.
             () = tokio::time::sleep(std::time::Duration::from_millis(50)), if !input_open => {}
-            out = rx.recv() => {
-                let Some(out) = out else { break };
-                for msg in writer.on(out) {
-                    if outgoing.send(msg).await.is_err() {
-                        break;
-                    }
-                }
-            }
-            () = shared.overflow.notified() => {
-                tracing::warn!(transport, "ACP client too slow; closing its connection");
-                break;
-            }
+            // The writer ends only when the client stopped reading.
+            _ = &mut writing => break,
         }
     }
     shared.calls.close();
@@ -183,91 +240,222 @@ pub async fn serve(
     for (handle, sub) in attached.into_values() {
         handle.unsubscribe(sub);
     }
+    if !writing.is_finished() {
+        // Everything queued before `Close` is written first.
+        let _ = shared.tx.send(Out::Close).await;
+        let _ = writing.await;
+    }
     metrics::gauge!("tiller_connections_active", "transport" => transport).decrement(1.0);
 }
 
-/// The writer loop's view: which subscription is current per session,
-/// what is buffered during a replay, and the permission requests we sent.
-#[derive(Default)]
+/// One attached session, as the writer sees it.
+struct Attachment {
+    /// The current subscription (events of older ones are dropped).
+    sub: SubscriberId,
+    /// The last event the client has (or needs none before); `None` until
+    /// the subscription's start is known.
+    sent: Option<u64>,
+    /// Events up to here are history (replayed as updates only); later
+    /// ones are live (with permission requests and extension notifications).
+    live_from: u64,
+    /// A `session/load` is under way: live events wait for its replay.
+    replaying: bool,
+}
+
+/// Events read from the store per page when catching up.
+const PAGE: usize = 256;
+/// Longest text one coalesced chunk carries.
+const COALESCE_MAX: usize = 256 * 1024;
+
+/// The writer task: owns everything written to the client, in order.
 struct Writer {
-    current: HashMap<SessionId, SubscriberId>,
-    buffering: HashMap<SessionId, Vec<Arc<EventRecord>>>,
-    /// Our JSON-RPC id -> (session, permission request id).
-    asked: HashMap<String, (SessionId, String)>,
+    sessions: Sessions,
+    lag: Arc<Lag>,
+    asked: Arc<std::sync::Mutex<HashMap<String, (SessionId, String)>>>,
+    out: mpsc::Sender<String>,
+    attached: HashMap<SessionId, Attachment>,
     /// Counter for our request ids.
     next_request: u64,
 }
 
+/// The client stopped reading.
+struct Gone;
+
 impl Writer {
-    fn on(&mut self, out: Out) -> Vec<String> {
-        match out {
-            Out::Raw(s) => vec![s],
-            Out::Attached(session, sub) => {
-                self.current.insert(session, sub);
-                vec![]
-            }
-            Out::Replaying(session, sub) => {
-                self.current.insert(session, sub);
-                self.buffering.insert(session, Vec::new());
-                vec![]
-            }
-            Out::Event(sub, rec) => {
-                if self.current.get(&rec.session) != Some(&sub) {
-                    return vec![]; // from a replaced subscription
-                }
-                if let Some(buf) = self.buffering.get_mut(&rec.session) {
-                    buf.push(rec);
-                    return vec![];
-                }
-                self.live(&rec)
-            }
-            Out::Replayed {
-                session,
-                history,
-                last,
-                response,
-            } => {
-                let mut msgs: Vec<String> = history
-                    .iter()
-                    .filter(|e| e.seq <= last)
-                    .filter_map(map::session_update)
-                    .map(|n| update_message(&n))
-                    .collect();
-                for rec in self.buffering.remove(&session).unwrap_or_default() {
-                    if rec.seq > last {
-                        msgs.extend(self.live(&rec));
-                    }
-                }
-                if !response.is_empty() {
-                    msgs.push(response);
-                }
-                msgs
+    async fn run(mut self, mut rx: mpsc::Receiver<Out>) {
+        while let Some(out) = rx.recv().await {
+            if matches!(out, Out::Close) || self.on(out).await.is_err() {
+                return;
             }
         }
     }
-}
 
-impl Writer {
+    async fn write(&self, msg: String) -> Result<(), Gone> {
+        self.out.send(msg).await.map_err(|_| Gone)
+    }
+
+    async fn on(&mut self, out: Out) -> Result<(), Gone> {
+        // What did not fit in the queue goes out first, from the store.
+        for session in self.lag.take() {
+            self.catch_up(session).await?;
+        }
+        match out {
+            Out::Raw(s) => self.write(s).await?,
+            Out::Close => {}
+            Out::Attach {
+                session,
+                sub,
+                replay,
+            } => {
+                self.attached.insert(
+                    session,
+                    Attachment {
+                        sub,
+                        sent: None,
+                        live_from: 0,
+                        replaying: replay,
+                    },
+                );
+            }
+            Out::Position { session, sub, last } => {
+                if let Some(a) = self.attached.get_mut(&session).filter(|a| a.sub == sub) {
+                    a.sent = Some(a.sent.unwrap_or(0).max(last));
+                    a.live_from = last;
+                }
+            }
+            Out::Replayed {
+                session,
+                sub,
+                last,
+                response,
+            } => {
+                if let Some(a) = self.attached.get_mut(&session).filter(|a| a.sub == sub) {
+                    a.sent = Some(0);
+                    a.live_from = last;
+                    a.replaying = false;
+                    self.catch_up(session).await?;
+                }
+                if !response.is_empty() {
+                    self.write(response).await?;
+                }
+            }
+            Out::Event(sub, rec) => {
+                let Some(a) = self.attached.get_mut(&rec.session).filter(|a| a.sub == sub) else {
+                    return Ok(()); // from a replaced subscription
+                };
+                // During a replay the store has it; after a catch-up the
+                // client may have it already.
+                if a.replaying || a.sent.is_some_and(|s| rec.seq <= s) {
+                    return Ok(());
+                }
+                a.sent = Some(rec.seq);
+                for msg in self.live(&rec) {
+                    self.write(msg).await?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes what the client lacks of `session` from the store, page by
+    /// page (never the whole log in memory), consecutive text and thought
+    /// chunks coalesced, until the store has nothing newer.
+    async fn catch_up(&mut self, session: SessionId) -> Result<(), Gone> {
+        let Some(a) = self.attached.get(&session) else {
+            return Ok(());
+        };
+        let Some(mut from) = a.sent.filter(|_| !a.replaying) else {
+            // Its start is not known yet (or a replay will cover it).
+            if !a.replaying {
+                self.lag.mark(session);
+            }
+            return Ok(());
+        };
+        let live_from = a.live_from;
+        metrics::counter!("tiller_acp_catch_ups_total").increment(1);
+        loop {
+            let page = match self.sessions.events_after(session, from, PAGE).await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "cannot read the log to catch a client up");
+                    break;
+                }
+            };
+            let full = page.len() == PAGE;
+            let Some(last) = page.last().map(|e| e.seq) else {
+                break;
+            };
+            for msg in self.page_messages(&page, live_from) {
+                self.write(msg).await?;
+            }
+            from = last;
+            if let Some(a) = self.attached.get_mut(&session) {
+                a.sent = Some(last);
+            }
+            if !full {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// The messages of a page of the log: history as updates only, live
+    /// events as live; runs of text (or thought) chunks of one turn merged.
+    fn page_messages(&mut self, page: &[EventRecord], live_from: u64) -> Vec<String> {
+        let mut msgs = Vec::new();
+        let mut run: Option<EventRecord> = None;
+        for rec in page {
+            if let Some(r) = run.as_mut()
+                && merge(r, rec)
+            {
+                continue;
+            }
+            if let Some(r) = run.take() {
+                msgs.extend(self.messages(&r, live_from));
+            }
+            if is_chunk(rec) {
+                run = Some(rec.clone());
+            } else {
+                msgs.extend(self.messages(rec, live_from));
+            }
+        }
+        if let Some(r) = run {
+            msgs.extend(self.messages(&r, live_from));
+        }
+        msgs
+    }
+
+    fn messages(&mut self, rec: &EventRecord, live_from: u64) -> Vec<String> {
+        if rec.seq <= live_from {
+            map::session_update(rec)
+                .map(|n| update_message(&n))
+                .into_iter()
+                .collect()
+        } else {
+            self.live(rec)
+        }
+    }
+
     /// What a live event becomes for this client: updates, extension
     /// notifications, and permission requests (or their withdrawal).
     fn live(&mut self, rec: &EventRecord) -> Vec<String> {
         let mut msgs = live_messages(rec);
+        let mut asked = self.asked.lock().expect("poisoned");
         if let Some((request_id, params)) = map::permission_request(rec) {
             self.next_request += 1;
             let id = format!("tiller-{}", self.next_request);
             msgs.push(jsonrpc::request(&id, "session/request_permission", params));
-            self.asked.insert(id, (rec.session, request_id));
+            asked.insert(id, (rec.session, request_id));
         }
         if let tiller_session::EventBody::PermissionResolved { request_id, .. } = &rec.body {
             // Answered elsewhere (or the turn ended): withdraw our request.
-            let ours: Vec<String> = self
-                .asked
+            let ours: Vec<String> = asked
                 .iter()
                 .filter(|(_, (s, r))| *s == rec.session && r == request_id)
                 .map(|(id, _)| id.clone())
                 .collect();
             for id in ours {
-                self.asked.remove(&id);
+                asked.remove(&id);
                 msgs.push(jsonrpc::notification(
                     "$/cancel_request",
                     json!({ "requestId": id }),
@@ -276,11 +464,35 @@ impl Writer {
         }
         msgs
     }
+}
 
-    /// A client's answer to one of our requests.
-    fn answered(&mut self, id: &Value) -> Option<(SessionId, String)> {
-        self.asked.remove(id.as_str()?)
+fn is_chunk(rec: &EventRecord) -> bool {
+    use tiller_session::EventBody::{AgentMessageChunk, AgentThoughtChunk};
+    matches!(
+        rec.body,
+        AgentMessageChunk { .. } | AgentThoughtChunk { .. }
+    )
+}
+
+/// Appends `next` to the run `into` when both are chunks of one kind of
+/// one turn (and the run is not too long yet).
+fn merge(into: &mut EventRecord, next: &EventRecord) -> bool {
+    use tiller_session::EventBody::{AgentMessageChunk, AgentThoughtChunk};
+    if into.prompt != next.prompt || into.turn != next.turn {
+        return false;
     }
+    let ((AgentMessageChunk { text: a }, AgentMessageChunk { text: b })
+    | (AgentThoughtChunk { text: a }, AgentThoughtChunk { text: b })) =
+        (&mut into.body, &next.body)
+    else {
+        return false;
+    };
+    if a.len() + b.len() > COALESCE_MAX {
+        return false;
+    }
+    a.push_str(b);
+    into.seq = next.seq;
+    true
 }
 
 fn update_message(n: &agent_client_protocol::v1::schema::SessionNotification) -> String {
@@ -363,7 +575,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: &Arc<()>) {
                     Err(Reply::Error(e)) => jsonrpc::error(&id, &e),
                     Err(Reply::Replay {
                         session,
-                        history,
+                        sub,
                         last,
                         result,
                     }) => {
@@ -371,7 +583,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: &Arc<()>) {
                             .tx
                             .send(Out::Replayed {
                                 session,
-                                history,
+                                sub,
                                 last,
                                 response: jsonrpc::response(&id, result),
                             })
@@ -400,7 +612,7 @@ enum Reply {
     /// `session/load`: the history goes out before the response.
     Replay {
         session: SessionId,
-        history: Vec<EventRecord>,
+        sub: SubscriberId,
         last: u64,
         result: Value,
     },
@@ -476,31 +688,51 @@ impl Shared {
         if attached.contains_key(&handle.id()) {
             return Ok(());
         }
-        let sub = self.sessions.subscriber_id();
-        let _ = self.tx.send(Out::Attached(handle.id(), sub)).await;
-        handle
-            .subscribe(sub, Box::new(self.subscriber(sub, handle.id())))
-            .await
-            .map_err(session_error)?;
-        attached.insert(handle.id(), (handle.clone(), sub));
-        Ok(())
-    }
-
-    /// Subscribes afresh (replacing any earlier subscription) and returns
-    /// the last sequence number the replay must cover.
-    async fn attach_for_replay(&self, handle: &SessionHandle) -> Result<u64, Reply> {
-        let mut attached = self.attached.lock().await;
-        let sub = self.sessions.subscriber_id();
-        let _ = self.tx.send(Out::Replaying(handle.id(), sub)).await;
+        let (session, sub) = (handle.id(), self.sessions.subscriber_id());
+        let _ = self
+            .tx
+            .send(Out::Attach {
+                session,
+                sub,
+                replay: false,
+            })
+            .await;
         let last = handle
-            .subscribe(sub, Box::new(self.subscriber(sub, handle.id())))
+            .subscribe(sub, Box::new(self.subscriber(sub, session)))
             .await
             .map_err(session_error)?
             .last_seq;
-        if let Some((old, old_sub)) = attached.insert(handle.id(), (handle.clone(), sub)) {
+        let _ = self.tx.send(Out::Position { session, sub, last }).await;
+        attached.insert(session, (handle.clone(), sub));
+        Ok(())
+    }
+
+    /// Subscribes afresh (replacing any earlier subscription) for a
+    /// replay; returns the subscription and the last event the replay's
+    /// history covers (later ones are live).
+    async fn attach_for_replay(
+        &self,
+        handle: &SessionHandle,
+    ) -> Result<(SubscriberId, u64), Reply> {
+        let mut attached = self.attached.lock().await;
+        let (session, sub) = (handle.id(), self.sessions.subscriber_id());
+        let _ = self
+            .tx
+            .send(Out::Attach {
+                session,
+                sub,
+                replay: true,
+            })
+            .await;
+        let last = handle
+            .subscribe(sub, Box::new(self.subscriber(sub, session)))
+            .await
+            .map_err(session_error)?
+            .last_seq;
+        if let Some((old, old_sub)) = attached.insert(session, (handle.clone(), sub)) {
             old.unsubscribe(old_sub);
         }
-        Ok(last)
+        Ok((sub, last))
     }
 
     /// Gives the session the MCP servers a request passed (none: keeps
@@ -511,10 +743,7 @@ impl Shared {
         servers: Vec<tiller_tools::McpServerConfig>,
     ) -> Result<(), Reply> {
         if !servers.is_empty() {
-            handle
-                .set_mcp(servers, self.config.mcp_connect_timeout)
-                .await
-                .map_err(session_error)?;
+            handle.set_mcp(servers).await.map_err(session_error)?;
         }
         Ok(())
     }
@@ -522,9 +751,10 @@ impl Shared {
     fn subscriber(&self, id: SubscriberId, session: SessionId) -> ConnSubscriber {
         ConnSubscriber {
             id,
+            session,
             client: self.calls.tools_for(session),
             tx: self.tx.clone(),
-            overflow: self.overflow.clone(),
+            lag: self.lag.clone(),
         }
     }
 
@@ -636,30 +866,12 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
             shared.connect_mcp(&handle, mcp).await?;
-            let last = shared.attach_for_replay(&handle).await?;
-            let history = match shared
-                .sessions
-                .events_after(handle.id(), 0, last as usize)
-                .await
-            {
-                Ok(h) => h,
-                Err(e) => {
-                    // Release the buffered replay before answering the error.
-                    let _ = shared
-                        .tx
-                        .send(Out::Replayed {
-                            session: handle.id(),
-                            history: Vec::new(),
-                            last,
-                            response: String::new(),
-                        })
-                        .await;
-                    return Err(session_error(e));
-                }
-            };
+            // The writer replays the log page by page from the store, then
+            // answers; live events that arrive meanwhile are in the store too.
+            let (sub, last) = shared.attach_for_replay(&handle).await?;
             Err(Reply::Replay {
                 session: handle.id(),
-                history,
+                sub,
                 last,
                 result: to_value(LoadSessionResponse::new()),
             })
