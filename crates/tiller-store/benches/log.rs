@@ -24,6 +24,7 @@ async fn main() {
             created_ms: 0,
             updated_ms: 0,
             closed: false,
+            channel: None,
         })
         .await
         .expect("session");

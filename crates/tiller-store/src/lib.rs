@@ -23,6 +23,11 @@ pub enum StoreError {
         path: PathBuf,
         source: rusqlite::Error,
     },
+    #[error("cannot prepare the store file {path}: {source} (check the path and its permissions)")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("store error: {0}")]
     Sql(String),
     #[error("the store thread has stopped (the daemon is shutting down)")]
@@ -79,6 +84,9 @@ pub struct SessionRecord {
     pub updated_ms: i64,
     /// Closed sessions are kept (their log stays readable) but not listed.
     pub closed: bool,
+    /// The channel that created it, if one did: a channel may prompt only
+    /// its own sessions (and ones its config lists).
+    pub channel: Option<String>,
 }
 
 /// One stored event. The payload is opaque JSON to the store.
@@ -314,6 +322,10 @@ impl Store {
             path: path.to_owned(),
             source,
         };
+        restrict(path).map_err(|e| StoreError::Io {
+            path: path.to_owned(),
+            source: e,
+        })?;
         let conn = Connection::open(path).map_err(open_err)?;
         migrate(&conn).map_err(open_err)?;
         let (tx, rx) = std_mpsc::channel();
@@ -613,6 +625,29 @@ impl Store {
     }
 }
 
+/// The database and its WAL and shared-memory files are the owner's only
+/// (0600): they hold every prompt and answer. SQLite creates the `-wal`
+/// and `-shm` files with the database file's mode, so creating that one
+/// 0600 first covers them; files left by an older version are tightened.
+fn restrict(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)?;
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        let mut p = path.as_os_str().to_owned();
+        p.push(suffix);
+        match std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 const SCHEMA: &[&str] = &[
     // v1
     "CREATE TABLE sessions (
@@ -699,6 +734,8 @@ const SCHEMA: &[&str] = &[
         settings TEXT,
         conversation TEXT
     );",
+    // v9: the channel that created a session.
+    "ALTER TABLE sessions ADD COLUMN channel TEXT;",
 ];
 
 fn migrate(conn: &Connection) -> rusqlite::Result<()> {
@@ -1113,15 +1150,16 @@ fn append_batch(conn: &mut Connection, batch: &Batch) -> rusqlite::Result<()> {
 
 fn create_session(conn: &Connection, rec: &SessionRecord) -> rusqlite::Result<()> {
     conn.execute(
-        "INSERT INTO sessions (id, cwd, title, created_ms, updated_ms, closed)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        "INSERT INTO sessions (id, cwd, title, created_ms, updated_ms, closed, channel)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         params![
             rec.id.to_string(),
             rec.cwd,
             rec.title,
             rec.created_ms,
             rec.updated_ms,
-            rec.closed
+            rec.closed,
+            rec.channel
         ],
     )
     .map(drop)
@@ -1138,6 +1176,7 @@ fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
         created_ms: r.get("created_ms")?,
         updated_ms: r.get("updated_ms")?,
         closed: r.get("closed")?,
+        channel: r.get("channel")?,
     })
 }
 
@@ -1147,7 +1186,7 @@ fn get_session(
 ) -> rusqlite::Result<Option<(SessionRecord, LogHead)>> {
     let Some(rec) = conn
         .query_row(
-            "SELECT id, cwd, title, created_ms, updated_ms, closed FROM sessions WHERE id = ?1",
+            "SELECT id, cwd, title, created_ms, updated_ms, closed, channel FROM sessions WHERE id = ?1",
             params![id.to_string()],
             session_row,
         )
@@ -1176,7 +1215,7 @@ fn list_sessions(
     cwd: Option<&str>,
 ) -> rusqlite::Result<SessionPage> {
     let mut stmt = conn.prepare_cached(
-        "SELECT n, id, cwd, title, created_ms, updated_ms, closed FROM sessions
+        "SELECT n, id, cwd, title, created_ms, updated_ms, closed, channel FROM sessions
          WHERE closed = 0 AND n < ?1 AND (?3 IS NULL OR cwd = ?3) ORDER BY n DESC LIMIT ?2",
     )?;
     let mut rows = stmt.query(params![cursor.unwrap_or(i64::MAX), limit as i64 + 1, cwd])?;
@@ -1476,6 +1515,7 @@ mod tests {
             created_ms: n,
             updated_ms: n,
             closed: false,
+            channel: None,
         }
     }
 

@@ -33,6 +33,7 @@ proptest! {
             let s = SessionId::new();
             store.create_session(SessionRecord {
                 id: s, cwd: "/".into(), title: None, created_ms: 0, updated_ms: 0, closed: false,
+                channel: None,
             }).await.unwrap();
             let mut head = 0u64;
             let append = |n: u64, head: &mut u64| {
