@@ -208,7 +208,7 @@ describe("metrics", () => {
     try {
       await initialize(c);
       await newSession(c);
-      const res = await fetch(`${daemon.http}/metrics`);
+      const res = await fetch(`${daemon.http}/metrics`, { headers: daemon.auth });
       assert.equal(res.status, 200);
       assert.match(res.headers.get("content-type"), /text\/plain/);
       const text = await res.text();

@@ -76,18 +76,28 @@ describe("malformed traffic on one connection", () => {
     }
   });
 
-  test("over WebSocket too: an oversized frame is refused, the socket lives on", async () => {
-    const ws = new WebSocket(daemon.ws);
+  test("over WebSocket: an oversized message gets the JSON-RPC error, then the socket closes; a new one works", async () => {
+    // The WebSocket limits are limits.max_message_bytes, so nothing larger
+    // is ever buffered; the protocol cannot skip the rest of a message, so
+    // the socket ends after the error.
+    const open = async () => {
+      const ws = new WebSocket(daemon.ws, { headers: daemon.auth });
+      ws.closed = new Promise((r) => (ws.onclose = (e) => r(e.code)));
+      await new Promise((r, j) => {
+        ws.onopen = r;
+        ws.onerror = j;
+      });
+      return ws;
+    };
+    let ws = await open();
     const inbox = [];
     let wake = () => {};
-    ws.onmessage = (e) => {
-      inbox.push(JSON.parse(e.data));
-      wake();
-    };
-    await new Promise((r, j) => {
-      ws.onopen = r;
-      ws.onerror = j;
-    });
+    const listen = (w) =>
+      (w.onmessage = (e) => {
+        inbox.push(JSON.parse(e.data));
+        wake();
+      });
+    listen(ws);
     const next = (pred) =>
       new Promise((resolve, reject) => {
         const t = setTimeout(() => reject(new Error("no reply")), 5000);
@@ -104,6 +114,9 @@ describe("malformed traffic on one connection", () => {
     try {
       ws.send(req(1, "session/new", { cwd: "y".repeat(LIMIT + 10) }));
       assert.equal((await next((m) => m.error)).error.code, -32600);
+      await ws.closed;
+      ws = await open();
+      listen(ws);
       ws.send("{nope");
       assert.equal((await next((m) => m.error)).error.code, -32700);
       ws.send(req(2, "initialize", { protocolVersion: 1 }));
@@ -145,7 +158,7 @@ describe("bad configuration", () => {
     ["unknown key", "[turn]\ncancel_grac = \"1s\"\n", {}, "turn.cancel_grac"],
     ["bad duration", "[turn]\nstall_timeout = \"forever\"\n", {}, "turn.stall_timeout"],
     ["unknown engine", "[engine]\ndefault = \"nope\"\n", {}, "engine.default"],
-    ["non-loopback without token", "", {}, "server.token", ["--listen", "0.0.0.0:0"]],
+    ["auth none off loopback", "[server]\nauth = \"none\"\n", {}, "server.auth", ["--listen", "0.0.0.0:0"]],
     ["bad env override", "", { TILLER_LIMITS__MAX_SESIONS: "3" }, "TILLER_LIMITS__MAX_SESIONS"],
   ];
   for (const [what, toml, env, key, args = ["--listen", "127.0.0.1:0"]] of cases) {

@@ -6,7 +6,7 @@ import { createHmac } from "node:crypto";
 import http from "node:http";
 import { after, before, describe, test } from "node:test";
 
-import { api, initialize, newSession, openStream, script, startDaemon, textPrompt, transports } from "./lib/daemon.mjs";
+import { api, initialize, newSession, openStream, script, startDaemon, tempDir, textPrompt, transports } from "./lib/daemon.mjs";
 
 const SECRET = "k3y-for-tests";
 let daemon;
@@ -26,6 +26,7 @@ before(async () => {
   daemon = await startDaemon({
     env: {
       TILLER_CHANNELS__HOOK__SECRET: SECRET,
+      TILLER_CHANNELS__HOOK__CWD: tempDir(),
       TILLER_DELIVERY__ALLOWED_HOSTS: '["127.0.0.1"]',
     },
   });
@@ -98,7 +99,11 @@ describe("channels", () => {
     const replay = await channelPost(body, good);
     assert.equal(replay.status, 401);
     assert.match(replay.body.error.message, /replayed/);
-    const unknown = await fetch(`${daemon.http}/api/channels/nope/prompts`, { method: "POST", headers: sign(body), body });
+    const unknown = await fetch(`${daemon.http}/api/channels/nope/prompts`, {
+      method: "POST",
+      headers: { "content-type": "application/json", ...sign(body) },
+      body,
+    });
     assert.equal(unknown.status, 401);
   });
 
@@ -143,15 +148,14 @@ describe("channels", () => {
     assert.equal(evs.find((e) => e.type === "prompt_started").data.origin, "interactive");
     assert.equal(evs.find((e) => e.type === "turn_error").data.errorKind, "loop_detected");
     s.close();
-    const metrics = await (await fetch(`${daemon.http}/metrics`)).text();
+    const metrics = await (await fetch(`${daemon.http}/metrics`, { headers: daemon.auth })).text();
     assert.match(metrics, /tiller_origin_markers_stripped_total\{ingress="http"\} [1-9]/);
     assert.match(metrics, /tiller_origin_markers_stripped_total\{ingress="acp"\} [1-9]/);
   });
 
   test("a replay is refused after a restart too", async () => {
-    const { tempDir } = await import("./lib/daemon.mjs");
     const dataDir = tempDir();
-    const env = { TILLER_CHANNELS__HOOK__SECRET: SECRET };
+    const env = { TILLER_CHANNELS__HOOK__SECRET: SECRET, TILLER_CHANNELS__HOOK__CWD: tempDir() };
     let d = await startDaemon({ dataDir, env });
     const body = JSON.stringify({ text: "once" });
     const headers = { "content-type": "application/json", ...sign(body) };

@@ -112,7 +112,7 @@ describe("cron", () => {
     let d = await startDaemon({ dataDir });
     const run = (...args) =>
       new Promise((resolve) =>
-        execFile(bin, ["cron", ...args, "--url", d.http], (err, stdout, stderr) =>
+        execFile(bin, ["cron", ...args, "--url", d.http, "--token-file", d.tokenFile], (err, stdout, stderr) =>
           resolve({ code: err ? err.code : 0, stdout, stderr }),
         ),
       );

@@ -60,6 +60,11 @@ model = "slow"
 request_timeout = "300ms"
 max_retries = 1
 retry_base = "10ms"
+
+# The MCP servers these tests name (nothing else may be started).
+[tools.mcp]
+allowed_commands = [${JSON.stringify(process.execPath)}, "/nonexistent/mcp-server"]
+allowed_hosts = ["127.0.0.1"]
 `,
   );
   daemon = await startDaemon({ dataDir: dir, args: ["--config", config], env: daemonEnv });
@@ -749,13 +754,14 @@ describe("HTTP and restarts", () => {
     const req = since(n)[0];
     assert.equal(req.path, "/v1/messages", "still the Anthropic engine");
     mock.reply(
-      { events: openai.tools([{ id: "call_a2", name: "shell", args: { command: "echo two" } }]) },
+      // "Always allow" on `echo one` covers commands starting `echo one`.
+      { events: openai.tools([{ id: "call_a2", name: "shell", args: { command: "echo one two" } }]) },
       { events: openai.text("ok") },
     );
     await c.request("session/resume", { sessionId: other.sid, cwd: "/", mcpServers: [] });
     await c.request("session/prompt", textPrompt(other.sid, "run again"));
     assert.equal(c.permissionRequests.length, 0, "no permission asked after the restart");
-    assert.match(toolResults(mock.requests.at(-1)).at(-1).text, /two/);
+    assert.match(toolResults(mock.requests.at(-1)).at(-1).text, /one two/);
     assert.deepEqual(
       req.body.messages.map((m) => [m.role, m.content.map((b) => b.text).join("")]),
       [
@@ -774,8 +780,9 @@ describe("Web Shell with model engines", () => {
     const AXE = readFileSync(createRequire(import.meta.url).resolve("axe-core/axe.min.js"), "utf8");
     const browser = await launch();
     try {
-      const p = await newPage(browser);
-      await p.goto(daemon.http);
+      // axe is injected inline: this page bypasses the Web Shell's CSP.
+      const p = await newPage(browser, { bypassCSP: true });
+      await p.goto(`${daemon.http}/?token=${daemon.token}`);
       await p.waitForSelector("#new-engine option[value='mock-openai']", { state: "attached" });
       await p.click("#new-session");
       const cwd = tempDir();

@@ -97,7 +97,7 @@ describe("goals", () => {
       await d.stop();
       d = await startDaemon({ dataDir });
       const out = await new Promise((resolve) =>
-        execFile(bin, ["goal", "show", "--session", sid, "--url", d.http], (err, stdout, stderr) =>
+        execFile(bin, ["goal", "show", "--session", sid, "--url", d.http, "--token-file", d.tokenFile], (err, stdout, stderr) =>
           resolve({ code: err ? err.code : 0, stdout, stderr }),
         ),
       );

@@ -143,9 +143,9 @@ describe("crash", () => {
 
 describe("auth", () => {
   test("with a token: none or wrong is 401, right is 200; a foreign Host is refused", async () => {
-    const d = await startDaemon({ args: ["--token", "s3cret"] });
+    const d = await startDaemon({ env: { TILLER_SERVER__TOKEN: "s3cret" } });
     try {
-      assert.equal((await api(d, "GET", "/api/sessions")).status, 401);
+      assert.equal((await api(d, "GET", "/api/sessions", undefined, { authorization: undefined })).status, 401);
       assert.equal((await api(d, "GET", "/api/sessions", undefined, { authorization: "Bearer wrong" })).status, 401);
       assert.equal((await api(d, "GET", "/api/sessions", undefined, { authorization: "Bearer s3cret" })).status, 200);
       assert.equal((await fetch(`${d.http}/healthz`)).status, 200);
@@ -174,8 +174,13 @@ describe("tiller sessions (admin CLI over the HTTP API)", () => {
     const { bin } = await import("./lib/daemon.mjs");
     const run = (...args) =>
       new Promise((resolve) => {
-        execFile(bin, ["sessions", ...args, "--url", daemon.http], (err, stdout, stderr) =>
-          resolve({ code: err ? err.code : 0, stdout, stderr }),
+        // No token flag: the CLI finds the daemon's token file in the data
+        // directory, as an operator's would.
+        execFile(
+          bin,
+          ["sessions", ...args, "--url", daemon.http],
+          { env: { ...process.env, TILLER_STORE__DATA_DIR: daemon.dataDir } },
+          (err, stdout, stderr) => resolve({ code: err ? err.code : 0, stdout, stderr }),
         );
       });
     const sid = await newSession();

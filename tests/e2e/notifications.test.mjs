@@ -133,7 +133,7 @@ describe("notifications", () => {
     const out = await new Promise((resolve) =>
       execFile(
         bin,
-        ["notify", "--url", d.http, "--session", sid, "--task-id", "nightly", "--text", script([{ say: "after restart" }])],
+        ["notify", "--url", d.http, "--token-file", d.tokenFile, "--session", sid, "--task-id", "nightly", "--text", script([{ say: "after restart" }])],
         (err, stdout, stderr) => resolve({ code: err ? err.code : 0, stdout, stderr }),
       ),
     );

@@ -35,7 +35,9 @@ async function session() {
 
 async function open(sid, opts) {
   const p = await newPage(browser, opts);
-  await p.goto(`${daemon.http}/#${sid}`);
+  // The bootstrap link: the daemon trades the token for a cookie and sends
+  // the browser on to `/#sid`.
+  await p.goto(`${daemon.http}/?token=${daemon.token}#${sid}`);
   await p.waitForSelector("#state[data-state]");
   return p;
 }
@@ -48,7 +50,9 @@ async function send(p, text) {
 describe("Web Shell", () => {
   test("a demo prompt streams into the transcript; the page passes an accessibility check", async () => {
     const sid = await session();
-    const p = await open(sid);
+    // axe is injected as an inline script, which the Web Shell's CSP
+    // (rightly) refuses: this page alone bypasses it.
+    const p = await open(sid, { bypassCSP: true });
     await send(p, "hello");
     await p.waitForFunction(() => document.querySelector(".agent")?.textContent.includes("scripted engine"));
     await p.waitForFunction(() => document.querySelector("#state").dataset.state === "idle");
@@ -212,7 +216,7 @@ describe("Web Shell", () => {
     p.on("request", async (r) => {
       if (r.url().includes("/events")) streams.push((await r.allHeaders())["last-event-id"] ?? null);
     });
-    await p.goto(`http://127.0.0.1:${proxy.address().port}/#${sid}`);
+    await p.goto(`http://127.0.0.1:${proxy.address().port}/?token=${daemon.token}#${sid}`);
     await p.waitForSelector("#state[data-state]");
     await send(p, script([{ repeat: { times: 60, steps: [{ say: "x" }, { sleep_ms: 50 }] } }, { say: "!" }]));
     await p.waitForFunction(() => (document.querySelector(".agent")?.textContent.length ?? 0) >= 5);

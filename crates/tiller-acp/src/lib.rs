@@ -4,6 +4,7 @@
 //! small JSON-RPC layer (see ARCHITECTURE.md for why): one connection loop
 //! ([`conn::serve`]) shared by stdio, the unix socket and WebSocket.
 
+pub mod accept;
 pub mod client;
 pub mod conn;
 pub mod jsonrpc;
@@ -105,16 +106,23 @@ pub async fn serve_unix(
     permits: Arc<Semaphore>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let mut backoff = accept::Backoff::new("unix");
     loop {
         tokio::select! {
             accepted = listener.accept() => {
                 let (stream, _) = match accepted {
                     Ok(s) => s,
                     Err(e) => {
-                        tracing::warn!(error = %e, "unix accept failed");
+                        // EMFILE and friends persist: wait, never spin.
+                        let wait = backoff.failed(&e);
+                        tokio::select! {
+                            () = tokio::time::sleep(wait) => {}
+                            _ = shutdown.changed() => return,
+                        }
                         continue;
                     }
                 };
+                backoff.reset();
                 let Ok(permit) = permits.clone().try_acquire_owned() else {
                     tokio::spawn(refuse(stream));
                     continue;

@@ -19,20 +19,33 @@ use crate::api::ApiError;
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
-/// Channel secrets and the replay window. Seen requests are remembered in
-/// the store (durable), so a replay is refused across restarts too.
+/// One configured channel (`[channels.NAME]`).
+#[derive(Clone, Debug, Default)]
+pub struct Channel {
+    /// The HMAC secret its requests are signed with.
+    pub secret: Vec<u8>,
+    /// The working directory of the sessions it creates.
+    pub cwd: String,
+    /// The engine of the sessions it creates (`None`: the default).
+    pub engine: Option<String>,
+    /// Existing sessions it may prompt besides its own.
+    pub sessions: Vec<SessionId>,
+}
+
+/// The channels and the replay window. Seen requests are remembered in the
+/// store (durable), so a replay is refused across restarts too.
 #[derive(Default)]
 pub struct Channels {
-    /// Secret per channel name.
-    pub secrets: HashMap<String, Vec<u8>>,
+    /// Each channel by name.
+    pub channels: HashMap<String, Channel>,
     /// Requests older (or newer) than this are refused.
     pub replay_window: Duration,
 }
 
 impl Channels {
-    pub fn new(secrets: HashMap<String, Vec<u8>>, replay_window: Duration) -> Self {
+    pub fn new(channels: HashMap<String, Channel>, replay_window: Duration) -> Self {
         Self {
-            secrets,
+            channels,
             replay_window,
         }
     }
@@ -47,14 +60,14 @@ impl Channels {
         body: &[u8],
         now_s: i64,
     ) -> Result<String, &'static str> {
-        let secret = self.secrets.get(channel).ok_or("unknown channel")?;
+        let secret = &self.channels.get(channel).ok_or("unknown channel")?.secret;
         let ts: i64 = timestamp
             .ok_or("missing X-Tiller-Timestamp")?
             .trim()
             .parse()
             .map_err(|_| "bad X-Tiller-Timestamp")?;
-        let window = self.replay_window.as_secs() as i64;
-        if (now_s - ts).abs() > window {
+        // Checked: any i64 a client sends must not overflow.
+        if now_s.abs_diff(ts) > self.replay_window.as_secs() {
             return Err("timestamp outside the replay window");
         }
         let hex_sig = signature
@@ -93,6 +106,20 @@ fn refuse(why: &str) -> ApiError {
     )
 }
 
+fn forbidden(channel: &str, session: &str) -> ApiError {
+    metrics::counter!("tiller_channel_refusals_total").increment(1);
+    ApiError(
+        StatusCode::FORBIDDEN,
+        json!({
+            "errorKind": "forbidden",
+            "message": format!(
+                "channel `{channel}` may not prompt session {session}: only sessions it created or \
+                 ones listed in channels.{channel}.sessions"
+            ),
+        }),
+    )
+}
+
 /// `POST /api/channels/:channel/prompts`.
 pub async fn post_prompt(
     State(st): State<AppState>,
@@ -126,19 +153,34 @@ pub async fn post_prompt(
             json!({ "errorKind": "invalid_params", "message": format!("invalid body: {e}") }),
         )
     })?;
+    let config = st
+        .channels
+        .channels
+        .get(&channel)
+        .expect("verified above: the channel exists");
     let handle = match &req.session_id {
         Some(raw) => {
-            let id = SessionId::parse(raw).ok_or_else(|| {
-                ApiError(
-                    StatusCode::NOT_FOUND,
-                    json!({ "errorKind": "unknown_session", "message": format!("unknown session {raw}") }),
-                )
-            })?;
+            // Only its own sessions, or ones its config lists: a channel
+            // carries third-party text and must not reach a person's session.
+            let id = SessionId::parse(raw).ok_or_else(|| forbidden(&channel, raw))?;
+            let rec = st
+                .sessions
+                .record(id)
+                .await
+                .map_err(|_| forbidden(&channel, raw))?;
+            if rec.channel.as_deref() != Some(channel.as_str()) && !config.sessions.contains(&id) {
+                return Err(forbidden(&channel, raw));
+            }
             st.sessions.open(id).await?
         }
         None => {
             st.sessions
-                .create("/".into(), Some(format!("channel {channel}")))
+                .create_session(tiller_session::NewSession {
+                    cwd: config.cwd.clone(),
+                    title: Some(format!("channel {channel}")),
+                    engine: config.engine.clone(),
+                    channel: Some(channel.clone()),
+                })
                 .await?
         }
     };
@@ -165,7 +207,13 @@ mod tests {
     #[test]
     fn verification_table() {
         let c = Channels::new(
-            HashMap::from([("hook".to_string(), b"k3y".to_vec())]),
+            HashMap::from([(
+                "hook".to_string(),
+                Channel {
+                    secret: b"k3y".to_vec(),
+                    ..Channel::default()
+                },
+            )]),
             Duration::from_secs(300),
         );
         let body = br#"{"text":"hi"}"#;
@@ -197,6 +245,20 @@ mod tests {
                 "hook",
                 Some((now - 301).to_string()),
                 Some(sign(b"k3y", now - 301, body)),
+                body,
+                Err("timestamp outside the replay window"),
+            ),
+            (
+                "hook",
+                Some(i64::MIN.to_string()),
+                Some(good.clone()),
+                body,
+                Err("timestamp outside the replay window"),
+            ),
+            (
+                "hook",
+                Some(i64::MAX.to_string()),
+                Some(good.clone()),
                 body,
                 Err("timestamp outside the replay window"),
             ),

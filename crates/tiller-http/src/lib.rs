@@ -7,6 +7,7 @@ pub mod api;
 pub mod auth;
 pub mod channels;
 pub mod delivery;
+pub mod serve;
 mod web;
 
 use std::sync::Arc;
@@ -31,18 +32,23 @@ pub struct AppState {
     pub sessions: Sessions,
     /// ACP connection settings.
     pub acp: AcpConfig,
-    /// Renders `/metrics`.
-    pub metrics: PrometheusHandle,
+    /// Renders `/metrics`; `None` when `[metrics] enabled = false` (the
+    /// route then answers 404).
+    pub metrics: Option<PrometheusHandle>,
     /// The connection cap, shared with the unix socket.
     pub permits: Arc<Semaphore>,
     /// False until start-up is complete, and again during shutdown.
     pub ready: Arc<AtomicBool>,
     /// Events buffered per SSE stream before it is told to resync.
     pub subscriber_queue: usize,
-    /// Token, Host and Origin checks.
-    pub auth: Arc<auth::AuthConfig>,
+    /// Token, cookie, Host and Origin checks.
+    pub auth: Arc<auth::Auth>,
     /// Channel secrets and the replay guard.
     pub channels: Arc<channels::Channels>,
+    /// Largest request body (`limits.max_message_bytes`).
+    pub max_body_bytes: usize,
+    /// How long a client may take to send a request's body.
+    pub body_timeout: std::time::Duration,
 }
 
 /// The router.
@@ -98,6 +104,11 @@ pub fn router(state: AppState) -> Router {
         .route("/api/cron", get(api::list_cron).post(api::add_cron))
         .route("/api/cron/{id}", axum::routing::delete(api::remove_cron))
         .route("/api/sessions/{id}/events", get(api::events))
+        .layer(axum::extract::DefaultBodyLimit::max(state.max_body_bytes))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            state.body_timeout,
+        ))
+        // Outermost: nothing runs, and no body is read, before the checks.
         .layer(axum::middleware::from_fn_with_state(auth, auth::check))
         .with_state(state)
 }
@@ -111,12 +122,19 @@ async fn readyz(State(st): State<AppState>) -> Response {
 }
 
 async fn metrics(State(st): State<AppState>) -> Response {
+    let Some(metrics) = &st.metrics else {
+        return (
+            StatusCode::NOT_FOUND,
+            "metrics are disabled ([metrics] enabled = false)\n",
+        )
+            .into_response();
+    };
     (
         [(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        st.metrics.render(),
+        metrics.render(),
     )
         .into_response()
 }
@@ -129,9 +147,9 @@ async fn acp_upgrade(State(st): State<AppState>, ws: WebSocketUpgrade) -> Respon
         )
             .into_response();
     };
-    // The protocol limit sits above ours so an oversized message gets a
-    // JSON-RPC error instead of a dropped connection.
-    let cap = st.acp.max_message_bytes.saturating_mul(4).max(1 << 20);
+    // The transport's limits are ours: nothing larger is ever buffered. A
+    // message over them still gets a JSON-RPC error before the close.
+    let cap = st.acp.max_message_bytes;
     ws.max_message_size(cap)
         .max_frame_size(cap)
         .on_upgrade(move |socket| async move {
@@ -147,7 +165,18 @@ pub async fn serve_ws(socket: WebSocket, sessions: Sessions, config: AcpConfig) 
     let (out_tx, mut out_rx) = mpsc::channel::<String>(256);
     let max = config.max_message_bytes;
     let reading = tokio::spawn(async move {
-        while let Some(Ok(msg)) = stream.next().await {
+        while let Some(msg) = stream.next().await {
+            let msg = match msg {
+                Ok(m) => m,
+                Err(e) => {
+                    // Over the size limit: say so, then stop reading (the
+                    // protocol cannot skip the rest of a message).
+                    if e.to_string().contains("too long") {
+                        let _ = in_tx.send(Frame::TooLarge(max + 1)).await;
+                    }
+                    break;
+                }
+            };
             let frame = match msg {
                 Message::Text(t) if t.len() > max => Frame::TooLarge(t.len()),
                 Message::Text(t) => Frame::Text(t.to_string()),

@@ -11,7 +11,11 @@ use metrics_exporter_prometheus::PrometheusBuilder;
 use serde_json::{Value, json};
 use tiller_core::TurnConfig;
 use tiller_engine::ScriptedEngine;
-use tiller_http::{AppState, auth::AuthConfig, router};
+use tiller_http::{
+    AppState,
+    auth::{Auth, AuthConfig},
+    router,
+};
 use tiller_session::{SessionConfig, Sessions};
 use tiller_store::Store;
 use tokio::sync::Semaphore;
@@ -37,7 +41,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
             loops: Default::default(),
             permission_mode: Default::default(),
             notification_cap: 32,
-            delivery_hosts: Vec::new(),
+            delivery: Default::default(),
             delivery_wake: None,
             tools: Default::default(),
         },
@@ -50,14 +54,15 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
             max_message_bytes: 1 << 20,
             subscriber_queue: 64,
             version: "test".into(),
-            mcp_connect_timeout: std::time::Duration::from_secs(5),
         },
-        metrics: PrometheusBuilder::new().build_recorder().handle(),
+        metrics: Some(PrometheusBuilder::new().build_recorder().handle()),
         permits: Arc::new(Semaphore::new(8)),
         ready: Arc::new(AtomicBool::new(true)),
         subscriber_queue,
-        auth: Arc::new(auth),
+        auth: Auth::new(auth),
         channels: Arc::new(tiller_http::channels::Channels::default()),
+        max_body_bytes: 1 << 20,
+        body_timeout: std::time::Duration::from_secs(5),
     };
     App { state, _dir: dir }
 }
@@ -309,8 +314,37 @@ async fn auth_token_host_and_origin() {
             with("/api/sessions", &[h, ("authorization", "Bearer s3cret")]),
             StatusCode::OK,
         ),
-        (with("/api/sessions?token=s3cret", &[h]), StatusCode::OK),
+        // The query string is only the Web Shell's bootstrap: elsewhere it
+        // is no credential (it would sit in logs and the address bar).
+        (
+            with("/api/sessions?token=s3cret", &[h]),
+            StatusCode::UNAUTHORIZED,
+        ),
+        (
+            with("/api/sessions/x/events?token=s3cret", &[h]),
+            StatusCode::UNAUTHORIZED,
+        ),
+        (with("/?token=s3cret", &[h]), StatusCode::SEE_OTHER),
+        (with("/?token=nope", &[h]), StatusCode::UNAUTHORIZED),
+        (with("/", &[h]), StatusCode::OK),
+        (with("/app.js", &[h]), StatusCode::OK),
+        (
+            with("/api/sessions", &[h, ("cookie", "tiller_4141=s3cret")]),
+            StatusCode::UNAUTHORIZED,
+        ),
         (with("/metrics", &[h]), StatusCode::UNAUTHORIZED),
+        (
+            with("/metrics", &[h, ("authorization", "Bearer s3cret")]),
+            StatusCode::OK,
+        ),
+        (
+            with("/api/sessions", &[("host", "[")]),
+            StatusCode::MISDIRECTED_REQUEST,
+        ),
+        (
+            with("/api/sessions", &[("host", "[::1")]),
+            StatusCode::MISDIRECTED_REQUEST,
+        ),
         (with("/healthz", &[h]), StatusCode::OK),
         (
             with(
@@ -358,4 +392,69 @@ async fn auth_token_host_and_origin() {
         let (s, _) = call(&app, req).await;
         assert_eq!(s, want, "{desc}");
     }
+
+    // The bootstrap sets an HttpOnly, SameSite=Strict cookie (not the token
+    // itself) and sends the browser to a clean `/`; the cookie then works.
+    let res = router(app.state.clone())
+        .oneshot(with("/?token=s3cret", &[h]))
+        .await
+        .unwrap();
+    assert_eq!(res.headers()["location"], "/");
+    let set = res.headers()["set-cookie"].to_str().unwrap().to_owned();
+    assert!(set.starts_with("tiller_4141="), "{set}");
+    for attr in ["HttpOnly", "SameSite=Strict", "Path=/"] {
+        assert!(set.contains(attr), "{set}");
+    }
+    assert!(
+        !set.contains("s3cret"),
+        "the cookie is not the token: {set}"
+    );
+    let cookie = set.split(';').next().unwrap();
+    let (s, _) = call(&app, with("/api/sessions", &[h, ("cookie", cookie)])).await;
+    assert_eq!(s, StatusCode::OK);
+
+    // Every response keeps the Web Shell out of frames and referrers.
+    let res = router(app.state.clone())
+        .oneshot(with("/", &[h]))
+        .await
+        .unwrap();
+    assert_eq!(res.headers()["x-frame-options"], "DENY");
+    assert_eq!(res.headers()["referrer-policy"], "no-referrer");
+    let csp = res.headers()["content-security-policy"].to_str().unwrap();
+    assert!(csp.contains("frame-ancestors 'none'"), "{csp}");
+
+    // State changes are JSON only, even with the token.
+    let post = |ct: Option<&str>| {
+        let mut b = Request::post("/api/sessions")
+            .header("host", "127.0.0.1:4141")
+            .header("authorization", "Bearer s3cret");
+        if let Some(ct) = ct {
+            b = b.header("content-type", ct);
+        }
+        b.body(Body::from("{}")).unwrap()
+    };
+    for (ct, want) in [
+        (None, StatusCode::UNSUPPORTED_MEDIA_TYPE),
+        (
+            Some("application/x-www-form-urlencoded"),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ),
+        (Some("text/plain"), StatusCode::UNSUPPORTED_MEDIA_TYPE),
+        (Some("application/json; charset=utf-8"), StatusCode::CREATED),
+    ] {
+        let (s, body) = call(&app, post(ct)).await;
+        assert_eq!(s, want, "{ct:?}: {body}");
+    }
+}
+
+#[tokio::test]
+async fn metrics_disabled_is_404() {
+    let mut app = app(AuthConfig::default(), 64).await;
+    app.state.metrics = None;
+    let req = Request::get("/metrics")
+        .header("host", "127.0.0.1:4141")
+        .body(Body::empty())
+        .unwrap();
+    let (s, _) = call(&app, req).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
 }

@@ -5,9 +5,9 @@
 import { LANGS, errorText, pickLanguage, translator } from "/i18n.js";
 
 const $ = (id) => document.getElementById(id);
-const params = new URLSearchParams(location.search);
-if (params.get("token")) sessionStorage.setItem("tiller.token", params.get("token"));
-const token = sessionStorage.getItem("tiller.token");
+// Credentials: the daemon's HttpOnly cookie, set when this page was opened
+// through the link `tiller serve` printed (`/?token=...`, which the daemon
+// trades for the cookie and a clean address); the browser sends it itself.
 
 const state = {
   lang: "en",
@@ -19,7 +19,6 @@ const state = {
 
 async function api(method, path, body) {
   const headers = { "content-type": "application/json" };
-  if (token) headers.authorization = `Bearer ${token}`;
   const res = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
   const text = await res.text();
   const json = text ? JSON.parse(text) : null;
@@ -200,7 +199,6 @@ function lastSeq(cur) {
 
 function connect(cur) {
   const q = new URLSearchParams({ after: String(lastSeq(cur)) });
-  if (token) q.set("token", token);
   const es = new EventSource(`/api/sessions/${cur.id}/events?${q}`);
   cur.es = es;
   es.addEventListener("session_snapshot", (e) => {
@@ -486,8 +484,15 @@ $("transcript").addEventListener("scroll", (e) => {
 });
 
 setLanguage(localStorage.getItem("tiller.lang") ?? pickLanguage(navigator.languages));
+try {
+  await loadSessions();
+} catch (e) {
+  if (e.status !== 401) throw e;
+  // Not signed in: say how, and stop here.
+  $("banners").replaceChildren(el("div", { class: "banner banner-error", role: "alert", id: "sign-in", text: state.t("signIn") }));
+  throw e;
+}
 await loadEngines();
-await loadSessions();
 const wanted = location.hash.slice(1);
 if (wanted && state.sessions.some((s) => s.id === wanted)) await openSession(wanted);
 else if (state.sessions.length) await openSession(state.sessions[0].id);

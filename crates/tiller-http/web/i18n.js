@@ -30,6 +30,7 @@ const STRINGS = {
     err_daemon_restarted: "Tiller restarted while this turn was running. Nothing else was lost; send the prompt again.",
     err_session_restarted: "The session restarted while this turn was running. Send the prompt again.",
     lastError: "Last turn stopped:",
+    signIn: "Not signed in. Open the Web Shell link that `tiller serve` printed (it carries the token once), or ask whoever runs the daemon for it.",
   },
   "zh-CN": {
     workingDir: "工作目录", engine: "引擎", create: "创建",
@@ -57,6 +58,7 @@ const STRINGS = {
     err_daemon_restarted: "本轮运行时 Tiller 重新启动了。其他内容没有丢失，请重新发送提示。",
     err_session_restarted: "本轮运行时会话重新启动了。请重新发送提示。",
     lastError: "上一轮已停止：",
+    signIn: "尚未登录。请打开 `tiller serve` 打印的 Web Shell 链接（其中带有一次性令牌），或向运行守护进程的人索取。",
   },
   ja: {
     workingDir: "作業ディレクトリ", engine: "エンジン", create: "作成",
@@ -84,6 +86,7 @@ const STRINGS = {
     err_daemon_restarted: "このターンの実行中に Tiller が再起動しました。ほかのものは失われていません。プロンプトをもう一度送ってください。",
     err_session_restarted: "このターンの実行中にセッションが再起動しました。プロンプトをもう一度送ってください。",
     lastError: "前のターンは停止しました：",
+    signIn: "サインインしていません。`tiller serve` が表示した Web Shell のリンク（トークン付き）を開くか、デーモンの管理者に尋ねてください。",
   },
   de: {
     workingDir: "Arbeitsverzeichnis", engine: "Engine", create: "Erstellen",
@@ -111,6 +114,7 @@ const STRINGS = {
     err_daemon_restarted: "Tiller wurde während dieses Durchgangs neu gestartet. Sonst ging nichts verloren; sende die Nachricht noch einmal.",
     err_session_restarted: "Die Sitzung wurde während dieses Durchgangs neu gestartet. Sende die Nachricht noch einmal.",
     lastError: "Der letzte Durchgang wurde beendet:",
+    signIn: "Nicht angemeldet. Öffnen Sie den Web-Shell-Link, den `tiller serve` ausgegeben hat (er enthält das Token), oder fragen Sie, wer den Dienst betreibt.",
   },
   es: {
     workingDir: "Directorio de trabajo", engine: "Motor", create: "Crear",
@@ -138,6 +142,7 @@ const STRINGS = {
     err_daemon_restarted: "Tiller se reinició mientras este turno estaba en curso. No se perdió nada más; envía el mensaje de nuevo.",
     err_session_restarted: "La sesión se reinició mientras este turno estaba en curso. Envía el mensaje de nuevo.",
     lastError: "El último turno se detuvo:",
+    signIn: "No has iniciado sesión. Abre el enlace de la Web Shell que mostró `tiller serve` (lleva el token), o pídeselo a quien ejecuta el servicio.",
   },
 };
 

@@ -39,7 +39,7 @@ async fn main() {
             loops: Default::default(),
             permission_mode: Default::default(),
             notification_cap: 32,
-            delivery_hosts: Vec::new(),
+            delivery: Default::default(),
             delivery_wake: None,
             tools: Default::default(),
         },

@@ -664,7 +664,7 @@ impl SessionState {
             Err(e) => return refuse(admitted, PromptRefused::Invalid(e)),
         };
         let delivery = match delivery
-            .map(|url| crate::delivery::check_webhook(&url, &self.config.delivery_hosts))
+            .map(|url| crate::delivery::check_webhook(&url, &self.config.delivery))
             .transpose()
         {
             Ok(d) => d,
@@ -1126,7 +1126,9 @@ impl SessionState {
                 None,
             ),
             SignalKind::ToolBatch(calls) => {
-                let mut batch = Batch::new(calls);
+                // Nobody answers for an automatic turn: calls that would
+                // ask are refused at once.
+                let mut batch = Batch::new(calls).unattended(run.origin != Origin::Interactive);
                 let mut events = Vec::new();
                 let progress = batch.advance(&mut run.guard, &self.permissions, &mut events);
                 run.batch = Some(batch);

@@ -2,23 +2,11 @@
 //! to a webhook on `end_turn`. Only hosts the config allows are accepted.
 //! Asking for delivery never changes how a turn is classified.
 
-/// Checks a webhook URL against `[delivery] allowed_hosts`; returns it
+/// Checks a webhook URL against `[delivery] allowed_hosts` (the name or
+/// address is checked again, resolved, when it is sent); returns it
 /// normalized.
-pub fn check_webhook(raw: &str, allowed: &[String]) -> Result<String, String> {
-    let url = url::Url::parse(raw).map_err(|e| format!("invalid webhook URL `{raw}`: {e}"))?;
-    if !matches!(url.scheme(), "http" | "https") {
-        return Err(format!("webhook URL `{raw}` must be http or https"));
-    }
-    let host = url.host_str().unwrap_or_default();
-    let with_port = url
-        .port()
-        .map_or_else(|| host.to_owned(), |p| format!("{host}:{p}"));
-    if !allowed.iter().any(|a| a == host || *a == with_port) {
-        return Err(format!(
-            "webhook host `{host}` is not in delivery.allowed_hosts"
-        ));
-    }
-    Ok(url.to_string())
+pub fn check_webhook(raw: &str, allowed: &tiller_tools::egress::Policy) -> Result<String, String> {
+    allowed.check(raw).map(|u| u.to_string())
 }
 
 /// Reads what a caller may ask for in a prompt's `_meta`: a delivery
@@ -50,7 +38,11 @@ mod tests {
 
     #[test]
     fn table() {
-        let allowed = vec!["127.0.0.1".to_string(), "hooks.example:8443".to_string()];
+        let allowed = tiller_tools::egress::Policy::new(&[
+            "127.0.0.1".to_string(),
+            "hooks.example:8443".to_string(),
+        ])
+        .unwrap();
         for (url, ok) in [
             ("http://127.0.0.1:9000/hook", true),
             ("https://hooks.example:8443/x", true),

@@ -40,12 +40,24 @@ pub struct SessionConfig {
     pub permission_mode: PermissionMode,
     /// Most background notifications queued per session.
     pub notification_cap: usize,
-    /// Hosts webhook deliveries may go to (`[delivery] allowed_hosts`).
-    pub delivery_hosts: Vec<String>,
+    /// Where webhook deliveries may go (`[delivery] allowed_hosts`).
+    pub delivery: tiller_tools::egress::Policy,
     /// Wakes the delivery worker when a delivery is scheduled.
     pub delivery_wake: Option<Arc<tokio::sync::Notify>>,
     /// The built-in tools' settings.
     pub tools: Arc<tiller_tools::ToolsConfig>,
+}
+
+/// What a new session is.
+#[derive(Clone, Debug, Default)]
+pub struct NewSession {
+    /// Its working directory.
+    pub cwd: String,
+    pub title: Option<String>,
+    /// The engine's name (`None`: the default).
+    pub engine: Option<String>,
+    /// The channel creating it, if any (it may then prompt the session).
+    pub channel: Option<String>,
 }
 
 /// Why a session could not be found or created.
@@ -215,6 +227,8 @@ pub struct Sessions {
     store: Store,
     engines: Engines,
     next_subscriber: Arc<AtomicU64>,
+    /// The tools' settings (MCP servers are connected under its policy).
+    tools: Arc<tiller_tools::ToolsConfig>,
 }
 
 impl Sessions {
@@ -241,6 +255,7 @@ impl Sessions {
         let (goal, _) = Actor::spawn(None, goal::GoalActor, store.clone())
             .await
             .map_err(|e| SessionError::Internal(e.to_string()))?;
+        let tools = config.tools.clone();
         let args = RegistryArgs {
             store: store.clone(),
             automation: actor::Automation {
@@ -262,6 +277,7 @@ impl Sessions {
             store,
             engines,
             next_subscriber: Arc::new(AtomicU64::new(1)),
+            tools,
         };
         // Work queued before a restart runs: wake the sessions it is for.
         let (mut waiting, _) = sessions.store.notification_backlog().await?;
@@ -476,15 +492,29 @@ impl Sessions {
         title: Option<String>,
         engine: Option<String>,
     ) -> Result<SessionHandle, SessionError> {
+        self.create_session(NewSession {
+            cwd,
+            title,
+            engine,
+            channel: None,
+        })
+        .await
+    }
+
+    /// Creates a session.
+    pub async fn create_session(&self, new: NewSession) -> Result<SessionHandle, SessionError> {
         let (id, actor) = self
-            .ask(|reply| RegistryMsg::Create {
-                cwd,
-                title,
-                engine,
-                reply,
-            })
+            .ask(|reply| RegistryMsg::Create { new, reply })
             .await??;
-        Ok(SessionHandle { id, actor })
+        Ok(self.handle(id, actor))
+    }
+
+    fn handle(&self, id: SessionId, actor: ActorRef<SessionMsg>) -> SessionHandle {
+        SessionHandle {
+            id,
+            actor,
+            tools: self.tools.clone(),
+        }
     }
 
     /// The engines sessions may use.
@@ -495,7 +525,7 @@ impl Sessions {
     /// Finds a live session or loads it from the store.
     pub async fn open(&self, id: SessionId) -> Result<SessionHandle, SessionError> {
         let actor = self.ask(|reply| RegistryMsg::Open { id, reply }).await??;
-        Ok(SessionHandle { id, actor })
+        Ok(self.handle(id, actor))
     }
 
     /// Open sessions, newest first.
@@ -595,6 +625,8 @@ impl Sessions {
 pub struct SessionHandle {
     id: SessionId,
     actor: ActorRef<SessionMsg>,
+    /// The policy its MCP servers are connected under.
+    tools: Arc<tiller_tools::ToolsConfig>,
 }
 
 impl SessionHandle {
@@ -700,19 +732,20 @@ impl SessionHandle {
         rx.await.map_err(|_| SessionError::Stopped)
     }
 
-    /// Connects the MCP servers a client passed (each within `timeout`) and
-    /// gives their tools to the session. A server that fails is reported
+    /// Connects the MCP servers a client passed, under `[tools.mcp]` (a
+    /// command not allowed there is never started, an HTTP server must be
+    /// at an allowed address; each within the connect timeout), and gives
+    /// their tools to the session. A server refused or failing is reported
     /// in the log (`mcp_server` with `error`) and skipped. Returns the
     /// failures.
     pub async fn set_mcp(
         &self,
         configs: Vec<tiller_tools::McpServerConfig>,
-        timeout: std::time::Duration,
     ) -> Result<Vec<String>, SessionError> {
         let results = futures::future::join_all(
             configs
                 .iter()
-                .map(|c| tiller_tools::McpServer::connect(c, timeout)),
+                .map(|c| tiller_tools::McpServer::connect(c, &self.tools)),
         )
         .await;
         let mut servers = Vec::new();

@@ -18,10 +18,7 @@ use crate::{Engines, SessionConfig};
 pub enum RegistryMsg {
     /// Create and start a new session.
     Create {
-        cwd: String,
-        title: Option<String>,
-        /// The engine's name (the default when `None`).
-        engine: Option<String>,
+        new: crate::NewSession,
         reply: oneshot::Sender<Result<(SessionId, ActorRef<SessionMsg>), SessionError>>,
     },
     /// Find a live session or load it from the store.
@@ -86,13 +83,8 @@ impl Actor for Registry {
         st: &mut RegistryState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            RegistryMsg::Create {
-                cwd,
-                title,
-                engine,
-                reply,
-            } => {
-                let _ = reply.send(st.create(&myself, cwd, title, engine).await);
+            RegistryMsg::Create { new, reply } => {
+                let _ = reply.send(st.create(&myself, new).await);
             }
             RegistryMsg::Open { id, reply } => {
                 let _ = reply.send(st.open(&myself, id).await);
@@ -204,10 +196,14 @@ impl RegistryState {
     async fn create(
         &mut self,
         myself: &ActorRef<RegistryMsg>,
-        cwd: String,
-        title: Option<String>,
-        engine: Option<String>,
+        new: crate::NewSession,
     ) -> Result<(SessionId, ActorRef<SessionMsg>), SessionError> {
+        let crate::NewSession {
+            cwd,
+            title,
+            engine,
+            channel,
+        } = new;
         if self.live.len() >= self.config.max_sessions {
             return Err(SessionError::TooManySessions(self.config.max_sessions));
         }
@@ -233,6 +229,7 @@ impl RegistryState {
                 created_ms: now,
                 updated_ms: now,
                 closed: false,
+                channel,
             })
             .await?;
         self.store

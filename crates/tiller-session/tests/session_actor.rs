@@ -31,7 +31,7 @@ async fn sessions(dir: &tempfile::TempDir) -> Sessions {
         loops: Default::default(),
         permission_mode: Default::default(),
         notification_cap: 32,
-        delivery_hosts: Vec::new(),
+        delivery: Default::default(),
         delivery_wake: None,
         tools: Default::default(),
     };

@@ -29,7 +29,12 @@ impl Client {
         body: Option<Value>,
     ) -> anyhow::Result<Value> {
         let url = format!("{}{path}", self.base);
+        let changes_state = method != reqwest::Method::GET;
         let mut req = self.http.request(method, &url);
+        if changes_state {
+            // The daemon takes state changes as JSON only.
+            req = req.header(reqwest::header::CONTENT_TYPE, "application/json");
+        }
         if let Some(t) = &self.token {
             req = req.bearer_auth(t);
         }

@@ -32,7 +32,11 @@ pub struct Config {
 pub struct Server {
     pub listen: SocketAddr,
     pub socket: String,
+    /// `token` (clients need a token) or `none` (loopback only).
+    pub auth: String,
     pub token: String,
+    /// A file holding the token; empty means `<data_dir>/token`.
+    pub token_file: String,
     pub allowed_hosts: Vec<String>,
     pub allowed_origins: Vec<String>,
     #[serde(with = "humantime_serde")]
@@ -221,12 +225,20 @@ impl Default for LoopProtection {
     }
 }
 
-/// `[channels.NAME]`: a channel's HMAC secret, inline or from a variable.
+/// `[channels.NAME]`: a channel's HMAC secret (inline or from a
+/// variable) and what its unattended turns may reach.
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Channel {
     pub secret: String,
     pub secret_env: String,
+    /// The working directory of the sessions the channel creates
+    /// (required: an existing absolute directory).
+    pub cwd: String,
+    /// The engine of the sessions it creates (default: engine.default).
+    pub engine: String,
+    /// Existing sessions it may prompt besides the ones it created.
+    pub sessions: Vec<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]
@@ -244,8 +256,34 @@ pub struct Tools {
     #[serde(with = "humantime_serde")]
     pub max_shell_timeout: Duration,
     pub max_output_bytes: usize,
+    /// Variables (by name) passed to commands and MCP servers besides
+    /// PATH, HOME, LANG and TERM. Secrets and TILLER_* never pass.
+    pub pass_env: Vec<String>,
+    pub mcp: Mcp,
+}
+
+/// `[tools.mcp]`: which MCP servers clients may name.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Mcp {
+    /// Programs a stdio server may run (`npx`, `/usr/local/bin/srv`,
+    /// `/opt/mcp/bin/*`); default none.
+    pub allowed_commands: Vec<String>,
+    /// Hosts an HTTP server may be at (as `[delivery] allowed_hosts`).
+    pub allowed_hosts: Vec<String>,
+    /// Bound on connecting to each server.
     #[serde(with = "humantime_serde")]
-    pub mcp_connect_timeout: Duration,
+    pub connect_timeout: Duration,
+}
+
+impl Default for Mcp {
+    fn default() -> Self {
+        Self {
+            allowed_commands: Vec::new(),
+            allowed_hosts: Vec::new(),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 impl Default for Tools {
@@ -256,7 +294,8 @@ impl Default for Tools {
             shell_timeout: t.shell_timeout,
             max_shell_timeout: t.max_shell_timeout,
             max_output_bytes: t.max_output_bytes,
-            mcp_connect_timeout: Duration::from_secs(10),
+            pass_env: Vec::new(),
+            mcp: Mcp::default(),
         }
     }
 }
@@ -269,6 +308,15 @@ pub struct Limits {
     pub max_message_bytes: usize,
     pub subscriber_queue: usize,
     pub max_queued_notifications: usize,
+    /// HTTP connections served at once (over it: 503 and close).
+    pub max_http_connections: usize,
+    /// Bound on receiving a request's headers (also how long a kept-alive
+    /// HTTP connection may sit idle).
+    #[serde(with = "humantime_serde")]
+    pub http_header_timeout: Duration,
+    /// Bound on receiving a request's body.
+    #[serde(with = "humantime_serde")]
+    pub http_body_timeout: Duration,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -288,7 +336,9 @@ impl Default for Server {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 4141)),
             socket: String::new(),
+            auth: "token".into(),
             token: String::new(),
+            token_file: String::new(),
             allowed_hosts: Vec::new(),
             allowed_origins: Vec::new(),
             channel_replay_window: Duration::from_secs(300),
@@ -324,6 +374,9 @@ impl Default for Limits {
             max_message_bytes: 4 * 1024 * 1024,
             subscriber_queue: 4096,
             max_queued_notifications: 32,
+            max_http_connections: 1024,
+            http_header_timeout: Duration::from_secs(10),
+            http_body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -512,12 +565,95 @@ impl Config {
                 return Err(ConfigError(format!("key `{key}`: value is too small")));
             }
         }
-        if !self.server.listen.ip().is_loopback() && self.server.token.is_empty() {
+        match self.server.auth.as_str() {
+            "token" => {}
+            "none" if self.server.listen.ip().is_loopback() => {}
+            "none" => {
+                return Err(ConfigError(format!(
+                    "key `server.auth`: \"none\" is allowed only on loopback, and server.listen is {}",
+                    self.server.listen
+                )));
+            }
+            other => {
+                return Err(ConfigError(format!(
+                    "key `server.auth`: unknown value `{other}` (expected \"token\" or \"none\")"
+                )));
+            }
+        }
+        if !self.server.token.is_empty() && !self.server.token_file.is_empty() {
+            return Err(ConfigError(
+                "key `server.token_file`: give server.token or server.token_file, not both".into(),
+            ));
+        }
+        for (key, zero) in [
+            (
+                "limits.max_http_connections",
+                self.limits.max_http_connections == 0,
+            ),
+            (
+                "limits.http_header_timeout",
+                self.limits.http_header_timeout.is_zero(),
+            ),
+            (
+                "limits.http_body_timeout",
+                self.limits.http_body_timeout.is_zero(),
+            ),
+            (
+                "tools.mcp.connect_timeout",
+                self.tools.mcp.connect_timeout.is_zero(),
+            ),
+        ] {
+            if zero {
+                return Err(ConfigError(format!("key `{key}`: value is too small")));
+            }
+        }
+        for (key, hosts) in [
+            ("tools.mcp.allowed_hosts", &self.tools.mcp.allowed_hosts),
+            ("delivery.allowed_hosts", &self.delivery.allowed_hosts),
+        ] {
+            if let Err(e) = tiller_tools::egress::Policy::new(hosts) {
+                return Err(ConfigError(format!("key `{key}`: {e}")));
+            }
+        }
+        if let Some(v) = self
+            .tools
+            .pass_env
+            .iter()
+            .find(|v| v.starts_with("TILLER_"))
+        {
             return Err(ConfigError(format!(
-                "key `server.token`: listening on {} (not loopback) needs a token; \
-                 set server.token or pass --token",
-                self.server.listen
+                "key `tools.pass_env`: {v} is never passed to commands (TILLER_* variables hold the daemon's secrets)"
             )));
+        }
+        for (name, ch) in &self.channels {
+            let cwd = Path::new(&ch.cwd);
+            if ch.cwd.is_empty() {
+                return Err(ConfigError(format!(
+                    "key `channels.{name}.cwd`: required: the directory the channel's sessions work in"
+                )));
+            }
+            if !cwd.is_absolute() || !cwd.is_dir() {
+                return Err(ConfigError(format!(
+                    "key `channels.{name}.cwd`: `{}` is not an existing absolute directory",
+                    ch.cwd
+                )));
+            }
+            if !ch.engine.is_empty() && !names.contains(&ch.engine) {
+                return Err(ConfigError(format!(
+                    "key `channels.{name}.engine`: unknown engine `{}` (configured: {})",
+                    ch.engine,
+                    names.join(", ")
+                )));
+            }
+            if let Some(bad) = ch
+                .sessions
+                .iter()
+                .find(|s| tiller_core::SessionId::parse(s).is_none())
+            {
+                return Err(ConfigError(format!(
+                    "key `channels.{name}.sessions`: `{bad}` is not a session id"
+                )));
+            }
         }
         Ok(())
     }
@@ -543,6 +679,15 @@ impl Config {
         }
     }
 
+    /// The token file: `server.token_file`, else `<data_dir>/token`.
+    pub fn token_path(&self) -> PathBuf {
+        if self.server.token_file.is_empty() {
+            self.data_dir().join("token")
+        } else {
+            PathBuf::from(&self.server.token_file)
+        }
+    }
+
     /// The ACP unix socket.
     pub fn socket_path(&self) -> PathBuf {
         if self.server.socket.is_empty() {
@@ -560,13 +705,54 @@ impl Config {
             .collect()
     }
 
-    /// The built-in tools' settings.
-    pub fn tools_config(&self) -> tiller_tools::ToolsConfig {
+    /// Variables that hold secrets: never passed to a child, whatever
+    /// `tools.pass_env` says (TILLER_* never pass either).
+    pub fn secret_variables(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .engine
+            .models
+            .iter()
+            .filter_map(|(name, m)| m.to_model(name).ok()?.api_key_env)
+            .collect();
+        v.extend(
+            self.channels
+                .values()
+                .map(|c| c.secret_env.clone())
+                .filter(|e| !e.is_empty()),
+        );
+        v
+    }
+
+    /// The tools' settings. `env` is the daemon's environment (children get
+    /// a scrubbed copy); `supervisor` the binary that runs commands (`tiller
+    /// __supervise`), so everything a command starts dies with it.
+    pub fn tools_config(
+        &self,
+        env: impl IntoIterator<Item = (String, String)>,
+        supervisor: Option<PathBuf>,
+    ) -> tiller_tools::ToolsConfig {
+        let egress = tiller_tools::egress::Policy::new(&self.tools.mcp.allowed_hosts)
+            .expect("validated by Config::load")
+            .for_setting("tools.mcp.allowed_hosts");
         tiller_tools::ToolsConfig {
             shell_timeout: self.tools.shell_timeout,
             max_shell_timeout: self.tools.max_shell_timeout,
             max_output_bytes: self.tools.max_output_bytes.max(1024),
+            child_env: tiller_tools::child_env(env, &self.tools.pass_env, &self.secret_variables()),
+            supervisor,
+            mcp: tiller_tools::McpPolicy {
+                allowed_commands: self.tools.mcp.allowed_commands.clone(),
+                egress,
+                connect_timeout: self.tools.mcp.connect_timeout,
+            },
         }
+    }
+
+    /// Where webhook deliveries may go.
+    pub fn delivery_policy(&self) -> tiller_tools::egress::Policy {
+        tiller_tools::egress::Policy::new(&self.delivery.allowed_hosts)
+            .expect("validated by Config::load")
+            .for_setting("delivery.allowed_hosts")
     }
 
     pub fn permission_mode(&self) -> tiller_session::PermissionMode {
@@ -742,7 +928,52 @@ mod tests {
             ),
             ("[engine]\ndefault = \"gpt\"\n", &[], "engine.default"),
             ("", &[("TILLER_TURN__BOGUS", "1")], "TILLER_TURN__BOGUS"),
-            ("[server]\nlisten = \"0.0.0.0:4141\"\n", &[], "server.token"),
+            (
+                "[server]\nlisten = \"0.0.0.0:4141\"\nauth = \"none\"\n",
+                &[],
+                "server.auth",
+            ),
+            ("[server]\nauth = \"maybe\"\n", &[], "server.auth"),
+            (
+                "[server]\ntoken = \"a\"\ntoken_file = \"/b\"\n",
+                &[],
+                "server.token_file",
+            ),
+            (
+                "[channels.hook]\nsecret = \"k\"\n",
+                &[],
+                "channels.hook.cwd",
+            ),
+            (
+                "[channels.hook]\nsecret = \"k\"\ncwd = \"relative\"\n",
+                &[],
+                "channels.hook.cwd",
+            ),
+            (
+                "[channels.hook]\nsecret = \"k\"\ncwd = \"/nonexistent/dir\"\n",
+                &[],
+                "channels.hook.cwd",
+            ),
+            (
+                "[channels.hook]\nsecret = \"k\"\ncwd = \"/tmp\"\nengine = \"gpt\"\n",
+                &[],
+                "channels.hook.engine",
+            ),
+            (
+                "[channels.hook]\nsecret = \"k\"\ncwd = \"/tmp\"\nsessions = [\"x\"]\n",
+                &[],
+                "channels.hook.sessions",
+            ),
+            (
+                "[tools]\npass_env = [\"TILLER_SERVER__TOKEN\"]\n",
+                &[],
+                "tools.pass_env",
+            ),
+            (
+                "[tools]\nmcp_connect_timeout = \"1s\"\n",
+                &[],
+                "tools.mcp_connect_timeout",
+            ),
             (
                 "[turn]\nmax_queued_prompts = 0\n",
                 &[],

@@ -47,7 +47,43 @@ fn acp_config(cfg: &Config) -> AcpConfig {
         max_message_bytes: cfg.limits.max_message_bytes,
         subscriber_queue: cfg.limits.subscriber_queue,
         version: env!("CARGO_PKG_VERSION").to_owned(),
-        mcp_connect_timeout: cfg.tools.mcp_connect_timeout,
+    }
+}
+
+/// Creates the data directory 0700 (or tightens an existing one): it
+/// holds the token, the database and the socket.
+fn prepare_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
+    let meta = std::fs::metadata(dir)
+        .with_context(|| format!("cannot read the data directory {}", dir.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        match std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
+            Ok(()) => {
+                tracing::warn!(dir = %dir.display(), "the data directory was open to other users; it is now 0700");
+            }
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "the data directory is open to other users and cannot be tightened");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Raises the soft limit on open files to the hard one: every connection
+/// and session's files count against it.
+fn raise_fd_limit() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut l = getrlimit(Resource::Nofile);
+    if l.current < l.maximum {
+        l.current = l.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, l) {
+            tracing::debug!(error = %e, "cannot raise the open-files limit");
+        }
     }
 }
 
@@ -56,9 +92,9 @@ async fn start_sessions(
     db: &std::path::Path,
     delivery_wake: Option<Arc<tokio::sync::Notify>>,
 ) -> anyhow::Result<(Sessions, Store)> {
+    prepare_data_dir(&cfg.data_dir())?;
     if let Some(dir) = db.parent() {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
     let store = tokio::task::block_in_place(|| Store::open(db))?;
     let sessions = Sessions::start(
@@ -70,9 +106,13 @@ async fn start_sessions(
             loops: cfg.loop_config(),
             permission_mode: cfg.permission_mode(),
             notification_cap: cfg.limits.max_queued_notifications,
-            delivery_hosts: cfg.delivery.allowed_hosts.clone(),
+            delivery: cfg.delivery_policy(),
             delivery_wake,
-            tools: Arc::new(cfg.tools_config()),
+            tools: Arc::new(cfg.tools_config(
+                std::env::vars(),
+                // The running binary, even if it is replaced on disk.
+                Some(std::path::PathBuf::from("/proc/self/exe")),
+            )),
         },
     )
     .await?;
@@ -81,12 +121,26 @@ async fn start_sessions(
 
 /// `tiller serve`.
 pub async fn serve(cfg: Config) -> anyhow::Result<()> {
-    let metrics = PrometheusBuilder::new()
-        .install_recorder()
-        .context("cannot install the metrics recorder")?;
-    metrics::gauge!("tiller_sessions_active").set(0.0);
-    for t in ["unix", "websocket"] {
-        metrics::gauge!("tiller_connections_active", "transport" => t).set(0.0);
+    raise_fd_limit();
+    let metrics = if cfg.metrics.enabled {
+        let handle = PrometheusBuilder::new()
+            .install_recorder()
+            .context("cannot install the metrics recorder")?;
+        metrics::gauge!("tiller_sessions_active").set(0.0);
+        for t in ["unix", "websocket"] {
+            metrics::gauge!("tiller_connections_active", "transport" => t).set(0.0);
+        }
+        Some(handle)
+    } else {
+        None
+    };
+    prepare_data_dir(&cfg.data_dir())?;
+    let token = crate::token::for_daemon(&cfg)?;
+    if token.is_none() {
+        tracing::warn!(
+            listen = %cfg.server.listen,
+            "server.auth = \"none\": any local user can use this daemon over TCP"
+        );
     }
 
     let db = cfg.db_path();
@@ -104,14 +158,26 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     let socket_path = cfg.socket_path();
     let unix = bind_unix(&socket_path)?;
 
-    let secrets = cfg
+    let channels = cfg
         .channels
         .iter()
-        .map(|(name, ch)| (name.clone(), ch.secret.as_bytes().to_vec()))
+        .map(|(name, ch)| {
+            let channel = tiller_http::channels::Channel {
+                secret: ch.secret.as_bytes().to_vec(),
+                cwd: ch.cwd.clone(),
+                engine: Some(ch.engine.clone()).filter(|e| !e.is_empty()),
+                sessions: ch
+                    .sessions
+                    .iter()
+                    .filter_map(|s| tiller_core::SessionId::parse(s))
+                    .collect(),
+            };
+            (name.clone(), channel)
+        })
         .collect();
     let state = tiller_http::AppState {
         channels: Arc::new(tiller_http::channels::Channels::new(
-            secrets,
+            channels,
             cfg.server.channel_replay_window,
         )),
         sessions: sessions.clone(),
@@ -120,24 +186,29 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
         permits: permits.clone(),
         ready: ready.clone(),
         subscriber_queue: cfg.limits.subscriber_queue,
-        auth: Arc::new(tiller_http::auth::AuthConfig {
-            token: Some(cfg.server.token.clone()).filter(|t| !t.is_empty()),
+        auth: tiller_http::auth::Auth::new(tiller_http::auth::AuthConfig {
+            token: token.as_ref().map(|(t, _)| t.clone()),
             bind: Some(bound),
             allowed_hosts: cfg.server.allowed_hosts.clone(),
             allowed_origins: cfg.server.allowed_origins.clone(),
         }),
+        max_body_bytes: cfg.limits.max_message_bytes,
+        body_timeout: cfg.limits.http_body_timeout,
     };
-    let mut http_stop = stop_rx.clone();
-    let http = tokio::spawn(async move {
-        let app = tiller_http::router(state);
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_stop.changed().await;
-            })
-            .await
-    });
+    let limits = tiller_http::serve::Limits {
+        max_connections: cfg.limits.max_http_connections,
+        header_timeout: cfg.limits.http_header_timeout,
+    };
+    let http = tokio::spawn(tiller_http::serve::serve(
+        listener,
+        tiller_http::router(state),
+        limits,
+        stop_rx.clone(),
+        Duration::from_secs(2),
+    ));
     let deliveries = tokio::spawn(tiller_http::delivery::run(
         store.clone(),
+        cfg.delivery_policy(),
         delivery_wake,
         stop_rx.clone(),
     ));
@@ -150,14 +221,17 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     ));
 
     ready.store(true, Ordering::Release);
+    let web = web_shell_url(bound);
     tracing::info!(
         listen = %bound,
         socket = %socket_path.display(),
         store = %db.display(),
         engine = %cfg.engine.default,
         version = env!("CARGO_PKG_VERSION"),
+        web_shell = %web,
         "tiller is ready"
     );
+    announce(&web, token.as_ref());
 
     wait_for_signal().await;
     tracing::info!("shutting down: settling in-flight turns");
@@ -167,14 +241,43 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     let _ = unix_task.await;
     let _ = deliveries.await;
     let _ = std::fs::remove_file(&socket_path);
-    // Open WebSockets do not end on their own; give them a moment.
-    let _ = tokio::time::timeout(Duration::from_secs(2), http).await;
+    // Open WebSockets do not end on their own; `serve` gives them a moment.
+    let _ = tokio::time::timeout(Duration::from_secs(3), http).await;
     tracing::info!("stopped");
     Ok(())
 }
 
+/// Where a browser opens the Web Shell.
+fn web_shell_url(bound: std::net::SocketAddr) -> String {
+    let host = match bound.ip() {
+        ip if ip.is_unspecified() => "127.0.0.1".to_owned(),
+        std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        v4 => v4.to_string(),
+    };
+    format!("http://{host}:{}/", bound.port())
+}
+
+/// Tells the person who started the daemon where to open the Web Shell.
+/// The link carrying the token goes to a terminal only (never the log):
+/// otherwise the line names the file that holds the token.
+fn announce(web: &str, token: Option<&(String, crate::token::Source)>) {
+    use std::io::{IsTerminal as _, Write as _};
+    let line = match token {
+        None => format!("Web Shell: {web}"),
+        Some((t, _)) if std::io::stderr().is_terminal() => format!("Web Shell: {web}?token={t}"),
+        Some((_, crate::token::Source::Configured)) => {
+            format!("Web Shell: {web}?token=<server.token>")
+        }
+        Some((_, crate::token::Source::File(p) | crate::token::Source::Generated(p))) => {
+            format!("Web Shell: {web}?token=<the token in {}>", p.display())
+        }
+    };
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 /// `tiller acp --embedded`: a private daemon speaking ACP on stdio.
 pub async fn embedded(cfg: Config) -> anyhow::Result<()> {
+    raise_fd_limit();
     let db = if cfg.store.path.is_empty() {
         cfg.data_dir().join("embedded.db")
     } else {

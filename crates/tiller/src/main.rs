@@ -5,6 +5,7 @@ mod admin;
 mod config;
 mod daemon;
 mod relay;
+mod token;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -43,9 +44,11 @@ enum Command {
         /// Default engine (engine.default).
         #[arg(long)]
         engine: Option<String>,
-        /// Client token (server.token).
+        /// A file holding the client token (server.token_file). Without
+        /// one, a token is generated at first start into
+        /// <data-dir>/token; TILLER_SERVER__TOKEN also sets it.
         #[arg(long)]
-        token: Option<String>,
+        token_file: Option<PathBuf>,
     },
     /// Speak ACP on stdio: relay to a running daemon, or run a private one.
     Acp {
@@ -53,9 +56,10 @@ enum Command {
         /// the default data directory).
         #[arg(long)]
         connect: Option<String>,
-        /// Token for a WebSocket daemon.
+        /// A file holding the token for a WebSocket daemon (default: the
+        /// data directory's token file, or TILLER_SERVER__TOKEN).
         #[arg(long)]
-        token: Option<String>,
+        token_file: Option<PathBuf>,
         /// Run a private in-process daemon instead of relaying.
         #[arg(long)]
         embedded: bool,
@@ -111,10 +115,11 @@ struct DaemonArgs {
     /// The daemon's HTTP address (default: http://<server.listen>).
     #[arg(long, global = true)]
     url: Option<String>,
-    /// Token (default: server.token).
+    /// A file holding the token (default: TILLER_SERVER__TOKEN, then
+    /// the daemon's token file in the data directory).
     #[arg(long, global = true)]
-    token: Option<String>,
-    /// Config file to read server.listen and server.token from.
+    token_file: Option<PathBuf>,
+    /// Config file to read server.listen and the token's place from.
     #[arg(long, global = true)]
     config: Option<PathBuf>,
 }
@@ -220,6 +225,17 @@ fn toml_string(s: &str) -> String {
 }
 
 fn main() -> ExitCode {
+    // `tiller __supervise -- sh -c CMD`: how the daemon runs a command so
+    // that everything it starts dies with it. Before clap, which would
+    // refuse the argument.
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args
+        .get(1)
+        .is_some_and(|a| a == tiller_tools::SUPERVISE_ARG)
+    {
+        let code = tiller_tools::supervise(&args[2..]);
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Serve {
@@ -228,7 +244,7 @@ fn main() -> ExitCode {
             socket,
             data_dir,
             engine,
-            token,
+            token_file,
         } => {
             let overrides = [
                 ("TILLER_SERVER__LISTEN", listen),
@@ -241,7 +257,10 @@ fn main() -> ExitCode {
                     data_dir.map(|p| p.display().to_string()),
                 ),
                 ("TILLER_ENGINE__DEFAULT", engine),
-                ("TILLER_SERVER__TOKEN", token),
+                (
+                    "TILLER_SERVER__TOKEN_FILE",
+                    token_file.map(|p| p.display().to_string()),
+                ),
             ];
             let cfg = match load_config(config.as_deref(), &overrides) {
                 Ok(c) => c,
@@ -252,7 +271,7 @@ fn main() -> ExitCode {
         }
         Command::Acp {
             connect,
-            token,
+            token_file,
             embedded,
             config,
             data_dir,
@@ -271,6 +290,18 @@ fn main() -> ExitCode {
             } else {
                 let target =
                     connect.unwrap_or_else(|| format!("unix:{}", cfg.socket_path().display()));
+                // The unix socket (0600) needs no token.
+                let token = if target.starts_with("unix:") {
+                    None
+                } else {
+                    match token::for_client(&cfg, token_file.as_deref()) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            eprintln!("tiller: {e:#}");
+                            return ExitCode::from(2);
+                        }
+                    }
+                };
                 exit(runtime().block_on(relay::run(&target, token.as_deref())))
             }
         }
@@ -429,9 +460,10 @@ fn admin_client(daemon: DaemonArgs) -> Result<admin::Client, ExitCode> {
     let url = daemon
         .url
         .unwrap_or_else(|| format!("http://{}", cfg.server.listen));
-    let token = daemon
-        .token
-        .or_else(|| Some(cfg.server.token.clone()).filter(|t| !t.is_empty()));
+    let token = token::for_client(&cfg, daemon.token_file.as_deref()).map_err(|e| {
+        eprintln!("tiller: {e:#}");
+        ExitCode::from(2)
+    })?;
     Ok(admin::Client::new(url, token))
 }
 

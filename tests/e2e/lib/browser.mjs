@@ -26,8 +26,8 @@ export async function launch() {
 }
 
 /** A page with the given browser language preferences. */
-export async function page(browser, { locale = "en-US", width = 1200, height = 800 } = {}) {
-  const context = await browser.newContext({ locale, viewport: { width, height } });
+export async function page(browser, { locale = "en-US", width = 1200, height = 800, bypassCSP = false } = {}) {
+  const context = await browser.newContext({ locale, viewport: { width, height }, bypassCSP });
   return context.newPage();
 }
 

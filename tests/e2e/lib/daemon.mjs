@@ -2,7 +2,7 @@
 // (the official TypeScript SDK) over its three transports.
 
 import { spawn } from "node:child_process";
-import { mkdtempSync, existsSync } from "node:fs";
+import { mkdtempSync, existsSync, readFileSync } from "node:fs";
 import net from "node:net";
 import os from "node:os";
 import path from "node:path";
@@ -61,9 +61,16 @@ export async function startDaemon({ dataDir = tempDir(), env = {}, args = [] } =
     });
   });
   const exited = new Promise((resolve) => child.on("exit", (code, signal) => resolve({ code, signal })));
+  // The token TCP clients need: the configured one, or the one the daemon
+  // generated into its data directory (none with server.auth = "none").
+  const tokenFile = path.join(dataDir, "token");
+  const token = env.TILLER_SERVER__TOKEN ?? (existsSync(tokenFile) ? readFileSync(tokenFile, "utf8").trim() : undefined);
   return {
     child,
     dataDir,
+    token,
+    tokenFile,
+    auth: token ? { authorization: `Bearer ${token}` } : {},
     listen,
     http: `http://${listen}`,
     ws: `ws://${listen}/acp`,
@@ -177,14 +184,30 @@ export async function connectUnix(daemon) {
   return c;
 }
 
+/**
+ * Node's WebSocket takes headers in its init object; the SDK passes them
+ * as a third argument (the `ws` package's form). This adapts one to the other.
+ */
+class HeaderWebSocket extends WebSocket {
+  constructor(url, protocols, opts) {
+    const headers = { ...(opts?.headers ?? {}) };
+    super(url, protocols ? { protocols, headers } : { headers });
+  }
+}
+
+/** A WebSocket stream to /acp, with the daemon's token unless `auth` says otherwise. */
+export function wsStream(daemon, auth = daemon.auth) {
+  return createWebSocketStream(daemon.ws, { WebSocket: HeaderWebSocket, headers: auth });
+}
+
 /** ACP over WebSocket at /acp. */
 export async function connectWs(daemon) {
-  return connectStream(createWebSocketStream(daemon.ws));
+  return connectStream(wsStream(daemon));
 }
 
 /** An editor-like client over WebSocket: it also answers fs/* and terminal/*. */
 export async function connectEditor(daemon) {
-  return connectStream(createWebSocketStream(daemon.ws), () => {}, { editor: true });
+  return connectStream(wsStream(daemon), () => {}, { editor: true });
 }
 
 /** ACP over stdio, through `tiller acp` relaying to the daemon. */
@@ -280,11 +303,16 @@ export async function rawUnix(daemon) {
   };
 }
 
-/** JSON over HTTP against the daemon's API. */
+/**
+ * JSON over HTTP against the daemon's API, with its token (pass
+ * `{authorization: undefined}` in `headers` to send none).
+ */
 export async function api(daemon, method, path, body, headers = {}) {
+  const all = { "content-type": "application/json", ...daemon.auth, ...headers };
+  for (const [k, v] of Object.entries(all)) if (v === undefined) delete all[k];
   const res = await fetch(`${daemon.http}${path}`, {
     method,
-    headers: { "content-type": "application/json", ...headers },
+    headers: all,
     body: body === undefined ? undefined : JSON.stringify(body),
   });
   const text = await res.text();
@@ -298,7 +326,7 @@ export async function api(daemon, method, path, body, headers = {}) {
 export async function openStream(daemon, sessionId, { after, lastEventId } = {}) {
   const ctl = new AbortController();
   const qs = after === undefined ? "" : `?after=${after}`;
-  const headers = lastEventId === undefined ? {} : { "last-event-id": String(lastEventId) };
+  const headers = { ...daemon.auth, ...(lastEventId === undefined ? {} : { "last-event-id": String(lastEventId) }) };
   const res = await fetch(`${daemon.http}/api/sessions/${sessionId}/events${qs}`, {
     headers,
     signal: ctl.signal,

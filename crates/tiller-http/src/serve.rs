@@ -1,0 +1,118 @@
+//! The HTTP listener: one task per connection under a connection cap,
+//! every connection bounded in time until its request headers arrive
+//! (which also bounds how long a kept-alive connection may sit idle), and
+//! an accept loop that backs off instead of spinning when it runs out of
+//! file descriptors. Request bodies are bounded in size and time by the
+//! router's layers (see [`crate::router`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+
+/// The listener's bounds (`[limits]`).
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Connections served at once; over it a client gets a 503 and is
+    /// closed.
+    pub max_connections: usize,
+    /// How long a connection may take to send a request's headers,
+    /// counted from its start or from the end of the previous response.
+    pub header_timeout: Duration,
+}
+
+/// Serves `app` until `stop` turns true, then asks every connection to
+/// finish (graceful shutdown) and returns once they have, or after
+/// `drain`.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    mut stop: watch::Receiver<bool>,
+    drain: Duration,
+) {
+    let permits = Arc::new(Semaphore::new(limits.max_connections));
+    // Connection tasks hold a receiver; shutdown waits until all dropped.
+    let (closing_tx, closing_rx) = watch::channel(false);
+    let mut backoff = tiller_acp::accept::Backoff::new("http");
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = stop.changed() => break,
+        };
+        let stream = match accepted {
+            Ok((s, _)) => s,
+            Err(e) => {
+                let wait = backoff.failed(&e);
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    _ = stop.changed() => break,
+                }
+                continue;
+            }
+        };
+        backoff.reset();
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            metrics::counter!("tiller_http_connections_refused_total").increment(1);
+            tokio::spawn(refuse(stream));
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let app = app.clone();
+        let mut closing = closing_rx.clone();
+        let header_timeout = limits.header_timeout;
+        tokio::spawn(async move {
+            metrics::gauge!("tiller_http_connections_active").increment(1.0);
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .max_buf_size(64 * 1024);
+            let conn = http
+                .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app))
+                .with_upgrades();
+            tokio::pin!(conn);
+            tokio::select! {
+                r = conn.as_mut() => log_end(r),
+                _ = closing.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    log_end(conn.await);
+                }
+            }
+            metrics::gauge!("tiller_http_connections_active").decrement(1.0);
+            drop(permit);
+            drop(closing);
+        });
+    }
+    drop(listener);
+    let _ = closing_tx.send(true);
+    drop(closing_rx);
+    let _ = tokio::time::timeout(drain, closing_tx.closed()).await;
+}
+
+fn log_end(r: Result<(), hyper::Error>) {
+    if let Err(e) = r {
+        if e.is_timeout() {
+            metrics::counter!("tiller_http_header_timeouts_total").increment(1);
+        }
+        tracing::debug!(error = %e, "HTTP connection ended");
+    }
+}
+
+/// Over the cap: a short answer, then close.
+async fn refuse(mut stream: TcpStream) {
+    let body = "too many connections (limits.max_http_connections); retry later\n";
+    let msg = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = stream.write_all(msg.as_bytes()).await;
+        let _ = stream.shutdown().await;
+    })
+    .await;
+}
