@@ -35,6 +35,7 @@ let mock;
 let daemon; // the daemon most tests share
 let outside; // a directory next to every session's, that must stay untouched
 let chanDir;
+let configPath;
 
 before(async () => {
   mock = await startMockModel();
@@ -44,6 +45,7 @@ before(async () => {
   writeFileSync(path.join(chanDir, "inside.txt"), "channel notes");
   const dir = tempDir();
   const config = path.join(dir, "tiller.toml");
+  configPath = config;
   writeFileSync(
     config,
     `
@@ -203,7 +205,9 @@ describe("authentication by default", () => {
     const child = spawn(bin, ["serve", "--data-dir", tempDir(), "--listen", "127.0.0.1:0", "--token", "visible"], { stdio: ["ignore", "ignore", "pipe"] });
     let err = "";
     child.stderr.on("data", (x) => (err += x));
+    const killer = setTimeout(() => child.kill(), 5000); // it must not start
     const code = await new Promise((r) => child.on("close", r));
+    clearTimeout(killer);
     assert.equal(code, 2, err);
     assert.match(err, /--token/);
   });
@@ -329,14 +333,50 @@ describe("tools cannot leave their directory", () => {
     assert.equal(readFileSync(path.join(outside, "secret.txt"), "utf8"), "TOP SECRET");
   });
 
+  test("a session whose directory holds the daemon's data cannot touch it", async () => {
+    // A session in $HOME contains ~/.local/share/tiller.
+    const home = tempDir();
+    const dataDir = path.join(home, ".local/share/tiller");
+    const d = await startDaemon({ dataDir, args: ["--config", configPath], env: { MOCK_MODEL_KEY: MODEL_KEY, HOOK_SECRET } });
+    try {
+      writeFileSync(path.join(home, "notes.txt"), "mine");
+      const sid = (await api(d, "POST", "/api/sessions", { cwd: home, engine: "mock" })).body.id;
+      const n = mock.requests.length;
+      mock.reply(
+        {
+          events: openai.tools([
+            { id: "tok", name: "read_file", args: { path: ".local/share/tiller/token" } },
+            { id: "db", name: "read_file", args: { path: path.join(dataDir, "tiller.db") } },
+            { id: "ls", name: "list_dir", args: { path: ".local/share/tiller" } },
+            { id: "grep", name: "grep", args: { pattern: d.token } },
+            { id: "w", name: "write_file", args: { path: ".local/share/tiller/token", content: "mine now" } },
+            { id: "ok", name: "read_file", args: { path: "notes.txt" } },
+          ]),
+        },
+        { events: openai.text("done") },
+      );
+      assert.equal((await api(d, "POST", `/api/sessions/${sid}/prompts`, { text: "go" })).status, 202);
+      await until(() => mock.requests.length >= n + 2, 10000, "the model's second call");
+      const r = Object.fromEntries(userSide(mock.requests[n + 1]).filter((m) => m.role === "tool").map((m) => [m.id, m.text]));
+      for (const id of ["tok", "db", "ls", "w"]) assert.match(r[id], /daemon's own data/, `${id}: ${r[id]}`);
+      assert.equal(r.grep, "no matches");
+      assert.equal(r.ok, "mine");
+      assert.equal(readFileSync(path.join(dataDir, "token"), "utf8").trim(), d.token);
+    } finally {
+      await d.stop();
+    }
+  });
+
   test("a command's `setsid` children die with it", async () => {
     const sid = await modelSession(tempDir());
+    // Durations unique to this run name its processes.
+    const [a, b] = [`313.${process.pid}`, `314.${process.pid}`];
     const alive = () =>
       execFileSync("ps", ["-eo", "args"], { encoding: "utf8" })
         .split("\n")
-        .filter((l) => l.trim() === "sleep 313.5" || l.trim() === "sleep 314.5");
+        .filter((l) => l.trim() === `sleep ${a}` || l.trim() === `sleep ${b}`);
     const r = await runCalls(sid, [
-      { id: "bg", name: "shell", args: { command: "setsid sleep 313.5 >/dev/null 2>&1 & (setsid sleep 314.5 >/dev/null 2>&1 &); echo started" } },
+      { id: "bg", name: "shell", args: { command: `setsid sleep ${a} >/dev/null 2>&1 & (setsid sleep ${b} >/dev/null 2>&1 &); echo started` } },
     ]);
     assert.match(r.bg, /started/);
     await until(() => alive().length === 0, 5000, "no sleep left");
@@ -393,9 +433,9 @@ describe("tools cannot leave their directory", () => {
     const sid = await modelSession(tempDir());
     const r = await runCalls(sid, [{ id: "big", name: "shell", args: { command: "head -c 400000000 /dev/zero | tr '\\0' x" } }]);
     const peak = kb("VmHWM");
-    assert.match(r.big, /bytes cut/, "the output was bounded and says so");
-    assert.ok(r.big.length < 200_000, `${r.big.length} bytes reached the model`);
     assert.ok(peak - before < 100 * 1024, `peak RSS grew by ${Math.round((peak - before) / 1024)} MB (before ${before} kB, peak ${peak} kB)`);
+    assert.ok(r.big.length < 200_000, `${r.big.length} bytes reached the model`);
+    assert.ok(r.big.includes("bytes cut"), `the output was bounded and says so: ...${r.big.slice(-300)}`);
   });
 });
 

@@ -34,7 +34,7 @@ use tiller_core::{Origin, SessionId};
 use tiller_session::{
     EventRecord, PromptRefused, SessionError, SessionHandle, Sessions, Subscriber, SubscriberId,
 };
-use tokio::sync::{Mutex, mpsc};
+use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::client::{Calls, ClientCaps};
 use crate::jsonrpc::{self, Incoming, RpcError, code};
@@ -86,6 +86,12 @@ enum Out {
         sub: SubscriberId,
         last: u64,
         response: String,
+    },
+    /// The subscription `sub` announced by `Attach` never started (the
+    /// session stopped): what was attached before it stands again.
+    Revert {
+        session: SessionId,
+        sub: SubscriberId,
     },
     /// A ready-made message.
     Raw(String),
@@ -203,9 +209,11 @@ pub async fn serve(
     let mut writing = tokio::spawn(writer.run(rx));
     // Once the client stops sending, answer what is in flight, then end.
     let mut input_open = true;
-    let inflight = Arc::new(());
+    // Requests being handled; at the bound the loop stops reading, so a
+    // client that sends without reading cannot grow the daemon's memory.
+    let inflight = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     loop {
-        if !input_open && Arc::strong_count(&inflight) == 1 {
+        if !input_open && inflight.available_permits() == MAX_IN_FLIGHT {
             break;
         }
         tokio::select! {
@@ -219,9 +227,9 @@ pub async fn serve(
                             tracing::debug!(?id, "response to no request of ours ignored");
                         }
                     }
-                    other => dispatch(&shared, other, &inflight),
+                    other => dispatch(&shared, other, permit(&inflight).await),
                 },
-                Some(Frame::TooLarge(n)) => too_large(&shared, n, &inflight),
+                Some(Frame::TooLarge(n)) => too_large(&shared, n, permit(&inflight).await),
                 None => input_open = false,
             },
             Some(msg) = call_rx.recv() => {
@@ -241,9 +249,15 @@ pub async fn serve(
         handle.unsubscribe(sub);
     }
     if !writing.is_finished() {
-        // Everything queued before `Close` is written first.
-        let _ = shared.tx.send(Out::Close).await;
-        let _ = writing.await;
+        // Everything queued before `Close` is written first (bounded: a
+        // client that stopped reading does not pin the connection).
+        let closing = async {
+            let _ = shared.tx.send(Out::Close).await;
+            let _ = (&mut writing).await;
+        };
+        if tokio::time::timeout(WRITE_STALL, closing).await.is_err() {
+            writing.abort();
+        }
     }
     metrics::gauge!("tiller_connections_active", "transport" => transport).decrement(1.0);
 }
@@ -260,6 +274,8 @@ struct Attachment {
     live_from: u64,
     /// A `session/load` is under way: live events wait for its replay.
     replaying: bool,
+    /// What this attachment replaced, until its subscription has started.
+    replaced: Option<Box<Attachment>>,
 }
 
 /// Events read from the store per page when catching up.
@@ -287,11 +303,27 @@ impl Writer {
             if matches!(out, Out::Close) || self.on(out).await.is_err() {
                 return;
             }
+            // A message can make a lag actionable (`Position`): nothing
+            // waits for the next one.
+            for session in self.lag.take() {
+                if self.catch_up(session).await.is_err() {
+                    return;
+                }
+            }
         }
     }
 
     async fn write(&self, msg: String) -> Result<(), Gone> {
-        self.out.send(msg).await.map_err(|_| Gone)
+        match tokio::time::timeout(WRITE_STALL, self.out.send(msg)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(Gone),
+            Err(_) => {
+                tracing::warn!(
+                    "an ACP client read nothing for {WRITE_STALL:?}; closing its connection"
+                );
+                Err(Gone)
+            }
+        }
     }
 
     async fn on(&mut self, out: Out) -> Result<(), Gone> {
@@ -307,6 +339,7 @@ impl Writer {
                 sub,
                 replay,
             } => {
+                let replaced = self.attached.remove(&session).map(Box::new);
                 self.attached.insert(
                     session,
                     Attachment {
@@ -314,13 +347,22 @@ impl Writer {
                         sent: None,
                         live_from: 0,
                         replaying: replay,
+                        replaced,
                     },
                 );
+            }
+            Out::Revert { session, sub } => {
+                if self.attached.get(&session).is_some_and(|a| a.sub == sub)
+                    && let Some(before) = self.attached.remove(&session).and_then(|a| a.replaced)
+                {
+                    self.attached.insert(session, *before);
+                }
             }
             Out::Position { session, sub, last } => {
                 if let Some(a) = self.attached.get_mut(&session).filter(|a| a.sub == sub) {
                     a.sent = Some(a.sent.unwrap_or(0).max(last));
                     a.live_from = last;
+                    a.replaced = None;
                 }
             }
             Out::Replayed {
@@ -333,6 +375,7 @@ impl Writer {
                     a.sent = Some(0);
                     a.live_from = last;
                     a.replaying = false;
+                    a.replaced = None;
                     self.catch_up(session).await?;
                 }
                 if !response.is_empty() {
@@ -513,7 +556,22 @@ fn live_messages(rec: &EventRecord) -> Vec<String> {
     msgs
 }
 
-fn too_large(shared: &Arc<Shared>, n: usize, inflight: &Arc<()>) {
+/// Requests of one connection handled at once.
+const MAX_IN_FLIGHT: usize = 256;
+/// Longest a write to the client may wait before the client is taken for
+/// gone (it is not reading at all; a slow one is caught up from the store).
+const WRITE_STALL: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Waits for room to handle one more request.
+async fn permit(inflight: &Arc<Semaphore>) -> OwnedSemaphorePermit {
+    inflight
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the semaphore is never closed")
+}
+
+fn too_large(shared: &Arc<Shared>, n: usize, inflight: OwnedSemaphorePermit) {
     let e = RpcError::new(
         code::INVALID_REQUEST,
         format!(
@@ -547,7 +605,7 @@ fn answer_permission(
     });
 }
 
-fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: &Arc<()>) {
+fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit) {
     match msg {
         Incoming::Invalid { id, error } => send_raw(shared, jsonrpc::error(&id, &error), inflight),
         Incoming::Response { .. } => {}
@@ -567,9 +625,8 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: &Arc<()>) {
         }
         Incoming::Request { id, method, params } => {
             let shared = shared.clone();
-            let token = inflight.clone();
             tokio::spawn(async move {
-                let _inflight = token;
+                let _inflight = inflight;
                 let msg = match handle(&shared, &method, params).await {
                     Ok(result) => jsonrpc::response(&id, result),
                     Err(Reply::Error(e)) => jsonrpc::error(&id, &e),
@@ -597,12 +654,11 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: &Arc<()>) {
     }
 }
 
-fn send_raw(shared: &Arc<Shared>, msg: String, inflight: &Arc<()>) {
+fn send_raw(shared: &Arc<Shared>, msg: String, inflight: OwnedSemaphorePermit) {
     let tx = shared.tx.clone();
-    let token = inflight.clone();
     tokio::spawn(async move {
         let _ = tx.send(Out::Raw(msg)).await;
-        drop(token);
+        drop(inflight);
     });
 }
 
@@ -697,11 +753,16 @@ impl Shared {
                 replay: false,
             })
             .await;
-        let last = handle
+        let last = match handle
             .subscribe(sub, Box::new(self.subscriber(sub, session)))
             .await
-            .map_err(session_error)?
-            .last_seq;
+        {
+            Ok(snap) => snap.last_seq,
+            Err(e) => {
+                let _ = self.tx.send(Out::Revert { session, sub }).await;
+                return Err(session_error(e));
+            }
+        };
         let _ = self.tx.send(Out::Position { session, sub, last }).await;
         attached.insert(session, (handle.clone(), sub));
         Ok(())
@@ -724,11 +785,16 @@ impl Shared {
                 replay: true,
             })
             .await;
-        let last = handle
+        let last = match handle
             .subscribe(sub, Box::new(self.subscriber(sub, session)))
             .await
-            .map_err(session_error)?
-            .last_seq;
+        {
+            Ok(snap) => snap.last_seq,
+            Err(e) => {
+                let _ = self.tx.send(Out::Revert { session, sub }).await;
+                return Err(session_error(e));
+            }
+        };
         if let Some((old, old_sub)) = attached.insert(session, (handle.clone(), sub)) {
             old.unsubscribe(old_sub);
         }

@@ -50,6 +50,33 @@ impl Channels {
         }
     }
 
+    /// What can be checked before the body is read: a known channel, a
+    /// timestamp inside the window, a signature of the right form.
+    pub fn admit(
+        &self,
+        channel: &str,
+        timestamp: Option<&str>,
+        signature: Option<&str>,
+        now_s: i64,
+    ) -> Result<(), &'static str> {
+        if !self.channels.contains_key(channel) {
+            return Err("unknown channel");
+        }
+        let ts: i64 = timestamp
+            .ok_or("missing X-Tiller-Timestamp")?
+            .trim()
+            .parse()
+            .map_err(|_| "bad X-Tiller-Timestamp")?;
+        if now_s.abs_diff(ts) > self.replay_window.as_secs() {
+            return Err("timestamp outside the replay window");
+        }
+        signature
+            .and_then(|s| s.trim().strip_prefix("sha256="))
+            .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+            .ok_or("missing or malformed X-Tiller-Signature")?;
+        Ok(())
+    }
+
     /// Authenticates a request; returns the key its replay guard uses, or
     /// why it is refused.
     pub fn verify(
@@ -106,6 +133,28 @@ fn refuse(why: &str) -> ApiError {
     )
 }
 
+/// The body, at most `max` bytes, within `timeout` in all.
+async fn read_body(
+    body: axum::body::Body,
+    max: usize,
+    timeout: Duration,
+) -> Result<Bytes, ApiError> {
+    let too_slow = || {
+        ApiError(
+            StatusCode::REQUEST_TIMEOUT,
+            json!({ "errorKind": "invalid_params", "message": "the request body did not arrive in time (limits.http_body_timeout)" }),
+        )
+    };
+    match tokio::time::timeout(timeout, axum::body::to_bytes(body, max)).await {
+        Err(_) => Err(too_slow()),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => Err(ApiError(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            json!({ "errorKind": "invalid_params", "message": format!("cannot read the request body: {e}") }),
+        )),
+    }
+}
+
 fn forbidden(channel: &str, session: &str) -> ApiError {
     metrics::counter!("tiller_channel_refusals_total").increment(1);
     ApiError(
@@ -125,13 +174,24 @@ pub async fn post_prompt(
     State(st): State<AppState>,
     Path(channel): Path<String>,
     headers: HeaderMap,
-    body: Bytes,
+    body: axum::body::Body,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
         .unwrap_or(0);
+    // Nothing of the body is read for a request that cannot be genuine:
+    // this route has no token, so these checks are its gate.
+    st.channels
+        .admit(
+            &channel,
+            header("x-tiller-timestamp"),
+            header("x-tiller-signature"),
+            now,
+        )
+        .map_err(refuse)?;
+    let body = read_body(body, st.max_body_bytes, st.body_timeout).await?;
     let key = st
         .channels
         .verify(

@@ -96,7 +96,8 @@ async function loadEngines() {
 
 function newSession() {
   const dlg = $("new-session-dialog");
-  $("new-cwd").value = localStorage.getItem("tiller.cwd") ?? state.current?.snapshot?.cwd ?? "/";
+  // Never `/` by default: a session's tools may read everything under its directory.
+  $("new-cwd").value = localStorage.getItem("tiller.cwd") ?? state.current?.snapshot?.cwd ?? "";
   $("new-engine").value = localStorage.getItem("tiller.engine") ?? state.engines.default;
   if (!$("new-engine").value) $("new-engine").value = state.engines.default;
   $("new-status").textContent = "";

@@ -117,17 +117,21 @@ impl Policy {
         Ok(parsed)
     }
 
-    /// Whether `ip` is listed (as an address, on `port` when given and
-    /// the entry names one, or inside a block). IPv4-mapped IPv6
-    /// addresses match their IPv4 entries.
+    /// Whether `ip` is listed (as an address, or inside a block). With
+    /// `port`, an entry naming a port must name that one; without (an
+    /// address a listed name resolved to, whose port the resolver does not
+    /// see), only entries on any port count, so `127.0.0.1:9000` never
+    /// opens every loopback port to a name. IPv4-mapped IPv6 addresses
+    /// match their IPv4 entries.
     fn lists_ip(&self, ip: IpAddr, port: Option<u16>) -> bool {
         let canon = ip.to_canonical();
         self.entries.iter().any(|e| match e {
             Entry::Ip { addr, port: p } => {
                 (*addr == ip || *addr == canon)
                     && match (p, port) {
+                        (None, _) => true,
                         (Some(p), Some(port)) => *p == port,
-                        _ => true,
+                        (Some(_), None) => false,
                     }
             }
             Entry::Net(net) => net.contains(&ip) || net.contains(&canon),

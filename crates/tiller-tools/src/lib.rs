@@ -41,7 +41,7 @@ use std::time::Duration;
 
 use tiller_engine::{ToolCall, ToolOutput, ToolSpec};
 
-pub use local::{builtin_specs, resolve};
+pub use local::{builtin_specs, protect, resolve};
 pub use mcp::{McpPolicy, McpServer, McpServerConfig};
 pub use supervise::{SUPERVISE_ARG, supervise};
 
@@ -127,7 +127,12 @@ impl Default for ToolsConfig {
             shell_timeout: Duration::from_secs(120),
             max_shell_timeout: Duration::from_secs(300),
             max_output_bytes: 64 * 1024,
-            child_env: child_env(std::env::vars(), &[], &[]),
+            child_env: child_env(
+                std::env::vars_os()
+                    .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))),
+                &[],
+                &[],
+            ),
             supervisor: None,
             mcp: McpPolicy::default(),
         }

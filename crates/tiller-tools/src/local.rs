@@ -26,6 +26,7 @@
 //! through the handle.
 
 mod confine;
+pub use confine::protect;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::ops::ControlFlow;

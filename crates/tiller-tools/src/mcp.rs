@@ -109,10 +109,51 @@ impl McpPolicy {
 }
 
 /// Whether a variable a client set for its stdio server is dropped: the
-/// dynamic loader's (`LD_*`, `DYLD_*`: code injection) and the daemon's
-/// own (`TILLER_*`).
+/// daemon's own (`TILLER_*`), and every variable that makes an allowed
+/// program run other code than it was allowed as: the program lookup
+/// (`PATH`, `HOME` with its dotfiles), the dynamic loader (`LD_*`,
+/// `DYLD_*`), shells (`BASH_ENV`, `ENV`, `IFS`, ...), interpreters and
+/// package managers (`NODE_*`, `npm_config_*`, `PYTHON*`, `PERL5*`,
+/// `RUBY*`, `*_OPTIONS`, ...) and git (`GIT_*`).
 fn dropped_var(name: &str) -> bool {
-    name.starts_with("LD_") || name.starts_with("DYLD_") || name.starts_with("TILLER_")
+    const NAMES: &[&str] = &[
+        "PATH",
+        "HOME",
+        "BASH_ENV",
+        "ENV",
+        "IFS",
+        "SHELLOPTS",
+        "BASHOPTS",
+        "PS4",
+        "PROMPT_COMMAND",
+        "GCONV_PATH",
+        "HOSTALIASES",
+        "PERLLIB",
+        "GEM_HOME",
+        "GEM_PATH",
+        "UV_PYTHON",
+    ];
+    const PREFIXES: &[&str] = &[
+        "LD_",
+        "DYLD_",
+        "TILLER_",
+        "NODE_",
+        "NPM_CONFIG_",
+        "YARN_",
+        "PYTHON",
+        "PERL5",
+        "RUBY",
+        "BUNDLE_",
+        "GIT_",
+        "JAVA_",
+        "_JAVA_",
+        "DENO_",
+        "BUN_",
+    ];
+    let upper = name.to_ascii_uppercase();
+    NAMES.contains(&upper.as_str())
+        || PREFIXES.iter().any(|p| upper.starts_with(p))
+        || upper.ends_with("_OPTIONS")
 }
 
 /// How to reach one MCP server (as a client asked; [`McpPolicy`]
@@ -458,15 +499,28 @@ mod tests {
     }
 
     #[test]
-    fn loader_and_daemon_variables_are_dropped() {
+    fn variables_that_change_what_runs_are_dropped() {
         for (name, dropped) in [
             ("LD_PRELOAD", true),
             ("LD_LIBRARY_PATH", true),
             ("DYLD_INSERT_LIBRARIES", true),
             ("TILLER_SERVER__TOKEN", true),
-            ("NODE_ENV", false),
+            // The allowed program must stay the program it was allowed as.
+            ("PATH", true),
+            ("HOME", true),
+            ("NODE_OPTIONS", true),
+            ("NODE_ENV", true),
+            ("npm_config_script_shell", true),
+            ("PYTHONPATH", true),
+            ("PYTHONSTARTUP", true),
+            ("PERL5OPT", true),
+            ("RUBYOPT", true),
+            ("BASH_ENV", true),
+            ("JAVA_TOOL_OPTIONS", true),
+            ("GIT_SSH_COMMAND", true),
             ("OLD_PATH", false),
             ("API_KEY", false),
+            ("GITHUB_TOKEN", false),
         ] {
             assert_eq!(dropped_var(name), dropped, "{name}");
         }

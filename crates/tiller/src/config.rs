@@ -25,6 +25,10 @@ pub struct Config {
     pub limits: Limits,
     pub log: Log,
     pub metrics: Metrics,
+    /// The file this was read from (it may hold secrets: the file tools
+    /// never touch it).
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -314,7 +318,8 @@ pub struct Limits {
     /// HTTP connection may sit idle).
     #[serde(with = "humantime_serde")]
     pub http_header_timeout: Duration,
-    /// Bound on receiving a request's body.
+    /// The longest pause while receiving a request's body (all of it, for
+    /// the channel ingress).
     #[serde(with = "humantime_serde")]
     pub http_body_timeout: Duration,
 }
@@ -480,6 +485,7 @@ impl Config {
             })?;
         config.validate()?;
         let mut config = config;
+        config.source = path.map(Path::to_owned);
         // Channel secrets from the environment are resolved now, so a
         // missing variable is a start-up error naming it.
         for (name, ch) in &mut config.channels {
@@ -636,6 +642,11 @@ impl Config {
                 return Err(ConfigError(format!(
                     "key `channels.{name}.cwd`: `{}` is not an existing absolute directory",
                     ch.cwd
+                )));
+            }
+            if cwd.parent().is_none() {
+                return Err(ConfigError(format!(
+                    "key `channels.{name}.cwd`: `/` would give third-party text the whole machine; name the directory its sessions work in"
                 )));
             }
             if !ch.engine.is_empty() && !names.contains(&ch.engine) {
@@ -835,7 +846,10 @@ mod tests {
 
     #[test]
     fn the_documented_file_is_the_embedded_default() {
-        assert_eq!(load_str(DEFAULT_TOML, &[]).unwrap(), Config::default());
+        let mut from_file = load_str(DEFAULT_TOML, &[]).unwrap();
+        assert!(from_file.source.is_some());
+        from_file.source = None;
+        assert_eq!(from_file, Config::default());
         assert_eq!(Config::load(None, []).unwrap(), Config::default());
     }
 
@@ -941,6 +955,11 @@ mod tests {
             ),
             (
                 "[channels.hook]\nsecret = \"k\"\n",
+                &[],
+                "channels.hook.cwd",
+            ),
+            (
+                "[channels.hook]\nsecret = \"k\"\ncwd = \"/\"\n",
                 &[],
                 "channels.hook.cwd",
             ),

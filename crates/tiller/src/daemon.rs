@@ -74,6 +74,18 @@ fn prepare_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Makes the daemon's `/proc/<pid>` files (its environment with the model
+/// keys and token, its memory, its open files) unreadable to the commands
+/// its sessions run, which share its user: they are not dumpable, so the
+/// kernel gives those files to root. Commands get their own, dumpable
+/// process image at exec.
+fn protect_process() {
+    use rustix::process::{DumpableBehavior, set_dumpable_behavior};
+    if let Err(e) = set_dumpable_behavior(DumpableBehavior::NotDumpable) {
+        tracing::warn!(error = %e, "cannot make the daemon undumpable; its children may read its environment");
+    }
+}
+
 /// Raises the soft limit on open files to the hard one: every connection
 /// and session's files count against it.
 fn raise_fd_limit() {
@@ -93,6 +105,16 @@ async fn start_sessions(
     delivery_wake: Option<Arc<tokio::sync::Notify>>,
 ) -> anyhow::Result<(Sessions, Store)> {
     prepare_data_dir(&cfg.data_dir())?;
+    // No session's file tools may touch the daemon's own data, even when
+    // its directory contains it (a session in $HOME).
+    let mut own = vec![
+        cfg.data_dir(),
+        db.to_owned(),
+        cfg.token_path(),
+        cfg.socket_path(),
+    ];
+    own.extend(cfg.source.clone());
+    tiller_tools::protect(&own);
     if let Some(dir) = db.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
@@ -109,7 +131,7 @@ async fn start_sessions(
             delivery: cfg.delivery_policy(),
             delivery_wake,
             tools: Arc::new(cfg.tools_config(
-                std::env::vars(),
+                crate::utf8_env(),
                 // The running binary, even if it is replaced on disk.
                 Some(std::path::PathBuf::from("/proc/self/exe")),
             )),
@@ -121,6 +143,7 @@ async fn start_sessions(
 
 /// `tiller serve`.
 pub async fn serve(cfg: Config) -> anyhow::Result<()> {
+    protect_process();
     raise_fd_limit();
     let metrics = if cfg.metrics.enabled {
         let handle = PrometheusBuilder::new()
@@ -277,6 +300,7 @@ fn announce(web: &str, token: Option<&(String, crate::token::Source)>) {
 
 /// `tiller acp --embedded`: a private daemon speaking ACP on stdio.
 pub async fn embedded(cfg: Config) -> anyhow::Result<()> {
+    protect_process();
     raise_fd_limit();
     let db = if cfg.store.path.is_empty() {
         cfg.data_dir().join("embedded.db")

@@ -210,7 +210,7 @@ fn load_config(
     path: Option<&std::path::Path>,
     overrides: &[(&str, Option<String>)],
 ) -> Result<Config, config::ConfigError> {
-    let mut env: Vec<(String, String)> = std::env::vars().collect();
+    let mut env: Vec<(String, String)> = utf8_env().collect();
     for (key, value) in overrides {
         if let Some(v) = value {
             // Quoted so paths and addresses stay strings.
@@ -218,6 +218,12 @@ fn load_config(
         }
     }
     Config::load(path, env)
+}
+
+/// The environment's UTF-8 variables (`std::env::vars` panics on others;
+/// those cannot be configuration, and children never get them).
+fn utf8_env() -> impl Iterator<Item = (String, String)> {
+    std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
 }
 
 fn toml_string(s: &str) -> String {

@@ -29,6 +29,11 @@ pub fn for_daemon(cfg: &Config) -> anyhow::Result<Option<(String, Source)>> {
         return Ok(None);
     }
     if !cfg.server.token.is_empty() {
+        if cfg.server.token.len() < 16 {
+            tracing::warn!(
+                "server.token is shorter than 16 characters; anyone who can reach the port may guess it"
+            );
+        }
         return Ok(Some((cfg.server.token.clone(), Source::Configured)));
     }
     let path = cfg.token_path();
@@ -41,6 +46,12 @@ pub fn for_daemon(cfg: &Config) -> anyhow::Result<Option<(String, Source)>> {
              server.token_file empty to have one generated in the data directory",
             path.display()
         );
+    }
+    // An empty file (a crash between create and write) holds no token:
+    // make a new one.
+    if path.exists() {
+        std::fs::remove_file(&path)
+            .with_context(|| format!("cannot replace the empty token file {}", path.display()))?;
     }
     let token = generate();
     // O_EXCL: two daemons starting at once never overwrite each other's.
@@ -136,6 +147,11 @@ mod tests {
         let (t2, s2) = for_daemon(&c).unwrap().unwrap();
         assert_eq!((t2.as_str(), s2), (t1.as_str(), Source::File(path.clone())));
         assert_eq!(for_client(&c, None).unwrap().as_deref(), Some(t1.as_str()));
+        // An empty file is replaced.
+        std::fs::write(&path, "").unwrap();
+        let (t3, s3) = for_daemon(&c).unwrap().unwrap();
+        assert_eq!(s3, Source::Generated(path.clone()));
+        assert_ne!(t3, t1);
         // A loose file is tightened.
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
         for_daemon(&c).unwrap();

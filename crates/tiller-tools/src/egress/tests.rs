@@ -176,6 +176,12 @@ fn listed_special_addresses_are_allowed() {
     ] {
         assert_eq!(p.allows_address(ip.parse().unwrap()), allowed, "{ip}");
     }
+    // An address listed on one port does not let a name resolve to it:
+    // the name's URL could name any port of it.
+    let p = policy(&["hooks.example", "127.0.0.1:9000"]);
+    assert!(!p.allows_address("127.0.0.1".parse().unwrap()));
+    assert!(p.check("http://127.0.0.1:9000/x").is_ok());
+    assert!(p.check("http://127.0.0.1:22/x").is_err());
 }
 
 #[test]

@@ -16,6 +16,43 @@ use super::SKIP_DIRS;
 /// Deepest directory nesting the walkers descend into.
 const MAX_DEPTH: usize = 128;
 
+/// The daemon's own files (its data directory: token, database, socket;
+/// its config file), which no session may touch even when its directory
+/// contains them (a session in `$HOME` contains `~/.local/share/tiller`).
+/// Set once at start by the daemon ([`crate::protect`]).
+static PROTECTED: std::sync::OnceLock<Vec<PathBuf>> = std::sync::OnceLock::new();
+
+/// Protects `paths` (canonicalized; missing ones are skipped) from the
+/// file tools, for the life of the process. The first call wins.
+pub fn protect(paths: &[PathBuf]) {
+    let canonical = paths.iter().filter_map(|p| p.canonicalize().ok()).collect();
+    let _ = PROTECTED.set(canonical);
+}
+
+/// Whether the file or directory open as `fd` is one of the daemon's own
+/// (or inside one): its real path, from the kernel, not from any name.
+fn protected(fd: &impl std::os::fd::AsRawFd) -> bool {
+    let Some(list) = PROTECTED.get().filter(|l| !l.is_empty()) else {
+        return false;
+    };
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .is_ok_and(|real| list.iter().any(|p| real.starts_with(p)))
+}
+
+/// Whether `path` (absolute, canonical) is one of the daemon's own.
+fn protected_path(path: &Path) -> bool {
+    PROTECTED
+        .get()
+        .is_some_and(|l| l.iter().any(|p| path.starts_with(p)))
+}
+
+fn protected_message(path: &str) -> String {
+    format!(
+        "{} is part of the daemon's own data (its data directory or configuration); the file tools never touch it",
+        Shown(path)
+    )
+}
+
 /// The session's directory, opened.
 pub(crate) struct Root {
     /// The handle every access goes through.
@@ -176,6 +213,12 @@ impl Root {
             .map_err(|e| format!("the working directory {} is unusable: {e}", root.display()))?;
         let dir = Dir::open_ambient_dir(&path, cap_std::ambient_authority())
             .map_err(|e| format!("the working directory {} is unusable: {e}", path.display()))?;
+        if protected(&dir) {
+            return Err(format!(
+                "the working directory {} is inside the daemon's own data; no tool works there",
+                path.display()
+            ));
+        }
         Ok(Root {
             dir,
             path,
@@ -232,6 +275,9 @@ impl Root {
                 "{} is on {fs}, not a regular file on disk; the file tools do not read it (use shell)",
                 Shown(path)
             ));
+        }
+        if protected(file) {
+            return Err(protected_message(path));
         }
         Ok(meta.len())
     }
@@ -297,9 +343,14 @@ impl Root {
             Ok(_) => {}
             Err(e) => return Err(self.error("list", path, &e)),
         }
-        self.dir
+        let dir = self
+            .dir
             .open_dir(rel)
-            .map_err(|e| self.error("list", path, &e))
+            .map_err(|e| self.error("list", path, &e))?;
+        if protected(&dir) {
+            return Err(protected_message(path));
+        }
+        Ok(dir)
     }
 
     /// The metadata of `rel` (links inside followed).
@@ -363,6 +414,9 @@ impl Root {
             out.push(r);
         }
         let out = normalize(&out).unwrap_or(out);
+        if protected_path(&out) {
+            return Err(protected_message(path));
+        }
         if !out.starts_with(&self.path) {
             return Err(format!(
                 "{} leads outside the session's directory {}",
@@ -402,7 +456,9 @@ fn walk_at(
             if depth + 1 >= MAX_DEPTH || SKIP_DIRS.iter().any(|s| OsStr::new(s) == name) {
                 continue;
             }
-            if let Ok(sub) = entry.open_dir() {
+            if let Ok(sub) = entry.open_dir()
+                && !protected(&sub)
+            {
                 walk_at(&sub, &child, depth + 1, f)?;
             }
         } else if t.is_file() {
@@ -419,7 +475,7 @@ pub(crate) fn open_walked(dir: &Dir, name: &OsStr) -> Option<File> {
     o.read(true).custom_flags(flags());
     let file = dir.open_with(name, &o).ok()?;
     let meta = file.metadata().ok()?;
-    (meta.is_file() && pseudo_fs(&file).is_none()).then_some(file)
+    (meta.is_file() && pseudo_fs(&file).is_none() && !protected(&file)).then_some(file)
 }
 
 #[cfg(test)]
