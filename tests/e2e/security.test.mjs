@@ -536,6 +536,31 @@ describe("webhooks", () => {
     }
   });
 
+  test("a slow webhook host delays no other host's delivery", async () => {
+    const stuck = [];
+    const slow = await server((res) => stuck.push(res)); // never answers
+    const fast = await server((res) => res.writeHead(200).end("ok"));
+    try {
+      const sid = (await api(daemon, "POST", "/api/sessions", { cwd: "/" })).body.id;
+      const deliver = (port, text) =>
+        api(daemon, "POST", `/api/sessions/${sid}/prompts`, {
+          text: script([{ say: text }]),
+          _meta: { tiller: { delivery: { webhook: `http://127.0.0.1:${port}/hook` } } },
+        });
+      assert.equal((await deliver(slow.port, "to the slow one")).status, 202);
+      await until(() => slow.hits.length > 0, 5000, "the slow host is being tried");
+      const t0 = Date.now();
+      assert.equal((await deliver(fast.port, "to the fast one")).status, 202);
+      // Well inside the 10 s a delivery to the slow host may take.
+      await until(() => fast.hits.length > 0, 5000, "the fast host's delivery");
+      assert.ok(Date.now() - t0 < 5000);
+    } finally {
+      for (const r of stuck) r.socket?.destroy();
+      slow.close();
+      fast.close();
+    }
+  });
+
   test("a webhook whose name resolves to loopback is not followed when loopback is not allowed", async () => {
     const hook = await server((res) => res.writeHead(200).end("ok"));
     const d = await startDaemon({ env: { TILLER_DELIVERY__ALLOWED_HOSTS: '["localhost"]' } });
