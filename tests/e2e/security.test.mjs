@@ -423,7 +423,7 @@ describe("tools cannot leave their directory", () => {
     for (const secret of [MODEL_KEY, HOOK_SECRET, DAEMON_TOKEN]) assert.ok(!text.includes(secret));
   });
 
-  test("a 400 MB command output keeps the daemon's resident memory within 100 MB of where it was", async () => {
+  test("a 400 MB command output keeps the daemon's resident memory within 100 MB of where it was", async (t) => {
     const pid = daemon.child.pid;
     const status = () => readFileSync(`/proc/${pid}/status`, "utf8");
     const kb = (field) => Number(status().match(new RegExp(`^${field}:\\s+(\\d+) kB`, "m"))[1]);
@@ -433,6 +433,7 @@ describe("tools cannot leave their directory", () => {
     const sid = await modelSession(tempDir());
     const r = await runCalls(sid, [{ id: "big", name: "shell", args: { command: "head -c 400000000 /dev/zero | tr '\\0' x" } }]);
     const peak = kb("VmHWM");
+    t.diagnostic(`400 MB of output: RSS ${before} kB before, peak ${peak} kB (+${Math.round((peak - before) / 1024)} MB)`);
     assert.ok(peak - before < 100 * 1024, `peak RSS grew by ${Math.round((peak - before) / 1024)} MB (before ${before} kB, peak ${peak} kB)`);
     assert.ok(r.big.length < 200_000, `${r.big.length} bytes reached the model`);
     assert.ok(r.big.includes("bytes cut"), `the output was bounded and says so: ...${r.big.slice(-300)}`);
@@ -629,7 +630,7 @@ describe("resource bounds at the edges", () => {
     }
   });
 
-  test("eight session/loads of a 100,000-event session at once stay within 150 MB of resident memory", async () => {
+  test("eight session/loads of a 100,000-event session at once stay within 150 MB of resident memory", async (t) => {
     const d = await startDaemon();
     try {
       const c = await transports.unix(d);
@@ -657,6 +658,7 @@ describe("resource bounds at the edges", () => {
       );
       assert.deepEqual(loads, Array(8).fill(100000), "every load replayed all of it");
       const peak = kb("VmHWM");
+      t.diagnostic(`8 loads of 100,000 events: RSS ${before} kB before, peak ${peak} kB (+${Math.round((peak - before) / 1024)} MB)`);
       assert.ok(peak - before < 150 * 1024, `peak RSS grew by ${Math.round((peak - before) / 1024)} MB`);
     } finally {
       await d.stop();
