@@ -18,6 +18,7 @@ import {
   connectStream,
   initialize,
   openStream,
+  rawUnix,
   script,
   startDaemon,
   tempDir,
@@ -702,23 +703,9 @@ describe("resource bounds at the edges", () => {
   });
 
   test("a slow ACP reader during a 20,000-chunk turn still gets its prompt's response, and every chunk", async () => {
-    const sock = net.connect(daemon.socket);
-    await new Promise((r, j) => {
-      sock.once("connect", r);
-      sock.once("error", j);
-    });
-    let buf = "";
-    const messages = [];
-    sock.on("data", (d) => {
-      buf += d.toString();
-      let i;
-      while ((i = buf.indexOf("\n")) >= 0) {
-        const line = buf.slice(0, i);
-        buf = buf.slice(i + 1);
-        if (line.trim()) messages.push(JSON.parse(line));
-      }
-    });
-    const send = (id, method, params) => sock.write(JSON.stringify({ jsonrpc: "2.0", id, method, params }) + "\n");
+    const raw = await rawUnix(daemon);
+    const messages = raw.messages;
+    const send = (id, method, params) => raw.send(JSON.stringify({ jsonrpc: "2.0", id, method, params }));
     const reply = async (id) => {
       await until(() => messages.some((m) => m.id === id), 60000, `reply ${id}`);
       return messages.find((m) => m.id === id);
@@ -729,11 +716,11 @@ describe("resource bounds at the edges", () => {
       send(2, "session/new", { cwd: "/", mcpServers: [] });
       const sid = (await reply(2)).result.sessionId;
       // Stop reading while the turn streams far more than any buffer holds.
-      sock.pause();
+      raw.pause();
       send(3, "session/prompt", textPrompt(sid, script([{ repeat: { times: 10000, steps: [{ say: "x" }, { say: "x" }] } }])));
       const snap = async () => (await api(daemon, "GET", `/api/sessions/${sid}`)).body;
       await until(async () => (await snap()).state === "idle" && (await snap()).lastSeq > 20000, 60000, "the turn ends");
-      sock.resume();
+      raw.resume();
       const res = await reply(3);
       assert.equal(res.result?.stopReason, "end_turn", JSON.stringify(res));
       const chunks = messages.filter((m) => m.method === "session/update" && m.params.update.sessionUpdate === "agent_message_chunk");
@@ -742,7 +729,7 @@ describe("resource bounds at the edges", () => {
       const i = messages.indexOf(res);
       assert.ok(messages.slice(i + 1).every((m) => m.method !== "session/update" || m.params.sessionId !== sid), "the response follows its turn's updates");
     } finally {
-      sock.destroy();
+      raw.close();
     }
   });
 });

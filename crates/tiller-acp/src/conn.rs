@@ -744,25 +744,8 @@ impl Shared {
         if attached.contains_key(&handle.id()) {
             return Ok(());
         }
-        let (session, sub) = (handle.id(), self.sessions.subscriber_id());
-        let _ = self
-            .tx
-            .send(Out::Attach {
-                session,
-                sub,
-                replay: false,
-            })
-            .await;
-        let last = match handle
-            .subscribe(sub, Box::new(self.subscriber(sub, session)))
-            .await
-        {
-            Ok(snap) => snap.last_seq,
-            Err(e) => {
-                let _ = self.tx.send(Out::Revert { session, sub }).await;
-                return Err(session_error(e));
-            }
-        };
+        let (sub, last) = self.subscribe(handle, false).await?;
+        let session = handle.id();
         let _ = self.tx.send(Out::Position { session, sub, last }).await;
         attached.insert(session, (handle.clone(), sub));
         Ok(())
@@ -776,29 +759,40 @@ impl Shared {
         handle: &SessionHandle,
     ) -> Result<(SubscriberId, u64), Reply> {
         let mut attached = self.attached.lock().await;
+        let (sub, last) = self.subscribe(handle, true).await?;
+        if let Some((old, old_sub)) = attached.insert(handle.id(), (handle.clone(), sub)) {
+            old.unsubscribe(old_sub);
+        }
+        Ok((sub, last))
+    }
+
+    /// A new subscription to `handle`, announced to the writer first (so
+    /// none of its events arrives unknown) and withdrawn there if the
+    /// session cannot take it. Returns it with the last event before it.
+    async fn subscribe(
+        &self,
+        handle: &SessionHandle,
+        replay: bool,
+    ) -> Result<(SubscriberId, u64), Reply> {
         let (session, sub) = (handle.id(), self.sessions.subscriber_id());
         let _ = self
             .tx
             .send(Out::Attach {
                 session,
                 sub,
-                replay: true,
+                replay,
             })
             .await;
-        let last = match handle
+        match handle
             .subscribe(sub, Box::new(self.subscriber(sub, session)))
             .await
         {
-            Ok(snap) => snap.last_seq,
+            Ok(snap) => Ok((sub, snap.last_seq)),
             Err(e) => {
                 let _ = self.tx.send(Out::Revert { session, sub }).await;
-                return Err(session_error(e));
+                Err(session_error(e))
             }
-        };
-        if let Some((old, old_sub)) = attached.insert(session, (handle.clone(), sub)) {
-            old.unsubscribe(old_sub);
         }
-        Ok((sub, last))
     }
 
     /// Gives the session the MCP servers a request passed (none: keeps

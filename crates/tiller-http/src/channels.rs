@@ -51,14 +51,15 @@ impl Channels {
     }
 
     /// What can be checked before the body is read: a known channel, a
-    /// timestamp inside the window, a signature of the right form.
-    pub fn admit(
+    /// timestamp inside the window, a signature of the right form. Returns
+    /// the timestamp and the signature's hex.
+    pub fn admit<'a>(
         &self,
         channel: &str,
         timestamp: Option<&str>,
-        signature: Option<&str>,
+        signature: Option<&'a str>,
         now_s: i64,
-    ) -> Result<(), &'static str> {
+    ) -> Result<(i64, &'a str), &'static str> {
         if !self.channels.contains_key(channel) {
             return Err("unknown channel");
         }
@@ -67,14 +68,15 @@ impl Channels {
             .trim()
             .parse()
             .map_err(|_| "bad X-Tiller-Timestamp")?;
+        // Checked: any i64 a client sends must not overflow.
         if now_s.abs_diff(ts) > self.replay_window.as_secs() {
             return Err("timestamp outside the replay window");
         }
-        signature
+        let hex_sig = signature
             .and_then(|s| s.trim().strip_prefix("sha256="))
             .filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()))
             .ok_or("missing or malformed X-Tiller-Signature")?;
-        Ok(())
+        Ok((ts, hex_sig))
     }
 
     /// Authenticates a request; returns the key its replay guard uses, or
@@ -87,19 +89,8 @@ impl Channels {
         body: &[u8],
         now_s: i64,
     ) -> Result<String, &'static str> {
+        let (ts, hex_sig) = self.admit(channel, timestamp, signature, now_s)?;
         let secret = &self.channels.get(channel).ok_or("unknown channel")?.secret;
-        let ts: i64 = timestamp
-            .ok_or("missing X-Tiller-Timestamp")?
-            .trim()
-            .parse()
-            .map_err(|_| "bad X-Tiller-Timestamp")?;
-        // Checked: any i64 a client sends must not overflow.
-        if now_s.abs_diff(ts) > self.replay_window.as_secs() {
-            return Err("timestamp outside the replay window");
-        }
-        let hex_sig = signature
-            .and_then(|s| s.trim().strip_prefix("sha256="))
-            .ok_or("missing or malformed X-Tiller-Signature")?;
         let sig = hex::decode(hex_sig).map_err(|_| "malformed X-Tiller-Signature")?;
         let mut mac = HmacSha256::new_from_slice(secret).map_err(|_| "bad channel secret")?;
         mac.update(ts.to_string().as_bytes());

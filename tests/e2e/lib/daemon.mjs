@@ -278,6 +278,11 @@ export async function rawUnix(daemon) {
     }
   });
   return {
+    /** Every message received and not yet taken by `next`, in order. */
+    messages,
+    /** Stop and resume reading (the kernel's buffers fill, then the daemon's). */
+    pause: () => sock.pause(),
+    resume: () => sock.resume(),
     send: (text) => sock.write(text + "\n"),
     async next(pred = () => true, ms = 5000) {
       const find = () => {
