@@ -79,6 +79,11 @@ pub enum Signal {
     SteerReceipt(SteerId, SteerReceipt),
     /// The engine failed.
     Failed(ErrorKind, String),
+    /// The engine's task ended by itself: it returned, or panicked (with
+    /// the panic's message). Whatever it still owed the turn will never
+    /// come, so an unsettled turn settles now: by its recorded result, or
+    /// `engine_crashed`.
+    Exited(Option<String>),
 }
 
 /// Everything that can happen to a session's turns.
@@ -572,6 +577,24 @@ impl SessionCore {
             }
             Signal::Failed(kind, message) => {
                 self.settle(now, Terminal::Failed { kind, message }, fx);
+            }
+            Signal::Exited(panic) => {
+                active.drop_steers(SteerDropReason::TurnEnded, fx);
+                let terminal = match (active.result, panic) {
+                    (Some((reason, _)), _) => Terminal::Completed(reason),
+                    (None, panic) => Terminal::Failed {
+                        kind: ErrorKind::EngineCrashed,
+                        message: match panic {
+                            Some(why) => format!(
+                                "{} ({})",
+                                ErrorKind::EngineCrashed.default_message(),
+                                why.chars().take(200).collect::<String>()
+                            ),
+                            None => "The engine stopped without finishing this turn.".into(),
+                        },
+                    },
+                };
+                self.settle(now, terminal, fx);
             }
         }
     }

@@ -31,6 +31,8 @@ enum SigKind {
     Result(StopReason),
     Idle,
     Failed,
+    /// The engine's task ended (panicked when true).
+    Exited(bool),
     /// A receipt for the n-th steer ever sent (may be unknown or settled).
     Receipt(usize, bool),
 }
@@ -87,6 +89,7 @@ impl ReferenceStateMachine for Model {
             3 => stop.prop_map(SigKind::Result),
             3 => Just(SigKind::Idle),
             1 => Just(SigKind::Failed),
+            1 => any::<bool>().prop_map(SigKind::Exited),
             3 => (0usize..8, any::<bool>()).prop_map(|(n, c)| SigKind::Receipt(n, c)),
         ];
         let which = prop_oneof![
@@ -403,6 +406,7 @@ impl StateMachineTest for TurnCoreTest {
                     SigKind::Failed => {
                         Signal::Failed(ErrorKind::ModelStreamInterrupted, "broken".into())
                     }
+                    SigKind::Exited(panicked) => Signal::Exited(panicked.then(|| "boom".into())),
                     SigKind::Receipt(n, consumed) => {
                         let steer = sut
                             .steers

@@ -126,6 +126,10 @@ pub enum SignalKind {
     Idle,
     SteerReceipt(SteerId, SteerReceipt),
     Failed(ErrorKind, String),
+    /// The engine's task ended by itself (sent by its [`EngineHandle`]'s
+    /// watcher, not by the engine): normally, or by a panic, with its
+    /// message.
+    Exited(Option<String>),
 }
 
 /// Messages from the session to a running engine.
@@ -153,37 +157,63 @@ pub struct PreparedPrompt {
 
 /// A running engine turn.
 pub struct EngineHandle {
-    /// Inputs to the engine task.
     tx: mpsc::UnboundedSender<EngineInput>,
-    /// The task, so teardown can stop an engine that ignores `Abort`.
-    task: tokio::task::JoinHandle<()>,
+    /// Ends the task (teardown, drop).
+    abort: tokio::task::AbortHandle,
+    /// The task, until [`EngineHandle::watch`] takes it.
+    task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl EngineHandle {
-    /// Wraps a spawned engine task and its input channel.
     pub fn new(tx: mpsc::UnboundedSender<EngineInput>, task: tokio::task::JoinHandle<()>) -> Self {
-        Self { tx, task }
+        Self {
+            tx,
+            abort: task.abort_handle(),
+            task: Some(task),
+        }
     }
 
-    /// Sends an input; an engine that has finished ignores it.
     pub fn send(&self, input: EngineInput) {
         let _ = self.tx.send(input);
     }
 
-    /// Stops the task now (after `cancel_grace`, a stall, or a settle).
     pub fn teardown(&self) {
-        self.task.abort();
+        self.abort.abort();
+    }
+
+    /// Calls `exited` when the engine's task ends by itself: with `None`
+    /// when it returned, with the panic's message when it panicked (never
+    /// when it was aborted). A turn can then settle at once instead of
+    /// waiting for a signal that will never come.
+    pub fn watch(&mut self, exited: impl FnOnce(Option<String>) + Send + 'static) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        tokio::spawn(async move {
+            match task.await {
+                Ok(()) => exited(None),
+                Err(e) if e.is_panic() => {
+                    let payload = e.into_panic();
+                    let why = payload
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| payload.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic".to_owned());
+                    exited(Some(why));
+                }
+                Err(_) => {} // aborted: the turn already ended
+            }
+        });
     }
 }
 
 impl Drop for EngineHandle {
     fn drop(&mut self) {
         // An engine never outlives its turn.
-        self.task.abort();
+        self.abort.abort();
     }
 }
 
-/// A model backend.
 pub trait Engine: Send + Sync + 'static {
     /// The engine's name in config and `session/new`.
     fn name(&self) -> &str;

@@ -36,6 +36,9 @@ pub enum Step {
     Idle,
     Fail(String),
     Hang,
+    /// The engine's task panics with this message (to show what a crashing
+    /// engine does to a turn).
+    Crash(String),
     AwaitSteer(u64),
     ConsumeSteer,
     DropSteer,
@@ -97,7 +100,7 @@ impl Script {
 impl Step {
     fn ends_turn(&self) -> bool {
         match self {
-            Step::Result(_) | Step::Idle | Step::Fail(_) | Step::Hang => true,
+            Step::Result(_) | Step::Idle | Step::Fail(_) | Step::Hang | Step::Crash(_) => true,
             Step::Repeat { steps, .. } => steps.iter().any(Step::ends_turn),
             _ => false,
         }
@@ -187,6 +190,7 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
             Step::Idle
         }
         "fail" => Step::Fail(string(val, here)?),
+        "crash" => Step::Crash(string(val, here)?),
         "hang" => {
             flag(val, here)?;
             Step::Hang
@@ -327,10 +331,12 @@ mod tests {
             {"tools": [{"name": "x"}, {"name": "y", "output": {"k": 2}}]},
             {"sleep_ms": 5}, {"await_steer": 10}, {"consume_steer": true}, {"drop_steer": true},
             {"stale": {"idle": true}}, {"repeat": {"times": 2, "steps": [{"say": "r"}]}},
-            {"result": "max_tokens"}, {"idle": true}, {"fail": "boom"}, {"hang": true}
+            {"result": "max_tokens"}, {"idle": true}, {"fail": "boom"}, {"hang": true},
+            {"crash": "bug"}
         ]}"#;
         let s = Script::from_prompt(text).unwrap().unwrap();
-        assert_eq!(s.steps.len(), 14);
+        assert_eq!(s.steps.len(), 15);
+        assert_eq!(s.steps[14], Step::Crash("bug".into()));
         assert_eq!(
             s.steps[2],
             Step::Tools(vec![ToolStep {

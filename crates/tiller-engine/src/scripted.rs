@@ -204,6 +204,8 @@ impl Run {
                 // Emit nothing more and ignore abort: only teardown ends us.
                 std::future::pending::<()>().await;
             }
+            #[allow(clippy::panic)] // the step's whole point
+            Step::Crash(why) => panic!("{why}"),
             Step::AwaitSteer(ms) => {
                 let deadline = tokio::time::Instant::now() + Duration::from_millis(ms);
                 while self.steers.is_empty() {

@@ -22,6 +22,8 @@ use tokio::sync::mpsc;
 struct Mock {
     replies: Arc<Mutex<VecDeque<(u16, String)>>>,
     bodies: Arc<Mutex<Vec<Value>>>,
+    /// A `Retry-After` value for error replies.
+    retry_after: Arc<Mutex<Option<String>>>,
 }
 
 async fn chat(State(m): State<Mock>, body: String) -> Response {
@@ -42,12 +44,19 @@ async fn chat(State(m): State<Mock>, body: String) -> Response {
     } else {
         "application/json"
     };
-    (
+    let mut res = (
         StatusCode::from_u16(status).unwrap(),
         [(header::CONTENT_TYPE, ct)],
         text,
     )
-        .into_response()
+        .into_response();
+    if status != 200
+        && let Some(v) = m.retry_after.lock().unwrap().clone()
+    {
+        res.headers_mut()
+            .insert(header::RETRY_AFTER, v.parse().unwrap());
+    }
+    res
 }
 
 fn sse(chunks: &[Value]) -> String {
@@ -238,4 +247,26 @@ async fn abort_during_a_retry_backoff_stops_at_once() {
         [SignalKind::Result(StopReason::Cancelled), SignalKind::Idle]
     );
     assert_eq!(mock.bodies.lock().unwrap().len(), 1, "no retry after abort");
+}
+
+#[tokio::test]
+async fn a_retry_after_that_is_not_a_number_is_ignored_not_a_panic() {
+    // `Retry-After: NaN` used to panic the engine's task (a Duration from
+    // NaN), leaving its turn to the stall bound.
+    for bogus in ["NaN", "inf", "-inf", "1e400"] {
+        let mock = Mock::default();
+        *mock.retry_after.lock().unwrap() = Some(bogus.into());
+        mock.replies
+            .lock()
+            .unwrap()
+            .extend([(429, "{}".into()), (200, text("Fine.", "stop"))]);
+        let engine = ModelEngine::new(config(serve(mock.clone()).await));
+        let (_h, mut rx, _) = start(&engine, "go");
+        let signals = until_end(&mut rx).await;
+        assert_eq!(
+            signals[signals.len() - 2..],
+            [SignalKind::Result(StopReason::EndTurn), SignalKind::Idle],
+            "{bogus}"
+        );
+    }
 }

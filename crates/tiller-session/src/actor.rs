@@ -985,6 +985,8 @@ impl SessionState {
                     origin,
                     terminal,
                 } => self.settle(prompt, turn, origin, terminal).await,
+                // An engine task ending after its turn settled is no stale signal.
+                Effect::Stale { .. } if matches!(content, Some(SignalKind::Exited(_))) => {}
                 Effect::Stale { .. } => {
                     metrics::counter!("tiller_stale_signals_total").increment(1);
                 }
@@ -1075,10 +1077,18 @@ impl SessionState {
             tools: Arc::new(self.toolbox.specs()),
             model: self.model.clone(),
         };
-        let handle = {
+        let mut handle = {
             let _g = span.enter();
-            self.engine.start(turn, prepared, ctx, sink)
+            self.engine.start(turn, prepared, ctx, sink.clone())
         };
+        // An engine task that ends (or panics) without its terminal settles
+        // the turn at once, not at the stall bound.
+        handle.watch(move |panic| {
+            sink(EngineSignal {
+                turn,
+                kind: SignalKind::Exited(panic),
+            });
+        });
         self.running = Some(RunningEngine {
             turn,
             prompt,
@@ -1650,6 +1660,7 @@ fn core_signal(kind: &SignalKind) -> Signal {
         SignalKind::Idle => Signal::Idle,
         SignalKind::SteerReceipt(s, r) => Signal::SteerReceipt(*s, *r),
         SignalKind::Failed(k, m) => Signal::Failed(*k, m.clone()),
+        SignalKind::Exited(panic) => Signal::Exited(panic.clone()),
     }
 }
 

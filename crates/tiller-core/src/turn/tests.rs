@@ -570,3 +570,43 @@ fn a_loop_trip_for_another_turn_is_stale() {
     });
     assert_eq!(fx, vec![Effect::Stale { turn: TurnId(0) }]);
 }
+
+#[test]
+fn an_engine_that_exits_without_its_terminal_crashed_at_once() {
+    // Panicked, or returned without a result: engine_crashed, not a wait
+    // for the stall bound.
+    for panic in [Some("index out of bounds".to_string()), None] {
+        let mut h = Harness::new();
+        h.prompt(1);
+        h.sig(1, Signal::Update);
+        let t = settled(&h.sig(1, Signal::Exited(panic.clone())));
+        let Some(Terminal::Failed { kind, message }) = t else {
+            panic!("{t:?}")
+        };
+        assert_eq!(kind, ErrorKind::EngineCrashed);
+        if let Some(p) = panic {
+            assert!(message.contains(&p), "{message}");
+        }
+    }
+    // A result recorded while a steer was outstanding stands: the steer is
+    // dropped, since the engine is gone.
+    let mut h = Harness::new();
+    let p = h.prompt(1);
+    let s = h.steer(10);
+    h.sig(1, Signal::Result(StopReason::EndTurn));
+    let fx = h.sig(1, Signal::Exited(None));
+    assert!(fx.contains(&Effect::SteerDropped {
+        steer: s,
+        reason: SteerDropReason::TurnEnded,
+        prompt: p,
+        turn: TurnId(1),
+    }));
+    assert_eq!(settled(&fx), Some(END));
+    // After the terminal, an exit is stale.
+    let mut h = Harness::new();
+    h.prompt(1);
+    h.sig(1, Signal::Result(StopReason::EndTurn));
+    let fx = h.sig(1, Signal::Exited(None));
+    assert_eq!(settled(&fx), None);
+    assert!(fx.contains(&Effect::Stale { turn: TurnId(1) }));
+}

@@ -503,6 +503,7 @@ impl Run {
                 .get("retry-after")
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<f64>().ok())
+                .filter(|s| s.is_finite())
                 .map(|s| Duration::from_secs_f64(s.clamp(0.0, 60.0)));
             // The error body is bounded too: a server that sends headers
             // and then nothing must not hold the turn.
