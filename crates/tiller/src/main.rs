@@ -308,7 +308,21 @@ fn main() -> ExitCode {
                         }
                     }
                 };
-                exit(runtime().block_on(relay::run(&target, token.as_deref())))
+                let rt = runtime();
+                let end = rt.block_on(relay::run(&target, token.as_deref()));
+                // Stdin is read on a blocking thread that a dropped runtime
+                // would wait for, i.e. until the editor writes again.
+                rt.shutdown_background();
+                match end {
+                    Ok(relay::End::Done) => ExitCode::SUCCESS,
+                    Ok(relay::End::DaemonGone(why)) => {
+                        eprintln!(
+                            "tiller: the daemon at {target} went away ({why}); its pending requests were failed"
+                        );
+                        ExitCode::FAILURE
+                    }
+                    Err(e) => exit(Err(e)),
+                }
             }
         }
         Command::Notify {
