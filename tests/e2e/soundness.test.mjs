@@ -3,14 +3,62 @@
 
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
+import { createHmac } from "node:crypto";
 import { after, before, describe, test } from "node:test";
 
-import { bin, initialize, newSession, script, startDaemon, textPrompt, transports } from "./lib/daemon.mjs";
+import { api, bin, initialize, newSession, script, startDaemon, tempDir, textPrompt, transports } from "./lib/daemon.mjs";
 
+const SECRET = "soundness-secret";
 let daemon;
 
 before(async () => {
-  daemon = await startDaemon({ env: { TILLER_TURN__STALL_TIMEOUT: "20s" } });
+  daemon = await startDaemon({
+    env: {
+      TILLER_TURN__STALL_TIMEOUT: "20s",
+      TILLER_CHANNELS__HOOK__SECRET: SECRET,
+      TILLER_CHANNELS__HOOK__CWD: tempDir(),
+    },
+  });
+});
+
+async function channelPost(body) {
+  const text = JSON.stringify(body);
+  const ts = Math.floor(Date.now() / 1000);
+  const mac = createHmac("sha256", SECRET).update(`${ts}.${text}`).digest("hex");
+  const res = await fetch(`${daemon.http}/api/channels/hook/prompts`, {
+    method: "POST",
+    headers: { "content-type": "application/json", "x-tiller-timestamp": String(ts), "x-tiller-signature": `sha256=${mac}` },
+    body: text,
+  });
+  return { status: res.status, body: await res.json() };
+}
+
+const waitFor = async (pred, ms = 5000, what = "condition") => {
+  for (let i = 0; i < ms / 20; i++) {
+    if (await pred()) return;
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  throw new Error(`${what} not met in time`);
+};
+
+describe("closing", () => {
+  test("a closed session starts nothing: a channel prompt queued behind its turn settles cancelled", async () => {
+    const first = await channelPost({ text: script([{ sleep_ms: 1500 }, { say: "first" }]) });
+    assert.equal(first.status, 202, JSON.stringify(first.body));
+    const sid = first.body.sessionId;
+    const second = await channelPost({ sessionId: sid, text: script([{ say: "after the close" }]) });
+    assert.equal(second.status, 202, JSON.stringify(second.body));
+    assert.equal((await api(daemon, "DELETE", `/api/sessions/${sid}`)).status, 204);
+    const history = async () => (await api(daemon, "GET", `/api/sessions/${sid}/history?limit=200`)).body.events;
+    await waitFor(async () => (await history()).filter((e) => ["turn_complete", "turn_error"].includes(e.type)).length >= 2, 5000, "both terminals");
+    await new Promise((r) => setTimeout(r, 1800)); // past the first turn's sleep
+    const evs = await history();
+    const terminal = (p) => evs.find((e) => ["turn_complete", "turn_error"].includes(e.type) && e.promptId === p);
+    assert.equal(terminal(second.body.promptId).data.stopReason, "cancelled");
+    assert.equal(terminal(first.body.promptId).data.stopReason, "cancelled");
+    assert.ok(!evs.some((e) => e.type === "agent_message_chunk"), "nothing ran after the close");
+    assert.equal(evs.filter((e) => e.type === "prompt_started").length, 1, "only the first turn ever started");
+  });
 });
 
 after(async () => {
@@ -74,6 +122,50 @@ describe("tiller acp", () => {
       assert.match(err, /went away/);
     } finally {
       child.kill();
+    }
+  });
+});
+
+describe("permissions", () => {
+  test("two calls that share a model's call id are asked about separately; one answer approves one call", async () => {
+    const { startMockModel, openai } = await import("./lib/mockmodel.mjs");
+    const { writeFileSync } = await import("node:fs");
+    const path = await import("node:path");
+    const mock = await startMockModel();
+    const dir = tempDir();
+    const config = path.join(dir, "tiller.toml");
+    writeFileSync(config, `[engine.mock]\nkind = "openai"\nbase_url = "${mock.url}/v1"\nmodel = "m"\n`);
+    const d = await startDaemon({ dataDir: dir, args: ["--config", config] });
+    try {
+      const cwd = tempDir();
+      const sid = (await api(d, "POST", "/api/sessions", { cwd, engine: "mock" })).body.id;
+      mock.reply(
+        {
+          events: openai.tools([
+            { id: "dup", name: "write_file", args: { path: "one.txt", content: "1" } },
+            { id: "dup", name: "write_file", args: { path: "two.txt", content: "2" } },
+          ]),
+        },
+        { events: openai.text("done") },
+      );
+      assert.equal((await api(d, "POST", `/api/sessions/${sid}/prompts`, { text: "write" })).status, 202);
+      const pending = async () => (await api(d, "GET", `/api/sessions/${sid}`)).body.pendingPermission;
+      await waitFor(async () => (await pending())?.requestId, 5000, "the first request");
+      const first = (await pending()).requestId;
+      assert.equal((await api(d, "POST", `/api/sessions/${sid}/permissions/${first}`, { optionId: "allow_once" })).status, 204);
+      await waitFor(async () => (await pending())?.requestId && (await pending()).requestId !== first, 5000, "the second request");
+      // A repeated answer to the first request (a double click, a second
+      // client) must not approve the second call.
+      assert.equal((await api(d, "POST", `/api/sessions/${sid}/permissions/${first}`, { optionId: "allow_once" })).status, 404);
+      const second = (await pending()).requestId;
+      assert.equal((await api(d, "POST", `/api/sessions/${sid}/permissions/${second}`, { optionId: "reject_once" })).status, 204);
+      await waitFor(async () => (await api(d, "GET", `/api/sessions/${sid}`)).body.state === "idle", 5000, "the turn ends");
+      const { existsSync } = await import("node:fs");
+      assert.ok(existsSync(path.join(cwd, "one.txt")));
+      assert.ok(!existsSync(path.join(cwd, "two.txt")), "the denied call did not run");
+    } finally {
+      await d.stop();
+      await mock.close();
     }
   });
 });

@@ -139,11 +139,13 @@ describe("Web Shell", () => {
     // The call waits, pending, until someone decides.
     assert.equal(await p.getAttribute(".tool", "data-status"), "pending");
     await screenshot(p, "permission");
+    const first = await p.getAttribute("dialog#permission", "data-request");
     await p.click("dialog#permission [data-option=allow_once]");
-    await p.waitForFunction(() => {
+    // The second call's request (ids are the daemon's, one per call).
+    await p.waitForFunction((first) => {
       const d = document.querySelector("dialog#permission");
-      return d.open && d.dataset.request?.endsWith("-2");
-    });
+      return d.open && d.dataset.request && d.dataset.request !== first;
+    }, first);
     await p.click("dialog#permission [data-option=reject_once]");
     await p.waitForFunction(() => document.querySelectorAll(".tool[data-status=failed]").length === 1);
     const statuses = await p.$$eval(".tool", (ts) => ts.map((t) => t.dataset.status));

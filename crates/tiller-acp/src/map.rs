@@ -333,6 +333,7 @@ pub fn steer_answer(answer: &tiller_session::SteerAnswer) -> Value {
             "reason": match why {
                 SteerRefusal::NoRunningTurn => "noRunningTurn",
                 SteerRefusal::TurnCancelling => "turnCancelling",
+                SteerRefusal::SessionClosing => "sessionClosing",
             },
         }),
     }

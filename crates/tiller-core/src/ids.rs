@@ -61,6 +61,12 @@ uuid_id!(
     /// One steer: text injected into a running turn.
     SteerId
 );
+uuid_id!(
+    /// One permission request: a tool call waiting for a person. The
+    /// daemon assigns it, so two calls that share a model's call id never
+    /// share a request (an answer meant for one cannot approve the other).
+    RequestId
+);
 
 /// One run of a prompt by an engine. Monotonic per session, so a signal from
 /// an older turn is recognised as stale by comparison alone.

@@ -13,7 +13,7 @@ pub mod loop_guard;
 mod terminal;
 pub mod turn;
 
-pub use ids::{PromptId, SessionId, SteerId, TurnId};
+pub use ids::{PromptId, RequestId, SessionId, SteerId, TurnId};
 pub use loop_guard::{CallKey, CallOutcome, LoopConfig, LoopGuard, LoopType};
 pub use terminal::{ErrorKind, Origin, StopReason, Terminal};
 pub use turn::{

@@ -98,6 +98,12 @@ pub enum Input {
     },
     /// `session/cancel`.
     Cancel,
+    /// The session closes (or the daemon drains): the running turn is
+    /// cancelled, every queued prompt of any origin settles `cancelled`,
+    /// and nothing starts any more (prompts are refused, offers handed
+    /// back, queues not polled). Work still in the queue actors stays
+    /// there, durable, for a reopen.
+    Close,
     /// An engine signal.
     Signal { turn: TurnId, signal: Signal },
     /// The tool pipeline's loop guard tripped in this turn (the offending
@@ -129,6 +135,8 @@ pub enum Input {
 pub enum Rejection {
     /// The interactive queue is full; the caller may retry.
     Overloaded,
+    /// The session is closing: nothing starts any more.
+    Closed,
 }
 
 /// Why a steer could not be injected.
@@ -136,6 +144,8 @@ pub enum Rejection {
 pub enum SteerRefusal {
     NoRunningTurn,
     TurnCancelling,
+    /// The session is closing: a steer cannot start a turn.
+    SessionClosing,
 }
 
 /// The answer to a steer request.
@@ -315,6 +325,8 @@ pub struct SessionCore {
     /// The deadline last requested with [`Effect::ArmTimer`], to avoid
     /// re-arming an unchanged timer.
     armed: Option<Millis>,
+    /// Set by [`Input::Close`]: nothing starts any more.
+    closing: bool,
 }
 
 impl SessionCore {
@@ -330,6 +342,7 @@ impl SessionCore {
             polling: None,
             poll_seq: 0,
             armed: None,
+            closing: false,
         }
     }
 
@@ -348,6 +361,11 @@ impl SessionCore {
     /// The running turn's prompt and id, if any.
     pub fn active(&self) -> Option<(PromptId, TurnId)> {
         self.active.as_ref().map(|a| (a.prompt, a.turn))
+    }
+
+    /// True once the session is closing (nothing starts any more).
+    pub fn is_closing(&self) -> bool {
+        self.closing
     }
 
     /// True while the running turn is being cancelled.
@@ -378,6 +396,7 @@ impl SessionCore {
                 idle_behavior,
             } => self.steer(now, steer, idle_behavior, &mut fx),
             Input::Cancel => self.cancel(now, &mut fx),
+            Input::Close => self.close(now, &mut fx),
             Input::Signal { turn, signal } => self.signal(now, turn, signal, &mut fx),
             Input::LoopTrip { turn, loop_type } => self.loop_trip(now, turn, loop_type, &mut fx),
             Input::ToolProgress { turn } => {
@@ -387,7 +406,7 @@ impl SessionCore {
             }
             Input::Tick => {}
             Input::Kick => {
-                if self.active.is_none() && self.polling.is_none() {
+                if self.active.is_none() && self.polling.is_none() && !self.closing {
                     self.poll_from(0, &mut fx);
                 }
             }
@@ -404,6 +423,13 @@ impl SessionCore {
     }
 
     fn prompt(&mut self, now: Millis, prompt: PromptId, origin: Origin, fx: &mut Vec<Effect>) {
+        if self.closing {
+            fx.push(Effect::Rejected {
+                prompt,
+                reason: Rejection::Closed,
+            });
+            return;
+        }
         let same_class = self
             .queue
             .iter()
@@ -449,6 +475,13 @@ impl SessionCore {
 
     fn steer(&mut self, now: Millis, steer: SteerId, idle: IdleBehavior, fx: &mut Vec<Effect>) {
         let Some(active) = self.active.as_mut() else {
+            if self.closing {
+                fx.push(Effect::SteerAnswer {
+                    steer,
+                    outcome: SteerOutcome::PromptRequired(SteerRefusal::SessionClosing),
+                });
+                return;
+            }
             match idle {
                 IdleBehavior::PromptRequired => fx.push(Effect::SteerAnswer {
                     steer,
@@ -514,6 +547,27 @@ impl SessionCore {
             turn: active.turn,
             teardown: false,
         });
+    }
+
+    fn close(&mut self, now: Millis, fx: &mut Vec<Effect>) {
+        if self.closing {
+            return;
+        }
+        self.closing = true;
+        self.polling = None;
+        for (prompt, origin) in std::mem::take(&mut self.queue) {
+            fx.push(Effect::Settled {
+                prompt,
+                turn: None,
+                origin,
+                terminal: Terminal::Completed(StopReason::Cancelled),
+            });
+        }
+        if self.active.is_some() {
+            self.cancel(now, fx);
+        } else {
+            fx.push(Effect::Idle);
+        }
     }
 
     fn signal(&mut self, now: Millis, turn: TurnId, signal: Signal, fx: &mut Vec<Effect>) {
@@ -704,11 +758,15 @@ impl SessionCore {
             .position(|(_, o)| *o == Origin::Interactive)
             .or_else(|| self.queue.iter().position(|(_, o)| *o == Origin::Channel))
             .or(if self.queue.is_empty() { None } else { Some(0) });
+        // Closing emptied the queue; nothing starts then in any case.
+        let next = next.filter(|_| !self.closing);
         match next.and_then(|i| self.queue.remove(i)) {
             Some((prompt, origin)) => self.start(now, prompt, origin, fx),
             None => {
                 fx.push(Effect::Idle);
-                self.poll_from(0, fx);
+                if !self.closing {
+                    self.poll_from(0, fx);
+                }
             }
         }
     }

@@ -53,6 +53,8 @@ enum Step {
         start_new: bool,
     },
     Cancel,
+    /// The session closes (or the daemon drains).
+    Close,
     Signal(Which, SigKind),
     /// The tool pipeline's loop guard trips in a turn.
     LoopTrip(Which, LoopType),
@@ -113,6 +115,7 @@ impl ReferenceStateMachine for Model {
             4 => origin.prop_map(Step::Prompt),
             3 => any::<bool>().prop_map(|start_new| Step::Steer { start_new }),
             2 => Just(Step::Cancel),
+            1 => Just(Step::Close),
             10 => (which.clone(), kind).prop_map(|(w, k)| Step::Signal(w, k)),
             2 => (which.clone(), loop_type).prop_map(|(w, t)| Step::LoopTrip(w, t)),
             2 => which.prop_map(Step::ToolProgress),
@@ -161,6 +164,8 @@ struct Sut {
     round: Option<usize>,
     /// The id of the last poll.
     last_poll: u64,
+    /// A close was fed: nothing may start (or be polled) after it.
+    closed: bool,
 }
 
 /// The automatic queues, in admission order.
@@ -186,6 +191,7 @@ impl Sut {
             handed_back: HashSet::new(),
             round: None,
             last_poll: 0,
+            closed: false,
         }
     }
 
@@ -233,7 +239,26 @@ impl Sut {
         if let Input::Prompt { prompt, origin } = &input {
             self.origins.insert(*prompt, *origin);
         }
+        if matches!(input, Input::Close) {
+            if let Some((p, _)) = self.core.active() {
+                self.cancel_first.insert(p);
+            }
+            // Queued prompts settle `cancelled` at the close.
+            self.cancel_first.extend(self.core.queued());
+            self.closed = true;
+        }
         let fx = self.core.on(self.now, input);
+        if self.closed {
+            // Closing: nothing starts, nothing is polled, nothing queues.
+            assert!(
+                !fx.iter().any(|e| matches!(
+                    e,
+                    Effect::StartTurn { .. } | Effect::Poll { .. } | Effect::Queued { .. }
+                )),
+                "work after the close: {fx:?}"
+            );
+            assert_eq!(self.core.queued().count(), 0, "queued after the close");
+        }
 
         if let Some(turn) = stale_target {
             // Invariant 2: a signal for any other turn changes nothing.
@@ -396,6 +421,7 @@ impl StateMachineTest for TurnCoreTest {
                 });
             }
             Step::Cancel => sut.feed(Input::Cancel),
+            Step::Close => sut.feed(Input::Close),
             Step::Signal(which, kind) => {
                 let turn = sut.turn_of(which);
                 let signal = match kind {

@@ -616,18 +616,25 @@ impl SessionState {
             #[cfg(feature = "test-hooks")]
             SessionMsg::Crash => panic!("session actor crash requested by a test"),
             SessionMsg::Drain(reply) => {
-                if self.core.active().is_none() {
+                // Nothing starts any more; what runs is cancelled, what is
+                // queued settles. Work in the queue actors stays durable.
+                if self.core.active().is_none() && self.core.is_closing() {
                     let _ = reply.send(());
                 } else {
                     self.drained.push(reply);
-                    self.cancel_at = Some(tokio::time::Instant::now());
-                    self.feed(myself, Input::Cancel, None).await;
+                    if self.core.active().is_some() {
+                        self.cancel_at = Some(tokio::time::Instant::now());
+                    }
+                    self.feed(myself, Input::Close, None).await;
                 }
             }
             SessionMsg::Close(reply) => {
                 if !self.closing {
                     self.closing = true;
-                    self.feed(myself, Input::Cancel, None).await;
+                    if self.core.active().is_some() {
+                        self.cancel_at = Some(tokio::time::Instant::now());
+                    }
+                    self.feed(myself, Input::Close, None).await;
                     self.publish_durable(None, None, EventBody::SessionClosed)
                         .await;
                     if let Err(e) = self.store.close_session(self.id).await {
@@ -656,9 +663,6 @@ impl SessionState {
                 let _ = a.send(Err(why));
             }
         };
-        if self.closing {
-            return refuse(admitted, PromptRefused::SessionClosed);
-        }
         let prepared = match self.engine.prepare(&text) {
             Ok(p) => p,
             Err(e) => return refuse(admitted, PromptRefused::Invalid(e)),
@@ -685,8 +689,13 @@ impl SessionState {
         let fx = self.core.on(self.now(), Input::Prompt { prompt, origin });
         if let Some(Effect::Rejected { reason, .. }) = fx.first() {
             self.pending.remove(&prompt);
-            let Rejection::Overloaded = reason;
-            return refuse(admitted, PromptRefused::Overloaded);
+            return refuse(
+                admitted,
+                match reason {
+                    Rejection::Overloaded => PromptRefused::Overloaded,
+                    Rejection::Closed => PromptRefused::SessionClosed,
+                },
+            );
         }
         metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
             .increment(1);

@@ -514,6 +514,7 @@ impl Sessions {
             id,
             actor,
             tools: self.tools.clone(),
+            store: self.store.clone(),
         }
     }
 
@@ -627,6 +628,8 @@ pub struct SessionHandle {
     actor: ActorRef<SessionMsg>,
     /// The policy its MCP servers are connected under.
     tools: Arc<tiller_tools::ToolsConfig>,
+    /// To tell a closed session from a stopped one.
+    store: Store,
 }
 
 impl SessionHandle {
@@ -663,15 +666,26 @@ impl SessionHandle {
     {
         let (atx, arx) = oneshot::channel();
         let (stx, srx) = oneshot::channel();
-        self.send(SessionMsg::Prompt {
+        let sent = self.send(SessionMsg::Prompt {
             text,
             origin,
             delivery,
             admitted: Some(atx),
             settled: Some(stx),
-        })?;
-        let admitted = arx.await.map_err(|_| SessionError::Stopped)?;
-        Ok(admitted.map(|p| (p, srx)))
+        });
+        let admitted = match sent {
+            Ok(()) => arx.await.map_err(|_| SessionError::Stopped),
+            Err(e) => Err(e),
+        };
+        match admitted {
+            Ok(a) => Ok(a.map(|p| (p, srx))),
+            // The actor is gone: a prompt racing a close gets the close's
+            // answer, not "open it again".
+            Err(e) => match self.store.get_session(self.id).await {
+                Ok(Some((rec, _))) if rec.closed => Ok(Err(PromptRefused::SessionClosed)),
+                _ => Err(e),
+            },
+        }
     }
 
     /// Steers the running turn.

@@ -404,7 +404,7 @@ impl Batch {
                 continue;
             }
             if perms.needs(&call) {
-                let request_id = format!("perm-{}", call.id);
+                let request_id = format!("perm-{}", tiller_core::RequestId::new());
                 events.push(EventBody::PermissionRequested {
                     request_id: request_id.clone(),
                     tool_call_id: call.id.clone(),
@@ -886,13 +886,14 @@ mod tests {
         let mut b = Batch::new(calls);
         let mut ev = Vec::new();
         assert_eq!(b.advance(&mut g, &perms, &mut ev), Progress::Waiting);
-        assert_eq!(b.waiting().unwrap().0.request_id, "perm-w1");
+        let first = b.waiting().unwrap().0.request_id.clone();
+        assert!(first.starts_with("perm-"), "{first}");
         // Deny: w1 fails, r runs, w2 waits.
         assert_eq!(
             b.decide(Decision::Reject, &mut g, &mut perms, &mut ev),
             Progress::Waiting
         );
-        assert_eq!(b.waiting().unwrap().0.request_id, "perm-w2");
+        assert_ne!(b.waiting().unwrap().0.request_id, first);
         // Always allow: w2 runs and w3 no longer asks.
         let p = b.decide(Decision::AllowAlways, &mut g, &mut perms, &mut ev);
         let Progress::Done(results) = p else {
@@ -919,6 +920,41 @@ mod tests {
             })
             .collect();
         assert_eq!(resolved, vec!["reject_once", "allow_always"]);
+    }
+
+    #[test]
+    fn calls_that_share_a_model_call_id_never_share_a_request() {
+        let calls = vec![
+            call(
+                "same",
+                "write_file",
+                serde_json::json!({"p": 1}),
+                true,
+                "one",
+            ),
+            call(
+                "same",
+                "write_file",
+                serde_json::json!({"p": 2}),
+                true,
+                "two",
+            ),
+        ];
+        let mut perms = Permissions::default();
+        let mut g = guard();
+        let mut b = Batch::new(calls);
+        let mut ev = Vec::new();
+        assert_eq!(b.advance(&mut g, &perms, &mut ev), Progress::Waiting);
+        let first = b.waiting().unwrap().0.request_id.clone();
+        assert_eq!(
+            b.decide(Decision::AllowOnce, &mut g, &mut perms, &mut ev),
+            Progress::Waiting
+        );
+        let second = b.waiting().unwrap().0.request_id.clone();
+        assert_ne!(
+            first, second,
+            "a second answer to the first request must not approve the second call"
+        );
     }
 
     #[test]

@@ -483,3 +483,20 @@ async fn a_failed_session_settles_its_prompt_with_session_restarted_and_reloads(
         all.len() as u64
     );
 }
+
+#[tokio::test]
+async fn a_prompt_racing_a_close_is_refused_as_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    h.close().await.unwrap();
+    // The actor stops once closed; a handle taken before still answers
+    // with the close, never "open it again".
+    for _ in 0..50 {
+        match h.prompt("hello".into(), Origin::Interactive).await {
+            Ok(Err(PromptRefused::SessionClosed)) => {}
+            other => panic!("{other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}

@@ -46,6 +46,12 @@ impl Harness {
         p
     }
 
+    fn prompt_as(&mut self, n: u128, origin: Origin) -> PromptId {
+        let p = PromptId::from_u128(n);
+        self.feed(Input::Prompt { prompt: p, origin });
+        p
+    }
+
     fn sig(&mut self, turn: u64, signal: Signal) -> Vec<Effect> {
         self.feed(Input::Signal {
             turn: TurnId(turn),
@@ -609,4 +615,68 @@ fn an_engine_that_exits_without_its_terminal_crashed_at_once() {
     let fx = h.sig(1, Signal::Exited(None));
     assert_eq!(settled(&fx), None);
     assert!(fx.contains(&Effect::Stale { turn: TurnId(1) }));
+}
+
+#[test]
+fn closing_cancels_the_turn_settles_every_queued_prompt_and_starts_nothing() {
+    let mut h = Harness::new();
+    let running = h.prompt(1);
+    let queued = h.prompt_as(2, Origin::Channel);
+    let fx = h.feed(Input::Close);
+    // The queued channel prompt settles now, cancelled; the turn is told to abort.
+    assert!(fx.iter().any(
+        |e| matches!(e, Effect::Settled { prompt, turn: None, terminal, .. }
+        if *prompt == queued && *terminal == Terminal::Completed(StopReason::Cancelled))
+    ));
+    assert!(fx.iter().any(|e| matches!(e, Effect::AbortEngine { .. })));
+    // Its engine's next signal settles the running turn cancelled, then idle: no start, no poll.
+    let fx = h.sig(1, Signal::Result(StopReason::EndTurn));
+    assert!(
+        fx.iter()
+            .any(|e| matches!(e, Effect::Settled { prompt, terminal, .. }
+        if *prompt == running && *terminal == Terminal::Completed(StopReason::Cancelled)))
+    );
+    assert!(fx.contains(&Effect::Idle));
+    assert!(
+        !fx.iter()
+            .any(|e| matches!(e, Effect::StartTurn { .. } | Effect::Poll { .. }))
+    );
+    // Later prompts, steers, kicks and offers start nothing.
+    let p = PromptId::from_u128(99);
+    let fx = h.feed(Input::Prompt {
+        prompt: p,
+        origin: Origin::Interactive,
+    });
+    assert_eq!(
+        fx,
+        vec![Effect::Rejected {
+            prompt: p,
+            reason: Rejection::Closed
+        }]
+    );
+    assert!(h.feed(Input::Kick).is_empty());
+    let fx = h.feed(Input::Steer {
+        steer: SteerId::from_u128(5),
+        idle_behavior: IdleBehavior::StartNewTurn(PromptId::from_u128(98)),
+    });
+    assert!(matches!(
+        fx[..],
+        [Effect::SteerAnswer {
+            outcome: SteerOutcome::PromptRequired(SteerRefusal::SessionClosing),
+            ..
+        }]
+    ));
+    let offered = PromptId::from_u128(97);
+    let fx = h.feed(Input::Offer {
+        origin: Origin::Cron,
+        poll: 1,
+        prompt: Some(offered),
+    });
+    assert_eq!(
+        fx,
+        vec![Effect::OfferRefused {
+            origin: Origin::Cron,
+            prompt: offered
+        }]
+    );
 }
