@@ -168,4 +168,29 @@ describe("permissions", () => {
       await mock.close();
     }
   });
+
+  test("a client that attaches while a permission request is pending is asked too, and its answer counts", async () => {
+    const a = await transports.unix(daemon);
+    const b = await transports.websocket(daemon);
+    try {
+      await initialize(a);
+      await initialize(b);
+      const sid = await newSession(a);
+      // A never answers (an editor that went away, or a person who left).
+      a.answer = () => new Promise(() => {});
+      const write = { tool: { name: "write_file", input: { path: "x.txt" }, output: "written" } };
+      const prompt = a.request("session/prompt", textPrompt(sid, script([write, { say: "after" }])));
+      await a.until(() => a.permissionRequests.length === 1);
+      b.answer = async () => ({ outcome: { outcome: "selected", optionId: "allow_once" } });
+      await b.request("session/load", { sessionId: sid, cwd: "/", mcpServers: [] });
+      await b.until(() => b.permissionRequests.length === 1, 3000);
+      assert.equal((await prompt).stopReason, "end_turn");
+      const h = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=50`);
+      const resolved = h.body.events.find((e) => e.type === "permission_resolved");
+      assert.equal(resolved.data.outcome, "allow_once");
+    } finally {
+      a.close();
+      b.close();
+    }
+  });
 });

@@ -73,18 +73,22 @@ enum Out {
         replay: bool,
     },
     /// Subscription `sub` started after event `last`: the client has what
-    /// it needs up to there.
+    /// it needs up to there. `pending` is the permission request the
+    /// session waits on then: this client is asked too.
     Position {
         session: SessionId,
         sub: SubscriberId,
         last: u64,
+        pending: Option<Arc<EventRecord>>,
     },
     /// `session/load`: replay the stored log (history up to `last`, then
-    /// whatever followed), then the response.
+    /// whatever followed), ask the pending permission request, then the
+    /// response.
     Replayed {
         session: SessionId,
         sub: SubscriberId,
         last: u64,
+        pending: Option<Arc<EventRecord>>,
         response: String,
     },
     /// The subscription `sub` announced by `Attach` never started (the
@@ -358,17 +362,26 @@ impl Writer {
                     self.attached.insert(session, *before);
                 }
             }
-            Out::Position { session, sub, last } => {
+            Out::Position {
+                session,
+                sub,
+                last,
+                pending,
+            } => {
                 if let Some(a) = self.attached.get_mut(&session).filter(|a| a.sub == sub) {
                     a.sent = Some(a.sent.unwrap_or(0).max(last));
                     a.live_from = last;
                     a.replaced = None;
+                    if let Some(msg) = pending.and_then(|rec| self.ask(&rec)) {
+                        self.write(msg).await?;
+                    }
                 }
             }
             Out::Replayed {
                 session,
                 sub,
                 last,
+                pending,
                 response,
             } => {
                 if let Some(a) = self.attached.get_mut(&session).filter(|a| a.sub == sub) {
@@ -377,6 +390,9 @@ impl Writer {
                     a.replaying = false;
                     a.replaced = None;
                     self.catch_up(session).await?;
+                    if let Some(msg) = pending.and_then(|rec| self.ask(&rec)) {
+                        self.write(msg).await?;
+                    }
                 }
                 if !response.is_empty() {
                     self.write(response).await?;
@@ -483,13 +499,8 @@ impl Writer {
     /// notifications, and permission requests (or their withdrawal).
     fn live(&mut self, rec: &EventRecord) -> Vec<String> {
         let mut msgs = live_messages(rec);
+        msgs.extend(self.ask(rec));
         let mut asked = self.asked.lock().expect("poisoned");
-        if let Some((request_id, params)) = map::permission_request(rec) {
-            self.next_request += 1;
-            let id = format!("tiller-{}", self.next_request);
-            msgs.push(jsonrpc::request(&id, "session/request_permission", params));
-            asked.insert(id, (rec.session, request_id));
-        }
         if let tiller_session::EventBody::PermissionResolved { request_id, .. } = &rec.body {
             // Answered elsewhere (or the turn ended): withdraw our request.
             let ours: Vec<String> = asked
@@ -506,6 +517,26 @@ impl Writer {
             }
         }
         msgs
+    }
+}
+
+impl Writer {
+    /// The `session/request_permission` for a `permission_requested`,
+    /// remembered so the answer finds its session (and so the request can
+    /// be withdrawn when someone else answers).
+    fn ask(&mut self, rec: &EventRecord) -> Option<String> {
+        let (request_id, params) = map::permission_request(rec)?;
+        let mut asked = self.asked.lock().expect("poisoned");
+        if asked
+            .values()
+            .any(|(s, r)| *s == rec.session && *r == request_id)
+        {
+            return None; // this client was asked already
+        }
+        self.next_request += 1;
+        let id = format!("tiller-{}", self.next_request);
+        asked.insert(id.clone(), (rec.session, request_id));
+        Some(jsonrpc::request(&id, "session/request_permission", params))
     }
 }
 
@@ -634,6 +665,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                         session,
                         sub,
                         last,
+                        pending,
                         result,
                     }) => {
                         let _ = shared
@@ -642,6 +674,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                                 session,
                                 sub,
                                 last,
+                                pending,
                                 response: jsonrpc::response(&id, result),
                             })
                             .await;
@@ -670,6 +703,8 @@ enum Reply {
         session: SessionId,
         sub: SubscriberId,
         last: u64,
+        /// The permission request the session waits on: asked after the replay.
+        pending: Option<Arc<EventRecord>>,
         result: Value,
     },
 }
@@ -744,9 +779,17 @@ impl Shared {
         if attached.contains_key(&handle.id()) {
             return Ok(());
         }
-        let (sub, last) = self.subscribe(handle, false).await?;
+        let (sub, snap) = self.subscribe(handle, false).await?;
         let session = handle.id();
-        let _ = self.tx.send(Out::Position { session, sub, last }).await;
+        let _ = self
+            .tx
+            .send(Out::Position {
+                session,
+                sub,
+                last: snap.last_seq,
+                pending: snap.pending_permission,
+            })
+            .await;
         attached.insert(session, (handle.clone(), sub));
         Ok(())
     }
@@ -757,23 +800,24 @@ impl Shared {
     async fn attach_for_replay(
         &self,
         handle: &SessionHandle,
-    ) -> Result<(SubscriberId, u64), Reply> {
+    ) -> Result<(SubscriberId, tiller_session::Snapshot), Reply> {
         let mut attached = self.attached.lock().await;
-        let (sub, last) = self.subscribe(handle, true).await?;
+        let (sub, snap) = self.subscribe(handle, true).await?;
         if let Some((old, old_sub)) = attached.insert(handle.id(), (handle.clone(), sub)) {
             old.unsubscribe(old_sub);
         }
-        Ok((sub, last))
+        Ok((sub, snap))
     }
 
     /// A new subscription to `handle`, announced to the writer first (so
     /// none of its events arrives unknown) and withdrawn there if the
-    /// session cannot take it. Returns it with the last event before it.
+    /// session cannot take it. Returns it with the session's state at
+    /// that instant.
     async fn subscribe(
         &self,
         handle: &SessionHandle,
         replay: bool,
-    ) -> Result<(SubscriberId, u64), Reply> {
+    ) -> Result<(SubscriberId, tiller_session::Snapshot), Reply> {
         let (session, sub) = (handle.id(), self.sessions.subscriber_id());
         let _ = self
             .tx
@@ -787,7 +831,7 @@ impl Shared {
             .subscribe(sub, Box::new(self.subscriber(sub, session)))
             .await
         {
-            Ok(snap) => Ok((sub, snap.last_seq)),
+            Ok(snap) => Ok((sub, snap)),
             Err(e) => {
                 let _ = self.tx.send(Out::Revert { session, sub }).await;
                 Err(session_error(e))
@@ -928,11 +972,12 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
             shared.connect_mcp(&handle, mcp).await?;
             // The writer replays the log page by page from the store, then
             // answers; live events that arrive meanwhile are in the store too.
-            let (sub, last) = shared.attach_for_replay(&handle).await?;
+            let (sub, snap) = shared.attach_for_replay(&handle).await?;
             Err(Reply::Replay {
                 session: handle.id(),
                 sub,
-                last,
+                last: snap.last_seq,
+                pending: snap.pending_permission,
                 result: to_value(LoadSessionResponse::new()),
             })
         }
