@@ -90,6 +90,40 @@ describe("supervised engines", () => {
   });
 });
 
+describe("bounded engine work", () => {
+  test("a runaway script neither floods the daemon nor delays a cancel; past the bound the turn fails turn_too_long", async (t) => {
+    const { readFileSync, writeFileSync } = await import("node:fs");
+    const d = await startDaemon({ env: { TILLER_LIMITS__MAX_TURN_EVENTS: "20000" } });
+    const pid = d.child.pid;
+    const kb = (f) => Number(readFileSync(`/proc/${pid}/status`, "utf8").match(new RegExp(`^${f}:\\s+(\\d+) kB`, "m"))[1]);
+    const c = await transports.unix(d);
+    try {
+      await initialize(c);
+      const sid = await newSession(c);
+      const flood = script([{ repeat: { times: 10000, steps: [{ repeat: { times: 10000, steps: [{ say: "x" }] } }] } }]);
+      writeFileSync(`/proc/${pid}/clear_refs`, "5");
+      const before = kb("VmRSS");
+      // A cancel in the middle of the flood settles at once.
+      const first = c.request("session/prompt", textPrompt(sid, flood));
+      await new Promise((r) => setTimeout(r, 300));
+      const t0 = Date.now();
+      await c.notify("session/cancel", { sessionId: sid });
+      assert.equal((await first).stopReason, "cancelled");
+      const cancelTook = Date.now() - t0;
+      // Left alone, it stops at limits.max_turn_events.
+      const err = await c.request("session/prompt", textPrompt(sid, flood)).then(() => null, (e) => e);
+      assert.equal(err?.data?.errorKind, "turn_too_long", JSON.stringify(err));
+      const peak = kb("VmHWM");
+      t.diagnostic(`cancel during a flood: ${cancelTook} ms; RSS ${before} kB before, peak ${peak} kB (+${Math.round((peak - before) / 1024)} MB)`);
+      assert.ok(cancelTook < 2000, `the cancel took ${cancelTook} ms`);
+      assert.ok(peak - before < 150 * 1024, `peak RSS grew by ${Math.round((peak - before) / 1024)} MB`);
+    } finally {
+      c.close();
+      await d.stop();
+    }
+  });
+});
+
 describe("tiller acp", () => {
   test("when the daemon is killed, the relay fails the pending request and exits non-zero with one line", async () => {
     const d = await startDaemon();

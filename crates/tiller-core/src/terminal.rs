@@ -98,6 +98,8 @@ pub enum ErrorKind {
     SessionRestarted,
     /// Loop protection stopped an interactive turn.
     LoopDetected(LoopType),
+    /// The engine sent more content than one turn may (`limits.max_turn_events`).
+    TurnTooLong,
 }
 
 impl ErrorKind {
@@ -111,6 +113,7 @@ impl ErrorKind {
             ErrorKind::DaemonRestarted => "daemon_restarted",
             ErrorKind::SessionRestarted => "session_restarted",
             ErrorKind::LoopDetected(_) => "loop_detected",
+            ErrorKind::TurnTooLong => "turn_too_long",
         }
     }
 
@@ -131,6 +134,9 @@ impl ErrorKind {
             ErrorKind::Stalled => "The turn made no progress and was stopped.",
             ErrorKind::DaemonRestarted => "The daemon restarted while this turn was running.",
             ErrorKind::SessionRestarted => "The session restarted while this turn was running.",
+            ErrorKind::TurnTooLong => {
+                "The engine produced more than one turn may hold, so the turn was stopped."
+            }
             ErrorKind::LoopDetected(t) => {
                 return format!(
                     "Loop protection stopped this turn: {} ({t}). Only this turn stopped; \

@@ -31,6 +31,10 @@ pub struct TurnConfig {
     pub stall_timeout: Millis,
     /// Bound of the interactive prompt queue; over it prompts are refused.
     pub max_queued_prompts: usize,
+    /// Most content signals (text, thoughts, plans, tool batches) one turn
+    /// may send; past it the turn fails `turn_too_long` and its engine is
+    /// torn down, so a runaway engine cannot flood the session.
+    pub max_turn_events: u64,
 }
 
 impl Default for TurnConfig {
@@ -40,6 +44,7 @@ impl Default for TurnConfig {
             cancel_grace: 2_000,
             stall_timeout: 600_000,
             max_queued_prompts: 8,
+            max_turn_events: 100_000,
         }
     }
 }
@@ -288,6 +293,8 @@ struct ActiveTurn {
     steers: Vec<OutstandingSteer>,
     /// Time of the last signal of this turn (the stall watchdog runs from it).
     last_signal: Millis,
+    /// Content signals so far (bounded by `max_turn_events`).
+    events: u64,
 }
 
 impl ActiveTurn {
@@ -465,6 +472,7 @@ impl SessionCore {
             result: None,
             steers: Vec::new(),
             last_signal: now,
+            events: 0,
         });
         fx.push(Effect::StartTurn {
             prompt,
@@ -582,7 +590,19 @@ impl SessionCore {
             return;
         }
         match signal {
-            Signal::Update | Signal::ToolBatch => fx.push(Effect::Deliver { turn }),
+            Signal::Update | Signal::ToolBatch => {
+                active.events += 1;
+                if active.events > self.config.max_turn_events {
+                    fx.push(Effect::AbortEngine {
+                        turn,
+                        teardown: true,
+                    });
+                    active.drop_steers(SteerDropReason::TurnEnded, fx);
+                    self.settle(now, Terminal::failed(ErrorKind::TurnTooLong), fx);
+                } else {
+                    fx.push(Effect::Deliver { turn });
+                }
+            }
             Signal::Result(reason) => {
                 if active.steers.is_empty() {
                     self.settle(now, Terminal::Completed(reason), fx);

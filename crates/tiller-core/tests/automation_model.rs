@@ -22,6 +22,7 @@ const CFG: TurnConfig = TurnConfig {
     cancel_grace: 20,
     stall_timeout: 400,
     max_queued_prompts: 4,
+    max_turn_events: 100_000,
 };
 
 /// Messages on the bus.

@@ -22,6 +22,7 @@ const CFG: TurnConfig = TurnConfig {
     cancel_grace: 20,
     stall_timeout: 400,
     max_queued_prompts: 3,
+    max_turn_events: 5,
 };
 
 #[derive(Clone, Debug)]

@@ -190,6 +190,10 @@ pub struct TurnContext {
     pub tools: Arc<Vec<ToolSpec>>,
     /// The model the session chose, if not the engine's default.
     pub model: Option<String>,
+    /// How far the session is behind the engine's signals: engines wait
+    /// on it, so a fast engine never floods the session's mailbox (and a
+    /// cancel never waits behind a backlog).
+    pub pace: Arc<crate::Pace>,
 }
 
 #[cfg(test)]

@@ -146,6 +146,60 @@ pub enum EngineInput {
 /// Where an engine sends its signals (the session's mailbox).
 pub type SignalSink = Arc<dyn Fn(EngineSignal) + Send + Sync>;
 
+/// Backpressure from a session to its engine: the signals sent and not yet
+/// handled. The session counts each signal in ([`Pace::sent`]) and out
+/// ([`Pace::handled`]); an engine awaits [`Pace::room`] before producing
+/// more, so at most [`Pace::HIGH`] signals ever wait in the mailbox.
+#[derive(Debug, Default)]
+pub struct Pace {
+    /// Signals sent and not yet handled.
+    waiting: std::sync::atomic::AtomicUsize,
+    /// Woken when the backlog falls to [`Pace::LOW`].
+    drained: tokio::sync::Notify,
+}
+
+impl Pace {
+    /// The backlog at which engines wait.
+    pub const HIGH: usize = 1024;
+    /// The backlog at which they go on.
+    pub const LOW: usize = 256;
+
+    /// A signal went into the mailbox.
+    pub fn sent(&self) {
+        self.waiting
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    /// The session handled one.
+    pub fn handled(&self) {
+        let before = self
+            .waiting
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        if before <= Self::LOW + 1 {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// Signals waiting.
+    pub fn backlog(&self) -> usize {
+        self.waiting.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Returns once the backlog is below [`Pace::HIGH`].
+    pub async fn room(&self) {
+        while self.backlog() >= Self::HIGH {
+            let drained = self.drained.notified();
+            tokio::pin!(drained);
+            drained.as_mut().enable();
+            if self.backlog() < Self::HIGH {
+                return;
+            }
+            // Bounded, in case the session went away without handling.
+            let _ = tokio::time::timeout(std::time::Duration::from_millis(50), drained).await;
+        }
+    }
+}
+
 /// A prompt checked by the engine before it is admitted.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PreparedPrompt {

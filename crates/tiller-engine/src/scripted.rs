@@ -44,7 +44,7 @@ impl Engine for ScriptedEngine {
         &self,
         turn: TurnId,
         prompt: PreparedPrompt,
-        _ctx: TurnContext,
+        ctx: TurnContext,
         sink: SignalSink,
     ) -> EngineHandle {
         let steps: VecDeque<Step> = match prompt.script {
@@ -59,6 +59,7 @@ impl Engine for ScriptedEngine {
             steers: VecDeque::new(),
             steps,
             next_tool: 0,
+            pace: ctx.pace,
         };
         EngineHandle::new(tx, tokio::spawn(run.play()))
     }
@@ -94,11 +95,20 @@ struct Run {
     steps: VecDeque<Step>,
     /// Counter for tool call ids.
     next_tool: u32,
+    /// The session's backlog (the script waits while it is high).
+    pace: std::sync::Arc<crate::Pace>,
 }
 
 impl Run {
     async fn play(mut self) {
         while let Some(step) = self.steps.pop_front() {
+            // Never more than a bounded backlog in the session's mailbox.
+            let pace = self.pace.clone();
+            if self.wait(pace.room()).await.is_err() {
+                self.emit(SignalKind::Result(StopReason::Cancelled));
+                self.emit(SignalKind::Idle);
+                return;
+            }
             if self.step(step).await.is_err() {
                 self.emit(SignalKind::Result(StopReason::Cancelled));
                 self.emit(SignalKind::Idle);

@@ -35,6 +35,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
         SessionConfig {
             turn: TurnConfig {
                 max_queued_prompts: 1,
+                max_turn_events: 100_000,
                 ..TurnConfig::default()
             },
             max_sessions: 100,

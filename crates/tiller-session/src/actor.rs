@@ -326,6 +326,9 @@ pub struct SessionState {
     toolbox: Arc<Toolbox>,
     /// The model conversation (model engines append to it).
     conversation: Conversation,
+    /// The engine's signals waiting in this mailbox (engines wait while
+    /// it is high).
+    pace: Arc<tiller_engine::Pace>,
     /// The conversation's revision already stored.
     conversation_saved: u64,
     /// The model chosen with `session/set_config_option`.
@@ -408,6 +411,7 @@ impl Actor for SessionActor {
             )),
             conversation_saved: 0,
             conversation: Conversation::new(conversation),
+            pace: Arc::default(),
             model: settings.model,
             id: args.id,
             core: SessionCore::new(args.config.turn.clone(), args.head.last_turn)
@@ -493,6 +497,7 @@ impl SessionState {
                 self.feed(myself, Input::Cancel, None).await;
             }
             SessionMsg::Engine(sig) => {
+                self.pace.handled();
                 let signal = core_signal(&sig.kind);
                 self.feed(
                     myself,
@@ -1078,13 +1083,16 @@ impl SessionState {
             },
         );
         let actor = myself.clone();
+        let pace = self.pace.clone();
         let sink: tiller_engine::SignalSink = Arc::new(move |sig| {
+            pace.sent();
             let _ = actor.send_message(SessionMsg::Engine(sig));
         });
         let ctx = TurnContext {
             conversation: self.conversation.clone(),
             tools: Arc::new(self.toolbox.specs()),
             model: self.model.clone(),
+            pace: self.pace.clone(),
         };
         let mut handle = {
             let _g = span.enter();

@@ -26,6 +26,7 @@ async fn sessions(dir: &tempfile::TempDir) -> Sessions {
             cancel_grace: 200,
             stall_timeout: 2_000,
             max_queued_prompts: 2,
+            max_turn_events: 100_000,
         },
         max_sessions: 3,
         loops: Default::default(),

@@ -318,6 +318,8 @@ pub struct Limits {
     /// HTTP connection may sit idle).
     #[serde(with = "humantime_serde")]
     pub http_header_timeout: Duration,
+    /// Most content signals one turn may send (then `turn_too_long`).
+    pub max_turn_events: u64,
     /// The longest pause while receiving a request's body (all of it, for
     /// the channel ingress).
     #[serde(with = "humantime_serde")]
@@ -380,6 +382,7 @@ impl Default for Limits {
             subscriber_queue: 4096,
             max_queued_notifications: 32,
             max_http_connections: 1024,
+            max_turn_events: 100_000,
             http_header_timeout: Duration::from_secs(10),
             http_body_timeout: Duration::from_secs(30),
         }
@@ -604,6 +607,7 @@ impl Config {
                 "limits.http_body_timeout",
                 self.limits.http_body_timeout.is_zero(),
             ),
+            ("limits.max_turn_events", self.limits.max_turn_events == 0),
             (
                 "tools.mcp.connect_timeout",
                 self.tools.mcp.connect_timeout.is_zero(),
@@ -790,6 +794,7 @@ impl Config {
             cancel_grace: self.turn.cancel_grace.as_millis() as u64,
             stall_timeout: self.turn.stall_timeout.as_millis() as u64,
             max_queued_prompts: self.turn.max_queued_prompts,
+            max_turn_events: self.limits.max_turn_events,
         }
     }
 }

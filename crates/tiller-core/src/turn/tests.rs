@@ -8,6 +8,7 @@ const CFG: TurnConfig = TurnConfig {
     cancel_grace: 20,
     stall_timeout: 1_000,
     max_queued_prompts: 2,
+    max_turn_events: 100_000,
 };
 
 /// A core plus the clock, recording every effect.
@@ -679,4 +680,45 @@ fn closing_cancels_the_turn_settles_every_queued_prompt_and_starts_nothing() {
             prompt: offered
         }]
     );
+}
+
+#[test]
+fn a_turn_past_its_event_bound_fails_and_its_engine_is_torn_down() {
+    let mut core = SessionCore::new(
+        TurnConfig {
+            max_turn_events: 3,
+            ..CFG
+        },
+        0,
+    );
+    let p = PromptId::from_u128(1);
+    core.on(
+        0,
+        Input::Prompt {
+            prompt: p,
+            origin: Origin::Interactive,
+        },
+    );
+    let sig = |core: &mut SessionCore, s: Signal| {
+        core.on(
+            0,
+            Input::Signal {
+                turn: TurnId(1),
+                signal: s,
+            },
+        )
+    };
+    for _ in 0..3 {
+        assert!(sig(&mut core, Signal::Update).contains(&Effect::Deliver { turn: TurnId(1) }));
+    }
+    let fx = sig(&mut core, Signal::ToolBatch);
+    assert!(
+        !fx.contains(&Effect::Deliver { turn: TurnId(1) }),
+        "past the bound, nothing is delivered"
+    );
+    assert!(fx.contains(&Effect::AbortEngine {
+        turn: TurnId(1),
+        teardown: true
+    }));
+    assert_eq!(settled(&fx), Some(Terminal::failed(ErrorKind::TurnTooLong)));
 }

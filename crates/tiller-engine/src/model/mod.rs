@@ -531,6 +531,11 @@ impl Run {
         self.partial.clear();
         let mut started = false;
         loop {
+            // Read no faster than the session takes the signals in.
+            let pace = self.ctx.pace.clone();
+            self.wait(pace.room())
+                .await
+                .map_err(|_| CallError::Aborted)?;
             let ev = self
                 .wait(tokio::time::timeout(timeout, events.next()))
                 .await
