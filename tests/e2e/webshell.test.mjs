@@ -153,6 +153,40 @@ describe("Web Shell", () => {
     await p.context().close();
   });
 
+  test("consecutive thoughts are one block, and one the user opened stays open as the turn streams", async () => {
+    const sid = await session();
+    const p = await open(sid);
+    await send(p, script([{ think: "first, " }, { think: "second, " }, { think: "third" }, { sleep_ms: 400 }, { repeat: { times: 20, steps: [{ say: "x" }, { sleep_ms: 20 }] } }]));
+    await p.waitForFunction(() => document.querySelector(".thought p")?.textContent === "first, second, third");
+    assert.equal(await p.$$eval(".thought", (d) => d.length), 1);
+    await p.click(".thought summary");
+    await p.waitForFunction(() => document.querySelector(".agent")?.textContent === "x".repeat(20));
+    assert.equal(await p.$eval(".thought", (d) => d.open), true, "still open after re-renders");
+    await p.context().close();
+  });
+
+  test("an older snapshot answer never overwrites a newer state", async () => {
+    const sid = await session();
+    const p = await open(sid);
+    // The first snapshot request after the send is answered last.
+    let delayed = false;
+    await p.route(`**/api/sessions/${sid}`, async (route) => {
+      if (!delayed && route.request().method() === "GET") {
+        delayed = true;
+        const res = await route.fetch();
+        await new Promise((r) => setTimeout(r, 1500));
+        return route.fulfill({ response: res });
+      }
+      return route.continue();
+    });
+    await send(p, script([{ sleep_ms: 300 }, { say: "done" }]));
+    await p.waitForFunction(() => document.querySelector(".agent")?.textContent === "done");
+    await p.waitForFunction(() => document.querySelector("#state").dataset.state === "idle");
+    await new Promise((r) => setTimeout(r, 1800)); // the stale "running" answer arrives now
+    assert.equal(await p.$eval("#state", (s) => s.dataset.state), "idle");
+    await p.context().close();
+  });
+
   test("a narrow screen shows the same controls", async () => {
     const sid = await session();
     const p = await open(sid, { width: 390, height: 844 });

@@ -233,7 +233,9 @@ function addEvent(cur, ev) {
 async function refreshSnapshot(cur) {
   try {
     const snap = await api("GET", `/api/sessions/${cur.id}`);
-    if (state.current === cur) {
+    // Answers may arrive out of order: one older than the state shown is
+    // ignored (it would say running while the session is idle).
+    if (state.current === cur && snap.lastSeq >= (cur.snapshot?.lastSeq ?? 0)) {
       cur.snapshot = snap;
       scheduleRender();
     }
@@ -281,24 +283,29 @@ function render(scrollToEnd = false) {
     return;
   }
   const atEnd = scrollToEnd || box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+  // What the user opened stays open across re-renders.
+  const opened = new Set([...box.querySelectorAll("details[open][data-key]")].map((d) => d.dataset.key));
   const nodes = [];
   if (cur.hasMore) {
     nodes.push(el("button", { type: "button", class: "secondary", text: t("loadOlder"), onclick: loadOlder }));
   }
   let turn = null;
   let agent = null;
+  let thought = null;
   const tools = new Map();
   const turnBox = (origin) => {
     turn = el("section", { class: "turn", "data-origin": origin ?? "interactive" });
     if (origin && origin !== "interactive") turn.append(el("span", { class: "origin", text: t(`origin_${origin}`) }));
     nodes.push(turn);
     agent = null;
+    thought = null;
     return turn;
   };
   const into = () => turn ?? turnBox(null);
   const events = [...cur.events.values()].sort((a, b) => a.seq - b.seq);
   for (const ev of events) {
     const d = ev.data ?? {};
+    if (ev.type !== "agent_thought_chunk") thought = null;
     switch (ev.type) {
       case "prompt_started":
         turnBox(d.origin);
@@ -315,7 +322,12 @@ function render(scrollToEnd = false) {
         agent.textContent += d.text;
         break;
       case "agent_thought_chunk":
-        into().append(el("details", { class: "thought" }, el("summary", { text: t("thinking") }), el("p", { text: d.text })));
+        // Consecutive thought chunks are one thought.
+        if (!thought) {
+          thought = el("p", {});
+          into().append(el("details", { class: "thought", "data-key": String(ev.seq), open: opened.has(String(ev.seq)) }, el("summary", { text: t("thinking") }), thought));
+        }
+        thought.textContent += d.text;
         agent = null;
         break;
       case "plan":
