@@ -606,6 +606,21 @@ impl Sessions {
         self.ask(RegistryMsg::Live).await.unwrap_or(0)
     }
 
+    /// Tests only: stops every actor where it stands, as a killed process
+    /// would (nothing settles), and waits until what the store was given is
+    /// on disk.
+    #[cfg(feature = "test-hooks")]
+    pub async fn crash(&self) {
+        self.registry.stop_children(None);
+        self.registry.stop(None);
+        self.notify.stop(None);
+        self.cron.stop(None);
+        self.goal.stop(None);
+        // Let the stop signals land before the last flush.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let _ = self.store.flush().await;
+    }
+
     /// Graceful shutdown: cancel running turns, wait (bounded) for them to
     /// settle, stop every actor, flush the store.
     pub async fn shutdown(&self) {

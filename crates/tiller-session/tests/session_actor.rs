@@ -393,8 +393,10 @@ async fn in_flight_prompts_get_daemon_restarted_at_start_up() {
             .unwrap()
             .unwrap();
         stuck = p;
-        // No shutdown: the actors and the store thread are simply dropped
-        // with the runtime, like a killed process.
+        // No shutdown: the actors stop where they stand, like a killed
+        // process (they would otherwise go on running beside the next
+        // instance, e.g. the stall bound settling the prompt itself).
+        s.crash().await;
     }
     let s = sessions(&dir).await;
     let log = s.events_after(id, 0, 1000).await.unwrap();
@@ -407,7 +409,7 @@ async fn in_flight_prompts_get_daemon_restarted_at_start_up() {
         matches!(&errors[0].body, EventBody::TurnError { error_kind, .. } if error_kind == "daemon_restarted")
     );
     // A second start finds nothing left to reconcile.
-    drop(s);
+    s.crash().await;
     let s = sessions(&dir).await;
     let again = s.events_after(id, 0, 1000).await.unwrap();
     assert_eq!(again.len(), log.len());
