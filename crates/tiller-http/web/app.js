@@ -324,8 +324,9 @@ function render(scrollToEnd = false) {
       case "agent_thought_chunk":
         // Consecutive thought chunks are one thought.
         if (!thought) {
+          const parent = into(); // may start a turn box, which resets `thought`
           thought = el("p", {});
-          into().append(el("details", { class: "thought", "data-key": String(ev.seq), open: opened.has(String(ev.seq)) }, el("summary", { text: t("thinking") }), thought));
+          parent.append(el("details", { class: "thought", "data-key": String(ev.seq), open: opened.has(String(ev.seq)) }, el("summary", { text: t("thinking") }), thought));
         }
         thought.textContent += d.text;
         agent = null;
