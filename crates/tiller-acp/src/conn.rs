@@ -744,8 +744,17 @@ fn session_error(e: SessionError) -> Reply {
             RpcError::new(code::OVERLOADED, e.to_string())
                 .with_data(json!({ "errorKind": "overloaded", "retryable": true })),
         ),
+        SessionError::Store(e) if e.is_unavailable() => store_unavailable(e.to_string()),
         other => Reply::Error(RpcError::new(code::INTERNAL_ERROR, other.to_string())),
     }
+}
+
+/// The store cannot record the request: nothing was acknowledged.
+fn store_unavailable(message: String) -> Reply {
+    Reply::Error(
+        RpcError::new(code::INTERNAL_ERROR, message)
+            .with_data(json!({ "errorKind": "store_unavailable", "retryable": true })),
+    )
 }
 
 fn refused(e: PromptRefused) -> Reply {
@@ -765,6 +774,7 @@ fn refused(e: PromptRefused) -> Reply {
             RpcError::new(code::INVALID_PARAMS, format!("invalid params: {why}"))
                 .with_data(json!({ "field": "_meta.tiller.delivery.webhook" })),
         ),
+        PromptRefused::StoreUnavailable => store_unavailable(e.to_string()),
     }
 }
 

@@ -100,6 +100,9 @@ pub enum ErrorKind {
     LoopDetected(LoopType),
     /// The engine sent more content than one turn may (`limits.max_turn_events`).
     TurnTooLong,
+    /// The store could not record the turn (disk full, database locked):
+    /// the session stopped rather than report what was never stored.
+    StoreUnavailable,
 }
 
 impl ErrorKind {
@@ -114,6 +117,7 @@ impl ErrorKind {
             ErrorKind::SessionRestarted => "session_restarted",
             ErrorKind::LoopDetected(_) => "loop_detected",
             ErrorKind::TurnTooLong => "turn_too_long",
+            ErrorKind::StoreUnavailable => "store_unavailable",
         }
     }
 
@@ -136,6 +140,10 @@ impl ErrorKind {
             ErrorKind::SessionRestarted => "The session restarted while this turn was running.",
             ErrorKind::TurnTooLong => {
                 "The engine produced more than one turn may hold, so the turn was stopped."
+            }
+            ErrorKind::StoreUnavailable => {
+                "The daemon could not store this turn (the disk may be full), so it was stopped. \
+                 Send the prompt again once storage is available."
             }
             ErrorKind::LoopDetected(t) => {
                 return format!(

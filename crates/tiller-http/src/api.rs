@@ -54,6 +54,7 @@ impl From<SessionError> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 json!({ "errorKind": "overloaded", "retryable": true, "message": e.to_string() }),
             ),
+            SessionError::Store(e) if e.is_unavailable() => store_unavailable(e.to_string()),
             other => ApiError(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 json!({ "errorKind": "internal", "message": other.to_string() }),
@@ -81,8 +82,17 @@ impl From<PromptRefused> for ApiError {
                 StatusCode::CONFLICT,
                 json!({ "errorKind": "session_closed", "message": e.to_string() }),
             ),
+            PromptRefused::StoreUnavailable => store_unavailable(e.to_string()),
         }
     }
+}
+
+/// 503: the store cannot record the request; nothing was acknowledged.
+fn store_unavailable(message: String) -> ApiError {
+    ApiError(
+        StatusCode::SERVICE_UNAVAILABLE,
+        json!({ "errorKind": "store_unavailable", "retryable": true, "message": message }),
+    )
 }
 
 type ApiResult<T> = Result<T, ApiError>;

@@ -16,7 +16,7 @@ use tiller_engine::{
     Conversation, Engine, EngineHandle, EngineInput, EngineSignal, PreparedPrompt, SignalKind,
     ToolOutput, TurnContext, Update,
 };
-use tiller_store::{LogHead, Store};
+use tiller_store::{LedgerOp, LogHead, Store, StoreError};
 use tiller_tools::{ClientTools, McpServer, Toolbox};
 use tokio::sync::oneshot;
 use tracing::{Instrument, Span};
@@ -39,6 +39,16 @@ pub enum Work {
 }
 
 impl Work {
+    /// The queue row the prompt that runs it consumes (in the transaction
+    /// of its start: a crash before that leaves it queued).
+    fn claim(&self) -> Option<tiller_store::Claim> {
+        match self {
+            Work::Notification(n) => Some(tiller_store::Claim::Notification(n.id)),
+            Work::Cron(f) => Some(tiller_store::Claim::CronFire(f.id)),
+            Work::Goal(_) => None,
+        }
+    }
+
     fn text(&self) -> &str {
         match self {
             Work::Notification(n) => &n.text,
@@ -109,24 +119,6 @@ impl Automation {
                 .is_ok()
             }),
             Origin::Interactive | Origin::Channel => false,
-        }
-    }
-
-    /// Returns work the session refused to the actor that offered it (a goal
-    /// simply offers again).
-    fn hand_back(&self, work: Work) {
-        match work {
-            Work::Notification(n) => {
-                if let Some(a) = &self.notify {
-                    let _ = a.send_message(crate::notify::NotifyMsg::HandBack(n));
-                }
-            }
-            Work::Cron(f) => {
-                if let Some(a) = &self.cron {
-                    let _ = a.send_message(crate::cron::CronMsg::HandBack(f));
-                }
-            }
-            Work::Goal(_) => {}
         }
     }
 }
@@ -225,7 +217,7 @@ pub enum SessionMsg {
     /// Detach a subscriber.
     Unsubscribe(SubscriberId),
     /// Close the session: cancel what runs, refuse new prompts, stop when idle.
-    Close(oneshot::Sender<()>),
+    Close(oneshot::Sender<Result<(), crate::SessionError>>),
     /// Daemon shutdown: cancel what runs; answer once idle.
     Drain(oneshot::Sender<()>),
     /// Tests only: fail the actor, as a bug would.
@@ -272,7 +264,7 @@ struct Pending {
     admitted_at: Millis,
     /// It waited in the queue, so its start is announced when it starts.
     queued: bool,
-    /// The queue item it came from, handed back if the session refuses it.
+    /// The queue item it came from (consumed when its start is committed).
     work: Option<Work>,
     /// Where to deliver the final text on `end_turn`.
     delivery: Option<String>,
@@ -335,8 +327,13 @@ pub struct SessionState {
     model: Option<String>,
     /// The `permission_requested` the running turn waits on.
     pending_permission: Option<Arc<EventRecord>>,
-    /// The last sequence number published.
+    /// The last sequence number given out.
     seq: u64,
+    /// Events appended without waiting since the last durable commit
+    /// (re-sent, same sequence numbers, if the store lost them).
+    unconfirmed: Vec<(Arc<EventRecord>, Option<LedgerOp>)>,
+    /// Set when the store failed: the actor fails after this message.
+    failed: Option<crate::SessionFailed>,
     /// The last `turn_error`, while no newer turn has started (survives a
     /// reload: restored from the log at start).
     last_turn_error: Option<Arc<EventRecord>>,
@@ -427,6 +424,8 @@ impl Actor for SessionActor {
             permissions: Permissions::new(mode).with_always(settings.always),
             pending_permission: None,
             seq: args.head.last_seq,
+            unconfirmed: Vec::new(),
+            failed: None,
             last_turn_error,
             pending: HashMap::new(),
             steers: HashMap::new(),
@@ -452,7 +451,10 @@ impl Actor for SessionActor {
         // Boxed: the handling future exists only while a message is being
         // handled, so an idle session's task stays small.
         Box::pin(st.handle(&myself, msg).instrument(span)).await;
-        Ok(())
+        match st.failed.take() {
+            Some(why) => Err(Box::new(why)),
+            None => Ok(()),
+        }
     }
 
     async fn post_stop(
@@ -640,13 +642,18 @@ impl SessionState {
                         self.cancel_at = Some(tokio::time::Instant::now());
                     }
                     self.feed(myself, Input::Close, None).await;
-                    self.publish_durable(None, None, EventBody::SessionClosed)
-                        .await;
-                    if let Err(e) = self.store.close_session(self.id).await {
-                        tracing::error!(error = %e, "cannot mark the session closed");
-                    }
+                    // Answered only once the close is stored.
+                    let stored = match self
+                        .publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
+                        .await
+                    {
+                        Ok(()) => self.store.close_session(self.id).await,
+                        Err(e) => Err(e),
+                    };
+                    let _ = reply.send(stored.map_err(crate::SessionError::from));
+                } else {
+                    let _ = reply.send(Ok(()));
                 }
-                let _ = reply.send(());
                 if self.core.active().is_none() {
                     myself.stop(Some("closed".into()));
                 }
@@ -721,7 +728,15 @@ impl SessionState {
                 p.queued = true;
             }
         }
-        self.publish_durable(Some(prompt), None, admission).await;
+        if let Err(e) = self
+            .publish_durable(Some(prompt), None, admission, Ledger::Admission)
+            .await
+        {
+            // Never acknowledged, never fanned out; the session fails and
+            // is rebuilt from the store (see `publish_durable`).
+            tracing::warn!(error = %e, "prompt refused: the store is unavailable");
+            return refuse(admitted, PromptRefused::StoreUnavailable);
+        }
         if let Some(a) = admitted {
             let _ = a.send(Ok(prompt));
         }
@@ -836,7 +851,7 @@ impl SessionState {
         }
         metrics::counter!("tiller_steers_total", "outcome" => steer_outcome_label(&outcome))
             .increment(1);
-        match outcome {
+        let stored = match outcome {
             SteerOutcome::Injected { turn } => {
                 self.steers.insert(steer, text.clone());
                 self.publish_durable(
@@ -846,8 +861,9 @@ impl SessionState {
                         steer_id: steer.to_string(),
                         text: text.clone(),
                     },
+                    Ledger::Admission,
                 )
-                .await;
+                .await
             }
             SteerOutcome::StartedNewTurn { prompt } => {
                 metrics::counter!("tiller_prompts_admitted_total", "origin" => "interactive")
@@ -858,10 +874,16 @@ impl SessionState {
                     EventBody::PromptStarted {
                         origin: Origin::Interactive.as_str().into(),
                     },
+                    Ledger::Admission,
                 )
-                .await;
+                .await
             }
-            SteerOutcome::PromptRequired(_) => {}
+            SteerOutcome::PromptRequired(_) => Ok(()),
+        };
+        if stored.is_err() {
+            // Not acknowledged; the session fails after this message.
+            let _ = reply.send(Err(PromptRefused::StoreUnavailable));
+            return;
         }
         let _ = reply.send(Ok(SteerAnswer { steer, outcome }));
         let steer_text = text;
@@ -908,6 +930,9 @@ impl SessionState {
     ) {
         let mut trip = None;
         for e in fx {
+            if self.failed.is_some() {
+                return; // the session is failing: its state is not the log's
+            }
             match e {
                 Effect::Queued { .. }
                 | Effect::Rejected { .. }
@@ -1025,9 +1050,8 @@ impl SessionState {
                     }
                 }
                 Effect::OfferRefused { prompt, .. } => {
-                    if let Some(work) = self.pending.remove(&prompt).and_then(|p| p.work) {
-                        self.automation.hand_back(work);
-                    }
+                    // Still queued in the store: offered again at the next poll.
+                    self.pending.remove(&prompt);
                 }
                 Effect::Idle => {
                     tracing::debug!("session idle");
@@ -1067,12 +1091,21 @@ impl SessionState {
         // A queued prompt already has its admission event; announce the start.
         if queued {
             metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
-            self.publish(
+            let claim = self
+                .pending
+                .get(&prompt)
+                .and_then(|p| p.work.as_ref())
+                .and_then(Work::claim);
+            if let Some(tiller_store::Claim::Notification(_)) = claim {
+                metrics::gauge!("tiller_notifications_queued").decrement(1.0);
+            }
+            self.publish_with(
                 Some(prompt),
                 Some(turn),
                 EventBody::PromptStarted {
                     origin: origin.as_str().into(),
                 },
+                claim,
             );
         }
         self.publish(
@@ -1429,16 +1462,43 @@ impl SessionState {
                 code: kind.loop_type().map(|_| "LOOP_DETECTED".into()),
             },
         };
-        self.publish_durable(Some(prompt), turn, body).await;
-        if origin == Origin::Goal
-            && turn.is_some()
-            && let Some(goal) = &self.automation.goal
-        {
-            let _ = goal.send_message(crate::goal::GoalMsg::TurnEnded {
-                session: self.id,
-                loop_stopped: self.loop_stopped == Some(prompt),
-                reply_to: self.myself.clone(),
-            });
+        // The delivery of the final text commits with the terminal.
+        let ledger = match (pending.as_ref().and_then(|p| p.delivery.clone()), &terminal) {
+            (Some(url), Terminal::Completed(tiller_core::StopReason::EndTurn)) => {
+                Ledger::Deliver(tiller_store::Delivery {
+                    id: 0,
+                    url,
+                    session: self.id,
+                    prompt,
+                    text: final_text.unwrap_or_default(),
+                    stop_reason: "end_turn".into(),
+                    attempts: 0,
+                    next_at_ms: unix_ms(),
+                })
+            }
+            _ => Ledger::Plain,
+        };
+        let delivers = matches!(ledger, Ledger::Deliver(_));
+        let terminal = match self.publish_durable(Some(prompt), turn, body, ledger).await {
+            Ok(()) => terminal,
+            // Not stored: the owner hears what the log will say once the
+            // failed session is reconciled.
+            Err(_) => Terminal::failed(tiller_core::ErrorKind::StoreUnavailable),
+        };
+        if self.failed.is_none() {
+            if delivers && let Some(w) = &self.config.delivery_wake {
+                w.notify_one();
+            }
+            if origin == Origin::Goal
+                && turn.is_some()
+                && let Some(goal) = &self.automation.goal
+            {
+                let _ = goal.send_message(crate::goal::GoalMsg::TurnEnded {
+                    session: self.id,
+                    loop_stopped: self.loop_stopped == Some(prompt),
+                    reply_to: self.myself.clone(),
+                });
+            }
         }
         metrics::counter!(
             "tiller_turns_settled_total",
@@ -1446,12 +1506,6 @@ impl SessionState {
             "outcome" => terminal.outcome_label()
         )
         .increment(1);
-        if let (Some(url), Terminal::Completed(tiller_core::StopReason::EndTurn)) =
-            (pending.as_ref().and_then(|p| p.delivery.clone()), &terminal)
-        {
-            self.deliver_final(url, prompt, final_text.unwrap_or_default())
-                .await;
-        }
         if let Some(p) = pending {
             metrics::histogram!("tiller_turn_duration_seconds", "origin" => origin.as_str())
                 .record(now.saturating_sub(p.admitted_at) as f64 / 1000.0);
@@ -1461,28 +1515,6 @@ impl SessionState {
         }
         metrics::histogram!("tiller_settle_latency_seconds")
             .record(self.input_at.elapsed().as_secs_f64());
-    }
-
-    /// Schedules the durable delivery of a turn's final text.
-    async fn deliver_final(&mut self, url: String, prompt: PromptId, text: String) {
-        let d = tiller_store::Delivery {
-            id: 0,
-            url,
-            session: self.id,
-            prompt,
-            text,
-            stop_reason: "end_turn".into(),
-            attempts: 0,
-            next_at_ms: unix_ms(),
-        };
-        match self.store.delivery_add(d).await {
-            Ok(()) => {
-                if let Some(w) = &self.config.delivery_wake {
-                    w.notify_one();
-                }
-            }
-            Err(e) => tracing::error!(error = %e, "cannot schedule a delivery"),
-        }
     }
 
     fn arm(&mut self, myself: &ActorRef<SessionMsg>, at: Option<Millis>) {
@@ -1515,6 +1547,7 @@ impl SessionState {
         }
     }
 
+    /// Gives an event the next sequence number.
     fn record(
         &mut self,
         prompt: Option<PromptId>,
@@ -1522,14 +1555,18 @@ impl SessionState {
         body: EventBody,
     ) -> Arc<EventRecord> {
         self.seq += 1;
-        let rec = Arc::new(EventRecord {
+        Arc::new(EventRecord {
             session: self.id,
             seq: self.seq,
             ts_ms: unix_ms(),
             prompt,
             turn,
             body,
-        });
+        })
+    }
+
+    /// Keeps what the session's state shows of a published event.
+    fn remember(&mut self, rec: &Arc<EventRecord>) {
         match rec.body {
             EventBody::PermissionRequested { .. } => self.pending_permission = Some(rec.clone()),
             EventBody::PermissionResolved { .. } => self.pending_permission = None,
@@ -1538,10 +1575,10 @@ impl SessionState {
             EventBody::PromptStarted { .. } => self.last_turn_error = None,
             _ => {}
         }
-        rec
     }
 
     fn fan_out(&mut self, rec: &Arc<EventRecord>) {
+        self.remember(rec);
         metrics::counter!("tiller_events_published_total").increment(1);
         let before = self.subscribers.len();
         self.subscribers.retain(|(_, s)| s.deliver(rec));
@@ -1553,7 +1590,18 @@ impl SessionState {
     }
 
     /// Appends an event (ordered, not awaited) and fans it out.
-    fn publish(&mut self, prompt: Option<PromptId>, turn: Option<TurnId>, mut body: EventBody) {
+    fn publish(&mut self, prompt: Option<PromptId>, turn: Option<TurnId>, body: EventBody) {
+        self.publish_with(prompt, turn, body, None);
+    }
+
+    /// [`Self::publish`], for a start that consumes queued work.
+    fn publish_with(
+        &mut self,
+        prompt: Option<PromptId>,
+        turn: Option<TurnId>,
+        mut body: EventBody,
+        claim: Option<tiller_store::Claim>,
+    ) {
         if let EventBody::ToolCall {
             name,
             input,
@@ -1564,27 +1612,81 @@ impl SessionState {
             *locations = self.toolbox.locations(name, input);
         }
         let rec = self.record(prompt, turn, body);
-        self.store.append(rec.to_stored(), rec.ledger_op());
+        let mut op = rec.ledger_op();
+        if let Some(LedgerOp::Admit { consumes, .. }) = &mut op {
+            *consumes = claim;
+        }
+        self.store.append(rec.to_stored(), op.clone());
+        self.unconfirmed.push((rec.clone(), op));
         self.fan_out(&rec);
     }
 
-    /// Appends an event, waits for the commit, then fans it out.
+    /// Appends an event, waits for its commit, and only then fans it out.
+    /// `retries` is how often a failure the store may recover from is
+    /// retried (the log is reopened and what it lost sent again, with the
+    /// sequence numbers clients already saw). On error nobody saw the
+    /// event, and the session fails once the current message is handled:
+    /// its in-memory state is no longer the log's, so it is rebuilt from
+    /// the store and its unsettled prompts are reconciled.
     async fn publish_durable(
         &mut self,
         prompt: Option<PromptId>,
         turn: Option<TurnId>,
         body: EventBody,
-    ) {
+        ledger: Ledger,
+    ) -> Result<(), StoreError> {
         let rec = self.record(prompt, turn, body);
-        if let Err(e) = self
-            .store
-            .append_durable(rec.to_stored(), rec.ledger_op())
-            .await
-        {
-            tracing::error!(error = %e, seq = rec.seq, "durable append failed");
+        let mut op = rec.ledger_op();
+        if let (Some(LedgerOp::Settle { delivery, .. }), Ledger::Deliver(d)) = (&mut op, &ledger) {
+            *delivery = Some(d.clone());
         }
-        self.fan_out(&rec);
+        let retries = if matches!(ledger, Ledger::Admission) {
+            0
+        } else {
+            3
+        };
+        let mut attempt = 0;
+        loop {
+            let r = self.store.append_durable(rec.to_stored(), op.clone()).await;
+            match r {
+                Ok(()) => {
+                    self.unconfirmed.clear();
+                    self.fan_out(&rec);
+                    return Ok(());
+                }
+                Err(e) if attempt < retries && e.is_unavailable() => {
+                    attempt += 1;
+                    tracing::warn!(error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(100 << (2 * attempt))).await;
+                    if let Ok(head) = self.store.reopen_log(self.id).await {
+                        for (u, op) in self
+                            .unconfirmed
+                            .iter()
+                            .filter(|(u, _)| u.seq > head.last_seq)
+                        {
+                            self.store.append(u.to_stored(), op.clone());
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, seq = rec.seq, "durable append failed; the session stops");
+                    self.failed = Some(crate::SessionFailed::StoreUnavailable);
+                    return Err(e);
+                }
+            }
+        }
     }
+}
+
+/// What a durable event carries besides its ledger change.
+enum Ledger {
+    /// An admission: refused at once if it cannot be stored (the caller
+    /// retries; nothing was acknowledged).
+    Admission,
+    /// Anything else durable: retried before the session gives up.
+    Plain,
+    /// A terminal with the webhook delivery of its final text.
+    Deliver(tiller_store::Delivery),
 }
 
 /// What running a call off the actor needs.

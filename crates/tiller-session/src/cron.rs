@@ -9,7 +9,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tiller_core::cron::{Schedule, due};
 use tiller_core::{Origin, SessionId};
-use tiller_store::{CronFire, CronJob, Store};
+use tiller_store::{CronJob, Store};
 use tokio::sync::oneshot;
 
 use crate::actor::{SessionMsg, Work};
@@ -50,8 +50,6 @@ pub enum CronMsg {
         poll: u64,
         reply_to: ActorRef<SessionMsg>,
     },
-    /// A session could not take a fire: back in its place.
-    HandBack(CronFire),
 }
 
 /// See the module docs.
@@ -141,28 +139,20 @@ impl Actor for CronActor {
                 poll,
                 reply_to,
             } => {
-                let work = match st.store.cron_claim(session).await {
+                // The fire stays queued until the prompt that runs it is
+                // committed; a refused or lost offer needs no hand-back.
+                let work = match st.store.next_cron_fire(session).await {
                     Ok(f) => f.map(Work::Cron),
                     Err(e) => {
                         tracing::error!(error = %e, "cannot read the cron queue");
                         None
                     }
                 };
-                if let Err(ractor::MessagingErr::SendErr(SessionMsg::Offer {
-                    work: Some(Work::Cron(f)),
-                    ..
-                })) = reply_to.send_message(SessionMsg::Offer {
+                let _ = reply_to.send_message(SessionMsg::Offer {
                     poll,
                     origin: Origin::Cron,
                     work,
-                }) {
-                    let _ = st.store.cron_hand_back(f).await;
-                }
-            }
-            CronMsg::HandBack(f) => {
-                if let Err(e) = st.store.cron_hand_back(f).await {
-                    tracing::error!(error = %e, "cannot hand a cron fire back");
-                }
+                });
             }
         }
         Ok(())

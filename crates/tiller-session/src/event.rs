@@ -264,10 +264,14 @@ impl EventRecord {
                 Some(LedgerOp::Admit {
                     prompt,
                     origin: origin.clone(),
+                    consumes: None,
                 })
             }
             EventBody::TurnComplete { .. } | EventBody::TurnError { .. } => {
-                Some(LedgerOp::Settle { prompt })
+                Some(LedgerOp::Settle {
+                    prompt,
+                    delivery: None,
+                })
             }
             _ => None,
         }

@@ -155,6 +155,18 @@ pub enum PromptRefused {
     SessionClosed,
     #[error("{0}")]
     BadDelivery(String),
+    /// The admission could not be stored (disk full, database locked):
+    /// nothing was acknowledged; retry later.
+    #[error("the daemon cannot store the prompt right now (the disk may be full); retry later")]
+    StoreUnavailable,
+}
+
+/// Why a session actor failed on purpose (the registry reconciles its
+/// prompts with the matching error kind).
+#[derive(Debug, thiserror::Error)]
+pub enum SessionFailed {
+    #[error("the store could not record the session's events")]
+    StoreUnavailable,
 }
 
 /// The answer to a steer.
@@ -848,7 +860,7 @@ impl SessionHandle {
     pub async fn close(&self) -> Result<(), SessionError> {
         let (tx, rx) = oneshot::channel();
         self.send(SessionMsg::Close(tx))?;
-        rx.await.map_err(|_| SessionError::Stopped)
+        rx.await.map_err(|_| SessionError::Stopped)?
     }
 }
 
@@ -870,10 +882,8 @@ pub(crate) async fn reconcile(
     for u in &open {
         let seq = match heads.get(&u.session) {
             Some(s) => *s,
-            None => match store.get_session(u.session).await? {
-                Some((_, head)) => head.last_seq,
-                None => continue,
-            },
+            // Reopened: a failed actor may have left the log refusing appends.
+            None => store.reopen_log(u.session).await?.last_seq,
         } + 1;
         heads.insert(u.session, seq);
         let rec = EventRecord {

@@ -1,11 +1,12 @@
 //! The notification actor: owns the durable queues of background
 //! notifications (one per session, in the store). Sessions poll it when
-//! idle; it offers one notification per turn, oldest first. What is due is
+//! idle; it offers one notification per turn, oldest first. An offer takes
+//! nothing off the queue: the session's committed start does. What is due is
 //! its business; admission order is the session core's.
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tiller_core::{Origin, SessionId};
-use tiller_store::{Enqueued, Notification, Store, StoreError};
+use tiller_store::{Enqueued, Store, StoreError};
 use tokio::sync::oneshot;
 
 use crate::actor::{SessionMsg, Work};
@@ -27,8 +28,6 @@ pub enum NotifyMsg {
         poll: u64,
         reply_to: ActorRef<SessionMsg>,
     },
-    /// A session could not take an offer: back in its place it goes.
-    HandBack(Notification),
 }
 
 /// See the module docs.
@@ -88,38 +87,22 @@ impl Actor for NotifyActor {
                 poll,
                 reply_to,
             } => {
-                let work = match st.store.claim_notification(session).await {
-                    Ok(Some(n)) => {
-                        metrics::gauge!("tiller_notifications_queued").decrement(1.0);
-                        Some(Work::Notification(n))
-                    }
-                    Ok(None) => None,
+                // The notification stays queued until the prompt that runs
+                // it is committed; a refused or lost offer needs no hand-back.
+                let work = match st.store.next_notification(session).await {
+                    Ok(n) => n.map(Work::Notification),
                     Err(e) => {
                         tracing::error!(error = %e, "cannot read the notification queue");
                         None
                     }
                 };
-                if let Err(ractor::MessagingErr::SendErr(SessionMsg::Offer {
-                    work: Some(Work::Notification(n)),
-                    ..
-                })) = reply_to.send_message(SessionMsg::Offer {
+                let _ = reply_to.send_message(SessionMsg::Offer {
                     poll,
                     origin: Origin::Notification,
                     work,
-                }) {
-                    // The session stopped: keep the notification queued.
-                    hand_back(st, n).await;
-                }
+                });
             }
-            NotifyMsg::HandBack(n) => hand_back(st, n).await,
         }
         Ok(())
-    }
-}
-
-async fn hand_back(st: &NotifyState, n: Notification) {
-    match st.store.hand_back_notification(n).await {
-        Ok(()) => metrics::gauge!("tiller_notifications_queued").increment(1.0),
-        Err(e) => tracing::error!(error = %e, "cannot hand a notification back"),
     }
 }

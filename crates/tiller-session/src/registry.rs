@@ -51,6 +51,9 @@ pub struct RegistryState {
     live: HashMap<SessionId, ActorRef<SessionMsg>>,
     /// Reverse map for supervision events.
     by_actor: HashMap<ActorId, SessionId>,
+    /// Failed sessions whose prompts could not be settled yet (the store
+    /// was down): settled before the session runs again.
+    unreconciled: HashMap<SessionId, tiller_core::ErrorKind>,
 }
 
 /// See the module docs.
@@ -73,6 +76,7 @@ impl Actor for Registry {
             config: args.config,
             live: HashMap::new(),
             by_actor: HashMap::new(),
+            unreconciled: HashMap::new(),
         })
     }
 
@@ -129,9 +133,15 @@ impl Actor for Registry {
                 if let Some(id) = st.forget(cell.get_id()) {
                     // Settle what it had in flight before anyone can open it
                     // again (this handler runs before the next message).
-                    let kind = tiller_core::ErrorKind::SessionRestarted;
+                    let kind = match err.downcast_ref::<crate::SessionFailed>() {
+                        Some(crate::SessionFailed::StoreUnavailable) => {
+                            tiller_core::ErrorKind::StoreUnavailable
+                        }
+                        None => tiller_core::ErrorKind::SessionRestarted,
+                    };
                     if let Err(e) = crate::reconcile(&st.store, Some(id), kind).await {
-                        tracing::error!(%id, error = %e, "cannot settle the failed session's prompts");
+                        tracing::error!(%id, error = %e, "cannot settle the failed session's prompts yet; they settle before it reopens");
+                        st.unreconciled.insert(id, kind);
                     }
                 }
             }
@@ -255,7 +265,13 @@ impl RegistryState {
             return Ok(actor.clone());
         }
         match self.store.get_session(id).await? {
-            Some((rec, head)) if !rec.closed => {
+            Some((rec, _)) if !rec.closed => {
+                if let Some(&kind) = self.unreconciled.get(&id) {
+                    crate::reconcile(&self.store, Some(id), kind).await?;
+                    self.unreconciled.remove(&id);
+                }
+                // A failed actor may have left its log refusing appends.
+                let head = self.store.reopen_log(id).await?;
                 let extras = self.store.load_state(id).await?;
                 self.spawn(myself, id, head, rec.cwd, extras).await
             }

@@ -4,49 +4,16 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tiller_core::{ErrorKind, Origin, StopReason, Terminal, TurnConfig};
-use tiller_engine::ScriptedEngine;
-use tiller_session::{EventBody, EventRecord, PromptRefused, SessionConfig, Sessions, Subscriber};
-use tiller_store::Store;
-
-struct Collect(Arc<Mutex<Vec<Arc<EventRecord>>>>);
-
-impl Subscriber for Collect {
-    fn deliver(&self, e: &Arc<EventRecord>) -> bool {
-        self.0.lock().unwrap().push(e.clone());
-        true
-    }
-}
+use tiller_core::{ErrorKind, Origin, StopReason, Terminal};
+use tiller_session::{EventBody, EventRecord, PromptRefused, Sessions};
+use tiller_test_support::Collect;
 
 async fn sessions(dir: &tempfile::TempDir) -> Sessions {
-    let store = Store::open(&dir.path().join("t.db")).unwrap();
-    let config = SessionConfig {
-        turn: TurnConfig {
-            steer_receipt_timeout: 200,
-            cancel_grace: 200,
-            stall_timeout: 2_000,
-            max_queued_prompts: 2,
-            max_turn_events: 100_000,
-        },
-        max_sessions: 3,
-        loops: Default::default(),
-        permission_mode: Default::default(),
-        notification_cap: 32,
-        delivery: Default::default(),
-        delivery_wake: None,
-        tools: Default::default(),
-    };
-    Sessions::start(
-        store,
-        tiller_session::Engines::single(Arc::new(ScriptedEngine)),
-        config,
-    )
-    .await
-    .unwrap()
+    tiller_test_support::sessions(dir).await.0
 }
 
 fn kinds(events: &[Arc<EventRecord>]) -> Vec<&'static str> {
-    events.iter().map(|e| e.body.kind()).collect()
+    tiller_test_support::kinds(events)
 }
 
 #[tokio::test]

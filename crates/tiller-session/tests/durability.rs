@@ -1,0 +1,151 @@
+//! Typed durability, end to end through the session actor and a real
+//! store made to fail on demand: nothing is acknowledged or shown before
+//! it is stored, a terminal is never reported as a success it was not,
+//! and a failed session is rebuilt from its log without gaps.
+
+use std::time::Duration;
+
+use tiller_core::{ErrorKind, Origin, StopReason, Terminal};
+use tiller_session::{EventBody, PromptRefused};
+use tiller_test_support::{Collect, kinds, sessions};
+
+fn contiguous(seqs: &[u64]) -> bool {
+    seqs.iter().copied().eq(1..=seqs.len() as u64)
+}
+
+#[tokio::test]
+async fn a_prompt_the_store_cannot_record_is_refused_and_never_shown() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Collect::default();
+    h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    store.fail_appends(true);
+    let refused = h.prompt("hello".into(), Origin::Interactive).await.unwrap();
+    assert!(
+        matches!(refused, Err(PromptRefused::StoreUnavailable)),
+        "{refused:?}"
+    );
+    assert!(seen.events().is_empty(), "{:?}", kinds(&seen.events()));
+    store.fail_appends(false);
+    // The session is rebuilt from the store and works again.
+    let h = s.open(h.id()).await.unwrap();
+    let (_, rx) = h
+        .prompt("hello".into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert!(contiguous(&seqs), "{seqs:?}");
+    assert_eq!(
+        kinds(&log)
+            .iter()
+            .filter(|k| **k == "prompt_started")
+            .count(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_terminal_the_store_cannot_record_is_never_reported_as_success() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (prompt, rx) = h
+        .prompt(
+            r#"{"script": [{"say": "a"}, {"sleep_ms": 300}, {"say": "b"}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.fail_appends(true);
+    let done = rx.await.unwrap();
+    assert_eq!(done.prompt, prompt);
+    assert_eq!(done.terminal, Terminal::failed(ErrorKind::StoreUnavailable));
+    store.fail_appends(false);
+    // Once the store is back the log says the same, exactly once.
+    let _h = s.open(h.id()).await.unwrap();
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let terminals: Vec<_> = log
+        .iter()
+        .filter(|e| e.prompt == Some(prompt))
+        .filter(|e| {
+            matches!(
+                e.body,
+                EventBody::TurnComplete { .. } | EventBody::TurnError { .. }
+            )
+        })
+        .collect();
+    assert_eq!(terminals.len(), 1, "{:?}", kinds(&log));
+    assert!(
+        matches!(&terminals[0].body, EventBody::TurnError { error_kind, .. } if error_kind == "store_unavailable"),
+        "{:?}",
+        terminals[0].body
+    );
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert!(contiguous(&seqs), "{seqs:?}");
+}
+
+#[tokio::test]
+async fn a_brief_store_outage_costs_a_turn_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Collect::default();
+    h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"say": "a"}, {"sleep_ms": 200}, {"say": "b"}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    // The outage swallows "b" (appended without waiting); the terminal's
+    // retry re-sends it once the store is back.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.fail_appends(true);
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    store.fail_appends(false);
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert!(contiguous(&seqs), "{seqs:?}");
+    // The log holds exactly what the client was shown, same numbers.
+    let shown: Vec<(u64, &str)> = seen
+        .events()
+        .iter()
+        .map(|e| (e.seq, e.body.kind()))
+        .collect();
+    let stored: Vec<(u64, &str)> = log.iter().map(|e| (e.seq, e.body.kind())).collect();
+    assert_eq!(shown, stored);
+    assert_eq!(*kinds(&log).last().unwrap(), "turn_complete");
+}
+
+#[tokio::test]
+async fn a_close_the_store_cannot_record_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    store.fail_appends(true);
+    let e = h.close().await.unwrap_err();
+    assert!(e.to_string().contains("log"), "{e}");
+    store.fail_appends(false);
+    // Not closed: it is still listed and opens.
+    let listed = s.list(None, 10).await.unwrap();
+    assert!(listed.sessions.iter().any(|r| r.id == h.id()));
+}

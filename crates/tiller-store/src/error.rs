@@ -1,0 +1,59 @@
+//! Store errors, typed so callers can tell "try again later" from a bug.
+
+use std::path::PathBuf;
+
+/// Store failures. Messages say what happened and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("cannot open the store at {path}: {source} (check the path and its permissions)")]
+    Open {
+        path: PathBuf,
+        source: rusqlite::Error,
+    },
+    #[error("cannot prepare the store file {path}: {source} (check the path and its permissions)")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("store error: {0}")]
+    Sql(#[from] rusqlite::Error),
+    /// An append failed; every event of its transaction shares the cause.
+    #[error("cannot append to the log: {0}")]
+    Append(#[source] std::sync::Arc<StoreError>),
+    /// An earlier write of this session's log failed: nothing more is
+    /// written to it (a gap would break the log) until it is reopened.
+    #[error("an earlier write of this session's log failed; it is reloaded on next use")]
+    LogBroken,
+    /// A failure injected by a test (`test-hooks` feature).
+    #[error("the store is unavailable (injected failure)")]
+    Injected,
+    #[error("the store thread has stopped (the daemon is shutting down)")]
+    Closed,
+}
+
+impl StoreError {
+    /// Whether the failure is the store's condition (disk full, database
+    /// locked, I/O error, shutting down) rather than a bad request: the
+    /// caller may retry later, and clients are told `store_unavailable`.
+    pub fn is_unavailable(&self) -> bool {
+        use rusqlite::ErrorCode as C;
+        match self {
+            StoreError::Sql(rusqlite::Error::SqliteFailure(e, _)) => matches!(
+                e.code,
+                C::DiskFull
+                    | C::DatabaseBusy
+                    | C::DatabaseLocked
+                    | C::SystemIoFailure
+                    | C::CannotOpen
+                    | C::ReadOnly
+                    | C::OutOfMemory
+            ),
+            StoreError::Sql(_) | StoreError::Open { .. } => false,
+            StoreError::Append(e) => e.is_unavailable(),
+            StoreError::Io { .. }
+            | StoreError::LogBroken
+            | StoreError::Injected
+            | StoreError::Closed => true,
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! The schema, its migrations, and the database file's permissions.
+
+use std::path::Path;
+
+use rusqlite::Connection;
+
+/// The database and its WAL and shared-memory files are the owner's only
+/// (0600): they hold every prompt and answer. SQLite creates the `-wal`
+/// and `-shm` files with the database file's mode, so creating that one
+/// 0600 first covers them; files left by an older version are tightened.
+pub(crate) fn restrict(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)?;
+    for suffix in ["", "-wal", "-shm", "-journal"] {
+        let mut p = path.as_os_str().to_owned();
+        p.push(suffix);
+        match std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+const SCHEMA: &[&str] = &[
+    // v1
+    "CREATE TABLE sessions (
+        n INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        cwd TEXT NOT NULL,
+        title TEXT,
+        created_ms INTEGER NOT NULL,
+        updated_ms INTEGER NOT NULL,
+        closed INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE TABLE events (
+        session_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        ts_ms INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        prompt_id TEXT,
+        turn_id INTEGER,
+        data TEXT NOT NULL,
+        PRIMARY KEY (session_id, seq)
+    ) WITHOUT ROWID;",
+    // v2: the prompt ledger (admitted -> settled), for start-up reconciliation.
+    "CREATE TABLE prompts (
+        prompt_id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        origin TEXT NOT NULL,
+        admitted_ms INTEGER NOT NULL,
+        settled_ms INTEGER
+    );
+    CREATE INDEX prompts_unsettled ON prompts (admitted_ms) WHERE settled_ms IS NULL;",
+    // v3: background notifications waiting for their session to be idle.
+    "CREATE TABLE notifications (
+        n INTEGER PRIMARY KEY AUTOINCREMENT,
+        session_id TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        text TEXT NOT NULL,
+        created_ms INTEGER NOT NULL,
+        UNIQUE (session_id, task_id)
+    );",
+    // v4: cron jobs and their waiting fires (one per job at most).
+    "CREATE TABLE cron_jobs (
+        id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        schedule TEXT NOT NULL,
+        tz TEXT NOT NULL,
+        prompt TEXT NOT NULL,
+        next_fire_ms INTEGER NOT NULL,
+        created_ms INTEGER NOT NULL
+    );
+    CREATE TABLE cron_fires (
+        n INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id TEXT NOT NULL UNIQUE,
+        session_id TEXT NOT NULL,
+        prompt TEXT NOT NULL,
+        fired_ms INTEGER NOT NULL
+    );",
+    // v5: one goal per session.
+    "CREATE TABLE goals (
+        session_id TEXT PRIMARY KEY,
+        objective TEXT NOT NULL,
+        max_turns INTEGER NOT NULL,
+        turns_done INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        pause_reason TEXT,
+        loop_stops INTEGER NOT NULL
+    );",
+    // v6: webhook deliveries of final turn text, with retries.
+    "CREATE TABLE deliveries (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        url TEXT NOT NULL,
+        session_id TEXT NOT NULL,
+        prompt_id TEXT NOT NULL,
+        text TEXT NOT NULL,
+        stop_reason TEXT NOT NULL,
+        attempts INTEGER NOT NULL,
+        next_at_ms INTEGER NOT NULL
+    );",
+    // v7: channel requests seen within the replay window.
+    "CREATE TABLE channel_seen (key TEXT PRIMARY KEY, seen_s INTEGER NOT NULL);",
+    // v8: per-session engine, settings and model conversation.
+    "CREATE TABLE session_state (
+        session_id TEXT PRIMARY KEY,
+        engine TEXT,
+        settings TEXT,
+        conversation TEXT
+    );",
+    // v9: the channel that created a session.
+    "ALTER TABLE sessions ADD COLUMN channel TEXT;",
+];
+
+pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    // WAL + NORMAL: a commit survives a process crash (kill -9); the last
+    // commits may be lost on power failure. See ARCHITECTURE.md.
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    for (i, sql) in SCHEMA.iter().enumerate().skip(version as usize) {
+        let tx = conn.unchecked_transaction()?;
+        tx.execute_batch(sql)?;
+        tx.pragma_update(None, "user_version", i as i64 + 1)?;
+        tx.commit()?;
+    }
+    Ok(())
+}

@@ -1,0 +1,147 @@
+//! Session rows, their stored state, and the channel replay guard.
+
+use rusqlite::{Connection, OptionalExtension, params};
+use tiller_core::SessionId;
+
+use crate::{LogHead, SessionExtras, SessionPage, SessionRecord, StateColumn};
+
+pub(crate) fn create_session(conn: &Connection, rec: &SessionRecord) -> rusqlite::Result<()> {
+    conn.execute(
+        "INSERT INTO sessions (id, cwd, title, created_ms, updated_ms, closed, channel)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![
+            rec.id.to_string(),
+            rec.cwd,
+            rec.title,
+            rec.created_ms,
+            rec.updated_ms,
+            rec.closed,
+            rec.channel
+        ],
+    )
+    .map(drop)
+}
+
+fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
+    let id: String = r.get("id")?;
+    Ok(SessionRecord {
+        id: SessionId::parse(&id).ok_or_else(|| {
+            rusqlite::Error::InvalidColumnType(0, "id".into(), rusqlite::types::Type::Text)
+        })?,
+        cwd: r.get("cwd")?,
+        title: r.get("title")?,
+        created_ms: r.get("created_ms")?,
+        updated_ms: r.get("updated_ms")?,
+        closed: r.get("closed")?,
+        channel: r.get("channel")?,
+    })
+}
+
+pub(crate) fn get_session(
+    conn: &Connection,
+    id: SessionId,
+) -> rusqlite::Result<Option<(SessionRecord, LogHead)>> {
+    let Some(rec) = conn
+        .query_row(
+            "SELECT id, cwd, title, created_ms, updated_ms, closed, channel FROM sessions WHERE id = ?1",
+            params![id.to_string()],
+            session_row,
+        )
+        .optional()?
+    else {
+        return Ok(None);
+    };
+    Ok(Some((rec, crate::log::head(conn, id)?)))
+}
+
+pub(crate) fn list_sessions(
+    conn: &Connection,
+    cursor: Option<i64>,
+    limit: usize,
+    cwd: Option<&str>,
+) -> rusqlite::Result<SessionPage> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT n, id, cwd, title, created_ms, updated_ms, closed, channel FROM sessions
+         WHERE closed = 0 AND n < ?1 AND (?3 IS NULL OR cwd = ?3) ORDER BY n DESC LIMIT ?2",
+    )?;
+    let mut rows = stmt.query(params![cursor.unwrap_or(i64::MAX), limit as i64 + 1, cwd])?;
+    let mut sessions = Vec::new();
+    let mut last_n = None;
+    let mut more = false;
+    while let Some(r) = rows.next()? {
+        if sessions.len() == limit {
+            more = true;
+            break;
+        }
+        last_n = Some(r.get::<_, i64>("n")?);
+        sessions.push(session_row(r)?);
+    }
+    Ok(SessionPage {
+        sessions,
+        next_cursor: if more {
+            last_n.map(|n| n.to_string())
+        } else {
+            None
+        },
+    })
+}
+
+pub(crate) fn close(conn: &Connection, id: SessionId) -> rusqlite::Result<()> {
+    conn.execute(
+        "UPDATE sessions SET closed = 1 WHERE id = ?1",
+        params![id.to_string()],
+    )
+    .map(drop)
+}
+
+pub(crate) fn save_state(
+    conn: &Connection,
+    id: SessionId,
+    column: StateColumn,
+    value: &str,
+) -> rusqlite::Result<()> {
+    let col = column.as_str();
+    conn.execute(
+        &format!(
+            "INSERT INTO session_state (session_id, {col}) VALUES (?1, ?2)
+             ON CONFLICT(session_id) DO UPDATE SET {col} = excluded.{col}"
+        ),
+        params![id.to_string(), value],
+    )
+    .map(drop)
+}
+
+pub(crate) fn load_state(conn: &Connection, id: SessionId) -> rusqlite::Result<SessionExtras> {
+    conn.query_row(
+        "SELECT engine, settings, conversation FROM session_state WHERE session_id = ?1",
+        params![id.to_string()],
+        |r| {
+            Ok(SessionExtras {
+                engine: r.get(0)?,
+                settings: r.get(1)?,
+                conversation: r.get(2)?,
+            })
+        },
+    )
+    .optional()
+    .map(Option::unwrap_or_default)
+}
+
+/// Records a channel request key; false when it was seen within the
+/// window (a replay). Forgets keys older than the window.
+pub(crate) fn channel_seen(
+    conn: &Connection,
+    key: &str,
+    now_s: i64,
+    window_s: i64,
+) -> rusqlite::Result<bool> {
+    conn.execute(
+        "DELETE FROM channel_seen WHERE seen_s < ?1",
+        params![now_s - window_s],
+    )?;
+    conn.execute(
+        "INSERT OR IGNORE INTO channel_seen (key, seen_s) VALUES (?1, ?2)",
+        params![key, now_s],
+    )
+    .map(|n| n == 1)
+}

@@ -1,0 +1,439 @@
+//! The store's unit tests.
+
+mod basics {
+    use crate::*;
+    use tiller_core::{PromptId, TurnId};
+
+    fn rec(n: i64) -> SessionRecord {
+        SessionRecord {
+            id: SessionId::new(),
+            cwd: "/tmp".into(),
+            title: None,
+            created_ms: n,
+            updated_ms: n,
+            closed: false,
+            channel: None,
+        }
+    }
+
+    fn ev(session: SessionId, seq: u64) -> StoredEvent {
+        StoredEvent {
+            session,
+            seq,
+            ts_ms: 10 + seq as i64,
+            kind: "agent_message_chunk".into(),
+            prompt: Some(PromptId::from_u128(3)),
+            turn: Some(TurnId(seq)),
+            data: format!("{{\"n\":{seq}}}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn sessions_and_events_round_trip_and_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let store = Store::open(&path).unwrap();
+        let a = rec(1);
+        let b = rec(2);
+        store.create_session(a.clone()).await.unwrap();
+        store.create_session(b.clone()).await.unwrap();
+        for seq in 1..=5 {
+            store.append(ev(a.id, seq), None);
+        }
+        store.append_durable(ev(a.id, 6), None).await.unwrap();
+        drop(store);
+
+        let store = Store::open(&path).unwrap();
+        let (got, head) = store.get_session(a.id).await.unwrap().unwrap();
+        assert_eq!(got.id, a.id);
+        assert_eq!(got.updated_ms, 16, "appends touch updated_ms");
+        assert_eq!(
+            head,
+            LogHead {
+                last_seq: 6,
+                last_turn: 6
+            }
+        );
+        let events = store.events_after(a.id, 2, 3).await.unwrap();
+        assert_eq!(
+            events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![3, 4, 5]
+        );
+        assert_eq!(events[0], ev(a.id, 3));
+        assert!(store.get_session(SessionId::new()).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn session_state_saves_each_column_and_survives_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let id = SessionId::new();
+        {
+            let store = Store::open(&path).unwrap();
+            assert_eq!(
+                store.load_state(id).await.unwrap(),
+                SessionExtras::default()
+            );
+            store
+                .save_state(id, StateColumn::Engine, "openai".into())
+                .await
+                .unwrap();
+            store
+                .save_state(id, StateColumn::Conversation, "[1]".into())
+                .await
+                .unwrap();
+            store
+                .save_state(id, StateColumn::Conversation, "[2]".into())
+                .await
+                .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(
+            store.load_state(id).await.unwrap(),
+            SessionExtras {
+                engine: Some("openai".into()),
+                settings: None,
+                conversation: Some("[2]".into()),
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn duplicate_seq_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let a = rec(1);
+        store.create_session(a.clone()).await.unwrap();
+        store.append_durable(ev(a.id, 1), None).await.unwrap();
+        assert!(store.append_durable(ev(a.id, 1), None).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn listing_pages_newest_first_and_skips_closed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let recs: Vec<_> = (0..5).map(rec).collect();
+        for r in &recs {
+            store.create_session(r.clone()).await.unwrap();
+        }
+        store.close_session(recs[3].id).await.unwrap();
+        let p1 = store.list_sessions(None, 2).await.unwrap();
+        assert_eq!(
+            p1.sessions.iter().map(|s| s.id).collect::<Vec<_>>(),
+            vec![recs[4].id, recs[2].id]
+        );
+        let p2 = store
+            .list_sessions(p1.next_cursor.as_deref(), 2)
+            .await
+            .unwrap();
+        assert_eq!(
+            p2.sessions.iter().map(|s| s.id).collect::<Vec<_>>(),
+            vec![recs[1].id, recs[0].id]
+        );
+        assert_eq!(p2.next_cursor, None);
+    }
+}
+
+mod ledger {
+    use crate::*;
+    use tiller_core::PromptId;
+
+    pub(super) fn ev(session: SessionId, seq: u64, kind: &str) -> StoredEvent {
+        StoredEvent {
+            session,
+            seq,
+            ts_ms: seq as i64,
+            kind: kind.into(),
+            prompt: None,
+            turn: None,
+            data: "{}".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_ledger_finds_unsettled_prompts_across_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let s = SessionId::new();
+        let (p1, p2) = (PromptId::new(), PromptId::new());
+        {
+            let store = Store::open(&path).unwrap();
+            let admit = |p| {
+                Some(LedgerOp::Admit {
+                    prompt: p,
+                    origin: "interactive".into(),
+                    consumes: None,
+                })
+            };
+            store
+                .append_durable(ev(s, 1, "prompt_started"), admit(p1))
+                .await
+                .unwrap();
+            store
+                .append_durable(ev(s, 2, "prompt_queued"), admit(p2))
+                .await
+                .unwrap();
+            store
+                .append_durable(
+                    ev(s, 3, "turn_complete"),
+                    Some(LedgerOp::Settle {
+                        prompt: p1,
+                        delivery: None,
+                    }),
+                )
+                .await
+                .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        let open = store.unsettled().await.unwrap();
+        assert_eq!(
+            open,
+            vec![Unsettled {
+                session: s,
+                prompt: p2,
+                origin: "interactive".into()
+            }]
+        );
+        let last = store
+            .last_of_kinds(s, &["prompt_started", "turn_complete"])
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(last.seq, 3);
+        assert!(
+            store
+                .last_of_kinds(s, &["turn_error"])
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[tokio::test]
+    async fn history_pages_backward() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let s = SessionId::new();
+        for seq in 1..=10 {
+            store.append(ev(s, seq, "x"), None);
+        }
+        let p = store.history(s, None, 4).await.unwrap();
+        assert_eq!(
+            p.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![7, 8, 9, 10]
+        );
+        assert!(p.has_more);
+        let p = store.history(s, Some(3), 4).await.unwrap();
+        assert_eq!(
+            p.events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            vec![1, 2]
+        );
+        assert!(!p.has_more);
+    }
+}
+
+mod notifications {
+    use crate::*;
+
+    #[tokio::test]
+    async fn fifo_dedup_cap_and_hand_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let s = SessionId::new();
+        let e = |t: &str| store.enqueue_notification(s, t.into(), format!("{t} text"), 1, 3);
+        assert_eq!(
+            e("a").await.unwrap(),
+            Enqueued {
+                deduplicated: false,
+                evicted: vec![]
+            }
+        );
+        e("b").await.unwrap();
+        let again = store
+            .enqueue_notification(s, "a".into(), "a newer".into(), 2, 3)
+            .await
+            .unwrap();
+        assert!(again.deduplicated);
+        e("c").await.unwrap();
+        let over = e("d").await.unwrap();
+        assert_eq!(over.evicted, vec!["a".to_string()], "oldest first");
+        assert_eq!(store.notification_backlog().await.unwrap(), (vec![s], 3));
+        // Reading the queue does not change it.
+        let b = store.next_notification(s).await.unwrap().unwrap();
+        assert_eq!(b.task_id, "b");
+        assert_eq!(store.next_notification(s).await.unwrap().unwrap(), b);
+        // A started prompt consumes it in its own transaction, in order.
+        let mut order = Vec::new();
+        for seq in 1..=3 {
+            let n = store.next_notification(s).await.unwrap().unwrap();
+            store
+                .append_durable(
+                    super::ledger::ev(s, seq, "prompt_started"),
+                    Some(LedgerOp::Admit {
+                        prompt: tiller_core::PromptId::new(),
+                        origin: "notification".into(),
+                        consumes: Some(Claim::Notification(n.id)),
+                    }),
+                )
+                .await
+                .unwrap();
+            order.push(n.task_id);
+        }
+        assert_eq!(order, vec!["b", "c", "d"]);
+        assert!(store.next_notification(s).await.unwrap().is_none());
+    }
+}
+
+/// Typed durability: a failed append is an error to its caller, breaks
+/// nothing else, and what an event implies is stored with it or not at all.
+mod durability {
+    use crate::*;
+    use tiller_core::PromptId;
+
+    use super::ledger::ev;
+
+    fn open() -> (tempfile::TempDir, Store) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        (dir, store)
+    }
+
+    #[tokio::test]
+    async fn a_failed_append_breaks_the_log_until_reopened_and_leaves_no_gap() {
+        let (_dir, store) = open();
+        let s = SessionId::new();
+        store.append_durable(ev(s, 1, "a"), None).await.unwrap();
+        // A duplicate sequence number fails its transaction.
+        store.append(ev(s, 1, "dup"), None);
+        // Later appends of that session are refused, not stored past the gap.
+        store.append(ev(s, 3, "b"), None);
+        let e = store.append_durable(ev(s, 4, "c"), None).await.unwrap_err();
+        assert!(matches!(e, StoreError::LogBroken), "{e}");
+        assert!(e.is_unavailable());
+        assert_eq!(store.events_after(s, 0, 10).await.unwrap().len(), 1);
+        // Reopened, it reports its real head and takes appends again.
+        assert_eq!(store.reopen_log(s).await.unwrap().last_seq, 1);
+        store.append_durable(ev(s, 2, "d"), None).await.unwrap();
+        let seqs: Vec<u64> = store
+            .events_after(s, 0, 10)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.seq)
+            .collect();
+        assert_eq!(seqs, vec![1, 2]);
+    }
+
+    #[tokio::test]
+    async fn one_sessions_failure_costs_another_session_nothing() {
+        let (_dir, store) = open();
+        let (a, b) = (SessionId::new(), SessionId::new());
+        store.append_durable(ev(a, 1, "x"), None).await.unwrap();
+        // Sent together, these share a transaction; a's duplicate fails it.
+        store.append(ev(b, 1, "y"), None);
+        store.append(ev(a, 1, "dup"), None);
+        store.append(ev(b, 2, "y"), None);
+        store.append_durable(ev(b, 3, "y"), None).await.unwrap();
+        assert_eq!(store.events_after(b, 0, 10).await.unwrap().len(), 3);
+        assert!(store.append_durable(ev(a, 2, "x"), None).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_failed_start_leaves_its_notification_queued_and_unadmitted() {
+        let (_dir, store) = open();
+        let s = SessionId::new();
+        store
+            .enqueue_notification(s, "t".into(), "done".into(), 1, 10)
+            .await
+            .unwrap();
+        let n = store.next_notification(s).await.unwrap().unwrap();
+        let admit = Some(LedgerOp::Admit {
+            prompt: PromptId::new(),
+            origin: "notification".into(),
+            consumes: Some(Claim::Notification(n.id)),
+        });
+        store.fail_appends(true);
+        let e = store
+            .append_durable(ev(s, 1, "prompt_started"), admit.clone())
+            .await
+            .unwrap_err();
+        assert!(e.is_unavailable(), "{e}");
+        store.fail_appends(false);
+        assert_eq!(store.next_notification(s).await.unwrap(), Some(n.clone()));
+        assert!(store.unsettled().await.unwrap().is_empty());
+        store.reopen_log(s).await.unwrap();
+        store
+            .append_durable(ev(s, 1, "prompt_started"), admit)
+            .await
+            .unwrap();
+        assert_eq!(store.next_notification(s).await.unwrap(), None);
+        assert_eq!(store.unsettled().await.unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_cron_fire_leaves_its_queue_with_the_start_that_runs_it() {
+        let (_dir, store) = open();
+        let s = SessionId::new();
+        let job = CronJob {
+            id: "j".into(),
+            session: s,
+            schedule: "* * * * *".into(),
+            tz: "UTC".into(),
+            prompt: "tick".into(),
+            next_fire_ms: 0,
+            created_ms: 0,
+        };
+        store.cron_add(job.clone()).await.unwrap();
+        store.cron_fire(job, 5, 60_000).await.unwrap();
+        let f = store.next_cron_fire(s).await.unwrap().unwrap();
+        assert_eq!(store.cron_backlog().await.unwrap(), vec![s]);
+        store
+            .append_durable(
+                ev(s, 1, "prompt_started"),
+                Some(LedgerOp::Admit {
+                    prompt: PromptId::new(),
+                    origin: "cron".into(),
+                    consumes: Some(Claim::CronFire(f.id)),
+                }),
+            )
+            .await
+            .unwrap();
+        assert!(store.cron_backlog().await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_delivery_is_stored_with_its_terminal_or_not_at_all() {
+        let (_dir, store) = open();
+        let s = SessionId::new();
+        let p = PromptId::new();
+        let settle = Some(LedgerOp::Settle {
+            prompt: p,
+            delivery: Some(Delivery {
+                id: 0,
+                url: "https://example.invalid/hook".into(),
+                session: s,
+                prompt: p,
+                text: "final".into(),
+                stop_reason: "end_turn".into(),
+                attempts: 0,
+                next_at_ms: 7,
+            }),
+        });
+        store.fail_appends(true);
+        assert!(
+            store
+                .append_durable(ev(s, 1, "turn_complete"), settle.clone())
+                .await
+                .is_err()
+        );
+        store.fail_appends(false);
+        assert!(store.deliveries_due(i64::MAX).await.unwrap().is_empty());
+        store.reopen_log(s).await.unwrap();
+        store
+            .append_durable(ev(s, 1, "turn_complete"), settle)
+            .await
+            .unwrap();
+        let due = store.deliveries_due(i64::MAX).await.unwrap();
+        assert_eq!((due.len(), due[0].text.as_str()), (1, "final"));
+    }
+}

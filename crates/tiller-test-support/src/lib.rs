@@ -1,0 +1,67 @@
+//! Shared helpers for Tiller's Rust tests, so every test builds sessions
+//! the same way: one session config, a subscriber that collects what it
+//! is sent, and a real store (in a temporary directory) that a test can
+//! make fail on demand ([`Store::fail_appends`]).
+
+use std::sync::{Arc, Mutex};
+
+use tiller_core::TurnConfig;
+use tiller_engine::ScriptedEngine;
+use tiller_session::{EventRecord, SessionConfig, Sessions, Subscriber};
+pub use tiller_store::Store;
+
+/// The session config tests use: short bounds, small queues.
+pub fn session_config() -> SessionConfig {
+    SessionConfig {
+        turn: TurnConfig {
+            steer_receipt_timeout: 200,
+            cancel_grace: 200,
+            stall_timeout: 2_000,
+            max_queued_prompts: 2,
+            max_turn_events: 100_000,
+        },
+        max_sessions: 3,
+        loops: Default::default(),
+        permission_mode: Default::default(),
+        notification_cap: 32,
+        delivery: Default::default(),
+        delivery_wake: None,
+        tools: Default::default(),
+    }
+}
+
+/// A started registry on the scripted engine, and its store.
+pub async fn sessions(dir: &tempfile::TempDir) -> (Sessions, Store) {
+    let store = Store::open(&dir.path().join("t.db")).expect("open the test store");
+    let sessions = Sessions::start(
+        store.clone(),
+        tiller_session::Engines::single(Arc::new(ScriptedEngine)),
+        session_config(),
+    )
+    .await
+    .expect("start the sessions");
+    (sessions, store)
+}
+
+/// A subscriber that keeps every event it is sent.
+#[derive(Clone, Default)]
+pub struct Collect(pub Arc<Mutex<Vec<Arc<EventRecord>>>>);
+
+impl Collect {
+    /// What it received so far.
+    pub fn events(&self) -> Vec<Arc<EventRecord>> {
+        self.0.lock().expect("not poisoned").clone()
+    }
+}
+
+impl Subscriber for Collect {
+    fn deliver(&self, e: &Arc<EventRecord>) -> bool {
+        self.0.lock().expect("not poisoned").push(e.clone());
+        true
+    }
+}
+
+/// The kinds of `events`, in order.
+pub fn kinds<E: std::borrow::Borrow<EventRecord>>(events: &[E]) -> Vec<&'static str> {
+    events.iter().map(|e| e.borrow().body.kind()).collect()
+}
