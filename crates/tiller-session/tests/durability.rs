@@ -149,3 +149,39 @@ async fn a_close_the_store_cannot_record_is_an_error() {
     let listed = s.list(None, 10).await.unwrap();
     assert!(listed.sessions.iter().any(|r| r.id == h.id()));
 }
+
+#[tokio::test]
+async fn a_notification_whose_start_was_never_stored_is_still_queued_and_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    // The start of the notification's turn is lost, as in a crash between
+    // taking it off the queue and storing its start.
+    store.fail_appends(true);
+    s.notify(h.id(), "t1".into(), r#"{"script": [{"say": "ran t1"}]}"#.into())
+        .await
+        .unwrap();
+    // Longer than the terminal's retries: the session fails.
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    store.fail_appends(false);
+    // The queue still holds it, and it runs once the session is back (a
+    // prompt's end is when an idle session polls its queues).
+    let h = s.open(h.id()).await.unwrap();
+    let (_, rx) = h
+        .prompt("hello".into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    rx.await.unwrap();
+    let mut ran = false;
+    for _ in 0..100 {
+        let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+        ran = log.iter().any(|e| matches!(&e.body, EventBody::UserMessage { text } if text.contains("ran t1")))
+            && log.iter().any(|e| e.body.kind() == "turn_complete");
+        if ran {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ran, "the notification was lost");
+}

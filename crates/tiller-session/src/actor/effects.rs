@@ -1,0 +1,278 @@
+//! Carrying out the core's effects, in order, and starting turns.
+
+use super::*;
+
+impl SessionState {
+    pub(super) async fn feed(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        input: Input,
+        content: Option<SignalKind>,
+    ) {
+        let fx = self.core.on(self.now(), input);
+        self.apply(myself, fx, content).await;
+    }
+
+    /// Carries out the core's effects in order.
+    pub(super) async fn apply(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        fx: Vec<Effect>,
+        mut content: Option<SignalKind>,
+    ) {
+        let mut trip = None;
+        for e in fx {
+            if self.failed.is_some() {
+                return; // the session is failing: its state is not the log's
+            }
+            match e {
+                Effect::Queued { .. }
+                | Effect::Rejected { .. }
+                | Effect::SteerAnswer { .. }
+                | Effect::ForwardSteer { .. } => {} // handled by the caller
+                Effect::StartTurn {
+                    prompt,
+                    turn,
+                    origin,
+                } => self.start_turn(myself, prompt, turn, origin).await,
+                Effect::Deliver { turn } => {
+                    if let Some(kind) = content.take()
+                        && let Some(loop_type) = self.deliver(turn, kind)
+                    {
+                        trip = Some(Input::LoopTrip { turn, loop_type });
+                    }
+                }
+                Effect::LoopStopped {
+                    prompt,
+                    turn,
+                    loop_type,
+                } => {
+                    self.loop_stopped = Some(prompt);
+                    self.publish(
+                        Some(prompt),
+                        Some(turn),
+                        EventBody::LoopStopped {
+                            loop_type: loop_type.as_str().into(),
+                            message: tiller_core::ErrorKind::LoopDetected(loop_type)
+                                .default_message(),
+                        },
+                    );
+                }
+                Effect::SteerConsumed {
+                    steer,
+                    prompt,
+                    turn,
+                } => {
+                    self.steers.remove(&steer);
+                    metrics::counter!("tiller_steer_receipts_total", "kind" => "consumed")
+                        .increment(1);
+                    self.publish(
+                        Some(prompt),
+                        Some(turn),
+                        EventBody::SteerConsumed {
+                            steer_id: steer.to_string(),
+                        },
+                    );
+                }
+                Effect::SteerDropped {
+                    steer,
+                    reason,
+                    prompt,
+                    turn,
+                } => {
+                    let text = self.steers.remove(&steer).unwrap_or_default();
+                    match reason {
+                        SteerDropReason::Engine => {
+                            metrics::counter!("tiller_steer_receipts_total", "kind" => "dropped")
+                                .increment(1);
+                        }
+                        SteerDropReason::ReceiptTimeout => {
+                            metrics::counter!("tiller_steer_receipt_timeouts_total").increment(1);
+                        }
+                        _ => {}
+                    }
+                    self.publish(
+                        Some(prompt),
+                        Some(turn),
+                        EventBody::SteerDropped {
+                            steer_id: steer.to_string(),
+                            text,
+                            reason: drop_reason_label(reason).into(),
+                        },
+                    );
+                }
+                Effect::AbortEngine { turn, teardown } => {
+                    self.abandon_permission(turn);
+                    if let Some(run) = self.running.as_ref().filter(|r| r.turn == turn) {
+                        run.handle.send(EngineInput::Abort);
+                        if teardown {
+                            run.handle.teardown();
+                        }
+                    }
+                }
+                Effect::Settled {
+                    prompt,
+                    turn,
+                    origin,
+                    terminal,
+                } => self.settle(prompt, turn, origin, terminal).await,
+                // An engine task ending after its turn settled is no stale signal.
+                Effect::Stale { .. } if matches!(content, Some(SignalKind::Exited(_))) => {}
+                Effect::Stale { .. } => {
+                    metrics::counter!("tiller_stale_signals_total").increment(1);
+                }
+                Effect::WatchdogFired { kind } => {
+                    let kind = match kind {
+                        tiller_core::WatchdogKind::Stall => "stall",
+                        tiller_core::WatchdogKind::CancelGrace => "cancel_grace",
+                        tiller_core::WatchdogKind::SteerReceipt => "steer_receipt",
+                    };
+                    tracing::warn!(kind, "watchdog fired");
+                    metrics::counter!("tiller_watchdog_fired_total", "kind" => kind).increment(1);
+                }
+                Effect::ArmTimer { at } => self.arm(myself, at),
+                Effect::Poll { origin, poll } => {
+                    if !self.automation.poll(origin, self.id, poll, myself) {
+                        // No actor for that queue: nothing is due there.
+                        let _ = myself.send_message(SessionMsg::Offer {
+                            origin,
+                            poll,
+                            work: None,
+                        });
+                    }
+                }
+                Effect::OfferRefused { prompt, .. } => {
+                    // Still queued in the store: offered again at the next poll.
+                    self.pending.remove(&prompt);
+                }
+                Effect::Idle => {
+                    tracing::debug!("session idle");
+                    for d in self.drained.drain(..) {
+                        let _ = d.send(());
+                    }
+                    if self.closing {
+                        myself.stop(Some("closed".into()));
+                    }
+                }
+            }
+        }
+        // A loop trip found while delivering content is the core's next input.
+        if let Some(input) = trip {
+            let fx = self.core.on(self.now(), input);
+            Box::pin(self.apply(myself, fx, None)).await;
+        }
+    }
+
+    pub(super) async fn start_turn(
+        &mut self,
+        myself: &ActorRef<SessionMsg>,
+        prompt: PromptId,
+        turn: TurnId,
+        origin: Origin,
+    ) {
+        let Some((prepared, queued)) = self
+            .pending
+            .get_mut(&prompt)
+            .and_then(|p| Some((p.prepared.take()?, p.queued)))
+        else {
+            tracing::error!(%prompt, "started a prompt with no content");
+            return;
+        };
+        let span = tracing::info_span!(parent: &self.span, "turn", %turn, %prompt, origin = origin.as_str());
+        span.in_scope(|| tracing::info!("turn started"));
+        // A queued prompt already has its admission event; announce the start.
+        if queued {
+            metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
+            let claim = self
+                .pending
+                .get(&prompt)
+                .and_then(|p| p.work.as_ref())
+                .and_then(Work::claim);
+            if let Some(tiller_store::Claim::Notification(_)) = claim {
+                metrics::gauge!("tiller_notifications_queued").decrement(1.0);
+            }
+            self.publish_with(
+                Some(prompt),
+                Some(turn),
+                EventBody::PromptStarted {
+                    origin: origin.as_str().into(),
+                },
+                claim,
+            );
+        }
+        self.publish(
+            Some(prompt),
+            Some(turn),
+            EventBody::UserMessage {
+                text: prepared.text.clone(),
+            },
+        );
+        let actor = myself.clone();
+        let pace = self.pace.clone();
+        let sink: tiller_engine::SignalSink = Arc::new(move |sig| {
+            pace.sent();
+            let _ = actor.send_message(SessionMsg::Engine(sig));
+        });
+        let ctx = TurnContext {
+            conversation: self.conversation.clone(),
+            tools: Arc::new(self.toolbox.specs()),
+            model: self.model.clone(),
+            pace: self.pace.clone(),
+        };
+        let mut handle = {
+            let _g = span.enter();
+            self.engine.start(turn, prepared, ctx, sink.clone())
+        };
+        // An engine task that ends (or panics) without its terminal settles
+        // the turn at once, not at the stall bound.
+        handle.watch(move |panic| {
+            sink(EngineSignal {
+                turn,
+                kind: SignalKind::Exited(panic),
+            });
+        });
+        self.running = Some(RunningEngine {
+            turn,
+            prompt,
+            origin,
+            handle,
+            guard: LoopGuard::new(self.loops.clone()),
+            text: String::new(),
+            batch: None,
+            exec: None,
+            stopping: false,
+            span,
+        });
+    }
+
+    pub(super) fn arm(&mut self, myself: &ActorRef<SessionMsg>, at: Option<Millis>) {
+        if let Some(t) = self.timer.take() {
+            t.abort();
+        }
+        if let Some(at) = at {
+            let delay = Duration::from_millis(at.saturating_sub(self.now()));
+            self.timer = Some(myself.send_after(delay, || SessionMsg::Tick));
+        }
+    }
+}
+
+pub(super) fn core_signal(kind: &SignalKind) -> Signal {
+    match kind {
+        SignalKind::Update(_) => Signal::Update,
+        SignalKind::ToolBatch(_) => Signal::ToolBatch,
+        SignalKind::Result(r) => Signal::Result(*r),
+        SignalKind::Idle => Signal::Idle,
+        SignalKind::SteerReceipt(s, r) => Signal::SteerReceipt(*s, *r),
+        SignalKind::Failed(k, m) => Signal::Failed(*k, m.clone()),
+        SignalKind::Exited(panic) => Signal::Exited(panic.clone()),
+    }
+}
+
+pub(super) fn drop_reason_label(r: SteerDropReason) -> &'static str {
+    match r {
+        SteerDropReason::Engine => "engine",
+        SteerDropReason::TurnEnded => "turn_ended",
+        SteerDropReason::ReceiptTimeout => "receipt_timeout",
+        SteerDropReason::Cancelled => "cancelled",
+    }
+}

@@ -1,0 +1,196 @@
+//! The session's message loop: each message becomes core inputs.
+
+use super::*;
+
+impl SessionState {
+    pub(super) fn now(&self) -> Millis {
+        self.epoch.elapsed().as_millis() as Millis
+    }
+
+    pub(super) async fn handle(&mut self, myself: &ActorRef<SessionMsg>, msg: SessionMsg) {
+        self.input_at = tokio::time::Instant::now();
+        match msg {
+            SessionMsg::Prompt {
+                text,
+                origin,
+                delivery,
+                admitted,
+                settled,
+            } => {
+                self.prompt(myself, text, origin, delivery, admitted, settled)
+                    .await;
+            }
+            SessionMsg::Steer {
+                text,
+                prompt_required,
+                reply,
+            } => self.steer(myself, text, prompt_required, reply).await,
+            SessionMsg::Cancel => {
+                if self.core.active().is_some() && !self.core.is_cancelling() {
+                    self.cancel_at = Some(tokio::time::Instant::now());
+                }
+                self.feed(myself, Input::Cancel, None).await;
+            }
+            SessionMsg::Engine(sig) => {
+                self.pace.handled();
+                let signal = core_signal(&sig.kind);
+                self.feed(
+                    myself,
+                    Input::Signal {
+                        turn: sig.turn,
+                        signal,
+                    },
+                    Some(sig.kind),
+                )
+                .await;
+            }
+            SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
+            SessionMsg::ToolDone { turn, id, output } => {
+                let trip = self.tool_done(turn, &id, output);
+                // The engine is silent while tools run: a finished call is
+                // the turn's progress (the stall bound restarts).
+                self.feed(myself, Input::ToolProgress { turn }, None).await;
+                if let Some(loop_type) = trip {
+                    self.feed(myself, Input::LoopTrip { turn, loop_type }, None)
+                        .await;
+                }
+            }
+            SessionMsg::SetMcp {
+                servers,
+                events,
+                done,
+            } => {
+                self.toolbox = Arc::new((*self.toolbox).clone().with_mcp(servers));
+                for body in events {
+                    self.publish(None, None, body);
+                }
+                let _ = done.send(());
+            }
+            SessionMsg::Options(reply) => {
+                let _ = reply.send(self.options());
+            }
+            SessionMsg::SetOption { id, value, reply } => {
+                let r = self.set_option(&id, &value).await;
+                let _ = reply.send(r);
+            }
+            SessionMsg::Kick => self.feed(myself, Input::Kick, None).await,
+            SessionMsg::Offer { origin, poll, work } => {
+                self.offer(myself, origin, poll, work).await;
+            }
+            SessionMsg::Automation { body, kick } => {
+                self.publish(None, None, body);
+                if kick {
+                    self.feed(myself, Input::Kick, None).await;
+                }
+            }
+            SessionMsg::CronFired { job_id } => {
+                self.publish(None, None, EventBody::CronFired { job_id });
+                self.feed(myself, Input::Kick, None).await;
+            }
+            SessionMsg::NotificationQueued {
+                task_id,
+                text,
+                deduplicated,
+                evicted,
+            } => {
+                for t in evicted {
+                    self.publish(None, None, EventBody::NotificationEvicted { task_id: t });
+                }
+                self.publish(
+                    None,
+                    None,
+                    EventBody::NotificationQueued {
+                        task_id,
+                        text,
+                        deduplicated,
+                    },
+                );
+                self.feed(myself, Input::Kick, None).await;
+            }
+            SessionMsg::Permission {
+                request_id,
+                option_id,
+                reply,
+            } => {
+                let trip = match self.permission(&request_id, &option_id) {
+                    Ok(trip) => {
+                        let _ = reply.send(Ok(()));
+                        if option_id == "allow_always" {
+                            self.save_settings().await;
+                        }
+                        Some(trip)
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        None
+                    }
+                };
+                if let (Some(trip), Some((_, turn))) = (trip, self.core.active()) {
+                    // A decision is progress too: the stall bound restarts
+                    // for what the call does next.
+                    self.feed(myself, Input::ToolProgress { turn }, None).await;
+                    if let Some(loop_type) = trip {
+                        self.feed(myself, Input::LoopTrip { turn, loop_type }, None)
+                            .await;
+                    }
+                }
+            }
+            SessionMsg::Subscribe {
+                id,
+                subscriber,
+                reply,
+            } => {
+                self.subscribers.push((id, subscriber));
+                metrics::gauge!("tiller_subscribers_active").increment(1.0);
+                let _ = reply.send(self.snapshot());
+            }
+            SessionMsg::Snapshot(reply) => {
+                let _ = reply.send(self.snapshot());
+            }
+            SessionMsg::Unsubscribe(id) => {
+                let before = self.subscribers.len();
+                self.subscribers.retain(|(s, _)| *s != id);
+                let removed = before - self.subscribers.len();
+                metrics::gauge!("tiller_subscribers_active").decrement(removed as f64);
+            }
+            #[cfg(feature = "test-hooks")]
+            SessionMsg::Crash => panic!("session actor crash requested by a test"),
+            SessionMsg::Drain(reply) => {
+                // Nothing starts any more; what runs is cancelled, what is
+                // queued settles. Work in the queue actors stays durable.
+                if self.core.active().is_none() && self.core.is_closing() {
+                    let _ = reply.send(());
+                } else {
+                    self.drained.push(reply);
+                    if self.core.active().is_some() {
+                        self.cancel_at = Some(tokio::time::Instant::now());
+                    }
+                    self.feed(myself, Input::Close, None).await;
+                }
+            }
+            SessionMsg::Close(reply) => {
+                if !self.closing {
+                    self.closing = true;
+                    if self.core.active().is_some() {
+                        self.cancel_at = Some(tokio::time::Instant::now());
+                    }
+                    self.feed(myself, Input::Close, None).await;
+                    // Answered only once the close is stored.
+                    let stored = match self
+                        .publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
+                        .await
+                    {
+                        Ok(()) => self.store.close_session(self.id).await,
+                        Err(e) => Err(e),
+                    };
+                    let _ = reply.send(stored.map_err(crate::SessionError::from));
+                } else {
+                    let _ = reply.send(Ok(()));
+                }
+                if self.core.active().is_none() {
+                    myself.stop(Some("closed".into()));
+                }
+            }
+        }
+    }
+}

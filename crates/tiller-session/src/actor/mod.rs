@@ -1,0 +1,480 @@
+//! The session actor: a thin shell around [`SessionCore`]. It stores and
+//! publishes events, runs the engine and the tool pipeline, and carries out
+//! the core's effects. Every rule about turns lives in the core.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tiller_core::{
+    Effect, IdleBehavior, Input, LoopConfig, LoopGuard, LoopType, Millis, Origin, PromptId,
+    Rejection, SessionCore, SessionId, Signal, SteerDropReason, SteerId, SteerOutcome, Terminal,
+    TurnId,
+};
+use tiller_engine::{
+    Conversation, Engine, EngineHandle, EngineInput, EngineSignal, PreparedPrompt, SignalKind,
+    ToolOutput, TurnContext, Update,
+};
+use tiller_store::{LedgerOp, LogHead, Store, StoreError};
+use tiller_tools::{ClientTools, McpServer, Toolbox};
+use tokio::sync::oneshot;
+use tracing::{Instrument, Span};
+
+mod admit;
+mod effects;
+mod handle;
+mod options;
+mod pipeline;
+mod publish;
+
+use effects::core_signal;
+use publish::Ledger;
+
+use crate::event::ConfigOption;
+use crate::event::{EventBody, EventRecord};
+use crate::tools::{Batch, Decision, PermissionMode, Permissions, Progress};
+use crate::{
+    PermissionRefused, PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber,
+    SubscriberId, TurnState,
+};
+
+/// Automatic work a queue actor offers a session.
+#[derive(Debug)]
+pub enum Work {
+    Notification(tiller_store::Notification),
+    Cron(tiller_store::CronFire),
+    /// A goal continuation (the goal re-offers; nothing to hand back).
+    Goal(String),
+}
+
+impl Work {
+    /// The queue row the prompt that runs it consumes (in the transaction
+    /// of its start: a crash before that leaves it queued).
+    fn claim(&self) -> Option<tiller_store::Claim> {
+        match self {
+            Work::Notification(n) => Some(tiller_store::Claim::Notification(n.id)),
+            Work::Cron(f) => Some(tiller_store::Claim::CronFire(f.id)),
+            Work::Goal(_) => None,
+        }
+    }
+
+    fn text(&self) -> &str {
+        match self {
+            Work::Notification(n) => &n.text,
+            Work::Cron(f) => &f.prompt,
+            Work::Goal(text) => text,
+        }
+    }
+}
+
+/// The queue actors a session polls when idle.
+#[derive(Clone, Default)]
+pub struct Automation {
+    pub notify: Option<ActorRef<crate::notify::NotifyMsg>>,
+    pub cron: Option<ActorRef<crate::cron::CronMsg>>,
+    pub goal: Option<ActorRef<crate::goal::GoalMsg>>,
+}
+
+impl Automation {
+    /// The queues to poll, in admission order: one notification, then due
+    /// cron fires.
+    fn origins(&self) -> Vec<Origin> {
+        let mut o = Vec::new();
+        if self.goal.is_some() {
+            o.push(Origin::Goal);
+        }
+        if self.notify.is_some() {
+            o.push(Origin::Notification);
+        }
+        if self.cron.is_some() {
+            o.push(Origin::Cron);
+        }
+        o
+    }
+
+    /// Asks the queue actor of `origin` for its next work (the answer comes
+    /// as `SessionMsg::Offer`). False when no actor can answer.
+    fn poll(
+        &self,
+        origin: Origin,
+        session: SessionId,
+        poll: u64,
+        reply_to: &ActorRef<SessionMsg>,
+    ) -> bool {
+        let reply_to = reply_to.clone();
+        match origin {
+            Origin::Notification => self.notify.as_ref().is_some_and(|a| {
+                a.send_message(crate::notify::NotifyMsg::Poll {
+                    session,
+                    poll,
+                    reply_to,
+                })
+                .is_ok()
+            }),
+            Origin::Cron => self.cron.as_ref().is_some_and(|a| {
+                a.send_message(crate::cron::CronMsg::Poll {
+                    session,
+                    poll,
+                    reply_to,
+                })
+                .is_ok()
+            }),
+            Origin::Goal => self.goal.as_ref().is_some_and(|a| {
+                a.send_message(crate::goal::GoalMsg::Poll {
+                    session,
+                    poll,
+                    reply_to,
+                })
+                .is_ok()
+            }),
+            Origin::Interactive | Origin::Channel => false,
+        }
+    }
+}
+
+/// How a prompt's terminal is reported to its owner.
+#[derive(Debug)]
+pub struct Settlement {
+    /// The prompt.
+    pub prompt: PromptId,
+    /// Its one terminal.
+    pub terminal: Terminal,
+}
+
+/// The closed set of messages a session handles.
+pub enum SessionMsg {
+    /// Run a prompt. `admitted` answers once it is stored (or refused);
+    /// `settled` answers with its terminal.
+    Prompt {
+        text: String,
+        origin: Origin,
+        /// A webhook to receive the final text on `end_turn`.
+        delivery: Option<String>,
+        admitted: Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
+        settled: Option<oneshot::Sender<Settlement>>,
+    },
+    /// Steer the running turn.
+    Steer {
+        text: String,
+        prompt_required: bool,
+        reply: oneshot::Sender<Result<SteerAnswer, PromptRefused>>,
+    },
+    /// `session/cancel`.
+    Cancel,
+    /// A queue actor may have work: poll if idle.
+    Kick,
+    /// A queue actor's answer to a poll.
+    Offer {
+        origin: Origin,
+        /// The poll it answers.
+        poll: u64,
+        work: Option<Work>,
+    },
+    /// An event from a queue actor to publish (goal changes), and whether
+    /// to poll afterwards.
+    Automation { body: EventBody, kick: bool },
+    /// A cron job of this session fired (its fire is queued).
+    CronFired { job_id: String },
+    /// A notification was queued for this session (already durable).
+    NotificationQueued {
+        task_id: String,
+        text: String,
+        deduplicated: bool,
+        evicted: Vec<String>,
+    },
+    /// A person's answer to a permission request.
+    Permission {
+        request_id: String,
+        option_id: String,
+        reply: oneshot::Sender<Result<(), PermissionRefused>>,
+    },
+    /// A signal from this session's engine.
+    Engine(EngineSignal),
+    /// A tool call that ran off the actor finished.
+    ToolDone {
+        turn: TurnId,
+        id: String,
+        output: ToolOutput,
+    },
+    /// The session's MCP servers (connected by the edge), and the events
+    /// that report them.
+    SetMcp {
+        servers: Vec<Arc<McpServer>>,
+        events: Vec<EventBody>,
+        done: oneshot::Sender<()>,
+    },
+    /// The session's options.
+    Options(oneshot::Sender<Vec<ConfigOption>>),
+    /// Change one option; answers the options after the change.
+    SetOption {
+        id: String,
+        value: String,
+        reply: oneshot::Sender<Result<Vec<ConfigOption>, String>>,
+    },
+    /// A timer armed by the core fired.
+    Tick,
+    /// Attach a subscriber; answers with the state at that instant, whose
+    /// `last_seq` is the last event already published (every later event
+    /// goes to the subscriber).
+    Subscribe {
+        id: SubscriberId,
+        subscriber: Box<dyn Subscriber>,
+        reply: oneshot::Sender<Snapshot>,
+    },
+    /// The server-owned state of the session.
+    Snapshot(oneshot::Sender<Snapshot>),
+    /// Detach a subscriber.
+    Unsubscribe(SubscriberId),
+    /// Close the session: cancel what runs, refuse new prompts, stop when idle.
+    Close(oneshot::Sender<Result<(), crate::SessionError>>),
+    /// Daemon shutdown: cancel what runs; answer once idle.
+    Drain(oneshot::Sender<()>),
+    /// Tests only: fail the actor, as a bug would.
+    #[cfg(feature = "test-hooks")]
+    Crash,
+}
+
+/// What a session needs to start.
+pub struct SessionArgs {
+    pub id: SessionId,
+    pub head: LogHead,
+    pub engine: Arc<dyn Engine>,
+    /// Every engine, for switching with `session/set_config_option`.
+    pub engines: crate::Engines,
+    pub store: Store,
+    pub config: Arc<SessionConfig>,
+    pub automation: Automation,
+    /// The session's working directory.
+    pub cwd: String,
+    /// What the store kept of the session (settings, conversation).
+    pub extras: tiller_store::SessionExtras,
+}
+
+/// Session options kept in the store (`session_state.settings`).
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Settings {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    model: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    permission_mode: Option<String>,
+    /// Tools the user allowed "always" in this session.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    always: Vec<String>,
+}
+
+/// A prompt admitted but not yet settled.
+struct Pending {
+    /// The engine's view of the prompt (taken when its turn starts).
+    prepared: Option<PreparedPrompt>,
+    /// The owner's terminal port.
+    settled: Option<oneshot::Sender<Settlement>>,
+    /// When it was admitted, for `turn_duration_seconds`.
+    admitted_at: Millis,
+    /// It waited in the queue, so its start is announced when it starts.
+    queued: bool,
+    /// The queue item it came from (consumed when its start is committed).
+    work: Option<Work>,
+    /// Where to deliver the final text on `end_turn`.
+    delivery: Option<String>,
+}
+
+/// The running engine and the turn it serves.
+struct RunningEngine {
+    turn: TurnId,
+    /// The prompt that owns the turn.
+    prompt: PromptId,
+    /// Labels loop metrics.
+    origin: Origin,
+    handle: EngineHandle,
+    /// This turn's loop guard (fresh per turn, dropped at settle).
+    guard: LoopGuard,
+    /// The agent text of the turn so far (the final text a delivery sends).
+    text: String,
+    /// The tool batch going through the pipeline (paused on a permission
+    /// or a running call).
+    batch: Option<Batch>,
+    /// The call running off the actor.
+    exec: Option<tokio::task::JoinHandle<()>>,
+    /// The turn is ending (cancel, settle): results no longer go to the
+    /// engine.
+    stopping: bool,
+    /// The turn's tracing span.
+    span: Span,
+}
+
+/// The session actor's state.
+pub struct SessionState {
+    id: SessionId,
+    core: SessionCore,
+    engine: Arc<dyn Engine>,
+    /// Every engine (the session may switch between turns).
+    engines: crate::Engines,
+    store: Store,
+    /// Loop protection settings for each new turn's guard.
+    loops: LoopConfig,
+    /// This actor (queue actors answer to it).
+    myself: ActorRef<SessionMsg>,
+    /// Session settings (delivery destinations and wake-up).
+    config: Arc<SessionConfig>,
+    /// The queue actors polled when idle.
+    automation: Automation,
+    /// The last prompt loop protection stopped (tells the goal actor).
+    loop_stopped: Option<PromptId>,
+    /// The permission mode and the tools allowed for the whole session.
+    permissions: Permissions,
+    /// The session's tools (built-ins in its cwd, MCP servers).
+    toolbox: Arc<Toolbox>,
+    /// The model conversation (model engines append to it).
+    conversation: Conversation,
+    /// The engine's signals waiting in this mailbox (engines wait while
+    /// it is high).
+    pace: Arc<tiller_engine::Pace>,
+    /// The conversation's revision already stored.
+    conversation_saved: u64,
+    /// The model chosen with `session/set_config_option`.
+    model: Option<String>,
+    /// The `permission_requested` the running turn waits on.
+    pending_permission: Option<Arc<EventRecord>>,
+    /// The last sequence number given out.
+    seq: u64,
+    /// Events appended without waiting since the last durable commit
+    /// (re-sent, same sequence numbers, if the store lost them).
+    unconfirmed: Vec<(Arc<EventRecord>, Option<LedgerOp>)>,
+    /// Set when the store failed: the actor fails after this message.
+    failed: Option<crate::SessionFailed>,
+    /// The last `turn_error`, while no newer turn has started (survives a
+    /// reload: restored from the log at start).
+    last_turn_error: Option<Arc<EventRecord>>,
+    /// Prompts admitted and not settled.
+    pending: HashMap<PromptId, Pending>,
+    /// Text of steers that may still be dropped (for `steer_dropped`).
+    steers: HashMap<SteerId, String>,
+    /// At most one engine runs.
+    running: Option<RunningEngine>,
+    /// Attached subscribers.
+    subscribers: Vec<(SubscriberId, Box<dyn Subscriber>)>,
+    /// The wake-up timer the core asked for.
+    timer: Option<tokio::task::JoinHandle<Result<(), ractor::MessagingErr<SessionMsg>>>>,
+    /// The actor's clock origin (time is an input to the core).
+    epoch: tokio::time::Instant,
+    /// When the message being handled arrived, for `settle_latency_seconds`
+    /// (deciding input to terminal sent).
+    input_at: tokio::time::Instant,
+    /// When a cancel arrived, for `cancel_latency_seconds`.
+    cancel_at: Option<tokio::time::Instant>,
+    /// Set by `Close`: refuse prompts, stop when idle.
+    closing: bool,
+    /// Answered at the next idle (daemon shutdown).
+    drained: Vec<oneshot::Sender<()>>,
+    /// The session span.
+    span: Span,
+}
+
+/// See the module docs.
+pub struct SessionActor;
+
+impl Actor for SessionActor {
+    type Msg = SessionMsg;
+    type State = SessionState;
+    type Arguments = SessionArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<SessionMsg>,
+        args: SessionArgs,
+    ) -> Result<SessionState, ActorProcessingErr> {
+        let last_turn_error = match args
+            .store
+            .last_of_kinds(args.id, &["prompt_started", "turn_error"])
+            .await?
+        {
+            Some(e) if e.kind == "turn_error" => EventRecord::from_stored(&e).map(Arc::new),
+            _ => None,
+        };
+        let span = tracing::info_span!("session", session = %args.id);
+        let settings: Settings = args
+            .extras
+            .settings
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok())
+            .unwrap_or_default();
+        let conversation: Vec<tiller_engine::Message> = args
+            .extras
+            .conversation
+            .as_deref()
+            .and_then(|s| serde_json::from_str(s).ok())
+            .unwrap_or_default();
+        let mode = settings
+            .permission_mode
+            .as_deref()
+            .and_then(PermissionMode::parse)
+            .unwrap_or(args.config.permission_mode);
+        Ok(SessionState {
+            toolbox: Arc::new(Toolbox::new(
+                args.cwd.clone().into(),
+                args.config.tools.clone(),
+            )),
+            conversation_saved: 0,
+            conversation: Conversation::new(conversation),
+            pace: Arc::default(),
+            model: settings.model,
+            id: args.id,
+            core: SessionCore::new(args.config.turn.clone(), args.head.last_turn)
+                .with_automatic(args.automation.origins()),
+            automation: args.automation,
+            config: args.config.clone(),
+            myself: myself.clone(),
+            loop_stopped: None,
+            engine: args.engine,
+            engines: args.engines,
+            store: args.store,
+            loops: args.config.loops.clone(),
+            permissions: Permissions::new(mode).with_always(settings.always),
+            pending_permission: None,
+            seq: args.head.last_seq,
+            unconfirmed: Vec::new(),
+            failed: None,
+            last_turn_error,
+            pending: HashMap::new(),
+            steers: HashMap::new(),
+            running: None,
+            subscribers: Vec::new(),
+            timer: None,
+            epoch: tokio::time::Instant::now(),
+            input_at: tokio::time::Instant::now(),
+            cancel_at: None,
+            closing: false,
+            drained: Vec::new(),
+            span,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<SessionMsg>,
+        msg: SessionMsg,
+        st: &mut SessionState,
+    ) -> Result<(), ActorProcessingErr> {
+        let span = st.span.clone();
+        // Boxed: the handling future exists only while a message is being
+        // handled, so an idle session's task stays small.
+        Box::pin(st.handle(&myself, msg).instrument(span)).await;
+        match st.failed.take() {
+            Some(why) => Err(Box::new(why)),
+            None => Ok(()),
+        }
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<SessionMsg>,
+        st: &mut SessionState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(t) = st.timer.take() {
+            t.abort();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,139 @@
+//! Session options (`session/set_config_option`) and what is kept of them.
+
+use super::*;
+
+impl SessionState {
+    /// The options a client may change.
+    pub(super) fn options(&self) -> Vec<ConfigOption> {
+        let mut v = Vec::new();
+        let engines = self.engines.names();
+        if engines.len() > 1 {
+            v.push(ConfigOption {
+                id: "engine".into(),
+                name: "Engine".into(),
+                category: "engine".into(),
+                current: self.engine.name().to_owned(),
+                choices: engines,
+            });
+        }
+        let models = self.engine.models();
+        if let Some(default) = models.first() {
+            v.push(ConfigOption {
+                id: "model".into(),
+                name: "Model".into(),
+                category: "model".into(),
+                current: self
+                    .model
+                    .clone()
+                    .filter(|m| models.contains(m))
+                    .unwrap_or_else(|| default.clone()),
+                choices: models.clone(),
+            });
+        }
+        v.push(ConfigOption {
+            id: "permission_mode".into(),
+            name: "Permission mode".into(),
+            category: "mode".into(),
+            current: self.permissions.mode.as_str().into(),
+            choices: ["ask", "accept-edits", "allow-all"]
+                .map(String::from)
+                .to_vec(),
+        });
+        v
+    }
+
+    pub(super) async fn set_option(
+        &mut self,
+        id: &str,
+        value: &str,
+    ) -> Result<Vec<ConfigOption>, String> {
+        let Some(opt) = self.options().into_iter().find(|o| o.id == id) else {
+            let known: Vec<String> = self.options().into_iter().map(|o| o.id).collect();
+            return Err(format!(
+                "unknown config option `{id}` (this session has: {})",
+                known.join(", ")
+            ));
+        };
+        if !opt.choices.iter().any(|c| c == value) {
+            return Err(format!(
+                "`{value}` is not a value of `{id}` (choices: {})",
+                opt.choices.join(", ")
+            ));
+        }
+        match id {
+            "engine" => {
+                let engine = self.engines.get(Some(value)).map_err(|e| e.to_string())?;
+                let root = self.toolbox.root();
+                if engine.uses_directory() && !root.is_dir() {
+                    return Err(format!(
+                        "engine `{value}` runs tools in the session's directory, and {} is not one",
+                        root.display()
+                    ));
+                }
+                // The next turn runs on it, with the whole conversation.
+                self.engine = engine;
+                if let Err(e) = self
+                    .store
+                    .save_state(self.id, tiller_store::StateColumn::Engine, value.to_owned())
+                    .await
+                {
+                    tracing::error!(error = %e, "cannot store the session's engine");
+                }
+                let models = self.engine.models();
+                self.model = self.model.take().filter(|m| models.contains(m));
+            }
+            "model" => self.model = Some(value.to_owned()),
+            _ => {
+                self.permissions.mode =
+                    PermissionMode::parse(value).expect("choices are valid modes");
+            }
+        }
+        self.save_settings().await;
+        let options = self.options();
+        self.publish(
+            None,
+            None,
+            EventBody::ConfigOptions {
+                options: options.clone(),
+            },
+        );
+        Ok(options)
+    }
+
+    /// Stores the session's options and "always allowed" tools.
+    pub(super) async fn save_settings(&mut self) {
+        let settings = Settings {
+            model: self.model.clone(),
+            // A session on the configured mode follows the config.
+            permission_mode: (self.permissions.mode != self.config.permission_mode)
+                .then(|| self.permissions.mode.as_str().into()),
+            always: self.permissions.always(),
+        };
+        let json = serde_json::to_string(&settings).expect("settings serialize");
+        if let Err(e) = self
+            .store
+            .save_state(self.id, tiller_store::StateColumn::Settings, json)
+            .await
+        {
+            tracing::error!(error = %e, "cannot store the session's settings");
+        }
+    }
+
+    /// Stores the conversation when a turn added to it.
+    pub(super) async fn save_conversation(&mut self) {
+        let revision = self.conversation.revision();
+        if revision == self.conversation_saved {
+            return;
+        }
+        self.conversation_saved = revision;
+        let msgs = self.conversation.snapshot();
+        let json = serde_json::to_string(&msgs).expect("messages serialize");
+        if let Err(e) = self
+            .store
+            .save_state(self.id, tiller_store::StateColumn::Conversation, json)
+            .await
+        {
+            tracing::error!(error = %e, "cannot store the conversation");
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! The tool pipeline's shell: delivering engine content, permissions and
+//! finished calls (the rules are in `crate::tools`).
+
+use super::*;
+
+impl SessionState {
+    /// Publishes or runs a signal's content. Returns a loop trip, if the
+    /// tool pipeline's guard found one.
+    pub(super) fn deliver(&mut self, turn: TurnId, kind: SignalKind) -> Option<LoopType> {
+        let prompt = self.core.active().map(|(p, _)| p);
+        // Only a tool batch needs what running calls takes.
+        let exec = matches!(kind, SignalKind::ToolBatch(_)).then(|| Exec::of(self));
+        let run = self.running.as_mut().filter(|r| r.turn == turn)?;
+        let (events, trip) = match kind {
+            SignalKind::Update(Update::Text(text)) => {
+                let trip = run.guard.text(&text).err();
+                run.text.push_str(&text);
+                (vec![EventBody::AgentMessageChunk { text }], trip)
+            }
+            SignalKind::Update(Update::Thought(text)) => {
+                (vec![EventBody::AgentThoughtChunk { text }], None)
+            }
+            SignalKind::Update(Update::Usage { input, output }) => (
+                vec![EventBody::Usage {
+                    input_tokens: input,
+                    output_tokens: output,
+                }],
+                None,
+            ),
+            SignalKind::Update(Update::Plan(entries)) => (
+                vec![EventBody::Plan {
+                    entries: entries
+                        .into_iter()
+                        .map(|(content, status)| crate::event::PlanEntry { content, status })
+                        .collect(),
+                }],
+                None,
+            ),
+            SignalKind::ToolBatch(calls) => {
+                // Nobody answers for an automatic turn: calls that would
+                // ask are refused at once.
+                let mut batch = Batch::new(calls).unattended(run.origin != Origin::Interactive);
+                let mut events = Vec::new();
+                let progress = batch.advance(&mut run.guard, &self.permissions, &mut events);
+                run.batch = Some(batch);
+                let exec = exec.as_ref().expect("made for tool batches");
+                (events, batch_progress(run, progress, exec))
+            }
+            _ => (Vec::new(), None),
+        };
+        if let Some(loop_type) = trip {
+            run.span.in_scope(|| {
+                tracing::warn!(loop_type = loop_type.as_str(), "loop protection tripped");
+            });
+            metrics::counter!(
+                "tiller_loop_detected_total",
+                "loop_type" => loop_type.as_str(),
+                "origin" => run.origin.as_str()
+            )
+            .increment(1);
+        }
+        for body in events {
+            self.publish(prompt, Some(turn), body);
+        }
+        trip
+    }
+
+    /// Applies a person's decision to the paused batch. Returns a loop trip
+    /// found while the batch went on.
+    pub(super) fn permission(
+        &mut self,
+        request_id: &str,
+        option_id: &str,
+    ) -> Result<Option<LoopType>, PermissionRefused> {
+        let unknown = || PermissionRefused::Unknown(request_id.to_owned());
+        let prompt = self.core.active().map(|(p, _)| p);
+        let exec = Exec::of(self);
+        let run = self.running.as_mut().ok_or_else(unknown)?;
+        let batch = run.batch.as_mut().ok_or_else(unknown)?;
+        if batch.waiting().map(|(w, _)| w.request_id.as_str()) != Some(request_id) {
+            return Err(unknown());
+        }
+        let decision = Decision::from_option(option_id)
+            .ok_or_else(|| PermissionRefused::BadOption(option_id.to_owned()))?;
+        let mut events = Vec::new();
+        let progress = batch.decide(decision, &mut run.guard, &mut self.permissions, &mut events);
+        let turn = run.turn;
+        let trip = batch_progress(run, progress, &exec);
+        for body in events {
+            self.publish(prompt, Some(turn), body);
+        }
+        Ok(trip)
+    }
+
+    /// A turn that ends (cancel, settle) while a call waits for permission
+    /// or runs resolves it as cancelled (a running call is stopped), so no
+    /// call stays pending.
+    pub(super) fn abandon_permission(&mut self, turn: TurnId) {
+        let exec = Exec::of(self);
+        let Some(run) = self.running.as_mut().filter(|r| r.turn == turn) else {
+            return;
+        };
+        run.stopping = true;
+        if let Some(task) = run.exec.take() {
+            task.abort();
+        }
+        let prompt = Some(run.prompt);
+        let Some(batch) = run.batch.as_mut() else {
+            return;
+        };
+        let mut events = Vec::new();
+        let Some(progress) = batch.abandon(&mut run.guard, &mut self.permissions, &mut events)
+        else {
+            return;
+        };
+        batch_progress(run, progress, &exec);
+        for body in events {
+            self.publish(prompt, Some(turn), body);
+        }
+    }
+
+    /// A call that ran off the actor finished: the batch goes on. Returns
+    /// a loop trip found while it did.
+    pub(super) fn tool_done(
+        &mut self,
+        turn: TurnId,
+        id: &str,
+        output: ToolOutput,
+    ) -> Option<LoopType> {
+        let exec = Exec::of(self);
+        let run = self.running.as_mut().filter(|r| r.turn == turn)?;
+        let prompt = Some(run.prompt);
+        let batch = run.batch.as_mut()?;
+        if batch.running() != Some(id) {
+            return None; // abandoned meanwhile
+        }
+        run.exec = None;
+        let mut events = Vec::new();
+        let progress = batch.finish(id, output, &mut run.guard, &self.permissions, &mut events);
+        let trip = batch_progress(run, progress, &exec);
+        for body in events {
+            self.publish(prompt, Some(turn), body);
+        }
+        trip
+    }
+}
+
+/// What running a call off the actor needs.
+pub(super) struct Exec {
+    toolbox: Arc<Toolbox>,
+    client: Option<Arc<dyn ClientTools>>,
+    actor: ActorRef<SessionMsg>,
+    conversation: Conversation,
+}
+
+impl Exec {
+    /// Adds a batch's results to the conversation (for an engine that will
+    /// not see them).
+    pub(super) fn record(&self, results: Vec<tiller_engine::ToolResult>) {
+        for r in results {
+            self.conversation.push(tiller_engine::Message::ToolResult {
+                id: r.id,
+                ok: r.output.ok,
+                output: r.output.output,
+            });
+        }
+    }
+
+    /// The newest attached client that offers file or terminal methods
+    /// acts for the session.
+    pub(super) fn of(st: &SessionState) -> Exec {
+        Exec {
+            toolbox: st.toolbox.clone(),
+            client: st
+                .subscribers
+                .iter()
+                .rev()
+                .find_map(|(_, s)| s.client_tools()),
+            actor: st.myself.clone(),
+            conversation: st.conversation.clone(),
+        }
+    }
+}
+
+/// Hands a batch's results to the engine once it is done, or starts the
+/// call it waits on. Returns the loop trip that stopped it, if any.
+pub(super) fn batch_progress(
+    run: &mut RunningEngine,
+    progress: Progress,
+    exec: &Exec,
+) -> Option<LoopType> {
+    match progress {
+        // The turn is ending: the engine is about to be stopped and must
+        // not take the results as a cue to call its model again. The
+        // conversation still records every result.
+        Progress::Done(results) if run.stopping => {
+            run.batch = None;
+            exec.record(results);
+            None
+        }
+        Progress::Waiting => None,
+        Progress::Run(call) => {
+            let (toolbox, client, actor) = (
+                exec.toolbox.clone(),
+                exec.client.clone(),
+                exec.actor.clone(),
+            );
+            let turn = run.turn;
+            let task = async move {
+                let output = toolbox.run(&call, client).await;
+                let _ = actor.send_message(SessionMsg::ToolDone {
+                    turn,
+                    id: call.id,
+                    output,
+                });
+            };
+            run.exec = Some(tokio::spawn(task.instrument(run.span.clone())));
+            None
+        }
+        Progress::Done(results) => {
+            run.batch = None;
+            run.handle.send(EngineInput::ToolResults(results));
+            None
+        }
+        Progress::Tripped(loop_type, results) => {
+            // As above: the trip stops the engine; skipped calls included.
+            run.batch = None;
+            exec.record(results);
+            Some(loop_type)
+        }
+    }
+}

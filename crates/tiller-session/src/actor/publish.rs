@@ -1,0 +1,279 @@
+//! Publishing: sequence numbers, durable appends and their failures,
+//! fan-out, terminals and snapshots.
+
+use super::*;
+
+impl SessionState {
+    pub(super) async fn settle(
+        &mut self,
+        prompt: PromptId,
+        turn: Option<TurnId>,
+        origin: Origin,
+        terminal: Terminal,
+    ) {
+        let now = self.now();
+        let pending = self.pending.remove(&prompt);
+        if turn.is_none() {
+            // A queued prompt settled without running.
+            metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
+        }
+        if let Some(t) = turn {
+            self.abandon_permission(t);
+        }
+        let final_text = self
+            .running
+            .as_ref()
+            .filter(|r| Some(r.turn) == turn)
+            .map(|r| r.text.clone());
+        if let Some(run) = self.running.take_if(|r| Some(r.turn) == turn) {
+            run.span
+                .in_scope(|| tracing::info!(outcome = terminal.outcome_label(), "turn settled"));
+            drop(run); // the engine never outlives its turn
+            self.save_conversation().await;
+        }
+        if terminal == Terminal::Completed(tiller_core::StopReason::Cancelled)
+            && let Some(at) = self.cancel_at.take()
+            && turn.is_some()
+        {
+            metrics::histogram!("tiller_cancel_latency_seconds").record(at.elapsed().as_secs_f64());
+        }
+        let body = match &terminal {
+            Terminal::Completed(r) => EventBody::TurnComplete {
+                stop_reason: r.as_str().into(),
+            },
+            Terminal::Failed { kind, message } => EventBody::TurnError {
+                error_kind: kind.as_str().into(),
+                message: message.clone(),
+                loop_type: kind.loop_type().map(|t| t.as_str().into()),
+                code: kind.loop_type().map(|_| "LOOP_DETECTED".into()),
+            },
+        };
+        // The delivery of the final text commits with the terminal.
+        let ledger = match (pending.as_ref().and_then(|p| p.delivery.clone()), &terminal) {
+            (Some(url), Terminal::Completed(tiller_core::StopReason::EndTurn)) => {
+                Ledger::Deliver(tiller_store::Delivery {
+                    id: 0,
+                    url,
+                    session: self.id,
+                    prompt,
+                    text: final_text.unwrap_or_default(),
+                    stop_reason: "end_turn".into(),
+                    attempts: 0,
+                    next_at_ms: unix_ms(),
+                })
+            }
+            _ => Ledger::Plain,
+        };
+        let delivers = matches!(ledger, Ledger::Deliver(_));
+        let terminal = match self.publish_durable(Some(prompt), turn, body, ledger).await {
+            Ok(()) => terminal,
+            // Not stored: the owner hears what the log will say once the
+            // failed session is reconciled.
+            Err(_) => Terminal::failed(tiller_core::ErrorKind::StoreUnavailable),
+        };
+        if self.failed.is_none() {
+            if delivers && let Some(w) = &self.config.delivery_wake {
+                w.notify_one();
+            }
+            if origin == Origin::Goal
+                && turn.is_some()
+                && let Some(goal) = &self.automation.goal
+            {
+                let _ = goal.send_message(crate::goal::GoalMsg::TurnEnded {
+                    session: self.id,
+                    loop_stopped: self.loop_stopped == Some(prompt),
+                    reply_to: self.myself.clone(),
+                });
+            }
+        }
+        metrics::counter!(
+            "tiller_turns_settled_total",
+            "origin" => origin.as_str(),
+            "outcome" => terminal.outcome_label()
+        )
+        .increment(1);
+        if let Some(p) = pending {
+            metrics::histogram!("tiller_turn_duration_seconds", "origin" => origin.as_str())
+                .record(now.saturating_sub(p.admitted_at) as f64 / 1000.0);
+            if let Some(tx) = p.settled {
+                let _ = tx.send(Settlement { prompt, terminal });
+            }
+        }
+        metrics::histogram!("tiller_settle_latency_seconds")
+            .record(self.input_at.elapsed().as_secs_f64());
+    }
+
+    pub(super) fn snapshot(&self) -> Snapshot {
+        let (state, active_prompt) = match self.core.active() {
+            None => (TurnState::Idle, None),
+            Some((p, _)) if self.core.is_cancelling() => (TurnState::Cancelling, Some(p)),
+            Some((p, _)) => (TurnState::Running, Some(p)),
+        };
+        Snapshot {
+            state,
+            active_prompt,
+            queued: self.core.queued().collect(),
+            // Only while idle: a running turn is newer content.
+            last_turn_error: self
+                .last_turn_error
+                .clone()
+                .filter(|_| state == TurnState::Idle),
+            pending_permission: self.pending_permission.clone(),
+            last_seq: self.seq,
+        }
+    }
+
+    /// Gives an event the next sequence number.
+    pub(super) fn record(
+        &mut self,
+        prompt: Option<PromptId>,
+        turn: Option<TurnId>,
+        body: EventBody,
+    ) -> Arc<EventRecord> {
+        self.seq += 1;
+        Arc::new(EventRecord {
+            session: self.id,
+            seq: self.seq,
+            ts_ms: unix_ms(),
+            prompt,
+            turn,
+            body,
+        })
+    }
+
+    /// Keeps what the session's state shows of a published event.
+    pub(super) fn remember(&mut self, rec: &Arc<EventRecord>) {
+        match rec.body {
+            EventBody::PermissionRequested { .. } => self.pending_permission = Some(rec.clone()),
+            EventBody::PermissionResolved { .. } => self.pending_permission = None,
+            EventBody::TurnError { .. } => self.last_turn_error = Some(rec.clone()),
+            // Newer turn content supersedes the error.
+            EventBody::PromptStarted { .. } => self.last_turn_error = None,
+            _ => {}
+        }
+    }
+
+    pub(super) fn fan_out(&mut self, rec: &Arc<EventRecord>) {
+        self.remember(rec);
+        metrics::counter!("tiller_events_published_total").increment(1);
+        let before = self.subscribers.len();
+        self.subscribers.retain(|(_, s)| s.deliver(rec));
+        let evicted = before - self.subscribers.len();
+        if evicted > 0 {
+            metrics::counter!("tiller_subscriber_evictions_total").increment(evicted as u64);
+            metrics::gauge!("tiller_subscribers_active").decrement(evicted as f64);
+        }
+    }
+
+    /// Appends an event (ordered, not awaited) and fans it out.
+    pub(super) fn publish(
+        &mut self,
+        prompt: Option<PromptId>,
+        turn: Option<TurnId>,
+        body: EventBody,
+    ) {
+        self.publish_with(prompt, turn, body, None);
+    }
+
+    /// [`Self::publish`], for a start that consumes queued work.
+    pub(super) fn publish_with(
+        &mut self,
+        prompt: Option<PromptId>,
+        turn: Option<TurnId>,
+        mut body: EventBody,
+        claim: Option<tiller_store::Claim>,
+    ) {
+        if let EventBody::ToolCall {
+            name,
+            input,
+            locations,
+            ..
+        } = &mut body
+        {
+            *locations = self.toolbox.locations(name, input);
+        }
+        let rec = self.record(prompt, turn, body);
+        let mut op = rec.ledger_op();
+        if let Some(LedgerOp::Admit { consumes, .. }) = &mut op {
+            *consumes = claim;
+        }
+        self.store.append(rec.to_stored(), op.clone());
+        self.unconfirmed.push((rec.clone(), op));
+        self.fan_out(&rec);
+    }
+
+    /// Appends an event, waits for its commit, and only then fans it out.
+    /// `retries` is how often a failure the store may recover from is
+    /// retried (the log is reopened and what it lost sent again, with the
+    /// sequence numbers clients already saw). On error nobody saw the
+    /// event, and the session fails once the current message is handled:
+    /// its in-memory state is no longer the log's, so it is rebuilt from
+    /// the store and its unsettled prompts are reconciled.
+    pub(super) async fn publish_durable(
+        &mut self,
+        prompt: Option<PromptId>,
+        turn: Option<TurnId>,
+        body: EventBody,
+        ledger: Ledger,
+    ) -> Result<(), StoreError> {
+        let rec = self.record(prompt, turn, body);
+        let mut op = rec.ledger_op();
+        if let (Some(LedgerOp::Settle { delivery, .. }), Ledger::Deliver(d)) = (&mut op, &ledger) {
+            *delivery = Some(d.clone());
+        }
+        let retries = if matches!(ledger, Ledger::Admission) {
+            0
+        } else {
+            3
+        };
+        let mut attempt = 0;
+        loop {
+            let r = self.store.append_durable(rec.to_stored(), op.clone()).await;
+            match r {
+                Ok(()) => {
+                    self.unconfirmed.clear();
+                    self.fan_out(&rec);
+                    return Ok(());
+                }
+                Err(e) if attempt < retries && e.is_unavailable() => {
+                    attempt += 1;
+                    tracing::warn!(error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(100 << (2 * attempt))).await;
+                    if let Ok(head) = self.store.reopen_log(self.id).await {
+                        for (u, op) in self
+                            .unconfirmed
+                            .iter()
+                            .filter(|(u, _)| u.seq > head.last_seq)
+                        {
+                            self.store.append(u.to_stored(), op.clone());
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, seq = rec.seq, "durable append failed; the session stops");
+                    self.failed = Some(crate::SessionFailed::StoreUnavailable);
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// What a durable event carries besides its ledger change.
+pub(super) enum Ledger {
+    /// An admission: refused at once if it cannot be stored (the caller
+    /// retries; nothing was acknowledged).
+    Admission,
+    /// Anything else durable: retried before the session gives up.
+    Plain,
+    /// A terminal with the webhook delivery of its final text.
+    Deliver(tiller_store::Delivery),
+}
+
+/// Wall-clock time for event timestamps (display only; ordering is `seq`).
+pub(super) fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,423 @@
+//! The [`Sessions`] facade: what edges call to create, open, list and
+//! drive sessions. Validation of what they send lives here, once.
+
+use super::*;
+
+/// Entry point for edges: create, open, list sessions.
+#[derive(Clone)]
+pub struct Sessions {
+    registry: ActorRef<RegistryMsg>,
+    notify: ActorRef<notify::NotifyMsg>,
+    cron: ActorRef<cron::CronMsg>,
+    goal: ActorRef<goal::GoalMsg>,
+    store: Store,
+    engines: Engines,
+    next_subscriber: Arc<AtomicU64>,
+    /// The tools' settings (MCP servers are connected under its policy).
+    tools: Arc<tiller_tools::ToolsConfig>,
+}
+
+impl Sessions {
+    /// Starts the registry.
+    pub async fn start(
+        store: Store,
+        engines: Engines,
+        config: SessionConfig,
+    ) -> Result<Sessions, SessionError> {
+        let reconciled = reconcile(&store, None, tiller_core::ErrorKind::DaemonRestarted).await?;
+        if reconciled > 0 {
+            tracing::warn!(
+                prompts = reconciled,
+                "prompts in flight when the daemon stopped got a daemon_restarted error"
+            );
+        }
+        let cap = config.notification_cap;
+        let (notify, _) = Actor::spawn(None, notify::NotifyActor, (store.clone(), cap))
+            .await
+            .map_err(|e| SessionError::Internal(e.to_string()))?;
+        let (cron, _) = Actor::spawn(None, cron::CronActor, store.clone())
+            .await
+            .map_err(|e| SessionError::Internal(e.to_string()))?;
+        let (goal, _) = Actor::spawn(None, goal::GoalActor, store.clone())
+            .await
+            .map_err(|e| SessionError::Internal(e.to_string()))?;
+        let tools = config.tools.clone();
+        let args = RegistryArgs {
+            store: store.clone(),
+            automation: actor::Automation {
+                notify: Some(notify.clone()),
+                cron: Some(cron.clone()),
+                goal: Some(goal.clone()),
+            },
+            engines: engines.clone(),
+            config: Arc::new(config),
+        };
+        let (registry, _) = Actor::spawn(None, Registry, args)
+            .await
+            .map_err(|e| SessionError::Internal(e.to_string()))?;
+        let sessions = Sessions {
+            registry,
+            notify,
+            cron,
+            goal,
+            store,
+            engines,
+            next_subscriber: Arc::new(AtomicU64::new(1)),
+            tools,
+        };
+        // Work queued before a restart runs: wake the sessions it is for.
+        let (mut waiting, _) = sessions.store.notification_backlog().await?;
+        waiting.extend(sessions.store.cron_backlog().await?);
+        waiting.extend(sessions.store.goals_active().await?);
+        for id in waiting {
+            if let Ok(h) = sessions.open(id).await {
+                let _ = h.send(SessionMsg::Kick);
+            }
+        }
+        // The cron actor starts its timer (and catches up) once it can wake
+        // sessions.
+        let _ = sessions
+            .cron
+            .send_message(cron::CronMsg::Attach(sessions.clone()));
+        Ok(sessions)
+    }
+
+    /// Adds a cron job for a session. `Ok(Err(message))` for a bad schedule.
+    pub async fn cron_add(
+        &self,
+        session: SessionId,
+        schedule: String,
+        tz: String,
+        prompt: String,
+    ) -> Result<Result<tiller_store::CronJob, String>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.cron
+            .send_message(cron::CronMsg::Add {
+                session,
+                schedule,
+                tz,
+                prompt,
+                reply: tx,
+            })
+            .map_err(|_| SessionError::Stopped)?;
+        match rx.await.map_err(|_| SessionError::Stopped)? {
+            Ok(job) => Ok(Ok(job)),
+            Err(cron::CronError::Schedule(m)) => Ok(Err(m)),
+            Err(cron::CronError::Session(e)) => Err(e),
+        }
+    }
+
+    async fn goal_call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> goal::GoalMsg,
+    ) -> Result<T, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.goal
+            .send_message(make(tx))
+            .map_err(|_| SessionError::Stopped)?;
+        Ok(rx.await.map_err(|_| SessionError::Stopped)??)
+    }
+
+    /// Sets (replaces) a session's goal; its turns start when the session
+    /// is idle.
+    pub async fn goal_set(
+        &self,
+        id: SessionId,
+        objective: String,
+        max_turns: u32,
+    ) -> Result<tiller_store::GoalRow, SessionError> {
+        let handle = self.open(id).await?;
+        let row = self
+            .goal_call(|reply| goal::GoalMsg::Set {
+                session: id,
+                objective: objective.clone(),
+                max_turns,
+                reply,
+            })
+            .await?;
+        handle.send(SessionMsg::Automation {
+            body: EventBody::GoalSet {
+                objective,
+                max_turns,
+            },
+            kick: true,
+        })?;
+        Ok(row)
+    }
+
+    /// A session's goal.
+    pub async fn goal_get(
+        &self,
+        id: SessionId,
+    ) -> Result<Option<tiller_store::GoalRow>, SessionError> {
+        self.record(id).await?;
+        self.goal_call(|reply| goal::GoalMsg::Get { session: id, reply })
+            .await
+    }
+
+    /// Pauses (`resume = false`) or resumes a goal. `None` when there is none.
+    pub async fn goal_pause_resume(
+        &self,
+        id: SessionId,
+        resume: bool,
+    ) -> Result<Option<tiller_store::GoalRow>, SessionError> {
+        let handle = self.open(id).await?;
+        let before = self
+            .goal_call(|reply| goal::GoalMsg::Get { session: id, reply })
+            .await?;
+        let after = self
+            .goal_call(|reply| {
+                if resume {
+                    goal::GoalMsg::Resume { session: id, reply }
+                } else {
+                    goal::GoalMsg::Pause { session: id, reply }
+                }
+            })
+            .await?;
+        if let (Some(b), Some(a)) = (&before, &after)
+            && b.status != a.status
+        {
+            let body = if resume {
+                EventBody::GoalResumed
+            } else {
+                EventBody::GoalPaused {
+                    reason: "user".into(),
+                    turns_done: a.turns_done,
+                }
+            };
+            handle.send(SessionMsg::Automation { body, kick: resume })?;
+        }
+        Ok(after)
+    }
+
+    /// Clears a session's goal; false when it had none.
+    pub async fn goal_clear(&self, id: SessionId) -> Result<bool, SessionError> {
+        let handle = self.open(id).await?;
+        let cleared = self
+            .goal_call(|reply| goal::GoalMsg::Clear { session: id, reply })
+            .await?;
+        if cleared {
+            handle.send(SessionMsg::Automation {
+                body: EventBody::GoalCleared,
+                kick: false,
+            })?;
+        }
+        Ok(cleared)
+    }
+
+    /// Every cron job.
+    pub async fn cron_list(&self) -> Result<Vec<tiller_store::CronJob>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.cron
+            .send_message(cron::CronMsg::List(tx))
+            .map_err(|_| SessionError::Stopped)?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Removes a cron job; false when there was none.
+    pub async fn cron_remove(&self, id: String) -> Result<bool, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.cron
+            .send_message(cron::CronMsg::Remove { id, reply: tx })
+            .map_err(|_| SessionError::Stopped)?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Queues a background notification for a session (durable when this
+    /// returns). It runs as its own turn once the session is idle.
+    pub async fn notify(
+        &self,
+        id: SessionId,
+        task_id: String,
+        text: String,
+    ) -> Result<tiller_store::Enqueued, SessionError> {
+        let handle = self.open(id).await?;
+        let (tx, rx) = oneshot::channel();
+        self.notify
+            .send_message(notify::NotifyMsg::Enqueue {
+                session: id,
+                task_id: task_id.clone(),
+                text: text.clone(),
+                reply: tx,
+            })
+            .map_err(|_| SessionError::Stopped)?;
+        let enqueued = rx.await.map_err(|_| SessionError::Stopped)??;
+        handle.send(SessionMsg::NotificationQueued {
+            task_id,
+            text,
+            deduplicated: enqueued.deduplicated,
+            evicted: enqueued.evicted.clone(),
+        })?;
+        Ok(enqueued)
+    }
+
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> RegistryMsg,
+    ) -> Result<T, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.registry
+            .send_message(make(tx))
+            .map_err(|_| SessionError::Stopped)?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Creates a session with the default engine.
+    pub async fn create(
+        &self,
+        cwd: String,
+        title: Option<String>,
+    ) -> Result<SessionHandle, SessionError> {
+        self.create_with(cwd, title, None).await
+    }
+
+    /// Creates a session with the engine called `engine`.
+    pub async fn create_with(
+        &self,
+        cwd: String,
+        title: Option<String>,
+        engine: Option<String>,
+    ) -> Result<SessionHandle, SessionError> {
+        self.create_session(NewSession {
+            cwd,
+            title,
+            engine,
+            channel: None,
+        })
+        .await
+    }
+
+    /// Creates a session.
+    pub async fn create_session(&self, new: NewSession) -> Result<SessionHandle, SessionError> {
+        let (id, actor) = self
+            .ask(|reply| RegistryMsg::Create { new, reply })
+            .await??;
+        Ok(self.handle(id, actor))
+    }
+
+    fn handle(&self, id: SessionId, actor: ActorRef<SessionMsg>) -> SessionHandle {
+        SessionHandle {
+            id,
+            actor,
+            tools: self.tools.clone(),
+            store: self.store.clone(),
+        }
+    }
+
+    /// The engines sessions may use.
+    pub fn engines(&self) -> &Engines {
+        &self.engines
+    }
+
+    /// Finds a live session or loads it from the store.
+    pub async fn open(&self, id: SessionId) -> Result<SessionHandle, SessionError> {
+        let actor = self.ask(|reply| RegistryMsg::Open { id, reply }).await??;
+        Ok(self.handle(id, actor))
+    }
+
+    /// Open sessions, newest first.
+    pub async fn list(
+        &self,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<SessionPage, SessionError> {
+        Ok(self.store.list_sessions(cursor, limit).await?)
+    }
+
+    /// Open sessions in `cwd`, newest first.
+    pub async fn list_in(
+        &self,
+        cursor: Option<&str>,
+        limit: usize,
+        cwd: Option<String>,
+    ) -> Result<SessionPage, SessionError> {
+        Ok(self.store.list_sessions_in(cursor, limit, cwd).await?)
+    }
+
+    /// The durable replay guard of channel ingress: true when `key` was not
+    /// seen within the last `window_s` seconds.
+    pub async fn channel_seen(
+        &self,
+        key: String,
+        now_s: i64,
+        window_s: i64,
+    ) -> Result<bool, SessionError> {
+        Ok(self.store.channel_seen(key, now_s, window_s).await?)
+    }
+
+    /// The stored record of a session.
+    pub async fn record(&self, id: SessionId) -> Result<tiller_store::SessionRecord, SessionError> {
+        match self.store.get_session(id).await? {
+            Some((rec, _)) => Ok(rec),
+            None => Err(SessionError::Unknown(id)),
+        }
+    }
+
+    /// A page of history: up to `limit` events before `before`, oldest
+    /// first, and whether older ones exist.
+    pub async fn history(
+        &self,
+        id: SessionId,
+        before: Option<u64>,
+        limit: usize,
+    ) -> Result<(Vec<EventRecord>, bool), SessionError> {
+        let page = self.store.history(id, before, limit).await?;
+        Ok((
+            page.events
+                .iter()
+                .filter_map(EventRecord::from_stored)
+                .collect(),
+            page.has_more,
+        ))
+    }
+
+    /// Events with `seq > after`, oldest first.
+    pub async fn events_after(
+        &self,
+        id: SessionId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<EventRecord>, SessionError> {
+        let rows = self.store.events_after(id, after, limit).await?;
+        Ok(rows.iter().filter_map(EventRecord::from_stored).collect())
+    }
+
+    /// A fresh subscriber id.
+    pub fn subscriber_id(&self) -> SubscriberId {
+        SubscriberId(self.next_subscriber.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Live sessions.
+    pub async fn live(&self) -> usize {
+        self.ask(RegistryMsg::Live).await.unwrap_or(0)
+    }
+
+    /// Tests only: stops every actor where it stands, as a killed process
+    /// would (nothing settles), and waits until what the store was given is
+    /// on disk.
+    #[cfg(feature = "test-hooks")]
+    pub async fn crash(&self) {
+        self.registry.stop_children(None);
+        self.registry.stop(None);
+        self.notify.stop(None);
+        self.cron.stop(None);
+        self.goal.stop(None);
+        // Let the stop signals land before the last flush.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let _ = self.store.flush().await;
+    }
+
+    /// Graceful shutdown: cancel running turns, wait (bounded) for them to
+    /// settle, stop every actor, flush the store.
+    pub async fn shutdown(&self) {
+        let _ = self.ask(RegistryMsg::Shutdown).await;
+        self.registry.stop_children(None);
+        self.registry.stop(None);
+        self.notify.stop(None);
+        self.cron.stop(None);
+        self.goal.stop(None);
+        if let Err(e) = self.store.flush().await {
+            tracing::error!(error = %e, "store flush at shutdown failed");
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! [`SessionHandle`]: one live session, as edges see it.
+
+use super::*;
+
+/// A live session.
+#[derive(Clone)]
+pub struct SessionHandle {
+    pub(crate) id: SessionId,
+    pub(crate) actor: ActorRef<SessionMsg>,
+    /// The policy its MCP servers are connected under.
+    pub(crate) tools: Arc<tiller_tools::ToolsConfig>,
+    /// To tell a closed session from a stopped one.
+    pub(crate) store: Store,
+}
+
+impl SessionHandle {
+    /// The session's id.
+    pub fn id(&self) -> SessionId {
+        self.id
+    }
+
+    pub(crate) fn send(&self, msg: SessionMsg) -> Result<(), SessionError> {
+        self.actor
+            .send_message(msg)
+            .map_err(|_| SessionError::Stopped)
+    }
+
+    /// Submits a prompt. Returns once it is stored (or refused), with a
+    /// receiver for its terminal.
+    pub async fn prompt(
+        &self,
+        text: String,
+        origin: Origin,
+    ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
+    {
+        self.prompt_with(text, origin, None).await
+    }
+
+    /// Like [`SessionHandle::prompt`], with a webhook that receives the
+    /// final text on `end_turn`.
+    pub async fn prompt_with(
+        &self,
+        text: String,
+        origin: Origin,
+        delivery: Option<String>,
+    ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
+    {
+        let (atx, arx) = oneshot::channel();
+        let (stx, srx) = oneshot::channel();
+        let sent = self.send(SessionMsg::Prompt {
+            text,
+            origin,
+            delivery,
+            admitted: Some(atx),
+            settled: Some(stx),
+        });
+        let admitted = match sent {
+            Ok(()) => arx.await.map_err(|_| SessionError::Stopped),
+            Err(e) => Err(e),
+        };
+        match admitted {
+            Ok(a) => Ok(a.map(|p| (p, srx))),
+            // The actor is gone: a prompt racing a close gets the close's
+            // answer, not "open it again".
+            Err(e) => match self.store.get_session(self.id).await {
+                Ok(Some((rec, _))) if rec.closed => Ok(Err(PromptRefused::SessionClosed)),
+                _ => Err(e),
+            },
+        }
+    }
+
+    /// Steers the running turn.
+    pub async fn steer(
+        &self,
+        text: String,
+        prompt_required: bool,
+    ) -> Result<Result<SteerAnswer, PromptRefused>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Steer {
+            text,
+            prompt_required,
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Cancels the running turn and the queued interactive prompts.
+    pub fn cancel(&self) -> Result<(), SessionError> {
+        self.send(SessionMsg::Cancel)
+    }
+
+    /// Attaches a subscriber; returns the state at that instant. Events up
+    /// to `last_seq` are replayed from the store; later ones arrive live.
+    pub async fn subscribe(
+        &self,
+        id: SubscriberId,
+        subscriber: Box<dyn Subscriber>,
+    ) -> Result<Snapshot, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Subscribe {
+            id,
+            subscriber,
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// The session's state.
+    pub async fn snapshot(&self) -> Result<Snapshot, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Snapshot(tx))?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Answers a pending permission request with one of its option ids.
+    pub async fn permission(
+        &self,
+        request_id: String,
+        option_id: String,
+    ) -> Result<Result<(), PermissionRefused>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Permission {
+            request_id,
+            option_id,
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Connects the MCP servers a client passed, under `[tools.mcp]` (a
+    /// command not allowed there is never started, an HTTP server must be
+    /// at an allowed address; each within the connect timeout), and gives
+    /// their tools to the session. A server refused or failing is reported
+    /// in the log (`mcp_server` with `error`) and skipped. Returns the
+    /// failures.
+    pub async fn set_mcp(
+        &self,
+        configs: Vec<tiller_tools::McpServerConfig>,
+    ) -> Result<Vec<String>, SessionError> {
+        let results = futures::future::join_all(
+            configs
+                .iter()
+                .map(|c| tiller_tools::McpServer::connect(c, &self.tools)),
+        )
+        .await;
+        let mut servers = Vec::new();
+        let mut events = Vec::new();
+        let mut failures = Vec::new();
+        for (cfg, r) in configs.iter().zip(results) {
+            match r {
+                Ok(server) => {
+                    events.push(EventBody::McpServer {
+                        name: cfg.name().to_owned(),
+                        tools: server.specs().into_iter().map(|t| t.name).collect(),
+                        error: None,
+                    });
+                    servers.push(Arc::new(server));
+                }
+                Err(e) => {
+                    tracing::warn!(session = %self.id, server = cfg.name(), error = %e, "MCP server unavailable");
+                    events.push(EventBody::McpServer {
+                        name: cfg.name().to_owned(),
+                        tools: Vec::new(),
+                        error: Some(e.clone()),
+                    });
+                    failures.push(e);
+                }
+            }
+        }
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::SetMcp {
+            servers,
+            events,
+            done: tx,
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)?;
+        Ok(failures)
+    }
+
+    /// The options a client may change.
+    pub async fn options(&self) -> Result<Vec<ConfigOption>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Options(tx))?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Changes an option; `Ok(Err(message))` for an unknown option or value.
+    pub async fn set_option(
+        &self,
+        id: String,
+        value: String,
+    ) -> Result<Result<Vec<ConfigOption>, String>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::SetOption {
+            id,
+            value,
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
+    /// Tests only: makes the session actor fail.
+    #[cfg(feature = "test-hooks")]
+    pub fn crash(&self) {
+        let _ = self.send(SessionMsg::Crash);
+    }
+
+    /// Detaches a subscriber.
+    pub fn unsubscribe(&self, id: SubscriberId) {
+        let _ = self.send(SessionMsg::Unsubscribe(id));
+    }
+
+    /// Closes the session.
+    pub async fn close(&self) -> Result<(), SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Close(tx))?;
+        rx.await.map_err(|_| SessionError::Stopped)?
+    }
+}

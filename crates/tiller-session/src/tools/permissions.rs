@@ -1,0 +1,288 @@
+//! Who decides a call: the permission mode, the calls allowed "always",
+//! shell rules, and the options a person is offered.
+
+use super::*;
+
+
+/// Which calls ask a person first (`[tools] permission_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PermissionMode {
+    /// Edits and commands ask.
+    #[default]
+    Ask,
+    /// Edits run; commands ask.
+    AcceptEdits,
+    /// Nothing asks.
+    AllowAll,
+}
+
+impl PermissionMode {
+    /// The config and wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PermissionMode::Ask => "ask",
+            PermissionMode::AcceptEdits => "accept-edits",
+            PermissionMode::AllowAll => "allow-all",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "ask" => PermissionMode::Ask,
+            "accept-edits" => PermissionMode::AcceptEdits,
+            "allow-all" => PermissionMode::AllowAll,
+            _ => return None,
+        })
+    }
+}
+
+/// A session's permission state: the mode and what the user allowed
+/// "always".
+#[derive(Clone, Debug, Default)]
+pub struct Permissions {
+    pub mode: PermissionMode,
+    /// What the user allowed for the rest of the session: tool names, and
+    /// for `shell` one rule per command (see [`ShellRule`]), stored as
+    /// [`ShellRule::key`].
+    always: HashSet<String>,
+}
+
+/// What "always allow" on a `shell` call allows: never the tool as a whole.
+/// A plain command (no shell operators) allows itself, and the later plain
+/// commands that start with its first two words and add only plain
+/// arguments: words of letters, digits and `_.,+-`, not starting with `-`
+/// and without `..` (`npm test` allows `npm test unit`, not `npm test
+/// --config /tmp/x`, `rm -rf build` allows `rm -rf dist`, not `rm -rf
+/// /home`). An option or a path could make the same program do anything.
+/// A command with operators (`;`, `|`, `&`, `$(`, redirections...) allows
+/// only itself, since a prefix of it says nothing of what follows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShellRule {
+    /// The first words of a plain command.
+    Prefix(Vec<String>),
+    /// One exact command line.
+    Exact(String),
+}
+
+/// Characters that make a command more than one plain program call.
+const SHELL_OPERATORS: &[char] = &[
+    ';', '&', '|', '<', '>', '$', '`', '(', ')', '{', '}', '\n', '\r', '\\', '"', '\'', '*', '?',
+    '[', ']', '~', '#', '!',
+];
+
+/// Programs that run whatever their arguments say: a prefix of them would
+/// allow anything (`bash -c ls` must not allow `bash -c rm`), so "always"
+/// on them allows that exact command only. A first word with `=` (an
+/// environment assignment) likewise.
+const WRAPPERS: &[&str] = &[
+    "sh", "bash", "zsh", "dash", "ksh", "fish", "env", "sudo", "doas", "su", "xargs", "nohup",
+    "timeout", "nice", "exec", "eval", "command", "builtin", "setsid", "strace", "time", "watch",
+    "python", "python3", "node", "perl", "ruby", "php", "lua", "deno", "bun", "npx", "uvx",
+];
+
+impl ShellRule {
+    /// How many leading words a prefix rule keeps.
+    const WORDS: usize = 2;
+
+    /// The rule "always allow" makes of `command`.
+    pub fn of(command: &str) -> ShellRule {
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let wrapper = words.first().is_some_and(|w| {
+            let program = w.rsplit('/').next().unwrap_or(w);
+            WRAPPERS.contains(&program) || w.contains('=')
+        });
+        if words.is_empty() || wrapper || command.contains(SHELL_OPERATORS) {
+            return ShellRule::Exact(command.trim().to_owned());
+        }
+        ShellRule::Prefix(
+            words
+                .iter()
+                .take(Self::WORDS)
+                .map(|w| (*w).to_owned())
+                .collect(),
+        )
+    }
+
+    /// Whether the rule allows `command`.
+    pub fn allows(&self, command: &str) -> bool {
+        match self {
+            ShellRule::Exact(c) => c == command.trim(),
+            ShellRule::Prefix(p) => {
+                let words: Vec<&str> = command.split_whitespace().collect();
+                !command.contains(SHELL_OPERATORS)
+                    && words.len() >= p.len()
+                    && words[..p.len()].iter().eq(p.iter())
+                    && words[p.len()..].iter().all(|w| plain_argument(w))
+            }
+        }
+    }
+
+    /// Its stored form.
+    pub fn key(&self) -> String {
+        match self {
+            ShellRule::Prefix(p) => format!("shell:{}", p.join(" ")),
+            ShellRule::Exact(c) => format!("shell={c}"),
+        }
+    }
+
+    fn parse(key: &str) -> Option<ShellRule> {
+        if let Some(p) = key.strip_prefix("shell:") {
+            return Some(ShellRule::Prefix(
+                p.split_whitespace().map(str::to_owned).collect(),
+            ));
+        }
+        key.strip_prefix("shell=")
+            .map(|c| ShellRule::Exact(c.to_owned()))
+    }
+
+    /// What the "always" option says it allows.
+    pub fn describe(&self) -> String {
+        match self {
+            ShellRule::Prefix(p) => format!(
+                "Always allow `{} …` (plain arguments, no options or paths)",
+                p.join(" ")
+            ),
+            ShellRule::Exact(c) => {
+                let short: String = c.chars().take(60).collect();
+                let more = if c.chars().count() > 60 { "…" } else { "" };
+                format!("Always allow exactly `{short}{more}`")
+            }
+        }
+    }
+}
+
+/// An argument a prefix rule lets through: a name, not an option or a path.
+pub(super) fn plain_argument(word: &str) -> bool {
+    word.chars()
+        .all(|c| c.is_ascii_alphanumeric() || "_.,+-".contains(c))
+        && !word.starts_with('-')
+        && !word.contains("..")
+}
+
+/// The command line of a `shell` call.
+pub(super) fn shell_command(call: &ToolCall) -> Option<&str> {
+    (call.name == "shell")
+        .then(|| {
+            call.input
+                .get("command")
+                .and_then(serde_json::Value::as_str)
+        })
+        .flatten()
+}
+
+impl Permissions {
+    pub fn new(mode: PermissionMode) -> Self {
+        Self {
+            mode,
+            always: HashSet::new(),
+        }
+    }
+
+    /// What was allowed for the rest of the session, restored from the
+    /// store. A bare `shell` (stored by an older version, allowing every
+    /// command) is not restored.
+    pub fn with_always(mut self, names: impl IntoIterator<Item = String>) -> Self {
+        self.always
+            .extend(names.into_iter().filter(|n| n != "shell"));
+        self
+    }
+
+    /// What is allowed "always", sorted.
+    pub fn always(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.always.iter().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Remembers "always allow" for `call`.
+    pub(crate) fn allow_always(&mut self, call: &ToolCall) {
+        if call.name == "shell" {
+            // No command line: nothing to remember but this one call.
+            if let Some(c) = shell_command(call) {
+                // The command itself, and the prefix rule it makes.
+                self.always
+                    .insert(ShellRule::Exact(c.trim().to_owned()).key());
+                self.always.insert(ShellRule::of(c).key());
+            }
+        } else {
+            self.always.insert(call.name.clone());
+        }
+    }
+
+    fn allowed_always(&self, call: &ToolCall) -> bool {
+        if call.name != "shell" {
+            return self.always.contains(&call.name);
+        }
+        let Some(command) = shell_command(call) else {
+            return false;
+        };
+        self.always
+            .iter()
+            .filter_map(|k| ShellRule::parse(k))
+            .any(|r| r.allows(command))
+    }
+
+    pub(crate) fn needs(&self, call: &ToolCall) -> bool {
+        if self.allowed_always(call) {
+            return false;
+        }
+        match (self.mode, call.kind) {
+            (PermissionMode::AllowAll, _) => false,
+            (PermissionMode::Ask, ToolKind::Edit | ToolKind::Execute) => true,
+            (PermissionMode::AcceptEdits, ToolKind::Execute) => true,
+            _ => false,
+        }
+    }
+}
+
+/// A person's answer to a permission request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    AllowOnce,
+    AllowAlways,
+    Reject,
+    /// The turn ended before anyone answered.
+    Cancelled,
+}
+
+impl Decision {
+    /// Reads an option id offered by [`options`].
+    pub fn from_option(id: &str) -> Option<Decision> {
+        Some(match id {
+            "allow_once" => Decision::AllowOnce,
+            "allow_always" => Decision::AllowAlways,
+            "reject_once" => Decision::Reject,
+            _ => return None,
+        })
+    }
+
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Decision::AllowOnce => "allow_once",
+            Decision::AllowAlways => "allow_always",
+            Decision::Reject => "reject_once",
+            Decision::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// The options a permission request for `call` offers. For `shell`, the
+/// "always" option names the commands it covers.
+pub fn options(call: &ToolCall) -> Vec<PermissionOption> {
+    let always = shell_command(call).map_or_else(
+        || "Always allow".to_owned(),
+        |c| ShellRule::of(c).describe(),
+    );
+    [
+        ("allow_once", "Allow".to_owned(), "allow_once"),
+        ("allow_always", always, "allow_always"),
+        ("reject_once", "Deny".to_owned(), "reject_once"),
+    ]
+    .into_iter()
+    .map(|(id, name, kind)| PermissionOption {
+        option_id: id.into(),
+        name,
+        kind: kind.into(),
+    })
+    .collect()
+}
