@@ -7,13 +7,13 @@ mod actor;
 mod cron;
 pub mod delivery;
 pub mod event;
+mod facade;
 mod goal;
+mod handle;
 mod notify;
+mod reconcile;
 mod registry;
 mod tools;
-mod facade;
-mod handle;
-mod reconcile;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,12 +26,12 @@ use tokio::sync::oneshot;
 
 pub use actor::{SessionMsg, Settlement};
 pub use event::{ConfigOption, EventBody, EventRecord, PermissionOption, ToolError, ToolStatus};
-use registry::{Registry, RegistryArgs, RegistryMsg};
-pub use tools::Decision;
-pub use tools::PermissionMode;
 pub use facade::Sessions;
 pub use handle::SessionHandle;
 pub(crate) use reconcile::reconcile;
+use registry::{Registry, RegistryArgs, RegistryMsg};
+pub use tools::Decision;
+pub use tools::PermissionMode;
 
 /// Session-level settings.
 #[derive(Clone, Debug)]

@@ -158,9 +158,13 @@ async fn a_notification_whose_start_was_never_stored_is_still_queued_and_runs() 
     // The start of the notification's turn is lost, as in a crash between
     // taking it off the queue and storing its start.
     store.fail_appends(true);
-    s.notify(h.id(), "t1".into(), r#"{"script": [{"say": "ran t1"}]}"#.into())
-        .await
-        .unwrap();
+    s.notify(
+        h.id(),
+        "t1".into(),
+        r#"{"script": [{"say": "ran t1"}]}"#.into(),
+    )
+    .await
+    .unwrap();
     // Longer than the terminal's retries: the session fails.
     tokio::time::sleep(Duration::from_millis(2600)).await;
     store.fail_appends(false);
@@ -176,7 +180,9 @@ async fn a_notification_whose_start_was_never_stored_is_still_queued_and_runs() 
     let mut ran = false;
     for _ in 0..100 {
         let log = s.events_after(h.id(), 0, 1000).await.unwrap();
-        ran = log.iter().any(|e| matches!(&e.body, EventBody::UserMessage { text } if text.contains("ran t1")))
+        ran = log
+            .iter()
+            .any(|e| matches!(&e.body, EventBody::UserMessage { text } if text.contains("ran t1")))
             && log.iter().any(|e| e.body.kind() == "turn_complete");
         if ran {
             break;

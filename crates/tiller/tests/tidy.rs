@@ -45,9 +45,17 @@ fn crates_depend_only_downward() {
         ("tiller-store", &["tiller-core"][..]),
         (
             "tiller-session",
-            &["tiller-core", "tiller-engine", "tiller-store", "tiller-tools"][..],
+            &[
+                "tiller-core",
+                "tiller-engine",
+                "tiller-store",
+                "tiller-tools",
+            ][..],
         ),
-        ("tiller-acp", &["tiller-core", "tiller-session", "tiller-tools"][..]),
+        (
+            "tiller-acp",
+            &["tiller-core", "tiller-session", "tiller-tools"][..],
+        ),
         // The webhook delivery worker still reads the store directly.
         (
             "tiller-http",
@@ -61,7 +69,12 @@ fn crates_depend_only_downward() {
         ),
         (
             "tiller-test-support",
-            &["tiller-core", "tiller-engine", "tiller-session", "tiller-store"][..],
+            &[
+                "tiller-core",
+                "tiller-engine",
+                "tiller-session",
+                "tiller-store",
+            ][..],
         ),
         (
             "tiller",

@@ -3,7 +3,6 @@
 
 use super::*;
 
-
 /// Which calls ask a person first (`[tools] permission_mode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum PermissionMode {

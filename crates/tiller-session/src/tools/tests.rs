@@ -382,11 +382,10 @@ fn an_unattended_call_that_would_ask_is_refused_at_once() {
         ),
     ];
     let mut ev = Vec::new();
-    let p = Batch::new(calls).unattended(true).advance(
-        &mut guard(),
-        &Permissions::default(),
-        &mut ev,
-    );
+    let p =
+        Batch::new(calls)
+            .unattended(true)
+            .advance(&mut guard(), &Permissions::default(), &mut ev);
     let Progress::Done(results) = p else {
         panic!("{p:?}")
     };
