@@ -9,7 +9,7 @@ import { closeSync, mkdirSync, openSync, rmSync, writeSync } from "node:fs";
 import path from "node:path";
 import { describe, test } from "node:test";
 
-import { api, initialize, newSession, script, startDaemon, tempDir, textPrompt, transports } from "./lib/daemon.mjs";
+import { agentText, api, initialize, newSession, script, startDaemon, tempDir, textPrompt, transports } from "./lib/daemon.mjs";
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
@@ -36,9 +36,12 @@ describe("a full disk", () => {
     mkdirSync(dataDir, { mode: 0o700 });
     const d = await startDaemon({ dataDir });
     const c = await transports.unix(d);
+    const watcher = await transports.unix(d);
     try {
       await initialize(c);
+      await initialize(watcher);
       const sid = await newSession(c);
+      await watcher.request("session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
       const ok = await c.request("session/prompt", textPrompt(sid, script([{ say: "before" }])));
       assert.equal(ok.stopReason, "end_turn");
       fill(path.join(mnt, "filler"));
@@ -61,6 +64,11 @@ describe("a full disk", () => {
       rmSync(path.join(mnt, "filler.tail"));
       const again = await c.request("session/prompt", textPrompt(sid, script([{ say: "after" }])));
       assert.equal(again.stopReason, "end_turn");
+      // The session's actor was rebuilt: both connections' attachments were
+      // renewed, the prompting one and the one that only watches.
+      assert.match(agentText(c, sid), /after/, "the prompting client saw its own turn");
+      for (let i = 0; i < 100 && !/after/.test(agentText(watcher, sid)); i++) await sleep(20);
+      assert.match(agentText(watcher, sid), /after/, "the watching client saw the turn");
       // The log never saw the refused prompts, and has no gaps.
       const evs = (await api(d, "GET", `/api/sessions/${sid}/history?limit=500`)).body.events;
       assert.deepEqual(
@@ -72,6 +80,7 @@ describe("a full disk", () => {
       assert.ok(!said.some((t) => t.includes("while full")));
     } finally {
       c.close();
+      watcher.close();
       await d.stop();
       execFileSync("umount", [mnt]);
     }

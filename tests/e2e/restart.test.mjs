@@ -3,6 +3,7 @@
 
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
+import path from "node:path";
 import { Readable, Writable } from "node:stream";
 import { describe, test } from "node:test";
 
@@ -116,6 +117,33 @@ describe("tiller acp", () => {
       c.close();
       child.kill();
     }
+  });
+
+  test("--embedded logs to a file in its data directory; stderr gets warnings only, never INFO chatter", async () => {
+    const { existsSync, readFileSync, statSync } = await import("node:fs");
+    const dataDir = tempDir();
+    const child = spawn(bin, ["acp", "--embedded", "--data-dir", dataDir], {
+      stdio: ["pipe", "pipe", "pipe"],
+      env: { ...process.env, RUST_LOG: "info" },
+    });
+    let err = "";
+    child.stderr.on("data", (d) => (err += d));
+    const c = connectStream(ndJsonStream(Writable.toWeb(child.stdin), Readable.toWeb(child.stdout)));
+    try {
+      await initialize(c);
+      const sid = await newSession(c);
+      const res = await c.request("session/prompt", textPrompt(sid, script([{ say: "quiet" }])));
+      assert.equal(res.stopReason, "end_turn");
+    } finally {
+      c.close();
+      child.stdin.end();
+    }
+    await new Promise((r) => child.on("close", r));
+    assert.doesNotMatch(err, /INFO/, err);
+    const log = path.join(dataDir, "tiller-acp.log");
+    assert.ok(existsSync(log), "the log file exists");
+    assert.equal(statSync(log).mode & 0o777, 0o600);
+    assert.match(readFileSync(log, "utf8"), /INFO/);
   });
 
   test("with no daemon it prints a one-line hint and exits non-zero", async () => {

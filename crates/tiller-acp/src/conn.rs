@@ -143,6 +143,21 @@ struct ConnSubscriber {
     tx: mpsc::Sender<Out>,
     /// Where an event that did not fit is noted (it is in the store).
     lag: Arc<Lag>,
+    /// The connection, to renew the attachment when the session's actor
+    /// ends (this subscriber is dropped with it).
+    shared: std::sync::Weak<Shared>,
+}
+
+impl Drop for ConnSubscriber {
+    fn drop(&mut self) {
+        let Some(shared) = self.shared.upgrade() else {
+            return; // the connection is gone
+        };
+        let (session, sub) = (self.session, self.id);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(shared.renew(session, sub));
+        }
+    }
 }
 
 impl Subscriber for ConnSubscriber {
@@ -177,6 +192,8 @@ struct Shared {
     calls: Arc<Calls>,
     /// Our permission requests: JSON-RPC id -> (session, request id).
     asked: Arc<std::sync::Mutex<HashMap<String, (SessionId, String)>>>,
+    /// Itself, for the subscribers it makes.
+    me: std::sync::Weak<Shared>,
 }
 
 /// Serves one connection until the transport closes. `outgoing` receives
@@ -193,7 +210,7 @@ pub async fn serve(
     let (call_tx, mut call_rx) = mpsc::channel::<String>(64);
     let lag = Arc::new(Lag::default());
     let asked = Arc::new(std::sync::Mutex::new(HashMap::new()));
-    let shared = Arc::new(Shared {
+    let shared = Arc::new_cyclic(|me| Shared {
         sessions: sessions.clone(),
         config,
         tx,
@@ -201,6 +218,7 @@ pub async fn serve(
         attached: Mutex::new(HashMap::new()),
         calls: Calls::new(call_tx),
         asked: asked.clone(),
+        me: me.clone(),
     });
     let writer = Writer {
         sessions,
@@ -786,7 +804,11 @@ impl Shared {
     /// Subscribes this connection to a session unless it already is.
     async fn attach(&self, handle: &SessionHandle) -> Result<(), Reply> {
         let mut attached = self.attached.lock().await;
-        if attached.contains_key(&handle.id()) {
+        // An attachment to an actor that was replaced is stale: renewed.
+        if attached
+            .get(&handle.id())
+            .is_some_and(|(h, _)| h.same_actor(handle))
+        {
             return Ok(());
         }
         let (sub, snap) = self.subscribe(handle, false).await?;
@@ -802,6 +824,29 @@ impl Shared {
             .await;
         attached.insert(session, (handle.clone(), sub));
         Ok(())
+    }
+
+    /// The actor of an attached session ended (its subscriber `sub` was
+    /// dropped with it): attach to its successor, so this client goes on
+    /// receiving the session's events, its own prompts' and others'. A
+    /// closed session (or a daemon shutting down) ends the attachment.
+    async fn renew(self: Arc<Self>, session: SessionId, sub: SubscriberId) {
+        {
+            let mut attached = self.attached.lock().await;
+            if !attached.get(&session).is_some_and(|(_, s)| *s == sub) {
+                return; // replaced or detached on purpose
+            }
+            attached.remove(&session);
+        }
+        // The registry may not have noticed the old actor's end yet.
+        for _ in 0..20 {
+            match self.sessions.open(session).await {
+                Ok(h) if self.attach(&h).await.is_ok() => return,
+                Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+                Err(_) => return,
+            }
+        }
+        tracing::warn!(%session, "could not renew a connection's attachment");
     }
 
     /// Subscribes afresh (replacing any earlier subscription) for a
@@ -869,6 +914,7 @@ impl Shared {
             client: self.calls.tools_for(session),
             tx: self.tx.clone(),
             lag: self.lag.clone(),
+            shared: self.me.clone(),
         }
     }
 
@@ -911,15 +957,6 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
         }
         "session/new" => {
             let req: NewSessionRequest = params(raw)?;
-            if !req.cwd.is_absolute() {
-                return Err(Reply::Error(
-                    RpcError::invalid_params(format!(
-                        "cwd must be an absolute path; got {}",
-                        req.cwd.display()
-                    ))
-                    .with_data(json!({ "field": "cwd" })),
-                ));
-            }
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             // `_meta.tiller.engine` picks an engine other than the default.
             let engine = match req

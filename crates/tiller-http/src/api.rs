@@ -235,11 +235,6 @@ pub async fn create_session(
         }
         None => "/".into(),
     };
-    if !std::path::Path::new(&cwd).is_absolute() {
-        return Err(bad_request(format!(
-            "cwd must be an absolute path; got {cwd}"
-        )));
-    }
     let handle = st
         .sessions
         .create_with(cwd, body.title, body.engine)

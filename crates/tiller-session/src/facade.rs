@@ -287,8 +287,25 @@ impl Sessions {
         .await
     }
 
-    /// Creates a session.
+    /// Creates a session. Every edge (ACP, HTTP, channels) comes through
+    /// here, so what a new session needs is checked once: an absolute
+    /// cwd, an engine that exists, and for an engine whose tools work in
+    /// the cwd, a directory this daemon can use.
     pub async fn create_session(&self, new: NewSession) -> Result<SessionHandle, SessionError> {
+        if !std::path::Path::new(&new.cwd).is_absolute() {
+            return Err(SessionError::BadCwd(
+                new.cwd,
+                "it must be an absolute path".into(),
+            ));
+        }
+        let engine = self.engines.get(new.engine.as_deref())?;
+        if engine.uses_directory() {
+            match tokio::fs::metadata(&new.cwd).await {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => return Err(SessionError::BadCwd(new.cwd, "not a directory".into())),
+                Err(e) => return Err(SessionError::BadCwd(new.cwd, e.to_string())),
+            }
+        }
         let (id, actor) = self
             .ask(|reply| RegistryMsg::Create { new, reply })
             .await??;

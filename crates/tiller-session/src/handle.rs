@@ -19,6 +19,12 @@ impl SessionHandle {
         self.id
     }
 
+    /// Whether both handles reach the same actor (a session's actor is
+    /// replaced when it fails and is reopened).
+    pub fn same_actor(&self, other: &SessionHandle) -> bool {
+        self.actor.get_id() == other.actor.get_id()
+    }
+
     pub(crate) fn send(&self, msg: SessionMsg) -> Result<(), SessionError> {
         self.actor
             .send_message(msg)

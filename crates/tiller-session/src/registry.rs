@@ -217,14 +217,8 @@ impl RegistryState {
         if self.live.len() >= self.config.max_sessions {
             return Err(SessionError::TooManySessions(self.config.max_sessions));
         }
+        // Checked by the facade (`Sessions::create_session`).
         let engine = self.engines.get(engine.as_deref())?;
-        if engine.uses_directory() {
-            match std::fs::metadata(&cwd) {
-                Ok(m) if m.is_dir() => {}
-                Ok(_) => return Err(SessionError::BadCwd(cwd, "not a directory".into())),
-                Err(e) => return Err(SessionError::BadCwd(cwd, e.to_string())),
-            }
-        }
         let engine_name = engine.name().to_owned();
         let id = SessionId::new();
         let now = std::time::SystemTime::now()

@@ -305,6 +305,7 @@ mod durability {
         store.append_durable(ev(s, 1, "a"), None).await.unwrap();
         // A duplicate sequence number fails its transaction.
         store.append(ev(s, 1, "dup"), None);
+        store.flush().await.unwrap();
         // Later appends of that session are refused, not stored past the gap.
         store.append(ev(s, 3, "b"), None);
         let e = store.append_durable(ev(s, 4, "c"), None).await.unwrap_err();

@@ -27,6 +27,48 @@ pub fn init_tracing(cfg: &Config) {
         .init();
 }
 
+/// Logging for `tiller acp --embedded`: an editor shows whatever its agent
+/// writes to stderr as agent errors, so everything goes to
+/// `<data_dir>/tiller-acp.log` (0600, appended) and only warnings and errors
+/// also to stderr.
+pub fn init_tracing_embedded(cfg: &Config) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::{Layer as _, filter::LevelFilter, fmt};
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
+    let stderr = fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_filter(LevelFilter::WARN);
+    let path = cfg.data_dir().join("tiller-acp.log");
+    let file = prepare_data_dir(&cfg.data_dir()).and_then(|()| {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        Ok(std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(&path)?)
+    });
+    let (file, failed) = match file {
+        Ok(f) => (Some(f), None),
+        Err(e) => (None, Some(e)),
+    };
+    let file = file.map(|f| {
+        fmt::layer()
+            .with_writer(std::sync::Mutex::new(f))
+            .with_ansi(false)
+            .with_filter(filter)
+    });
+    tracing_subscriber::registry()
+        .with(file)
+        .with(stderr)
+        .init();
+    if let Some(e) = failed {
+        tracing::warn!(path = %path.display(), error = %e, "cannot open the log file; logging warnings to stderr only");
+    }
+}
+
 /// The configured engines (`Config::load` has checked them).
 fn engines(cfg: &Config) -> Engines {
     let mut all: Vec<Arc<dyn Engine>> = vec![Arc::new(ScriptedEngine)];

@@ -291,7 +291,7 @@ fn main() -> ExitCode {
                 Err(e) => return config_error(&e),
             };
             if embedded {
-                daemon::init_tracing(&cfg);
+                daemon::init_tracing_embedded(&cfg);
                 exit(runtime().block_on(daemon::embedded(cfg)))
             } else {
                 let target =
