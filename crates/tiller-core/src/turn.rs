@@ -325,6 +325,13 @@ pub struct SessionCore {
     queue: VecDeque<(PromptId, Origin)>,
     /// The automatic queues to poll when idle, in admission order.
     automatic: Vec<Origin>,
+    /// Per queue in `automatic`: whether it may have work. An empty answer
+    /// clears it, a kick (new work somewhere) sets them all, so a session
+    /// without automatic work polls nothing when its turns end.
+    maybe: Vec<bool>,
+    /// A kick arrived during a poll round: once the round ends empty, it
+    /// runs again (an empty answer it overtook may predate the new work).
+    rekick: bool,
     /// While idle: the index in `automatic` of the queue being polled.
     polling: Option<usize>,
     /// The id of the last poll; only its answer is taken.
@@ -346,6 +353,8 @@ impl SessionCore {
             active: None,
             queue: VecDeque::new(),
             automatic: Vec::new(),
+            maybe: Vec::new(),
+            rekick: false,
             polling: None,
             poll_seq: 0,
             armed: None,
@@ -356,6 +365,8 @@ impl SessionCore {
     /// The automatic queues this session polls when idle, in admission
     /// order (e.g. goal, notification, cron).
     pub fn with_automatic(mut self, origins: Vec<Origin>) -> Self {
+        // Unknown at start: each queue is asked once.
+        self.maybe = vec![true; origins.len()];
         self.automatic = origins;
         self
     }
@@ -413,7 +424,10 @@ impl SessionCore {
             }
             Input::Tick => {}
             Input::Kick => {
-                if self.active.is_none() && self.polling.is_none() && !self.closing {
+                self.maybe.iter_mut().for_each(|m| *m = true);
+                if self.polling.is_some() {
+                    self.rekick = true;
+                } else if self.active.is_none() && !self.closing {
                     self.poll_from(0, &mut fx);
                 }
             }
@@ -791,16 +805,22 @@ impl SessionCore {
         }
     }
 
-    /// Polls the automatic queues from `i` on (or stops when none is left).
+    /// Polls the automatic queues that may have work, from `i` on (or
+    /// stops when none is left, unless a kick asked for another round).
     fn poll_from(&mut self, i: usize, fx: &mut Vec<Effect>) {
-        match self.automatic.get(i) {
-            Some(origin) => {
-                self.polling = Some(i);
+        let next = (i..self.automatic.len()).find(|j| self.maybe[*j]);
+        match next {
+            Some(j) => {
+                self.polling = Some(j);
                 self.poll_seq += 1;
                 fx.push(Effect::Poll {
-                    origin: *origin,
+                    origin: self.automatic[j],
                     poll: self.poll_seq,
                 });
+            }
+            None if std::mem::take(&mut self.rekick) => {
+                self.polling = None;
+                self.poll_from(0, fx);
             }
             None => self.polling = None,
         }
@@ -824,9 +844,16 @@ impl SessionCore {
         match (expected, prompt) {
             (Some(_), Some(prompt)) => {
                 self.polling = None;
+                self.rekick = false;
                 self.start(now, prompt, origin, fx);
             }
-            (Some(i), None) => self.poll_from(i + 1, fx),
+            (Some(i), None) => {
+                // Empty, unless a kick since the poll may have brought work.
+                if !self.rekick {
+                    self.maybe[i] = false;
+                }
+                self.poll_from(i + 1, fx)
+            }
             // Not asked for, or the session got busy meanwhile.
             (None, Some(prompt)) => fx.push(Effect::OfferRefused { origin, prompt }),
             (None, None) => {}

@@ -722,3 +722,66 @@ fn a_turn_past_its_event_bound_fails_and_its_engine_is_torn_down() {
     }));
     assert_eq!(settled(&fx), Some(Terminal::failed(ErrorKind::TurnTooLong)));
 }
+
+/// Polls in `fx`, as (origin, poll id).
+fn polls(fx: &[Effect]) -> Vec<(Origin, u64)> {
+    fx.iter()
+        .filter_map(|e| match e {
+            Effect::Poll { origin, poll } => Some((*origin, *poll)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_session_without_automatic_work_polls_nothing_when_its_turns_end() {
+    let mut h = Harness::new();
+    h.core = SessionCore::new(CFG, 0).with_automatic(vec![Origin::Notification, Origin::Cron]);
+    // The first turn's end asks each queue once; both are empty.
+    h.prompt(1);
+    let fx = h.sig(1, Signal::Result(StopReason::EndTurn));
+    assert_eq!(polls(&fx), vec![(Origin::Notification, 1)]);
+    let fx = h.feed(Input::Offer {
+        origin: Origin::Notification,
+        poll: 1,
+        prompt: None,
+    });
+    assert_eq!(polls(&fx), vec![(Origin::Cron, 2)]);
+    assert!(
+        polls(&h.feed(Input::Offer {
+            origin: Origin::Cron,
+            poll: 2,
+            prompt: None,
+        }))
+        .is_empty()
+    );
+    // Later turns end without a single poll.
+    h.prompt(2);
+    let fx = h.sig(2, Signal::Result(StopReason::EndTurn));
+    assert!(fx.contains(&Effect::Idle));
+    assert!(polls(&fx).is_empty(), "{fx:?}");
+    // New work (a kick) makes every queue worth asking again.
+    assert_eq!(polls(&h.feed(Input::Kick)), vec![(Origin::Notification, 3)]);
+}
+
+#[test]
+fn a_kick_during_a_poll_round_brings_another_round() {
+    let mut h = Harness::new();
+    h.core = SessionCore::new(CFG, 0).with_automatic(vec![Origin::Notification, Origin::Cron]);
+    assert_eq!(polls(&h.feed(Input::Kick)), vec![(Origin::Notification, 1)]);
+    // Work arrives after the notification queue answered, before the
+    // answer is handled: its "nothing" must not hide the new work.
+    assert!(h.feed(Input::Kick).is_empty());
+    let fx = h.feed(Input::Offer {
+        origin: Origin::Notification,
+        poll: 1,
+        prompt: None,
+    });
+    assert_eq!(polls(&fx), vec![(Origin::Cron, 2)]);
+    let fx = h.feed(Input::Offer {
+        origin: Origin::Cron,
+        poll: 2,
+        prompt: None,
+    });
+    assert_eq!(polls(&fx), vec![(Origin::Notification, 3)]);
+}
