@@ -852,7 +852,7 @@ impl SessionCore {
                 if !self.rekick {
                     self.maybe[i] = false;
                 }
-                self.poll_from(i + 1, fx)
+                self.poll_from(i + 1, fx);
             }
             // Not asked for, or the session got busy meanwhile.
             (None, Some(prompt)) => fx.push(Effect::OfferRefused { origin, prompt }),
