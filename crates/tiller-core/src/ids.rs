@@ -24,7 +24,7 @@ macro_rules! uuid_id {
 
             /// Builds an id from raw bits (tests and property models use this
             /// to get small, readable ids).
-            pub fn from_u128(v: u128) -> Self {
+            pub const fn from_u128(v: u128) -> Self {
                 Self(Uuid::from_u128(v))
             }
         }

@@ -10,6 +10,7 @@ pub mod cron;
 pub mod goal;
 mod ids;
 pub mod loop_guard;
+pub mod notify;
 mod terminal;
 pub mod turn;
 

@@ -476,6 +476,8 @@ impl SessionCore {
     }
 
     fn start(&mut self, now: Millis, prompt: PromptId, origin: Origin, fx: &mut Vec<Effect>) {
+        // A round a start interrupts is over; its kick set the queues.
+        self.rekick = false;
         self.last_turn += 1;
         let turn = TurnId(self.last_turn);
         self.active = Some(ActiveTurn {
@@ -844,7 +846,6 @@ impl SessionCore {
         match (expected, prompt) {
             (Some(_), Some(prompt)) => {
                 self.polling = None;
-                self.rekick = false;
                 self.start(now, prompt, origin, fx);
             }
             (Some(i), None) => {

@@ -1,5 +1,7 @@
-//! Property model of automatic work: the session core and pure stand-ins
-//! for the notification, cron and goal actors exchange messages over a bus;
+//! Property model of automatic work: the session core, the notification
+//! queue core (`tiller_core::notify`), the goal core and a stand-in for the
+//! cron fires (one waiting fire per job, as the store keeps them) exchange
+//! messages over a bus, as the actors do;
 //! a test scheduler (proptest) picks which message is delivered next, and
 //! when prompts, notifications, cron fires and engine results happen.
 //!
@@ -12,6 +14,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 use proptest::prelude::*;
 use tiller_core::goal::Goal;
+use tiller_core::notify::Queues;
 use tiller_core::{
     Effect, Input, LoopType, Origin, PromptId, SessionCore, Signal, StopReason, Terminal,
     TurnConfig,
@@ -25,14 +28,20 @@ const CFG: TurnConfig = TurnConfig {
     max_turn_events: 100_000,
 };
 
+/// The one session of the model.
+const SESSION: tiller_core::SessionId = tiller_core::SessionId::from_u128(7);
+
 /// Messages on the bus.
 #[derive(Clone, Debug)]
 enum Msg {
     Offer(Origin, u64, Option<u32>),
     Kick,
     Poll(Origin, u64),
-    HandBack(Origin, u32),
-    GoalTurnEnded { loop_stopped: bool },
+    /// The session started offered work: the queue forgets it.
+    Started(Origin, u32),
+    GoalTurnEnded {
+        loop_stopped: bool,
+    },
 }
 
 /// What the scheduler can do.
@@ -73,8 +82,8 @@ struct World {
     now: u64,
     bus: VecDeque<Msg>,
     next: u32,
-    /// Notification queue (the actor's store).
-    notifications: VecDeque<u32>,
+    /// The notification queues (the actor's core); task ids are work ids.
+    notifications: Queues,
     /// The cron job's waiting fire.
     cron_waiting: Option<u32>,
     goal: Option<Goal>,
@@ -100,6 +109,7 @@ impl World {
                 Origin::Cron,
             ])),
             goal: Some(Goal::new("objective".into(), 3)),
+            notifications: Queues::new(1_000),
             ..World::default()
         };
         // The goal was just set: the session is kicked.
@@ -126,9 +136,9 @@ impl World {
         for e in fx {
             match e {
                 Effect::Poll { origin, poll } => self.bus.push_back(Msg::Poll(origin, poll)),
-                Effect::OfferRefused { origin, prompt } => {
-                    let (_, work) = self.work_of.remove(&prompt).expect("offered work");
-                    self.bus.push_back(Msg::HandBack(origin, work));
+                Effect::OfferRefused { prompt, .. } => {
+                    // Still queued: offered again at a later poll.
+                    self.work_of.remove(&prompt).expect("offered work");
                 }
                 Effect::StartTurn { prompt, origin, .. } => {
                     self.admitted.insert(prompt);
@@ -140,8 +150,9 @@ impl World {
                             "automatic work started while an interactive prompt waited"
                         );
                     }
-                    if let Some((_, work)) = self.work_of.get(&prompt) {
+                    if let Some((o, work)) = self.work_of.get(&prompt) {
                         *self.ran.entry(*work).or_default() += 1;
+                        self.bus.push_back(Msg::Started(*o, *work));
                     }
                 }
                 Effect::Queued { prompt, .. } => {
@@ -185,12 +196,16 @@ impl World {
                 });
             }
             Msg::Poll(Origin::Notification, poll) => {
-                let w = self.notifications.pop_front();
+                // Offering takes nothing off the queue.
+                let w = self
+                    .notifications
+                    .next(SESSION)
+                    .map(|q| q.task_id.parse().expect("a work id"));
                 self.bus
                     .push_back(Msg::Offer(Origin::Notification, poll, w));
             }
             Msg::Poll(Origin::Cron, poll) => {
-                let w = self.cron_waiting.take();
+                let w = self.cron_waiting;
                 self.bus.push_back(Msg::Offer(Origin::Cron, poll, w));
             }
             Msg::Poll(Origin::Goal, poll) => {
@@ -205,19 +220,19 @@ impl World {
                 self.bus.push_back(Msg::Offer(Origin::Goal, poll, w));
             }
             Msg::Poll(..) => unreachable!(),
-            Msg::HandBack(Origin::Notification, w) => self.notifications.push_front(w),
-            Msg::HandBack(Origin::Cron, w) => {
-                // A newer fire may have been coalesced meanwhile: keep one.
-                if self.cron_waiting.is_none() {
-                    self.cron_waiting = Some(w);
-                } else {
-                    self.ran.insert(w, 1); // coalesced into the waiting fire
-                }
+            Msg::Started(Origin::Notification, w) => {
+                let id = self
+                    .notifications
+                    .session(SESSION)
+                    .and_then(|q| q.iter().find(|i| i.task_id == w.to_string()).map(|i| i.id))
+                    .expect("a started notification was queued");
+                self.notifications.consumed(SESSION, id);
             }
-            // A goal re-offers; nothing to hand back.
-            Msg::HandBack(_, w) => {
-                self.created.remove(&w);
+            Msg::Started(Origin::Cron, w) => {
+                assert_eq!(self.cron_waiting, Some(w), "the started fire was waiting");
+                self.cron_waiting = None;
             }
+            Msg::Started(..) => {}
             Msg::GoalTurnEnded { loop_stopped } => {
                 if let Some(g) = &mut self.goal {
                     g.turn_ended(loop_stopped);
@@ -255,7 +270,10 @@ impl World {
             Step::Notify => {
                 let id = self.fresh();
                 self.created.insert(id, Origin::Notification);
-                self.notifications.push_back(id);
+                let out = self
+                    .notifications
+                    .enqueue(SESSION, &id.to_string(), "", self.now as i64);
+                assert!(!out.deduplicated && out.evicted.is_empty());
                 self.bus.push_back(Msg::Kick);
             }
             Step::CronFires => {
@@ -313,8 +331,8 @@ impl World {
 fn mailbox(m: &Msg) -> u8 {
     match m {
         Msg::Offer(..) | Msg::Kick => 0,
-        Msg::Poll(Origin::Notification, _) | Msg::HandBack(Origin::Notification, _) => 1,
-        Msg::Poll(Origin::Cron, _) | Msg::HandBack(Origin::Cron, _) => 2,
+        Msg::Poll(Origin::Notification, _) | Msg::Started(Origin::Notification, _) => 1,
+        Msg::Poll(Origin::Cron, _) | Msg::Started(Origin::Cron, _) => 2,
         _ => 3, // goal
     }
 }

@@ -4,6 +4,7 @@
 //! fires missed while the daemon was down coalesce into one catch-up fire.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
@@ -12,8 +13,9 @@ use tiller_core::{Origin, SessionId};
 use tiller_store::{CronJob, Store};
 use tokio::sync::oneshot;
 
-use crate::actor::{SessionMsg, Work};
-use crate::{SessionError, Sessions};
+use crate::SessionError;
+use crate::event::EventBody;
+use crate::ports::{Inbox, Waker, Work, WorkQueue};
 
 /// Why a job could not be added.
 #[derive(Debug, thiserror::Error)]
@@ -28,7 +30,7 @@ pub enum CronError {
 pub enum CronMsg {
     /// Gives the actor the sessions it wakes when jobs fire; it starts its
     /// timer then.
-    Attach(Sessions),
+    Attach(Arc<dyn Waker>),
     Add {
         session: SessionId,
         schedule: String,
@@ -48,7 +50,7 @@ pub enum CronMsg {
         session: SessionId,
         /// Echoed in the answer.
         poll: u64,
-        reply_to: ActorRef<SessionMsg>,
+        inbox: Arc<dyn Inbox>,
     },
 }
 
@@ -61,7 +63,7 @@ pub struct CronState {
     /// Jobs by id, with their parsed schedules.
     jobs: HashMap<String, (CronJob, Schedule)>,
     /// Set by `Attach`.
-    sessions: Option<Sessions>,
+    sessions: Option<Arc<dyn Waker>>,
     /// The pending wake-up.
     timer: Option<tokio::task::JoinHandle<Result<(), ractor::MessagingErr<CronMsg>>>>,
 }
@@ -137,7 +139,7 @@ impl Actor for CronActor {
             CronMsg::Poll {
                 session,
                 poll,
-                reply_to,
+                inbox,
             } => {
                 // The fire stays queued until the prompt that runs it is
                 // committed; a refused or lost offer needs no hand-back.
@@ -148,11 +150,7 @@ impl Actor for CronActor {
                         None
                     }
                 };
-                let _ = reply_to.send_message(SessionMsg::Offer {
-                    poll,
-                    origin: Origin::Cron,
-                    work,
-                });
+                inbox.offer(Origin::Cron, poll, work);
             }
         }
         Ok(())
@@ -179,9 +177,6 @@ impl CronState {
         prompt: String,
     ) -> Result<CronJob, CronError> {
         let parsed = Schedule::parse(&schedule, &tz).map_err(|e| CronError::Schedule(e.0))?;
-        if let Some(s) = &self.sessions {
-            s.record(session).await?;
-        }
         let now = now_ms();
         let job = CronJob {
             id: format!("cron-{}", tiller_core::PromptId::new()),
@@ -218,14 +213,9 @@ impl CronState {
         }
         if let Some(sessions) = &self.sessions {
             for (session, job) in fired {
-                match sessions.open(session).await {
-                    Ok(h) => {
-                        let _ = h.send(SessionMsg::CronFired { job_id: job });
-                    }
-                    Err(e) => {
-                        tracing::warn!(%session, error = %e, "cron fire for an unavailable session");
-                    }
-                }
+                sessions
+                    .wake(session, EventBody::CronFired { job_id: job })
+                    .await;
             }
         }
         self.arm(myself);
@@ -245,5 +235,20 @@ impl CronState {
         // changes without drifting).
         let wait = (next - now_ms()).clamp(0, 3_600_000) as u64;
         self.timer = Some(myself.send_after(Duration::from_millis(wait), || CronMsg::Tick));
+    }
+}
+
+impl WorkQueue for ActorRef<CronMsg> {
+    fn origin(&self) -> Origin {
+        Origin::Cron
+    }
+
+    fn poll(&self, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool {
+        self.send_message(CronMsg::Poll {
+            session,
+            poll,
+            inbox,
+        })
+        .is_ok()
     }
 }

@@ -44,10 +44,13 @@ impl Sessions {
         let tools = config.tools.clone();
         let args = RegistryArgs {
             store: store.clone(),
+            // Admission order: goal, then notifications, then cron fires.
             automation: actor::Automation {
-                notify: Some(notify.clone()),
-                cron: Some(cron.clone()),
-                goal: Some(goal.clone()),
+                queues: vec![
+                    Arc::new(goal.clone()),
+                    Arc::new(notify.clone()),
+                    Arc::new(cron.clone()),
+                ],
             },
             engines: engines.clone(),
             config: Arc::new(config),
@@ -78,7 +81,7 @@ impl Sessions {
         // sessions.
         let _ = sessions
             .cron
-            .send_message(cron::CronMsg::Attach(sessions.clone()));
+            .send_message(cron::CronMsg::Attach(Arc::new(sessions.clone())));
         Ok(sessions)
     }
 
@@ -90,6 +93,7 @@ impl Sessions {
         tz: String,
         prompt: String,
     ) -> Result<Result<tiller_store::CronJob, String>, SessionError> {
+        self.record(session).await?; // the session exists
         let (tx, rx) = oneshot::channel();
         self.cron
             .send_message(cron::CronMsg::Add {
@@ -436,5 +440,21 @@ impl Sessions {
         if let Err(e) = self.store.flush().await {
             tracing::error!(error = %e, "store flush at shutdown failed");
         }
+    }
+}
+
+/// The cron actor wakes sessions through the facade.
+impl ports::Waker for Sessions {
+    fn wake(&self, session: SessionId, body: EventBody) -> ports::WakeFuture<'_> {
+        Box::pin(async move {
+            match self.open(session).await {
+                Ok(h) => {
+                    let _ = h.send(SessionMsg::Automation { body, kick: true });
+                }
+                Err(e) => {
+                    tracing::warn!(%session, error = %e, "automatic work for an unavailable session");
+                }
+            }
+        })
     }
 }

@@ -9,8 +9,10 @@ use tiller_core::{Origin, SessionId};
 use tiller_store::{GoalRow, Store, StoreError};
 use tokio::sync::oneshot;
 
-use crate::actor::{SessionMsg, Work};
+use std::sync::Arc;
+
 use crate::event::EventBody;
+use crate::ports::{Inbox, Work, WorkQueue};
 
 /// The closed set of messages the goal actor handles.
 pub enum GoalMsg {
@@ -43,13 +45,13 @@ pub enum GoalMsg {
         session: SessionId,
         /// Echoed in the answer.
         poll: u64,
-        reply_to: ActorRef<SessionMsg>,
+        inbox: Arc<dyn Inbox>,
     },
     /// A goal turn of the session ended.
     TurnEnded {
         session: SessionId,
         loop_stopped: bool,
-        reply_to: ActorRef<SessionMsg>,
+        inbox: Arc<dyn Inbox>,
     },
 }
 
@@ -147,7 +149,7 @@ impl Actor for GoalActor {
             GoalMsg::Poll {
                 session,
                 poll,
-                reply_to,
+                inbox,
             } => {
                 let text = match store.goal_get(session).await {
                     Ok(Some(row)) => to_core(&row).continuation(),
@@ -157,16 +159,12 @@ impl Actor for GoalActor {
                         None
                     }
                 };
-                let _ = reply_to.send_message(SessionMsg::Offer {
-                    poll,
-                    origin: Origin::Goal,
-                    work: text.map(Work::Goal),
-                });
+                inbox.offer(Origin::Goal, poll, text.map(Work::Goal));
             }
             GoalMsg::TurnEnded {
                 session,
                 loop_stopped,
-                reply_to,
+                inbox,
             } => {
                 let Ok(Some(row)) = store.goal_get(session).await else {
                     return Ok(()); // cleared meanwhile
@@ -192,7 +190,7 @@ impl Actor for GoalActor {
                     None => None,
                 };
                 if let Some(body) = body {
-                    let _ = reply_to.send_message(SessionMsg::Automation { body, kick: false });
+                    inbox.event(body, false);
                 }
             }
         }
@@ -214,4 +212,27 @@ async fn update(
     let row = to_row(session, &goal);
     store.goal_put(row.clone()).await?;
     Ok(Some(row))
+}
+
+impl WorkQueue for ActorRef<GoalMsg> {
+    fn origin(&self) -> Origin {
+        Origin::Goal
+    }
+
+    fn poll(&self, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool {
+        self.send_message(GoalMsg::Poll {
+            session,
+            poll,
+            inbox,
+        })
+        .is_ok()
+    }
+
+    fn turn_ended(&self, session: SessionId, loop_stopped: bool, inbox: Arc<dyn Inbox>) {
+        let _ = self.send_message(GoalMsg::TurnEnded {
+            session,
+            loop_stopped,
+            inbox,
+        });
+    }
 }

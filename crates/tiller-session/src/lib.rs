@@ -11,6 +11,7 @@ mod facade;
 mod goal;
 mod handle;
 mod notify;
+pub mod ports;
 mod reconcile;
 mod registry;
 mod tools;

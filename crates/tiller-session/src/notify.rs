@@ -1,15 +1,19 @@
-//! The notification actor: owns the durable queues of background
-//! notifications (one per session, in the store). Sessions poll it when
-//! idle; it offers one notification per turn, oldest first. An offer takes
-//! nothing off the queue: the session's committed start does. What is due is
-//! its business; admission order is the session core's.
+//! The notification actor: owns the background-notification queues. Their
+//! rules (FIFO per session, dedup by task id, cap with eviction) are the
+//! pure core `tiller_core::notify`, kept in memory and rebuilt from the
+//! store at start; the store only writes what the core decided. An idle
+//! session polls it; it offers the oldest notification, which stays queued
+//! until the session's stored start consumes it.
+
+use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tiller_core::notify::{Queued, Queues};
 use tiller_core::{Origin, SessionId};
-use tiller_store::{Enqueued, Store, StoreError};
+use tiller_store::{Enqueued, Notification, Store, StoreError};
 use tokio::sync::oneshot;
 
-use crate::actor::{SessionMsg, Work};
+use crate::ports::{Inbox, Work, WorkQueue};
 
 /// The closed set of messages the notification actor handles.
 pub enum NotifyMsg {
@@ -20,14 +24,15 @@ pub enum NotifyMsg {
         text: String,
         reply: oneshot::Sender<Result<Enqueued, StoreError>>,
     },
-    /// A session is idle and asks for its next notification; the answer
-    /// goes to its mailbox as `SessionMsg::Offer`.
+    /// A session is idle and asks for its next notification.
     Poll {
         session: SessionId,
         /// Echoed in the answer.
         poll: u64,
-        reply_to: ActorRef<SessionMsg>,
+        inbox: Arc<dyn Inbox>,
     },
+    /// The session started the notification `id` (its start consumes it).
+    Started { session: SessionId, id: i64 },
 }
 
 /// See the module docs.
@@ -36,8 +41,13 @@ pub struct NotifyActor;
 /// The actor's state.
 pub struct NotifyState {
     store: Store,
-    /// Most notifications queued per session; the oldest are evicted.
-    cap: usize,
+    queues: Queues,
+}
+
+impl NotifyState {
+    fn gauge(&self) {
+        metrics::gauge!("tiller_notifications_queued").set(self.queues.len() as f64);
+    }
 }
 
 impl Actor for NotifyActor {
@@ -50,9 +60,24 @@ impl Actor for NotifyActor {
         _myself: ActorRef<NotifyMsg>,
         (store, cap): (Store, usize),
     ) -> Result<NotifyState, ActorProcessingErr> {
-        let (_, total) = store.notification_backlog().await?;
-        metrics::gauge!("tiller_notifications_queued").set(total as f64);
-        Ok(NotifyState { store, cap })
+        let rows = store.notifications().await?;
+        let queues = Queues::restore(
+            cap,
+            rows.into_iter().map(|n| {
+                (
+                    n.session,
+                    Queued {
+                        id: n.id,
+                        task_id: n.task_id,
+                        text: n.text,
+                        created_ms: n.created_ms,
+                    },
+                )
+            }),
+        );
+        let st = NotifyState { store, queues };
+        st.gauge();
+        Ok(st)
     }
 
     async fn handle(
@@ -72,37 +97,64 @@ impl Actor for NotifyActor {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_millis() as i64)
                     .unwrap_or(0);
-                let r = st
-                    .store
-                    .enqueue_notification(session, task_id, text, now, st.cap)
-                    .await;
-                if let Ok(e) = &r {
-                    let delta = i64::from(!e.deduplicated) - e.evicted.len() as i64;
-                    metrics::gauge!("tiller_notifications_queued").increment(delta as f64);
-                }
+                let before = st.queues.session(session);
+                let out = st.queues.enqueue(session, &task_id, &text, now);
+                let r = match st.store.notification_changes(out.changes).await {
+                    Ok(()) => Ok(Enqueued {
+                        deduplicated: out.deduplicated,
+                        evicted: out.evicted,
+                    }),
+                    Err(e) => {
+                        // Not stored, not queued.
+                        st.queues.put_back(session, before);
+                        Err(e)
+                    }
+                };
+                st.gauge();
                 let _ = reply.send(r);
             }
             NotifyMsg::Poll {
                 session,
                 poll,
-                reply_to,
+                inbox,
             } => {
-                // The notification stays queued until the prompt that runs
-                // it is committed; a refused or lost offer needs no hand-back.
-                let work = match st.store.next_notification(session).await {
-                    Ok(n) => n.map(Work::Notification),
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot read the notification queue");
-                        None
-                    }
-                };
-                let _ = reply_to.send_message(SessionMsg::Offer {
-                    poll,
-                    origin: Origin::Notification,
-                    work,
+                let work = st.queues.next(session).map(|q| {
+                    Work::Notification(Notification {
+                        id: q.id,
+                        session,
+                        task_id: q.task_id.clone(),
+                        text: q.text.clone(),
+                        created_ms: q.created_ms,
+                    })
                 });
+                inbox.offer(Origin::Notification, poll, work);
+            }
+            NotifyMsg::Started { session, id } => {
+                st.queues.consumed(session, id);
+                st.gauge();
             }
         }
         Ok(())
+    }
+}
+
+impl WorkQueue for ActorRef<NotifyMsg> {
+    fn origin(&self) -> Origin {
+        Origin::Notification
+    }
+
+    fn poll(&self, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool {
+        self.send_message(NotifyMsg::Poll {
+            session,
+            poll,
+            inbox,
+        })
+        .is_ok()
+    }
+
+    fn started(&self, session: SessionId, work: &Work) {
+        if let Work::Notification(n) = work {
+            let _ = self.send_message(NotifyMsg::Started { session, id: n.id });
+        }
     }
 }

@@ -259,29 +259,19 @@ impl Store {
         self.call(|_| Ok(())).await
     }
 
-    /// Queues a background notification (durable when this returns),
-    /// replacing a queued one with the same task id, evicting the oldest
-    /// over `cap`.
-    pub async fn enqueue_notification(
+    /// Stores what the notification core decided (durable when this
+    /// returns; all or nothing).
+    pub async fn notification_changes(
         &self,
-        session: SessionId,
-        task_id: String,
-        text: String,
-        now_ms: i64,
-        cap: usize,
-    ) -> Result<Enqueued, StoreError> {
-        self.call(move |c| queues::enqueue(c, session, &task_id, &text, now_ms, cap))
+        changes: Vec<tiller_core::notify::Change>,
+    ) -> Result<(), StoreError> {
+        self.call(move |c| queues::notification_changes(c, &changes))
             .await
     }
 
-    /// The oldest queued notification of a session. It stays queued until
-    /// a prompt that consumes it ([`Claim::Notification`]) is committed.
-    pub async fn next_notification(
-        &self,
-        session: SessionId,
-    ) -> Result<Option<Notification>, StoreError> {
-        self.call(move |c| queues::next_notification(c, session))
-            .await
+    /// Every queued notification, oldest first.
+    pub async fn notifications(&self) -> Result<Vec<Notification>, StoreError> {
+        self.call(|c| queues::notifications(c)).await
     }
 
     /// Sessions that have queued notifications, and how many are queued.

@@ -6,68 +6,71 @@
 use rusqlite::{Connection, OptionalExtension, params};
 use tiller_core::SessionId;
 
-use crate::{CronFire, CronJob, Enqueued, GoalRow, Notification};
+use crate::{CronFire, CronJob, GoalRow, Notification};
 
-pub(crate) fn enqueue(
+/// Writes what the notification core decided, in one transaction.
+pub(crate) fn notification_changes(
     conn: &mut Connection,
-    session: SessionId,
-    task_id: &str,
-    text: &str,
-    now_ms: i64,
-    cap: usize,
-) -> rusqlite::Result<Enqueued> {
+    changes: &[tiller_core::notify::Change],
+) -> rusqlite::Result<()> {
+    use tiller_core::notify::Change;
     let tx = conn.transaction()?;
-    let sid = session.to_string();
-    let updated = tx.execute(
-        "UPDATE notifications SET text = ?3 WHERE session_id = ?1 AND task_id = ?2",
-        params![sid, task_id, text],
-    )?;
-    if updated == 0 {
-        tx.execute(
-            "INSERT INTO notifications (session_id, task_id, text, created_ms) VALUES (?1, ?2, ?3, ?4)",
-            params![sid, task_id, text, now_ms],
-        )?;
-    }
-    let mut evicted = Vec::new();
-    {
-        let mut over = tx.prepare(
-            "SELECT n, task_id FROM notifications WHERE session_id = ?1 ORDER BY n DESC LIMIT -1 OFFSET ?2",
-        )?;
-        let rows: Vec<(i64, String)> = over
-            .query_map(params![sid, cap as i64], |r| Ok((r.get(0)?, r.get(1)?)))?
-            .collect::<rusqlite::Result<_>>()?;
-        for (n, task) in rows.into_iter().rev() {
-            tx.execute("DELETE FROM notifications WHERE n = ?1", params![n])?;
-            evicted.push(task);
+    for c in changes {
+        match c {
+            Change::Insert { session, item } => {
+                tx.execute(
+                    "INSERT INTO notifications (n, session_id, task_id, text, created_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5)",
+                    params![
+                        item.id,
+                        session.to_string(),
+                        item.task_id,
+                        item.text,
+                        item.created_ms
+                    ],
+                )?;
+            }
+            Change::Replace { id, text } => {
+                tx.execute(
+                    "UPDATE notifications SET text = ?2 WHERE n = ?1",
+                    params![id, text],
+                )?;
+            }
+            Change::Evict { id } => {
+                tx.execute("DELETE FROM notifications WHERE n = ?1", params![id])?;
+            }
         }
     }
-    tx.commit()?;
-    Ok(Enqueued {
-        deduplicated: updated > 0,
-        evicted,
-    })
+    tx.commit()
 }
 
-/// The oldest queued notification of a session (it stays queued).
-pub(crate) fn next_notification(
-    conn: &Connection,
-    session: SessionId,
-) -> rusqlite::Result<Option<Notification>> {
-    conn.query_row(
-        "SELECT n, task_id, text, created_ms FROM notifications
-         WHERE session_id = ?1 ORDER BY n LIMIT 1",
-        params![session.to_string()],
-        |r| {
-            Ok(Notification {
-                id: r.get(0)?,
+/// Every queued notification (the core is rebuilt from them at start).
+pub(crate) fn notifications(conn: &Connection) -> rusqlite::Result<Vec<Notification>> {
+    let mut stmt = conn
+        .prepare("SELECT n, session_id, task_id, text, created_ms FROM notifications ORDER BY n")?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, String>(2)?,
+            r.get::<_, String>(3)?,
+            r.get::<_, i64>(4)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (id, sid, task_id, text, created_ms) = row?;
+        if let Some(session) = SessionId::parse(&sid) {
+            out.push(Notification {
+                id,
                 session,
-                task_id: r.get(1)?,
-                text: r.get(2)?,
-                created_ms: r.get(3)?,
-            })
-        },
-    )
-    .optional()
+                task_id,
+                text,
+                created_ms,
+            });
+        }
+    }
+    Ok(out)
 }
 
 pub(crate) fn cron_list(conn: &Connection) -> rusqlite::Result<Vec<CronJob>> {

@@ -234,53 +234,50 @@ mod ledger {
 
 mod notifications {
     use crate::*;
+    use tiller_core::notify::Queues;
 
     #[tokio::test]
-    async fn fifo_dedup_cap_and_hand_back() {
+    async fn what_the_core_decides_is_stored_and_restores_the_same_queues() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let path = dir.path().join("t.db");
         let s = SessionId::new();
-        let e = |t: &str| store.enqueue_notification(s, t.into(), format!("{t} text"), 1, 3);
-        assert_eq!(
-            e("a").await.unwrap(),
-            Enqueued {
-                deduplicated: false,
-                evicted: vec![]
+        let mut q = Queues::new(3);
+        {
+            let store = Store::open(&path).unwrap();
+            for (t, text) in [("a", "1"), ("b", "2"), ("a", "3"), ("c", "4"), ("d", "5")] {
+                let out = q.enqueue(s, t, text, 1);
+                store.notification_changes(out.changes).await.unwrap();
             }
-        );
-        e("b").await.unwrap();
-        let again = store
-            .enqueue_notification(s, "a".into(), "a newer".into(), 2, 3)
-            .await
-            .unwrap();
-        assert!(again.deduplicated);
-        e("c").await.unwrap();
-        let over = e("d").await.unwrap();
-        assert_eq!(over.evicted, vec!["a".to_string()], "oldest first");
-        assert_eq!(store.notification_backlog().await.unwrap(), (vec![s], 3));
-        // Reading the queue does not change it.
-        let b = store.next_notification(s).await.unwrap().unwrap();
-        assert_eq!(b.task_id, "b");
-        assert_eq!(store.next_notification(s).await.unwrap().unwrap(), b);
-        // A started prompt consumes it in its own transaction, in order.
-        let mut order = Vec::new();
-        for seq in 1..=3 {
-            let n = store.next_notification(s).await.unwrap().unwrap();
-            store
-                .append_durable(
-                    super::ledger::ev(s, seq, "prompt_started"),
-                    Some(LedgerOp::Admit {
-                        prompt: tiller_core::PromptId::new(),
-                        origin: "notification".into(),
-                        consumes: Some(Claim::Notification(n.id)),
-                    }),
-                )
-                .await
-                .unwrap();
-            order.push(n.task_id);
+            assert_eq!(store.notification_backlog().await.unwrap(), (vec![s], 3));
         }
-        assert_eq!(order, vec!["b", "c", "d"]);
-        assert!(store.next_notification(s).await.unwrap().is_none());
+        let store = Store::open(&path).unwrap();
+        let rows = store.notifications().await.unwrap();
+        let restored = Queues::restore(
+            3,
+            rows.into_iter().map(|n| {
+                (
+                    n.session,
+                    tiller_core::notify::Queued {
+                        id: n.id,
+                        task_id: n.task_id,
+                        text: n.text,
+                        created_ms: n.created_ms,
+                    },
+                )
+            }),
+        );
+        assert_eq!(restored.session(s), q.session(s));
+        let tasks: Vec<String> = q
+            .session(s)
+            .unwrap()
+            .into_iter()
+            .map(|i| i.task_id)
+            .collect();
+        assert_eq!(
+            tasks,
+            ["b", "c", "d"],
+            "a (deduplicated, then oldest) was evicted"
+        );
     }
 }
 
@@ -343,11 +340,10 @@ mod durability {
     async fn a_failed_start_leaves_its_notification_queued_and_unadmitted() {
         let (_dir, store) = open();
         let s = SessionId::new();
-        store
-            .enqueue_notification(s, "t".into(), "done".into(), 1, 10)
-            .await
-            .unwrap();
-        let n = store.next_notification(s).await.unwrap().unwrap();
+        let mut q = tiller_core::notify::Queues::new(10);
+        let out = q.enqueue(s, "t", "done", 1);
+        store.notification_changes(out.changes).await.unwrap();
+        let n = store.notifications().await.unwrap().remove(0);
         let admit = Some(LedgerOp::Admit {
             prompt: PromptId::new(),
             origin: "notification".into(),
@@ -360,14 +356,14 @@ mod durability {
             .unwrap_err();
         assert!(e.is_unavailable(), "{e}");
         store.fail_appends(false);
-        assert_eq!(store.next_notification(s).await.unwrap(), Some(n.clone()));
+        assert_eq!(store.notifications().await.unwrap(), vec![n.clone()]);
         assert!(store.unsettled().await.unwrap().is_empty());
         store.reopen_log(s).await.unwrap();
         store
             .append_durable(ev(s, 1, "prompt_started"), admit)
             .await
             .unwrap();
-        assert_eq!(store.next_notification(s).await.unwrap(), None);
+        assert!(store.notifications().await.unwrap().is_empty());
         assert_eq!(store.unsettled().await.unwrap().len(), 1);
     }
 

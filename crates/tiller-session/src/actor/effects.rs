@@ -132,7 +132,8 @@ impl SessionState {
                 }
                 Effect::ArmTimer { at } => self.arm(myself, at),
                 Effect::Poll { origin, poll } => {
-                    if !self.automation.poll(origin, self.id, poll, myself) {
+                    let inbox: Arc<dyn Inbox> = Arc::new(myself.clone());
+                    if !self.automation.poll(origin, self.id, poll, inbox) {
                         // No actor for that queue: nothing is due there.
                         let _ = myself.send_message(SessionMsg::Offer {
                             origin,
@@ -188,9 +189,6 @@ impl SessionState {
                 .get(&prompt)
                 .and_then(|p| p.work.as_ref())
                 .and_then(Work::claim);
-            if let Some(tiller_store::Claim::Notification(_)) = claim {
-                metrics::gauge!("tiller_notifications_queued").decrement(1.0);
-            }
             self.publish_with(
                 Some(prompt),
                 Some(turn),
@@ -199,6 +197,13 @@ impl SessionState {
                 },
                 claim,
             );
+            // The queue forgets it: its stored start consumes the row.
+            if let (Some(work), Some(q)) = (
+                self.pending.get(&prompt).and_then(|p| p.work.as_ref()),
+                self.automation.queue(origin),
+            ) {
+                q.started(self.id, work);
+            }
         }
         self.publish(
             Some(prompt),

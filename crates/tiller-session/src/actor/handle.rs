@@ -83,10 +83,6 @@ impl SessionState {
                     self.feed(myself, Input::Kick, None).await;
                 }
             }
-            SessionMsg::CronFired { job_id } => {
-                self.publish(None, None, EventBody::CronFired { job_id });
-                self.feed(myself, Input::Kick, None).await;
-            }
             SessionMsg::NotificationQueued {
                 task_id,
                 text,

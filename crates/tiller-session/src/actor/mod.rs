@@ -33,103 +33,46 @@ use publish::Ledger;
 
 use crate::event::ConfigOption;
 use crate::event::{EventBody, EventRecord};
+pub use crate::ports::Work;
+use crate::ports::{Inbox, WorkQueue};
 use crate::tools::{Batch, Decision, PermissionMode, Permissions, Progress};
 use crate::{
     PermissionRefused, PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber,
     SubscriberId, TurnState,
 };
 
-/// Automatic work a queue actor offers a session.
-#[derive(Debug)]
-pub enum Work {
-    Notification(tiller_store::Notification),
-    Cron(tiller_store::CronFire),
-    /// A goal continuation (the goal re-offers; nothing to hand back).
-    Goal(String),
-}
-
-impl Work {
-    /// The queue row the prompt that runs it consumes (in the transaction
-    /// of its start: a crash before that leaves it queued).
-    fn claim(&self) -> Option<tiller_store::Claim> {
-        match self {
-            Work::Notification(n) => Some(tiller_store::Claim::Notification(n.id)),
-            Work::Cron(f) => Some(tiller_store::Claim::CronFire(f.id)),
-            Work::Goal(_) => None,
-        }
-    }
-
-    fn text(&self) -> &str {
-        match self {
-            Work::Notification(n) => &n.text,
-            Work::Cron(f) => &f.prompt,
-            Work::Goal(text) => text,
-        }
-    }
-}
-
-/// The queue actors a session polls when idle.
+/// The queues a session polls when idle, in admission order (goal,
+/// notification, cron), behind the [`WorkQueue`] port.
 #[derive(Clone, Default)]
 pub struct Automation {
-    pub notify: Option<ActorRef<crate::notify::NotifyMsg>>,
-    pub cron: Option<ActorRef<crate::cron::CronMsg>>,
-    pub goal: Option<ActorRef<crate::goal::GoalMsg>>,
+    pub queues: Vec<Arc<dyn WorkQueue>>,
 }
 
 impl Automation {
-    /// The queues to poll, in admission order: one notification, then due
-    /// cron fires.
     fn origins(&self) -> Vec<Origin> {
-        let mut o = Vec::new();
-        if self.goal.is_some() {
-            o.push(Origin::Goal);
-        }
-        if self.notify.is_some() {
-            o.push(Origin::Notification);
-        }
-        if self.cron.is_some() {
-            o.push(Origin::Cron);
-        }
-        o
+        self.queues.iter().map(|q| q.origin()).collect()
     }
 
-    /// Asks the queue actor of `origin` for its next work (the answer comes
-    /// as `SessionMsg::Offer`). False when no actor can answer.
-    fn poll(
-        &self,
-        origin: Origin,
-        session: SessionId,
-        poll: u64,
-        reply_to: &ActorRef<SessionMsg>,
-    ) -> bool {
-        let reply_to = reply_to.clone();
-        match origin {
-            Origin::Notification => self.notify.as_ref().is_some_and(|a| {
-                a.send_message(crate::notify::NotifyMsg::Poll {
-                    session,
-                    poll,
-                    reply_to,
-                })
-                .is_ok()
-            }),
-            Origin::Cron => self.cron.as_ref().is_some_and(|a| {
-                a.send_message(crate::cron::CronMsg::Poll {
-                    session,
-                    poll,
-                    reply_to,
-                })
-                .is_ok()
-            }),
-            Origin::Goal => self.goal.as_ref().is_some_and(|a| {
-                a.send_message(crate::goal::GoalMsg::Poll {
-                    session,
-                    poll,
-                    reply_to,
-                })
-                .is_ok()
-            }),
-            Origin::Interactive | Origin::Channel => false,
-        }
+    fn queue(&self, origin: Origin) -> Option<&Arc<dyn WorkQueue>> {
+        self.queues.iter().find(|q| q.origin() == origin)
+    }
+
+    /// Asks the queue of `origin` for its next work (the answer comes as
+    /// `SessionMsg::Offer`). False when no queue can answer.
+    fn poll(&self, origin: Origin, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool {
+        self.queue(origin)
+            .is_some_and(|q| q.poll(session, poll, inbox))
+    }
+}
+
+/// A session's mailbox is where its queues answer.
+impl Inbox for ActorRef<SessionMsg> {
+    fn offer(&self, origin: Origin, poll: u64, work: Option<Work>) {
+        let _ = self.send_message(SessionMsg::Offer { origin, poll, work });
+    }
+
+    fn event(&self, body: EventBody, kick: bool) {
+        let _ = self.send_message(SessionMsg::Automation { body, kick });
     }
 }
 
@@ -174,8 +117,6 @@ pub enum SessionMsg {
     /// An event from a queue actor to publish (goal changes), and whether
     /// to poll afterwards.
     Automation { body: EventBody, kick: bool },
-    /// A cron job of this session fired (its fire is queued).
-    CronFired { job_id: String },
     /// A notification was queued for this session (already durable).
     NotificationQueued {
         task_id: String,

@@ -75,15 +75,11 @@ impl SessionState {
             if delivers && let Some(w) = &self.config.delivery_wake {
                 w.notify_one();
             }
-            if origin == Origin::Goal
-                && turn.is_some()
-                && let Some(goal) = &self.automation.goal
+            if turn.is_some()
+                && let Some(q) = self.automation.queue(origin)
             {
-                let _ = goal.send_message(crate::goal::GoalMsg::TurnEnded {
-                    session: self.id,
-                    loop_stopped: self.loop_stopped == Some(prompt),
-                    reply_to: self.myself.clone(),
-                });
+                let inbox: Arc<dyn Inbox> = Arc::new(self.myself.clone());
+                q.turn_ended(self.id, self.loop_stopped == Some(prompt), inbox);
             }
         }
         metrics::counter!(

@@ -1,0 +1,74 @@
+//! The small ports between a session and its automatic-work queues, so
+//! neither side imports the other: a session sees each queue as a
+//! [`WorkQueue`]; a queue answers through the session's [`Inbox`]; the
+//! cron actor wakes sessions through a [`Waker`] (the facade). Queue actors
+//! depend on this module and on events, never on the session actor.
+
+use std::sync::Arc;
+
+use tiller_core::{Origin, SessionId};
+
+use crate::event::EventBody;
+
+/// Automatic work a queue offers a session.
+#[derive(Debug)]
+pub enum Work {
+    Notification(tiller_store::Notification),
+    Cron(tiller_store::CronFire),
+    /// A goal continuation (the goal re-offers; nothing to consume).
+    Goal(String),
+}
+
+impl Work {
+    /// The queue row the prompt that runs it consumes (in the transaction
+    /// of its start: a crash before that leaves it queued).
+    pub fn claim(&self) -> Option<tiller_store::Claim> {
+        match self {
+            Work::Notification(n) => Some(tiller_store::Claim::Notification(n.id)),
+            Work::Cron(f) => Some(tiller_store::Claim::CronFire(f.id)),
+            Work::Goal(_) => None,
+        }
+    }
+
+    /// The prompt text it runs.
+    pub fn text(&self) -> &str {
+        match self {
+            Work::Notification(n) => &n.text,
+            Work::Cron(f) => &f.prompt,
+            Work::Goal(text) => text,
+        }
+    }
+}
+
+/// Where a queue answers a session.
+pub trait Inbox: Send + Sync + 'static {
+    /// The answer to poll `poll`: one item, or nothing due.
+    fn offer(&self, origin: Origin, poll: u64, work: Option<Work>);
+    /// An event for the session's log (a goal paused, completed...), and
+    /// whether the session should look for work afterwards.
+    fn event(&self, body: EventBody, kick: bool);
+}
+
+/// One kind of automatic work, as a session sees it.
+pub trait WorkQueue: Send + Sync + 'static {
+    /// Which origin its work runs as.
+    fn origin(&self) -> Origin;
+    /// Asks for the session's next work; the answer goes to `inbox`.
+    /// False when the queue cannot answer (stopped).
+    fn poll(&self, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool;
+    /// A prompt the queue offered has started (its stored start consumes
+    /// the row; the queue forgets the item).
+    fn started(&self, _session: SessionId, _work: &Work) {}
+    /// A turn of this origin ended (`loop_stopped`: loop protection ended
+    /// it).
+    fn turn_ended(&self, _session: SessionId, _loop_stopped: bool, _inbox: Arc<dyn Inbox>) {}
+}
+
+/// How a queue wakes a session that is not asking (a cron fire).
+pub trait Waker: Send + Sync + 'static {
+    /// Publishes `body` in the session's log and lets it look for work.
+    fn wake(&self, session: SessionId, body: EventBody) -> WakeFuture<'_>;
+}
+
+/// What [`Waker::wake`] returns.
+pub type WakeFuture<'a> = std::pin::Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
