@@ -171,7 +171,7 @@ fn snapshot_json(snap: &Snapshot) -> Value {
     })
 }
 
-fn session_json(rec: &tiller_store::SessionRecord) -> Value {
+fn session_json(rec: &tiller_session::SessionRecord) -> Value {
     json!({
         "id": rec.id.to_string(),
         "cwd": rec.cwd,
@@ -436,7 +436,7 @@ pub async fn post_notification(
     ))
 }
 
-fn goal_json(g: &tiller_store::GoalRow) -> Value {
+fn goal_json(g: &tiller_session::GoalRow) -> Value {
     json!({
         "objective": g.objective,
         "maxTurns": g.max_turns,
@@ -523,7 +523,7 @@ pub async fn resume_goal(
     }
 }
 
-fn cron_json(j: &tiller_store::CronJob) -> Value {
+fn cron_json(j: &tiller_session::CronJob) -> Value {
     json!({
         "id": j.id,
         "sessionId": j.session.to_string(),

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::json;
-use tiller_store::{Delivery, Store};
+use tiller_session::{Delivery, Sessions};
 use tiller_tools::egress::{Policy, redact};
 use tokio::sync::{Notify, Semaphore, watch};
 
@@ -41,7 +41,7 @@ pub fn backoff(attempt: u32) -> Duration {
 
 /// What the worker's attempts share.
 struct Worker {
-    store: Store,
+    sessions: Sessions,
     policy: Policy,
     client: reqwest::Client,
     /// Deliveries being attempted (so a due row is not taken twice).
@@ -55,9 +55,14 @@ struct Worker {
 
 /// Runs until `stop` turns true; attempts under way then get a moment to
 /// finish (an unfinished one is retried at the next start).
-pub async fn run(store: Store, policy: Policy, wake: Arc<Notify>, mut stop: watch::Receiver<bool>) {
+pub async fn run(
+    sessions: Sessions,
+    policy: Policy,
+    wake: Arc<Notify>,
+    mut stop: watch::Receiver<bool>,
+) {
     let worker = Arc::new(Worker {
-        store,
+        sessions,
         client: policy.client(ATTEMPT_TIMEOUT),
         policy,
         busy: Mutex::new(HashSet::new()),
@@ -67,7 +72,7 @@ pub async fn run(store: Store, policy: Policy, wake: Arc<Notify>, mut stop: watc
     });
     let mut tasks = tokio::task::JoinSet::new();
     loop {
-        match worker.store.deliveries_due(now_ms()).await {
+        match worker.sessions.deliveries_due(now_ms()).await {
             Ok(due) => {
                 for d in due {
                     if !worker.busy.lock().expect("poisoned").insert(d.id) {
@@ -152,7 +157,7 @@ impl Worker {
             metrics::counter!("tiller_deliveries_total", "outcome" => "retried").increment(1);
             Some((now_ms() + backoff(attempts).as_millis() as i64, attempts))
         };
-        if let Err(e) = self.store.delivery_done(d.id, next).await {
+        if let Err(e) = self.sessions.delivery_done(d.id, next).await {
             tracing::error!(error = %e, "cannot record a delivery attempt");
         }
     }

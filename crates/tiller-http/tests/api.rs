@@ -17,7 +17,7 @@ use tiller_http::{
     router,
 };
 use tiller_session::{SessionConfig, Sessions};
-use tiller_store::Store;
+use tiller_test_support::Store;
 use tokio::sync::Semaphore;
 use tower::ServiceExt;
 

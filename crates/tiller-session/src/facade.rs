@@ -92,7 +92,7 @@ impl Sessions {
         schedule: String,
         tz: String,
         prompt: String,
-    ) -> Result<Result<tiller_store::CronJob, String>, SessionError> {
+    ) -> Result<Result<CronJob, String>, SessionError> {
         self.record(session).await?; // the session exists
         let (tx, rx) = oneshot::channel();
         self.cron
@@ -129,7 +129,7 @@ impl Sessions {
         id: SessionId,
         objective: String,
         max_turns: u32,
-    ) -> Result<tiller_store::GoalRow, SessionError> {
+    ) -> Result<GoalRow, SessionError> {
         let handle = self.open(id).await?;
         let row = self
             .goal_call(|reply| goal::GoalMsg::Set {
@@ -150,10 +150,7 @@ impl Sessions {
     }
 
     /// A session's goal.
-    pub async fn goal_get(
-        &self,
-        id: SessionId,
-    ) -> Result<Option<tiller_store::GoalRow>, SessionError> {
+    pub async fn goal_get(&self, id: SessionId) -> Result<Option<GoalRow>, SessionError> {
         self.record(id).await?;
         self.goal_call(|reply| goal::GoalMsg::Get { session: id, reply })
             .await
@@ -164,7 +161,7 @@ impl Sessions {
         &self,
         id: SessionId,
         resume: bool,
-    ) -> Result<Option<tiller_store::GoalRow>, SessionError> {
+    ) -> Result<Option<GoalRow>, SessionError> {
         let handle = self.open(id).await?;
         let before = self
             .goal_call(|reply| goal::GoalMsg::Get { session: id, reply })
@@ -210,7 +207,7 @@ impl Sessions {
     }
 
     /// Every cron job.
-    pub async fn cron_list(&self) -> Result<Vec<tiller_store::CronJob>, SessionError> {
+    pub async fn cron_list(&self) -> Result<Vec<CronJob>, SessionError> {
         let (tx, rx) = oneshot::channel();
         self.cron
             .send_message(cron::CronMsg::List(tx))
@@ -234,7 +231,7 @@ impl Sessions {
         id: SessionId,
         task_id: String,
         text: String,
-    ) -> Result<tiller_store::Enqueued, SessionError> {
+    ) -> Result<Enqueued, SessionError> {
         let handle = self.open(id).await?;
         let (tx, rx) = oneshot::channel();
         self.notify
@@ -367,7 +364,7 @@ impl Sessions {
     }
 
     /// The stored record of a session.
-    pub async fn record(&self, id: SessionId) -> Result<tiller_store::SessionRecord, SessionError> {
+    pub async fn record(&self, id: SessionId) -> Result<SessionRecord, SessionError> {
         match self.store.get_session(id).await? {
             Some((rec, _)) => Ok(rec),
             None => Err(SessionError::Unknown(id)),
@@ -401,6 +398,22 @@ impl Sessions {
     ) -> Result<Vec<EventRecord>, SessionError> {
         let rows = self.store.events_after(id, after, limit).await?;
         Ok(rows.iter().filter_map(EventRecord::from_stored).collect())
+    }
+
+    /// Webhook deliveries due at `now_ms`, oldest first (for the worker
+    /// that sends them).
+    pub async fn deliveries_due(&self, now_ms: i64) -> Result<Vec<Delivery>, SessionError> {
+        Ok(self.store.deliveries_due(now_ms).await?)
+    }
+
+    /// A delivery was sent or given up (`retry = None`), or is retried at
+    /// a time with a new attempt count.
+    pub async fn delivery_done(
+        &self,
+        id: i64,
+        retry: Option<(i64, u32)>,
+    ) -> Result<(), SessionError> {
+        Ok(self.store.delivery_done(id, retry).await?)
     }
 
     /// A fresh subscriber id.

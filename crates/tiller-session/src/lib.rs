@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use ractor::{Actor, ActorRef};
 use tiller_core::{LoopConfig, Origin, PromptId, SessionId, SteerId, SteerOutcome, TurnConfig};
 use tiller_engine::{Engine, ScriptError};
-use tiller_store::{SessionPage, Store, StoreError};
+use tiller_store::{Store, StoreError};
 use tokio::sync::oneshot;
 
 pub use actor::{SessionMsg, Settlement};
@@ -31,6 +31,8 @@ pub use facade::Sessions;
 pub use handle::SessionHandle;
 pub(crate) use reconcile::reconcile;
 use registry::{Registry, RegistryArgs, RegistryMsg};
+/// Rows edges show (read through the facade; edges never open the store).
+pub use tiller_store::{CronJob, Delivery, Enqueued, GoalRow, SessionPage, SessionRecord};
 pub use tools::Decision;
 pub use tools::PermissionMode;
 

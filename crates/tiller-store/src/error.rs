@@ -6,16 +6,23 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("cannot open the store at {path}: {source} (check the path and its permissions)")]
+    /// The database could not be opened or migrated.
     Open {
+        /// The database file.
         path: PathBuf,
+        /// What SQLite said.
         source: rusqlite::Error,
     },
     #[error("cannot prepare the store file {path}: {source} (check the path and its permissions)")]
+    /// The database file could not be created or restricted to its owner.
     Io {
+        /// The file.
         path: PathBuf,
+        /// What the system said.
         source: std::io::Error,
     },
     #[error("store error: {0}")]
+    /// A statement failed (the source keeps SQLite's code).
     Sql(#[from] rusqlite::Error),
     /// An append failed; every event of its transaction shares the cause.
     #[error("cannot append to the log: {0}")]
@@ -28,6 +35,7 @@ pub enum StoreError {
     #[error("the store is unavailable (injected failure)")]
     Injected,
     #[error("the store thread has stopped (the daemon is shutting down)")]
+    /// The store thread is gone.
     Closed,
 }
 

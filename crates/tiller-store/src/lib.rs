@@ -12,6 +12,8 @@
 //! loses a write nothing more is written to it until it is reopened
 //! ([`Store::reopen_log`]), so a log never has a gap.
 
+#![warn(missing_docs)]
+
 mod deliveries;
 mod error;
 mod log;

@@ -26,8 +26,11 @@ impl StateColumn {
 /// A session's stored state beyond its record.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SessionExtras {
+    /// The engine's name.
     pub engine: Option<String>,
+    /// Session settings, JSON.
     pub settings: Option<String>,
+    /// The model conversation, JSON.
     pub conversation: Option<String>,
 }
 
@@ -77,13 +80,16 @@ pub struct StoredEvent {
 pub enum LedgerOp {
     /// The prompt was admitted (queued or started).
     Admit {
+        /// The prompt.
         prompt: PromptId,
+        /// Where it came from (`interactive`, `channel`, `notification`...).
         origin: String,
         /// The queued automatic work it takes off its queue.
         consumes: Option<Claim>,
     },
     /// The prompt got its terminal.
     Settle {
+        /// The prompt.
         prompt: PromptId,
         /// The webhook delivery of its final text, if it has one.
         delivery: Option<Delivery>,
@@ -104,14 +110,18 @@ pub enum Claim {
 /// A prompt admitted but never settled (found at start-up after a crash).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Unsettled {
+    /// Its session.
     pub session: SessionId,
+    /// The prompt.
     pub prompt: PromptId,
+    /// Where it came from.
     pub origin: String,
 }
 
 /// One page of a session's history, oldest first.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HistoryPage {
+    /// The events, oldest first.
     pub events: Vec<StoredEvent>,
     /// Whether older events exist.
     pub has_more: bool,
@@ -122,22 +132,32 @@ pub struct HistoryPage {
 pub struct Notification {
     /// Queue position (keeps its place when handed back).
     pub id: i64,
+    /// The session it is for.
     pub session: SessionId,
+    /// The task it reports on (the dedup key within the session).
     pub task_id: String,
+    /// What the session is told.
     pub text: String,
+    /// When it was first queued, ms since the epoch.
     pub created_ms: i64,
 }
 
 /// A cron job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CronJob {
+    /// Its id (`cron-<uuid>`).
     pub id: String,
+    /// The session it prompts.
     pub session: SessionId,
+    /// The cron expression.
     pub schedule: String,
+    /// The time zone it is read in (IANA name).
     pub tz: String,
+    /// The prompt text each fire runs.
     pub prompt: String,
     /// The next scheduled fire, ms since the epoch.
     pub next_fire_ms: i64,
+    /// When it was added, ms since the epoch.
     pub created_ms: i64,
 }
 
@@ -146,36 +166,53 @@ pub struct CronJob {
 pub struct CronFire {
     /// Queue position (keeps its place when handed back).
     pub id: i64,
+    /// The job that fired.
     pub job_id: String,
+    /// The session it prompts.
     pub session: SessionId,
+    /// The prompt text it runs.
     pub prompt: String,
+    /// When it (last) fired, ms since the epoch.
     pub fired_ms: i64,
 }
 
 /// A session's goal, as stored.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GoalRow {
+    /// The session.
     pub session: SessionId,
+    /// What the goal turns work towards.
     pub objective: String,
+    /// Most goal turns.
     pub max_turns: u32,
+    /// Goal turns run so far.
     pub turns_done: u32,
     /// `active`, `paused`, `completed`.
     pub status: String,
     /// Why it paused (`user`, `loop_detected`).
     pub pause_reason: Option<String>,
+    /// Consecutive goal turns loop protection stopped.
     pub loop_stops: u32,
 }
 
 /// A webhook delivery of a turn's final text, waiting to be sent.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Delivery {
+    /// Its row id.
     pub id: i64,
+    /// Where the text is posted.
     pub url: String,
+    /// The session of the turn.
     pub session: SessionId,
+    /// The prompt whose final text it is.
     pub prompt: PromptId,
+    /// The final agent text.
     pub text: String,
+    /// The turn's stop reason.
     pub stop_reason: String,
+    /// Attempts made so far.
     pub attempts: u32,
+    /// When the next attempt is due, ms since the epoch.
     pub next_at_ms: i64,
 }
 
@@ -200,6 +237,7 @@ pub struct LogHead {
 /// One page of sessions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SessionPage {
+    /// The sessions, newest first.
     pub sessions: Vec<SessionRecord>,
     /// Pass back to get the next page; `None` at the end.
     pub next_cursor: Option<String>,

@@ -145,7 +145,7 @@ async fn start_sessions(
     cfg: &Config,
     db: &std::path::Path,
     delivery_wake: Option<Arc<tokio::sync::Notify>>,
-) -> anyhow::Result<(Sessions, Store)> {
+) -> anyhow::Result<Sessions> {
     prepare_data_dir(&cfg.data_dir())?;
     // No session's file tools may touch the daemon's own data, even when
     // its directory contains it (a session in $HOME).
@@ -162,7 +162,7 @@ async fn start_sessions(
     }
     let store = tokio::task::block_in_place(|| Store::open(db))?;
     let sessions = Sessions::start(
-        store.clone(),
+        store,
         engines(cfg),
         SessionConfig {
             turn: cfg.turn_config(),
@@ -180,7 +180,7 @@ async fn start_sessions(
         },
     )
     .await?;
-    Ok((sessions, store))
+    Ok(sessions)
 }
 
 /// `tiller serve`.
@@ -210,7 +210,7 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
 
     let db = cfg.db_path();
     let delivery_wake = Arc::new(tokio::sync::Notify::new());
-    let (sessions, store) = start_sessions(&cfg, &db, Some(delivery_wake.clone())).await?;
+    let sessions = start_sessions(&cfg, &db, Some(delivery_wake.clone())).await?;
     let acp = acp_config(&cfg);
     let permits = Arc::new(Semaphore::new(cfg.limits.max_connections));
     let ready = Arc::new(AtomicBool::new(false));
@@ -272,7 +272,7 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
         Duration::from_secs(2),
     ));
     let deliveries = tokio::spawn(tiller_http::delivery::run(
-        store.clone(),
+        sessions.clone(),
         cfg.delivery_policy(),
         delivery_wake,
         stop_rx.clone(),
@@ -351,7 +351,7 @@ pub async fn embedded(cfg: Config) -> anyhow::Result<()> {
     };
     // Embedded: no delivery worker runs, so deliveries wait in the store
     // for the next `tiller serve` on the same data.
-    let (sessions, _) = start_sessions(&cfg, &db, None).await?;
+    let sessions = start_sessions(&cfg, &db, None).await?;
     tiller_acp::serve_stream(
         sessions.clone(),
         acp_config(&cfg),
