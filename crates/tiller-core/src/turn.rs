@@ -325,10 +325,10 @@ pub struct SessionCore {
     queue: VecDeque<(PromptId, Origin)>,
     /// The automatic queues to poll when idle, in admission order.
     automatic: Vec<Origin>,
-    /// Per queue in `automatic`: whether it may have work. An empty answer
+    /// Per queue in `automatic` (a bit each): whether it may have work. An empty answer
     /// clears it, a kick (new work somewhere) sets them all, so a session
     /// without automatic work polls nothing when its turns end.
-    maybe: Vec<bool>,
+    maybe: u64,
     /// A kick arrived during a poll round: once the round ends empty, it
     /// runs again (an empty answer it overtook may predate the new work).
     rekick: bool,
@@ -353,7 +353,7 @@ impl SessionCore {
             active: None,
             queue: VecDeque::new(),
             automatic: Vec::new(),
-            maybe: Vec::new(),
+            maybe: 0,
             rekick: false,
             polling: None,
             poll_seq: 0,
@@ -365,9 +365,10 @@ impl SessionCore {
     /// The automatic queues this session polls when idle, in admission
     /// order (e.g. goal, notification, cron).
     pub fn with_automatic(mut self, origins: Vec<Origin>) -> Self {
-        // Unknown at start: each queue is asked once.
-        self.maybe = vec![true; origins.len()];
+        assert!(origins.len() <= 64, "at most 64 automatic queues");
         self.automatic = origins;
+        // Unknown at start: each queue is asked once.
+        self.maybe = u64::MAX;
         self
     }
 
@@ -424,7 +425,7 @@ impl SessionCore {
             }
             Input::Tick => {}
             Input::Kick => {
-                self.maybe.iter_mut().for_each(|m| *m = true);
+                self.maybe = u64::MAX;
                 if self.polling.is_some() {
                     self.rekick = true;
                 } else if self.active.is_none() && !self.closing {
@@ -810,7 +811,7 @@ impl SessionCore {
     /// Polls the automatic queues that may have work, from `i` on (or
     /// stops when none is left, unless a kick asked for another round).
     fn poll_from(&mut self, i: usize, fx: &mut Vec<Effect>) {
-        let next = (i..self.automatic.len()).find(|j| self.maybe[*j]);
+        let next = (i..self.automatic.len()).find(|j| self.maybe & (1 << j) != 0);
         match next {
             Some(j) => {
                 self.polling = Some(j);
@@ -851,7 +852,7 @@ impl SessionCore {
             (Some(i), None) => {
                 // Empty, unless a kick since the poll may have brought work.
                 if !self.rekick {
-                    self.maybe[i] = false;
+                    self.maybe &= !(1 << i);
                 }
                 self.poll_from(i + 1, fx);
             }

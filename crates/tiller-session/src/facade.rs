@@ -46,11 +46,11 @@ impl Sessions {
             store: store.clone(),
             // Admission order: goal, then notifications, then cron fires.
             automation: actor::Automation {
-                queues: vec![
-                    Arc::new(goal.clone()),
+                queues: Arc::new([
+                    Arc::new(goal.clone()) as Arc<dyn ports::WorkQueue>,
                     Arc::new(notify.clone()),
                     Arc::new(cron.clone()),
-                ],
+                ]),
             },
             engines: engines.clone(),
             config: Arc::new(config),

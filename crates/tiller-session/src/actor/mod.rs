@@ -45,7 +45,8 @@ use crate::{
 /// notification, cron), behind the [`WorkQueue`] port.
 #[derive(Clone, Default)]
 pub struct Automation {
-    pub queues: Vec<Arc<dyn WorkQueue>>,
+    /// Shared by every session (a clone is one reference count).
+    pub queues: Arc<[Arc<dyn WorkQueue>]>,
 }
 
 impl Automation {
