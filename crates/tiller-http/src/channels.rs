@@ -168,10 +168,7 @@ pub async fn post_prompt(
     body: axum::body::Body,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let now = tiller_session::clock::unix_ms() / 1000;
     // Nothing of the body is read for a request that cannot be genuine:
     // this route has no token, so these checks are its gate.
     st.channels

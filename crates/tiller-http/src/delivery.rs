@@ -28,10 +28,7 @@ const IN_FLIGHT: usize = 64;
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    tiller_session::clock::unix_ms()
 }
 
 /// The wait before attempt `n` (1-based): 1 s, 2 s, 4 s ... at most 5 min.

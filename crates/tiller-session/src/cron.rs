@@ -69,10 +69,7 @@ pub struct CronState {
 }
 
 fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    crate::clock::unix_ms()
 }
 
 impl Actor for CronActor {

@@ -4,6 +4,7 @@
 //! [`EventRecord`]s to their own wire shapes.
 
 mod actor;
+pub mod clock;
 mod cron;
 pub mod delivery;
 pub mod event;

@@ -93,10 +93,7 @@ impl Actor for NotifyActor {
                 text,
                 reply,
             } => {
-                let now = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_millis() as i64)
-                    .unwrap_or(0);
+                let now = crate::clock::unix_ms();
                 let before = st.queues.session(session);
                 let out = st.queues.enqueue(session, &task_id, &text, now);
                 let r = match st.store.notification_changes(out.changes).await {

@@ -27,10 +27,7 @@ pub(crate) async fn reconcile(
         let rec = EventRecord {
             session: u.session,
             seq,
-            ts_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_millis() as i64)
-                .unwrap_or(0),
+            ts_ms: clock::unix_ms(),
             prompt: Some(u.prompt),
             turn: None,
             body: EventBody::TurnError {

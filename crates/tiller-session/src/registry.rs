@@ -221,10 +221,7 @@ impl RegistryState {
         let engine = self.engines.get(engine.as_deref())?;
         let engine_name = engine.name().to_owned();
         let id = SessionId::new();
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as i64)
-            .unwrap_or(0);
+        let now = crate::clock::unix_ms();
         self.store
             .create_session(SessionRecord {
                 id,

@@ -163,3 +163,23 @@ fn the_store_documents_every_public_item_and_field() {
     let lib = std::fs::read_to_string(root().join("crates/tiller-store/src/lib.rs")).unwrap();
     assert!(lib.contains("#![warn(missing_docs)]"));
 }
+
+#[test]
+fn the_session_layer_reads_the_clock_in_one_module() {
+    for krate in ["tiller-session", "tiller-http"] {
+        let mut files = Vec::new();
+        rust_files(&root().join("crates").join(krate).join("src"), &mut files);
+        for f in files.iter().filter(|f| !f.ends_with("clock.rs")) {
+            let text = std::fs::read_to_string(f).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let code = line.split("//").next().unwrap();
+                assert!(
+                    !code.contains("SystemTime::now") && !code.contains("Instant::now"),
+                    "{}:{}: read the clock through tiller_session::clock",
+                    f.display(),
+                    i + 1
+                );
+            }
+        }
+    }
+}

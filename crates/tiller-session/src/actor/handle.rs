@@ -8,7 +8,7 @@ impl SessionState {
     }
 
     pub(super) async fn handle(&mut self, myself: &ActorRef<SessionMsg>, msg: SessionMsg) {
-        self.input_at = tokio::time::Instant::now();
+        self.input_at = crate::clock::instant();
         match msg {
             SessionMsg::Prompt {
                 text,
@@ -27,7 +27,7 @@ impl SessionState {
             } => self.steer(myself, text, prompt_required, reply).await,
             SessionMsg::Cancel => {
                 if self.core.active().is_some() && !self.core.is_cancelling() {
-                    self.cancel_at = Some(tokio::time::Instant::now());
+                    self.cancel_at = Some(crate::clock::instant());
                 }
                 self.feed(myself, Input::Cancel, None).await;
             }
@@ -159,7 +159,7 @@ impl SessionState {
                 } else {
                     self.drained.push(reply);
                     if self.core.active().is_some() {
-                        self.cancel_at = Some(tokio::time::Instant::now());
+                        self.cancel_at = Some(crate::clock::instant());
                     }
                     self.feed(myself, Input::Close, None).await;
                 }
@@ -168,7 +168,7 @@ impl SessionState {
                 if !self.closing {
                     self.closing = true;
                     if self.core.active().is_some() {
-                        self.cancel_at = Some(tokio::time::Instant::now());
+                        self.cancel_at = Some(crate::clock::instant());
                     }
                     self.feed(myself, Input::Close, None).await;
                     // Answered only once the close is stored.

@@ -268,8 +268,5 @@ pub(super) enum Ledger {
 
 /// Wall-clock time for event timestamps (display only; ordering is `seq`).
 pub(super) fn unix_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    crate::clock::unix_ms()
 }
