@@ -52,7 +52,11 @@ pub struct Goal {
 /// What an ended turn did to the goal.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GoalChange {
+    /// It paused (loop protection, or the user).
     Paused(PauseReason),
+    /// A paused goal runs again.
+    Resumed,
+    /// It ran its turns.
     Completed,
 }
 
@@ -107,13 +111,24 @@ impl Goal {
     }
 
     /// A person resumes a paused goal (the loop count starts over).
-    pub fn resume(&mut self) -> bool {
+    /// The user pauses it: only an active goal pauses.
+    pub fn pause(&mut self) -> Option<GoalChange> {
+        if self.status != GoalStatus::Active {
+            return None;
+        }
+        self.status = GoalStatus::Paused(PauseReason::User);
+        Some(GoalChange::Paused(PauseReason::User))
+    }
+
+    /// The user resumes it: only a paused goal resumes (its loop-stop
+    /// count starts again).
+    pub fn resume(&mut self) -> Option<GoalChange> {
         if let GoalStatus::Paused(_) = self.status {
             self.status = GoalStatus::Active;
             self.loop_stops = 0;
-            true
+            Some(GoalChange::Resumed)
         } else {
-            false
+            None
         }
     }
 }
@@ -140,7 +155,7 @@ mod tests {
             Some(GoalChange::Paused(PauseReason::LoopDetected))
         );
         assert_eq!(g.continuation(), None, "a paused goal offers nothing");
-        assert!(g.resume());
+        assert_eq!(g.resume(), Some(GoalChange::Resumed));
         assert!(g.continuation().unwrap().starts_with("obj"));
     }
 
@@ -151,6 +166,24 @@ mod tests {
         assert_eq!(g.turn_ended(false), None);
         assert_eq!(g.turn_ended(false), Some(GoalChange::Completed));
         assert_eq!(g.continuation(), None);
-        assert!(!g.resume());
+        assert_eq!(g.resume(), None);
+    }
+}
+
+#[cfg(test)]
+mod user_changes {
+    use super::*;
+
+    #[test]
+    fn pause_and_resume_change_only_what_they_may() {
+        let mut g = Goal::new("obj".into(), 2);
+        assert_eq!(g.resume(), None, "an active goal does not resume");
+        assert_eq!(g.pause(), Some(GoalChange::Paused(PauseReason::User)));
+        assert_eq!(g.pause(), None, "already paused");
+        assert_eq!(g.resume(), Some(GoalChange::Resumed));
+        g.turn_ended(false);
+        assert_eq!(g.turn_ended(false), Some(GoalChange::Completed));
+        assert_eq!(g.pause(), None, "a completed goal stays completed");
+        assert_eq!(g.resume(), None);
     }
 }

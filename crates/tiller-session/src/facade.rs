@@ -163,32 +163,14 @@ impl Sessions {
         resume: bool,
     ) -> Result<Option<GoalRow>, SessionError> {
         let handle = self.open(id).await?;
-        let before = self
-            .goal_call(|reply| goal::GoalMsg::Get { session: id, reply })
-            .await?;
-        let after = self
-            .goal_call(|reply| {
-                if resume {
-                    goal::GoalMsg::Resume { session: id, reply }
-                } else {
-                    goal::GoalMsg::Pause { session: id, reply }
-                }
-            })
-            .await?;
-        if let (Some(b), Some(a)) = (&before, &after)
-            && b.status != a.status
-        {
-            let body = if resume {
-                EventBody::GoalResumed
-            } else {
-                EventBody::GoalPaused {
-                    reason: "user".into(),
-                    turns_done: a.turns_done,
-                }
-            };
-            handle.send(SessionMsg::Automation { body, kick: resume })?;
-        }
-        Ok(after)
+        let inbox: Arc<dyn ports::Inbox> = Arc::new(handle.actor.clone());
+        self.goal_call(|reply| goal::GoalMsg::PauseResume {
+            session: id,
+            resume,
+            inbox,
+            reply,
+        })
+        .await
     }
 
     /// Clears a session's goal; false when it had none.

@@ -28,12 +28,12 @@ pub enum GoalMsg {
     },
     /// `Some(true)`: paused or resumed; `Some(false)`: not in a state that
     /// allows it; `None`: no goal.
-    Pause {
+    /// The user pauses (`resume = false`) or resumes the goal; the change
+    /// (the core decides if there is one) is published to `inbox`.
+    PauseResume {
         session: SessionId,
-        reply: oneshot::Sender<Result<Option<GoalRow>, StoreError>>,
-    },
-    Resume {
-        session: SessionId,
+        resume: bool,
+        inbox: Arc<dyn Inbox>,
         reply: oneshot::Sender<Result<Option<GoalRow>, StoreError>>,
     },
     Clear {
@@ -127,20 +127,21 @@ impl Actor for GoalActor {
             GoalMsg::Get { session, reply } => {
                 let _ = reply.send(store.goal_get(session).await);
             }
-            GoalMsg::Pause { session, reply } => {
+            GoalMsg::PauseResume {
+                session,
+                resume,
+                inbox,
+                reply,
+            } => {
+                let mut change = None;
                 let r = update(store, session, |g| {
-                    if g.status == GoalStatus::Active {
-                        g.status = GoalStatus::Paused(PauseReason::User);
-                    }
+                    change = if resume { g.resume() } else { g.pause() };
                 })
                 .await;
-                let _ = reply.send(r);
-            }
-            GoalMsg::Resume { session, reply } => {
-                let r = update(store, session, |g| {
-                    g.resume();
-                })
-                .await;
+                if let (Ok(Some(row)), Some(change)) = (&r, change) {
+                    let (body, kick) = event(change, row.turns_done);
+                    inbox.event(body, kick);
+                }
                 let _ = reply.send(r);
             }
             GoalMsg::Clear { session, reply } => {
@@ -179,22 +180,29 @@ impl Actor for GoalActor {
                 if let Err(e) = store.goal_put(to_row(session, &goal)).await {
                     tracing::error!(error = %e, "cannot store a goal");
                 }
-                let body = match change {
-                    Some(GoalChange::Paused(reason)) => Some(EventBody::GoalPaused {
-                        reason: reason.as_str().into(),
-                        turns_done: goal.turns_done,
-                    }),
-                    Some(GoalChange::Completed) => Some(EventBody::GoalCompleted {
-                        turns_done: goal.turns_done,
-                    }),
-                    None => None,
-                };
-                if let Some(body) = body {
-                    inbox.event(body, false);
+                if let Some(change) = change {
+                    let (body, kick) = event(change, goal.turns_done);
+                    inbox.event(body, kick);
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// The event a goal change is published as, and whether the session
+/// should look for work afterwards (a resumed goal has turns to offer).
+fn event(change: GoalChange, turns_done: u32) -> (EventBody, bool) {
+    match change {
+        GoalChange::Paused(reason) => (
+            EventBody::GoalPaused {
+                reason: reason.as_str().into(),
+                turns_done,
+            },
+            false,
+        ),
+        GoalChange::Resumed => (EventBody::GoalResumed, true),
+        GoalChange::Completed => (EventBody::GoalCompleted { turns_done }, false),
     }
 }
 
