@@ -118,3 +118,183 @@ mod tests {
         assert_eq!(due(&s, next, now), Some(T0 + 65 * MIN));
     }
 }
+
+/// A cron fire waiting for its session to be idle.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    /// Queue position, unique across sessions (the store's row id).
+    pub id: i64,
+    /// The job that fired.
+    pub job_id: String,
+    /// The prompt it runs.
+    pub prompt: String,
+    /// When it (last) fired, ms since the epoch.
+    pub fired_ms: i64,
+}
+
+/// A change to the waiting fires, to store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FireChange {
+    /// A new waiting fire.
+    Insert {
+        /// The session it prompts.
+        session: crate::SessionId,
+        /// The fire.
+        fire: Waiting,
+    },
+    /// A fire of a job that already had one waiting: that one is kept in
+    /// its place and refreshed (fires coalesce per job).
+    Refresh {
+        /// The waiting fire's id.
+        id: i64,
+        /// The job's prompt now.
+        prompt: String,
+        /// The newer fire time.
+        fired_ms: i64,
+    },
+}
+
+/// The waiting fires of every session: at most one per job, FIFO per
+/// session. The cron actor keeps them in memory, rebuilt from the store at
+/// start; reading the next one never removes it (the session's stored start
+/// consumes it, [`Fires::consumed`]).
+#[derive(Clone, Debug, Default)]
+pub struct Fires {
+    by_session: std::collections::BTreeMap<crate::SessionId, Vec<Waiting>>,
+    next_id: i64,
+}
+
+impl Fires {
+    /// Fires rebuilt from stored rows (ids give the order).
+    pub fn restore(rows: impl IntoIterator<Item = (crate::SessionId, Waiting)>) -> Self {
+        let mut f = Fires {
+            by_session: Default::default(),
+            next_id: 1,
+        };
+        let mut rows: Vec<_> = rows.into_iter().collect();
+        rows.sort_by_key(|(_, w)| w.id);
+        for (session, w) in rows {
+            f.next_id = f.next_id.max(w.id + 1);
+            f.by_session.entry(session).or_default().push(w);
+        }
+        f
+    }
+
+    /// Job `job_id` of `session` fired at `now`.
+    pub fn fire(
+        &mut self,
+        session: crate::SessionId,
+        job_id: &str,
+        prompt: &str,
+        now: i64,
+    ) -> FireChange {
+        let waiting = self.by_session.entry(session).or_default();
+        if let Some(w) = waiting.iter_mut().find(|w| w.job_id == job_id) {
+            w.prompt = prompt.to_owned();
+            w.fired_ms = now;
+            return FireChange::Refresh {
+                id: w.id,
+                prompt: prompt.to_owned(),
+                fired_ms: now,
+            };
+        }
+        let fire = Waiting {
+            id: self.next_id,
+            job_id: job_id.to_owned(),
+            prompt: prompt.to_owned(),
+            fired_ms: now,
+        };
+        self.next_id += 1;
+        waiting.push(fire.clone());
+        FireChange::Insert { session, fire }
+    }
+
+    /// The session's oldest waiting fire (it stays waiting).
+    pub fn next(&self, session: crate::SessionId) -> Option<&Waiting> {
+        self.by_session.get(&session)?.first()
+    }
+
+    /// A started prompt consumed fire `id`.
+    pub fn consumed(&mut self, session: crate::SessionId, id: i64) {
+        if let Some(w) = self.by_session.get_mut(&session) {
+            w.retain(|f| f.id != id);
+            if w.is_empty() {
+                self.by_session.remove(&session);
+            }
+        }
+    }
+
+    /// A job was removed: its waiting fire goes too.
+    pub fn remove_job(&mut self, job_id: &str) {
+        self.by_session.retain(|_, w| {
+            w.retain(|f| f.job_id != job_id);
+            !w.is_empty()
+        });
+    }
+
+    /// Puts a session's fires back as they were (a store write failed).
+    pub fn put_back(&mut self, session: crate::SessionId, fires: Option<Vec<Waiting>>) {
+        match fires {
+            Some(f) => self.by_session.insert(session, f),
+            None => self.by_session.remove(&session),
+        };
+    }
+
+    /// One session's waiting fires, oldest first.
+    pub fn session(&self, session: crate::SessionId) -> Option<Vec<Waiting>> {
+        self.by_session.get(&session).cloned()
+    }
+}
+
+#[cfg(test)]
+mod fires_tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::SessionId;
+
+    proptest! {
+        /// At most one waiting fire per job, FIFO by first fire, a refresh
+        /// keeps the place; replaying the changes on rows rebuilds the same.
+        #[test]
+        fn fires_coalesce_per_job_and_restore_from_their_changes(
+            ops in proptest::collection::vec((0u8..2, 0u8..4, any::<bool>()), 0..50)
+        ) {
+            let sid = |s: u8| SessionId::from_u128(u128::from(s) + 1);
+            let mut f = Fires::restore([]);
+            let mut rows: std::collections::BTreeMap<i64, (SessionId, Waiting)> = Default::default();
+            for (n, (s, job, consume)) in ops.into_iter().enumerate() {
+                if consume {
+                    if let Some(w) = f.next(sid(s)).cloned() {
+                        f.consumed(sid(s), w.id);
+                        rows.remove(&w.id);
+                    }
+                    continue;
+                }
+                match f.fire(sid(s), &format!("j{job}"), "p", n as i64) {
+                    FireChange::Insert { session, fire } => {
+                        prop_assert!(rows.insert(fire.id, (session, fire)).is_none());
+                    }
+                    FireChange::Refresh { id, prompt, fired_ms } => {
+                        let r = &mut rows.get_mut(&id).expect("stored").1;
+                        r.prompt = prompt;
+                        r.fired_ms = fired_ms;
+                    }
+                }
+                for s in 0..2 {
+                    let w = f.session(sid(s)).unwrap_or_default();
+                    let mut jobs: Vec<_> = w.iter().map(|w| w.job_id.clone()).collect();
+                    let ids: Vec<_> = w.iter().map(|w| w.id).collect();
+                    prop_assert!(ids.windows(2).all(|p| p[0] < p[1]), "FIFO");
+                    jobs.sort();
+                    jobs.dedup();
+                    prop_assert_eq!(jobs.len(), w.len(), "one per job");
+                }
+                let restored = Fires::restore(rows.values().cloned());
+                for s in 0..2 {
+                    prop_assert_eq!(restored.session(sid(s)), f.session(sid(s)));
+                }
+            }
+        }
+    }
+}

@@ -1,16 +1,18 @@
 //! The cron actor: owns the durable cron jobs and their waiting fires. It
 //! decides what is due (timing rules in `tiller_core::cron`); sessions poll
-//! it when idle and decide admission. A job has at most one waiting fire;
-//! fires missed while the daemon was down coalesce into one catch-up fire.
+//! it when idle and decide admission. A job has at most one waiting fire
+//! (`tiller_core::cron::Fires`, in memory, rebuilt from the store); fires
+//! missed while the daemon was down coalesce into one catch-up fire.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tiller_core::cron::{Fires, Waiting};
 use tiller_core::cron::{Schedule, due};
 use tiller_core::{Origin, SessionId};
-use tiller_store::{CronJob, Store};
+use tiller_store::{CronFire, CronJob, Store};
 use tokio::sync::oneshot;
 
 use crate::SessionError;
@@ -45,6 +47,11 @@ pub enum CronMsg {
     },
     /// The timer: fire what is due, re-arm.
     Tick,
+    /// The session started fire `id` (its stored start consumes it).
+    Started {
+        session: SessionId,
+        id: i64,
+    },
     /// An idle session asks for its next fire (answered as an `Offer`).
     Poll {
         session: SessionId,
@@ -62,6 +69,8 @@ pub struct CronState {
     store: Store,
     /// Jobs by id, with their parsed schedules.
     jobs: HashMap<String, (CronJob, Schedule)>,
+    /// The waiting fires (the core's rules; the store keeps its changes).
+    fires: Fires,
     /// Set by `Attach`.
     sessions: Option<Arc<dyn Waker>>,
     /// The pending wake-up.
@@ -91,9 +100,21 @@ impl Actor for CronActor {
                 Err(e) => tracing::error!(job = %job.id, error = %e, "skipping a stored cron job"),
             }
         }
+        let fires = Fires::restore(store.cron_fires().await?.into_iter().map(|f| {
+            (
+                f.session,
+                Waiting {
+                    id: f.id,
+                    job_id: f.job_id,
+                    prompt: f.prompt,
+                    fired_ms: f.fired_ms,
+                },
+            )
+        }));
         Ok(CronState {
             store,
             jobs,
+            fires,
             sessions: None,
             timer: None,
         })
@@ -129,6 +150,7 @@ impl Actor for CronActor {
             CronMsg::Remove { id, reply } => {
                 let removed = st.store.cron_remove(id.clone()).await.unwrap_or(false);
                 st.jobs.remove(&id);
+                st.fires.remove_job(&id);
                 let _ = reply.send(removed);
                 st.arm(&myself);
             }
@@ -138,17 +160,20 @@ impl Actor for CronActor {
                 poll,
                 inbox,
             } => {
-                // The fire stays queued until the prompt that runs it is
-                // committed; a refused or lost offer needs no hand-back.
-                let work = match st.store.next_cron_fire(session).await {
-                    Ok(f) => f.map(Work::Cron),
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot read the cron queue");
-                        None
-                    }
-                };
+                // The fire stays waiting until the prompt that runs it is
+                // stored; a refused or lost offer needs no hand-back.
+                let work = st.fires.next(session).map(|w| {
+                    Work::Cron(CronFire {
+                        id: w.id,
+                        job_id: w.job_id.clone(),
+                        session,
+                        prompt: w.prompt.clone(),
+                        fired_ms: w.fired_ms,
+                    })
+                });
                 inbox.offer(Origin::Cron, poll, work);
             }
+            CronMsg::Started { session, id } => st.fires.consumed(session, id),
         }
         Ok(())
     }
@@ -200,8 +225,11 @@ impl CronState {
             let Some(next) = due(schedule, job.next_fire_ms, now) else {
                 continue;
             };
-            if let Err(e) = self.store.cron_fire(job.clone(), now, next).await {
+            let before = self.fires.session(job.session);
+            let change = self.fires.fire(job.session, &job.id, &job.prompt, now);
+            if let Err(e) = self.store.cron_fire(change, job.id.clone(), next).await {
                 tracing::error!(job = %job.id, error = %e, "cannot record a cron fire");
+                self.fires.put_back(job.session, before);
                 continue;
             }
             job.next_fire_ms = next;
@@ -247,5 +275,11 @@ impl WorkQueue for ActorRef<CronMsg> {
             inbox,
         })
         .is_ok()
+    }
+
+    fn started(&self, session: SessionId, work: &Work) {
+        if let Work::Cron(f) = work {
+            let _ = self.send_message(CronMsg::Started { session, id: f.id });
+        }
     }
 }

@@ -296,22 +296,21 @@ impl Store {
         self.call(move |c| queues::cron_remove(c, &id)).await
     }
 
-    /// Queues a fire of `job` (at most one per job: a waiting fire is kept
-    /// in its place) and moves the job to its next fire time.
+    /// Stores what the cron core decided for a fire of job `job_id` and
+    /// moves the job to its next fire time (durable when this returns).
     pub async fn cron_fire(
         &self,
-        job: CronJob,
-        fired_ms: i64,
+        change: tiller_core::cron::FireChange,
+        job_id: String,
         next_fire_ms: i64,
     ) -> Result<(), StoreError> {
-        self.call(move |c| queues::cron_fire(c, &job, fired_ms, next_fire_ms))
+        self.call(move |c| queues::cron_fire(c, &change, &job_id, next_fire_ms))
             .await
     }
 
-    /// The oldest waiting fire of a session. It stays queued until a
-    /// prompt that consumes it ([`Claim::CronFire`]) is committed.
-    pub async fn next_cron_fire(&self, session: SessionId) -> Result<Option<CronFire>, StoreError> {
-        self.call(move |c| queues::next_cron_fire(c, session)).await
+    /// Every waiting fire, oldest first.
+    pub async fn cron_fires(&self) -> Result<Vec<CronFire>, StoreError> {
+        self.call(|c| queues::cron_fires(c)).await
     }
 
     /// Sessions with waiting fires.

@@ -103,24 +103,68 @@ pub(crate) fn cron_list(conn: &Connection) -> rusqlite::Result<Vec<CronJob>> {
     Ok(out)
 }
 
+/// Stores what the cron core decided for a fire, and the job's next fire
+/// time, in one transaction.
 pub(crate) fn cron_fire(
     conn: &mut Connection,
-    job: &CronJob,
-    fired_ms: i64,
+    change: &tiller_core::cron::FireChange,
+    job_id: &str,
     next_fire_ms: i64,
 ) -> rusqlite::Result<()> {
+    use tiller_core::cron::FireChange;
     let tx = conn.transaction()?;
-    // At most one waiting fire per job: a newer fire refreshes the waiting one.
-    tx.execute(
-        "INSERT INTO cron_fires (job_id, session_id, prompt, fired_ms) VALUES (?1, ?2, ?3, ?4)
-         ON CONFLICT(job_id) DO UPDATE SET fired_ms = excluded.fired_ms, prompt = excluded.prompt",
-        params![job.id, job.session.to_string(), job.prompt, fired_ms],
-    )?;
+    match change {
+        FireChange::Insert { session, fire } => {
+            tx.execute(
+                "INSERT INTO cron_fires (n, job_id, session_id, prompt, fired_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![fire.id, fire.job_id, session.to_string(), fire.prompt, fire.fired_ms],
+            )?;
+        }
+        FireChange::Refresh {
+            id,
+            prompt,
+            fired_ms,
+        } => {
+            tx.execute(
+                "UPDATE cron_fires SET prompt = ?2, fired_ms = ?3 WHERE n = ?1",
+                params![id, prompt, fired_ms],
+            )?;
+        }
+    }
     tx.execute(
         "UPDATE cron_jobs SET next_fire_ms = ?2 WHERE id = ?1",
-        params![job.id, next_fire_ms],
+        params![job_id, next_fire_ms],
     )?;
     tx.commit()
+}
+
+/// Every waiting fire (the cron core is rebuilt from them at start).
+pub(crate) fn cron_fires(conn: &Connection) -> rusqlite::Result<Vec<CronFire>> {
+    let mut stmt =
+        conn.prepare("SELECT n, job_id, session_id, prompt, fired_ms FROM cron_fires ORDER BY n")?;
+    let rows = stmt.query_map([], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, String>(2)?,
+            r.get::<_, String>(3)?,
+            r.get::<_, i64>(4)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (id, job_id, sid, prompt, fired_ms) = row?;
+        if let Some(session) = SessionId::parse(&sid) {
+            out.push(CronFire {
+                id,
+                job_id,
+                session,
+                prompt,
+                fired_ms,
+            });
+        }
+    }
+    Ok(out)
 }
 
 pub(crate) fn cron_add(conn: &Connection, j: &CronJob) -> rusqlite::Result<()> {
@@ -147,27 +191,6 @@ pub(crate) fn cron_remove(conn: &mut Connection, id: &str) -> rusqlite::Result<b
     let n = tx.execute("DELETE FROM cron_jobs WHERE id = ?1", params![id])?;
     tx.commit()?;
     Ok(n > 0)
-}
-
-/// The oldest waiting fire of a session (it stays queued).
-pub(crate) fn next_cron_fire(
-    conn: &Connection,
-    session: SessionId,
-) -> rusqlite::Result<Option<CronFire>> {
-    conn.query_row(
-        "SELECT n, job_id, prompt, fired_ms FROM cron_fires WHERE session_id = ?1 ORDER BY n LIMIT 1",
-        params![session.to_string()],
-        |r| {
-            Ok(CronFire {
-                id: r.get(0)?,
-                job_id: r.get(1)?,
-                session,
-                prompt: r.get(2)?,
-                fired_ms: r.get(3)?,
-            })
-        },
-    )
-    .optional()
 }
 
 /// The session ids a one-column query returns.

@@ -381,8 +381,21 @@ mod durability {
             created_ms: 0,
         };
         store.cron_add(job.clone()).await.unwrap();
-        store.cron_fire(job, 5, 60_000).await.unwrap();
-        let f = store.next_cron_fire(s).await.unwrap().unwrap();
+        let mut fires = tiller_core::cron::Fires::default();
+        let change = fires.fire(s, &job.id, &job.prompt, 5);
+        store
+            .cron_fire(change, job.id.clone(), 60_000)
+            .await
+            .unwrap();
+        // A second fire coalesces into the waiting one.
+        let change = fires.fire(s, &job.id, &job.prompt, 6);
+        store
+            .cron_fire(change, job.id.clone(), 120_000)
+            .await
+            .unwrap();
+        let all = store.cron_fires().await.unwrap();
+        assert_eq!((all.len(), all[0].fired_ms), (1, 6));
+        let f = all[0].clone();
         assert_eq!(store.cron_backlog().await.unwrap(), vec![s]);
         store
             .append_durable(
