@@ -165,6 +165,31 @@ describe("Web Shell", () => {
     await p.context().close();
   });
 
+  test("the transcript grows incrementally: what is on screen stays the same nodes (a selection survives) as a turn streams", async () => {
+    const sid = await session();
+    const p = await open(sid);
+    await send(p, script([{ say: "first turn" }]));
+    await p.waitForFunction(() => document.querySelector(".agent")?.textContent === "first turn");
+    // Mark the rendered nodes and select the text, as a reader would.
+    await p.evaluate(() => {
+      const agent = document.querySelector(".agent");
+      agent.dataset.marker = "kept";
+      window.__firstTurn = document.querySelector(".turn");
+      const range = document.createRange();
+      range.selectNodeContents(agent);
+      getSelection().removeAllRanges();
+      getSelection().addRange(range);
+    });
+    // The next turn comes from elsewhere (the API), as another client's would.
+    const r = await api(daemon, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ repeat: { times: 15, steps: [{ say: "y" }, { sleep_ms: 20 }] } }]) });
+    assert.equal(r.status, 202, JSON.stringify(r.body));
+    await p.waitForFunction(() => [...document.querySelectorAll(".agent")].some((a) => a.textContent === "y".repeat(15)));
+    assert.equal(await p.evaluate(() => document.querySelector(".turn") === window.__firstTurn), true, "the first turn's node was never replaced");
+    assert.equal(await p.$eval(".agent", (a) => a.dataset.marker), "kept");
+    assert.equal(await p.evaluate(() => getSelection().toString()), "first turn", "the selection survived");
+    await p.context().close();
+  });
+
   test("an older snapshot answer never overwrites a newer state", async () => {
     const sid = await session();
     const p = await open(sid);

@@ -274,115 +274,130 @@ function scheduleRender() {
   });
 }
 
+// The transcript is built incrementally: events that follow the last one
+// rendered are appended to the DOM as they come (what the user opened or
+// selected stays as it is); anything else (older history, a language
+// change, another session) rebuilds it.
 function render(scrollToEnd = false) {
   const cur = state.current;
-  const t = state.t;
   const box = $("transcript");
   if (!cur) {
     box.replaceChildren();
+    state.view = null;
     return;
   }
   const atEnd = scrollToEnd || box.scrollHeight - box.scrollTop - box.clientHeight < 40;
-  // What the user opened stays open across re-renders.
-  const opened = new Set([...box.querySelectorAll("details[open][data-key]")].map((d) => d.dataset.key));
-  const nodes = [];
-  if (cur.hasMore) {
-    nodes.push(el("button", { type: "button", class: "secondary", text: t("loadOlder"), onclick: loadOlder }));
-  }
-  let turn = null;
-  let agent = null;
-  let thought = null;
-  const tools = new Map();
-  const turnBox = (origin) => {
-    turn = el("section", { class: "turn", "data-origin": origin ?? "interactive" });
-    if (origin && origin !== "interactive") turn.append(el("span", { class: "origin", text: t(`origin_${origin}`) }));
-    nodes.push(turn);
-    agent = null;
-    thought = null;
-    return turn;
-  };
-  const into = () => turn ?? turnBox(null);
-  const events = [...cur.events.values()].sort((a, b) => a.seq - b.seq);
-  for (const ev of events) {
-    const d = ev.data ?? {};
-    if (ev.type !== "agent_thought_chunk") thought = null;
-    switch (ev.type) {
-      case "prompt_started":
-        turnBox(d.origin);
-        break;
-      case "user_message":
-        into().append(el("div", { class: "user", text: d.text }));
-        agent = null;
-        break;
-      case "agent_message_chunk":
-        if (!agent) {
-          agent = el("div", { class: "agent" });
-          into().append(agent);
-        }
-        agent.textContent += d.text;
-        break;
-      case "agent_thought_chunk":
-        // Consecutive thought chunks are one thought.
-        if (!thought) {
-          const parent = into(); // may start a turn box, which resets `thought`
-          thought = el("p", {});
-          parent.append(el("details", { class: "thought", "data-key": String(ev.seq), open: opened.has(String(ev.seq)) }, el("summary", { text: t("thinking") }), thought));
-        }
-        thought.textContent += d.text;
-        agent = null;
-        break;
-      case "plan":
-        into().append(el("ol", { class: "plan", "aria-label": t("plan") },
-          ...d.entries.map((e) => el("li", { "data-status": e.status, text: `${e.content} (${t(e.status)})` }))));
-        agent = null;
-        break;
-      case "tool_call": {
-        const status = el("span", { class: "tool-status", text: t(d.status ?? "pending") });
-        const node = el("div", { class: "tool", "data-tool-call": d.toolCallId, "data-status": d.status ?? "pending" },
-          el("strong", { text: d.name }), " · ", status);
-        tools.set(d.toolCallId, { node, status });
-        into().append(node);
-        agent = null;
-        break;
-      }
-      case "tool_call_update": {
-        const tool = tools.get(d.toolCallId);
-        if (!tool) break;
-        tool.node.dataset.status = d.status;
-        tool.status.textContent = t(d.status);
-        if (d.status === "failed" || d.status === "completed") {
-          const text = d.error?.message ?? d.output;
-          if (text) tool.node.append(el("pre", { text }));
-        }
-        break;
-      }
-      case "turn_error":
-        into().append(el("div", { class: "turn-error", role: "alert", "data-error-kind": d.errorKind, text: errorText(t, d) }));
-        turn = null;
-        break;
-      case "turn_complete":
-        turn = null;
-        break;
-      case "loop_stopped":
-        into().append(el("div", { class: "notice", text: t("loopStopped") }));
-        break;
-      case "steer_dropped":
-        into().append(el("div", { class: "notice" }, `${t("steerDropped")} “${d.text}” `,
-          el("button", { type: "button", class: "secondary", text: t("resend"), onclick: () => sendText(d.text) })));
-        break;
-      case "mcp_server":
-        if (d.error) into().append(el("div", { class: "notice", "data-mcp": d.name, text: t("mcpFailed", { name: d.name, error: d.error }) }));
-        break;
-      case "goal_paused":
-        into().append(el("div", { class: "notice", text: d.reason === "loop_detected" ? t("goalPaused") : t("goalPausedUser") }));
-        break;
-      default:
-        break;
+  let view = state.view;
+  const fresh = [...cur.events.values()].filter((ev) => !view || ev.seq > view.last);
+  const rebuild =
+    !view || view.cur !== cur || view.lang !== state.lang || view.hasMore !== cur.hasMore ||
+    view.count + fresh.length !== cur.events.size;
+  if (rebuild) {
+    // What the user opened stays open across a rebuild.
+    const opened = new Set([...box.querySelectorAll("details[open][data-key]")].map((d) => d.dataset.key));
+    view = state.view = { cur, lang: state.lang, hasMore: cur.hasMore, last: 0, count: 0, turn: null, agent: null, thought: null, tools: new Map(), opened };
+    box.replaceChildren();
+    if (cur.hasMore) {
+      box.append(el("button", { type: "button", class: "secondary", text: state.t("loadOlder"), onclick: loadOlder }));
     }
   }
-  box.replaceChildren(...nodes);
+  const events = (rebuild ? [...cur.events.values()] : fresh).sort((a, b) => a.seq - b.seq);
+  for (const ev of events) {
+    apply(view, box, ev);
+    view.last = Math.max(view.last, ev.seq);
+    view.count += 1;
+  }
   if (atEnd) box.scrollTop = box.scrollHeight;
   renderState();
+}
+
+/** Appends one event's rendering to the transcript. */
+function apply(view, box, ev) {
+  const t = state.t;
+  const d = ev.data ?? {};
+  const turnBox = (origin) => {
+    view.turn = el("section", { class: "turn", "data-origin": origin ?? "interactive" });
+    if (origin && origin !== "interactive") view.turn.append(el("span", { class: "origin", text: t(`origin_${origin}`) }));
+    box.append(view.turn);
+    view.agent = null;
+    view.thought = null;
+    return view.turn;
+  };
+  const into = () => view.turn ?? turnBox(null);
+  if (ev.type !== "agent_thought_chunk") view.thought = null;
+  switch (ev.type) {
+    case "prompt_started":
+      turnBox(d.origin);
+      break;
+    case "user_message":
+      into().append(el("div", { class: "user", text: d.text }));
+      view.agent = null;
+      break;
+    case "agent_message_chunk":
+      if (!view.agent) {
+        view.agent = el("div", { class: "agent" });
+        into().append(view.agent);
+      }
+      view.agent.textContent += d.text;
+      break;
+    case "agent_thought_chunk":
+      // Consecutive thought chunks are one thought.
+      if (!view.thought) {
+        const parent = into(); // may start a turn box, which resets `thought`
+        view.thought = el("p", {});
+        parent.append(el("details", { class: "thought", "data-key": String(ev.seq), open: view.opened.has(String(ev.seq)) }, el("summary", { text: t("thinking") }), view.thought));
+      }
+      view.thought.textContent += d.text;
+      view.agent = null;
+      break;
+    case "plan":
+      into().append(el("ol", { class: "plan", "aria-label": t("plan") },
+        ...d.entries.map((e) => el("li", { "data-status": e.status, text: `${e.content} (${t(e.status)})` }))));
+      view.agent = null;
+      break;
+    case "tool_call": {
+      const status = el("span", { class: "tool-status", text: t(d.status ?? "pending") });
+      const node = el("div", { class: "tool", "data-tool-call": d.toolCallId, "data-status": d.status ?? "pending" },
+        el("strong", { text: d.name }), " · ", status);
+      view.tools.set(d.toolCallId, { node, status });
+      into().append(node);
+      view.agent = null;
+      break;
+    }
+    case "tool_call_update": {
+      const tool = view.tools.get(d.toolCallId);
+      if (!tool) break;
+      tool.node.dataset.status = d.status;
+      tool.status.textContent = t(d.status);
+      if (d.status === "failed" || d.status === "completed") {
+        const text = d.error?.message ?? d.output;
+        if (text) tool.node.append(el("pre", { text }));
+      }
+      break;
+    }
+    case "turn_error":
+      into().append(el("div", { class: "turn-error", role: "alert", "data-error-kind": d.errorKind, text: errorText(t, d) }));
+      view.turn = null;
+      break;
+    case "turn_complete":
+      view.turn = null;
+      break;
+    case "loop_stopped":
+      into().append(el("div", { class: "notice", text: t("loopStopped") }));
+      break;
+    case "steer_dropped":
+      into().append(el("div", { class: "notice" }, `${t("steerDropped")} “${d.text}” `,
+        el("button", { type: "button", class: "secondary", text: t("resend"), onclick: () => sendText(d.text) })));
+      break;
+    case "mcp_server":
+      if (d.error) into().append(el("div", { class: "notice", "data-mcp": d.name, text: t("mcpFailed", { name: d.name, error: d.error }) }));
+      break;
+    case "goal_paused":
+      into().append(el("div", { class: "notice", text: d.reason === "loop_detected" ? t("goalPaused") : t("goalPausedUser") }));
+      break;
+    default:
+      break;
+  }
 }
 
 function renderState() {
