@@ -9,6 +9,7 @@ import { closeSync, mkdirSync, openSync, rmSync, writeSync } from "node:fs";
 import path from "node:path";
 import { describe, test } from "node:test";
 
+import { launch, page as newPage } from "./lib/browser.mjs";
 import { agentText, api, initialize, newSession, script, startDaemon, tempDir, textPrompt, transports } from "./lib/daemon.mjs";
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -119,5 +120,41 @@ describe("kill -9", () => {
     const lost = tasks.filter((t) => !seen.has(t));
     assert.deepEqual(lost, [], `${lost.length} accepted notifications never ran`);
     await d.stop();
+  });
+});
+
+describe("a session rebuilt from its log", () => {
+  test("the Web Shell drops what was shown but never stored, and shows what follows", async () => {
+    const mnt = tempDir();
+    execFileSync("mount", ["-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", mnt]);
+    const dataDir = path.join(mnt, "data");
+    mkdirSync(dataDir, { mode: 0o700 });
+    const d = await startDaemon({ dataDir });
+    const browser = await launch();
+    try {
+      const sid = (await api(d, "POST", "/api/sessions", { cwd: "/tmp" })).body.id;
+      const p = await newPage(browser);
+      await p.goto(`${d.http}/?token=${d.token}#${sid}`);
+      await p.waitForSelector("#state[data-state]");
+      const steps = [{ say: "stored " }, { sleep_ms: 400 }, { repeat: { times: 12, steps: [{ say: "lost " }, { sleep_ms: 10 }] } }];
+      assert.equal((await api(d, "POST", `/api/sessions/${sid}/prompts`, { text: script(steps) })).status, 202);
+      await p.waitForFunction(() => document.querySelector(".agent")?.textContent === "stored ");
+      fill(path.join(mnt, "filler"));
+      // The lost chunks are shown live; their turn cannot be stored and the
+      // session fails after its retries.
+      await p.waitForFunction(() => document.querySelector(".agent")?.textContent.includes("lost lost"));
+      await sleep(3000);
+      rmSync(path.join(mnt, "filler"));
+      rmSync(path.join(mnt, "filler.tail"));
+      assert.equal((await api(d, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ say: "after the rebuild" }]) })).status, 202);
+      await p.waitForFunction(() => [...document.querySelectorAll(".agent")].some((a) => a.textContent === "after the rebuild"), null, { timeout: 15000 });
+      await p.waitForFunction(() => !document.querySelector(".agent")?.textContent.includes("lost"), null, { timeout: 5000 });
+      assert.ok(await p.$('.turn-error[data-error-kind="store_unavailable"]'), "the failed turn shows its error");
+      await p.context().close();
+    } finally {
+      await browser.close();
+      await d.stop();
+      execFileSync("umount", [mnt]);
+    }
   });
 });

@@ -203,10 +203,28 @@ function connect(cur) {
   const es = new EventSource(`/api/sessions/${cur.id}/events?${q}`);
   cur.es = es;
   es.addEventListener("session_snapshot", (e) => {
-    cur.snapshot = { ...cur.snapshot, ...JSON.parse(e.data) };
+    const snap = JSON.parse(e.data);
+    // The log ends before events this page was shown: a session that could
+    // not store them was rebuilt from its log, and their numbers are used
+    // again. What the page holds is not the log any more: load it afresh.
+    if (snap.lastSeq < lastSeq(cur)) {
+      es.close();
+      if (state.current === cur) openSession(cur.id);
+      return;
+    }
+    cur.snapshot = { ...cur.snapshot, ...snap };
     render();
   });
   es.addEventListener("event", (e) => addEvent(cur, JSON.parse(e.data)));
+  // A refused reconnect (the session cannot open right now: the store is
+  // full, the daemon restarting) closes an EventSource for good: try again.
+  es.addEventListener("error", () => {
+    if (es.readyState === EventSource.CLOSED && state.current === cur && cur.es === es) {
+      setTimeout(() => {
+        if (state.current === cur && cur.es === es) connect(cur);
+      }, 2000);
+    }
+  });
   es.addEventListener("resync", () => {
     // Fell behind: start a new stream from what we have.
     es.close();

@@ -184,25 +184,29 @@ impl SessionState {
         // A queued prompt already has its admission event; announce the start.
         if queued {
             metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
-            let claim = self
-                .pending
-                .get(&prompt)
-                .and_then(|p| p.work.as_ref())
-                .and_then(Work::claim);
-            self.publish_with(
-                Some(prompt),
-                Some(turn),
-                EventBody::PromptStarted {
-                    origin: origin.as_str().into(),
-                },
-                claim,
-            );
-            // The queue forgets it: its stored start consumes the row.
-            if let (Some(work), Some(q)) = (
-                self.pending.get(&prompt).and_then(|p| p.work.as_ref()),
-                self.automation.queue(origin),
-            ) {
-                q.started(self.id, work);
+            let work = self.pending.get(&prompt).and_then(|p| p.work.as_ref());
+            let start = EventBody::PromptStarted {
+                origin: origin.as_str().into(),
+            };
+            match work.map(Work::claim) {
+                // Automatic work is admitted here: its start is stored (with
+                // the queue row it consumes) before it runs, and only then
+                // does its queue forget it.
+                Some(claim) => {
+                    let stored = self
+                        .publish_durable(Some(prompt), Some(turn), start, Ledger::Start(claim))
+                        .await;
+                    if stored.is_err() {
+                        return; // the session fails; the work stays queued
+                    }
+                    if let (Some(work), Some(q)) = (
+                        self.pending.get(&prompt).and_then(|p| p.work.as_ref()),
+                        self.automation.queue(origin),
+                    ) {
+                        q.started(self.id, work);
+                    }
+                }
+                None => self.publish(Some(prompt), Some(turn), start),
             }
         }
         self.publish(

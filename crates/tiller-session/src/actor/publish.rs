@@ -166,18 +166,7 @@ impl SessionState {
         &mut self,
         prompt: Option<PromptId>,
         turn: Option<TurnId>,
-        body: EventBody,
-    ) {
-        self.publish_with(prompt, turn, body, None);
-    }
-
-    /// [`Self::publish`], for a start that consumes queued work.
-    pub(super) fn publish_with(
-        &mut self,
-        prompt: Option<PromptId>,
-        turn: Option<TurnId>,
         mut body: EventBody,
-        claim: Option<tiller_store::Claim>,
     ) {
         if let EventBody::ToolCall {
             name,
@@ -189,10 +178,7 @@ impl SessionState {
             *locations = self.toolbox.locations(name, input);
         }
         let rec = self.record(prompt, turn, body);
-        let mut op = rec.ledger_op();
-        if let Some(LedgerOp::Admit { consumes, .. }) = &mut op {
-            *consumes = claim;
-        }
+        let op = rec.ledger_op();
         self.store.append(rec.to_stored(), op.clone());
         self.unconfirmed.push((rec.clone(), op));
         self.fan_out(&rec);
@@ -214,13 +200,16 @@ impl SessionState {
     ) -> Result<(), StoreError> {
         let rec = self.record(prompt, turn, body);
         let mut op = rec.ledger_op();
-        if let (Some(LedgerOp::Settle { delivery, .. }), Ledger::Deliver(d)) = (&mut op, &ledger) {
-            *delivery = Some(d.clone());
+        match (&mut op, &ledger) {
+            (Some(LedgerOp::Settle { delivery, .. }), Ledger::Deliver(d)) => {
+                *delivery = Some(d.clone());
+            }
+            (Some(LedgerOp::Admit { consumes, .. }), Ledger::Start(claim)) => *consumes = *claim,
+            _ => {}
         }
-        let retries = if matches!(ledger, Ledger::Admission) {
-            0
-        } else {
-            3
+        let retries = match ledger {
+            Ledger::Admission | Ledger::Start(_) => 0,
+            Ledger::Plain | Ledger::Deliver(_) => 3,
         };
         let mut attempt = 0;
         loop {
@@ -234,7 +223,7 @@ impl SessionState {
                 Err(e) if attempt < retries && e.is_unavailable() => {
                     attempt += 1;
                     tracing::warn!(error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(100 << (2 * attempt))).await;
+                    tokio::time::sleep(Duration::from_millis(25 << (2 * attempt))).await;
                     if let Ok(head) = self.store.reopen_log(self.id).await {
                         for (u, op) in self
                             .unconfirmed
@@ -264,6 +253,9 @@ pub(super) enum Ledger {
     Plain,
     /// A terminal with the webhook delivery of its final text.
     Deliver(tiller_store::Delivery),
+    /// The start of automatic work, with the queue row it consumes (an
+    /// admission: not retried; the work stays queued if it fails).
+    Start(Option<tiller_store::Claim>),
 }
 
 /// Wall-clock time for event timestamps (display only; ordering is `seq`).
