@@ -477,7 +477,9 @@ impl SessionCore {
     }
 
     fn start(&mut self, now: Millis, prompt: PromptId, origin: Origin, fx: &mut Vec<Effect>) {
-        // A round a start interrupts is over; its kick set the queues.
+        // A poll round a start interrupts is over (late offers are refused);
+        // a kick during it already set the queues' flags.
+        self.polling = None;
         self.rekick = false;
         self.last_turn += 1;
         let turn = TurnId(self.last_turn);

@@ -785,3 +785,32 @@ fn a_kick_during_a_poll_round_brings_another_round() {
     });
     assert_eq!(polls(&fx), vec![(Origin::Notification, 3)]);
 }
+
+#[test]
+fn a_turn_a_steer_starts_mid_poll_ends_that_round() {
+    let mut h = Harness::new();
+    h.core = SessionCore::new(CFG, 0).with_automatic(vec![Origin::Notification, Origin::Cron]);
+    assert_eq!(polls(&h.feed(Input::Kick)), vec![(Origin::Notification, 1)]);
+    // A steer while idle starts a turn: the poll round is over.
+    h.feed(Input::Steer {
+        steer: SteerId::from_u128(1),
+        idle_behavior: IdleBehavior::StartNewTurn(PromptId::from_u128(2)),
+    });
+    assert!(!h.core.is_polling());
+    // A kick during the turn is no reason for an extra round later.
+    assert!(h.feed(Input::Kick).is_empty());
+    let fx = h.sig(1, Signal::Result(StopReason::EndTurn));
+    assert_eq!(polls(&fx), vec![(Origin::Notification, 2)]);
+    let fx = h.feed(Input::Offer {
+        origin: Origin::Notification,
+        poll: 2,
+        prompt: None,
+    });
+    assert_eq!(polls(&fx), vec![(Origin::Cron, 3)]);
+    let fx = h.feed(Input::Offer {
+        origin: Origin::Cron,
+        poll: 3,
+        prompt: None,
+    });
+    assert!(polls(&fx).is_empty(), "one round only: {fx:?}");
+}
