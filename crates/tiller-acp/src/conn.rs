@@ -660,12 +660,24 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
         Incoming::Response { .. } => {}
         Incoming::Notification { method, params } => {
             if method == "session/cancel" {
+                let Ok(p) = serde_json::from_value::<CancelNotification>(params) else {
+                    return;
+                };
+                let Some(id) = SessionId::parse(&p.session_id.0) else {
+                    return;
+                };
+                // An attached session is cancelled here, in the order the
+                // client sent it: a request sent after the cancel (a steer)
+                // reaches the session after it.
+                if let Ok(attached) = shared.attached.try_lock()
+                    && let Some((h, _)) = attached.get(&id)
+                    && h.cancel().is_ok()
+                {
+                    return;
+                }
                 let shared = shared.clone();
                 tokio::spawn(async move {
-                    if let Ok(p) = serde_json::from_value::<CancelNotification>(params)
-                        && let Some(id) = SessionId::parse(&p.session_id.0)
-                        && let Ok(h) = shared.sessions.open(id).await
-                    {
+                    if let Ok(h) = shared.sessions.open(id).await {
                         let _ = h.cancel();
                     }
                 });
