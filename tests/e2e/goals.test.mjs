@@ -82,8 +82,11 @@ describe("goals", () => {
     await s.until(() => events(s).some((e) => e.type === "prompt_started" && e.data.origin === "goal"));
     assert.equal((await api(daemon, "DELETE", `/api/sessions/${sid}/goal`)).status, 204);
     assert.equal((await api(daemon, "DELETE", `/api/sessions/${sid}/goal`)).status, 404);
-    const kinds = events(s).map((e) => e.type);
-    for (const k of ["goal_set", "goal_paused", "goal_resumed", "goal_cleared"]) assert.ok(kinds.includes(k), k);
+    // Each answer came once its event was stored; the stream follows.
+    const hist = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=500`);
+    const storedKinds = hist.body.events.map((e) => e.type);
+    for (const k of ["goal_set", "goal_paused", "goal_resumed", "goal_cleared"]) assert.ok(storedKinds.includes(k), k);
+    await s.until(() => events(s).some((e) => e.type === "goal_cleared"));
     s.close();
   });
 

@@ -111,15 +111,27 @@ impl Sessions {
         }
     }
 
-    async fn goal_call<T>(
+    /// A goal change: `make` builds the message from where its event is
+    /// published and the reply. Answered once the change and its event are
+    /// both stored.
+    async fn goal_change<T>(
         &self,
-        make: impl FnOnce(oneshot::Sender<Result<T, StoreError>>) -> goal::GoalMsg,
+        id: SessionId,
+        make: impl FnOnce(goal::Publish, oneshot::Sender<Result<T, StoreError>>) -> goal::GoalMsg,
     ) -> Result<T, SessionError> {
+        let handle = self.open(id).await?;
+        let (ack, stored) = oneshot::channel();
+        let publish = goal::Publish {
+            inbox: Arc::new(handle.actor.clone()),
+            ack,
+        };
         let (tx, rx) = oneshot::channel();
         self.goal
-            .send_message(make(tx))
+            .send_message(make(publish, tx))
             .map_err(|_| SessionError::Stopped)?;
-        Ok(rx.await.map_err(|_| SessionError::Stopped)??)
+        let r = rx.await.map_err(|_| SessionError::Stopped)??;
+        stored.await.map_err(|_| SessionError::Stopped)??;
+        Ok(r)
     }
 
     /// Sets (replaces) a session's goal; its turns start when the session
@@ -130,30 +142,27 @@ impl Sessions {
         objective: String,
         max_turns: u32,
     ) -> Result<GoalRow, SessionError> {
-        let handle = self.open(id).await?;
-        let row = self
-            .goal_call(|reply| goal::GoalMsg::Set {
-                session: id,
-                objective: objective.clone(),
-                max_turns,
-                reply,
-            })
-            .await?;
-        handle.send(SessionMsg::Automation {
-            body: EventBody::GoalSet {
-                objective,
-                max_turns,
-            },
-            kick: true,
-        })?;
-        Ok(row)
+        self.goal_change(id, |publish, reply| goal::GoalMsg::Set {
+            session: id,
+            objective,
+            max_turns,
+            publish,
+            reply,
+        })
+        .await
     }
 
     /// A session's goal.
     pub async fn goal_get(&self, id: SessionId) -> Result<Option<GoalRow>, SessionError> {
         self.record(id).await?;
-        self.goal_call(|reply| goal::GoalMsg::Get { session: id, reply })
-            .await
+        let (tx, rx) = oneshot::channel();
+        self.goal
+            .send_message(goal::GoalMsg::Get {
+                session: id,
+                reply: tx,
+            })
+            .map_err(|_| SessionError::Stopped)?;
+        Ok(rx.await.map_err(|_| SessionError::Stopped)??)
     }
 
     /// Pauses (`resume = false`) or resumes a goal. `None` when there is none.
@@ -162,12 +171,10 @@ impl Sessions {
         id: SessionId,
         resume: bool,
     ) -> Result<Option<GoalRow>, SessionError> {
-        let handle = self.open(id).await?;
-        let inbox: Arc<dyn ports::Inbox> = Arc::new(handle.actor.clone());
-        self.goal_call(|reply| goal::GoalMsg::PauseResume {
+        self.goal_change(id, |publish, reply| goal::GoalMsg::PauseResume {
             session: id,
             resume,
-            inbox,
+            publish,
             reply,
         })
         .await
@@ -175,17 +182,12 @@ impl Sessions {
 
     /// Clears a session's goal; false when it had none.
     pub async fn goal_clear(&self, id: SessionId) -> Result<bool, SessionError> {
-        let handle = self.open(id).await?;
-        let cleared = self
-            .goal_call(|reply| goal::GoalMsg::Clear { session: id, reply })
-            .await?;
-        if cleared {
-            handle.send(SessionMsg::Automation {
-                body: EventBody::GoalCleared,
-                kick: false,
-            })?;
-        }
-        Ok(cleared)
+        self.goal_change(id, |publish, reply| goal::GoalMsg::Clear {
+            session: id,
+            publish,
+            reply,
+        })
+        .await
     }
 
     /// Every cron job.
@@ -444,7 +446,11 @@ impl ports::Waker for Sessions {
         Box::pin(async move {
             match self.open(session).await {
                 Ok(h) => {
-                    let _ = h.send(SessionMsg::Automation { body, kick: true });
+                    let _ = h.send(SessionMsg::Automation {
+                        body,
+                        kick: true,
+                        ack: None,
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(%session, error = %e, "automatic work for an unavailable session");

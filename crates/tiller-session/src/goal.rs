@@ -12,7 +12,26 @@ use tokio::sync::oneshot;
 use std::sync::Arc;
 
 use crate::event::EventBody;
-use crate::ports::{Inbox, Work, WorkQueue};
+use crate::ports::{Ack, Inbox, Work, WorkQueue};
+
+/// Where a change's event goes: the session's inbox, and the answer the
+/// caller waits for once the event is stored. A change publishes its event
+/// from this actor, so events are in the order the changes were made.
+pub struct Publish {
+    pub inbox: Arc<dyn Inbox>,
+    pub ack: Ack,
+}
+
+impl Publish {
+    fn send(self, event: Option<(EventBody, bool)>) {
+        match event {
+            Some((body, kick)) => self.inbox.event(body, kick, Some(self.ack)),
+            None => {
+                let _ = self.ack.send(Ok(()));
+            }
+        }
+    }
+}
 
 /// The closed set of messages the goal actor handles.
 pub enum GoalMsg {
@@ -20,24 +39,25 @@ pub enum GoalMsg {
         session: SessionId,
         objective: String,
         max_turns: u32,
+        publish: Publish,
         reply: oneshot::Sender<Result<GoalRow, StoreError>>,
     },
     Get {
         session: SessionId,
         reply: oneshot::Sender<Result<Option<GoalRow>, StoreError>>,
     },
-    /// `Some(true)`: paused or resumed; `Some(false)`: not in a state that
-    /// allows it; `None`: no goal.
     /// The user pauses (`resume = false`) or resumes the goal; the change
-    /// (the core decides if there is one) is published to `inbox`.
+    /// (the core decides if there is one) is published. `None`: no goal.
     PauseResume {
         session: SessionId,
         resume: bool,
-        inbox: Arc<dyn Inbox>,
+        publish: Publish,
         reply: oneshot::Sender<Result<Option<GoalRow>, StoreError>>,
     },
+    /// False when there was no goal.
     Clear {
         session: SessionId,
+        publish: Publish,
         reply: oneshot::Sender<Result<bool, StoreError>>,
     },
     /// An idle session asks for a continuation (answered as an `Offer`).
@@ -118,10 +138,18 @@ impl Actor for GoalActor {
                 session,
                 objective,
                 max_turns,
+                publish,
                 reply,
             } => {
-                let row = to_row(session, &Goal::new(objective, max_turns));
+                let row = to_row(session, &Goal::new(objective.clone(), max_turns));
                 let r = store.goal_put(row.clone()).await.map(|()| row);
+                if r.is_ok() {
+                    let set = EventBody::GoalSet {
+                        objective,
+                        max_turns,
+                    };
+                    publish.send(Some((set, true)));
+                }
                 let _ = reply.send(r);
             }
             GoalMsg::Get { session, reply } => {
@@ -130,7 +158,7 @@ impl Actor for GoalActor {
             GoalMsg::PauseResume {
                 session,
                 resume,
-                inbox,
+                publish,
                 reply,
             } => {
                 let mut change = None;
@@ -138,14 +166,21 @@ impl Actor for GoalActor {
                     change = if resume { g.resume() } else { g.pause() };
                 })
                 .await;
-                if let (Ok(Some(row)), Some(change)) = (&r, change) {
-                    let (body, kick) = event(change, row.turns_done);
-                    inbox.event(body, kick);
+                if let Ok(Some(row)) = &r {
+                    publish.send(change.map(|c| event(c, row.turns_done)));
                 }
                 let _ = reply.send(r);
             }
-            GoalMsg::Clear { session, reply } => {
-                let _ = reply.send(store.goal_delete(session).await);
+            GoalMsg::Clear {
+                session,
+                publish,
+                reply,
+            } => {
+                let r = store.goal_delete(session).await;
+                if let Ok(cleared) = r {
+                    publish.send(cleared.then_some((EventBody::GoalCleared, false)));
+                }
+                let _ = reply.send(r);
             }
             GoalMsg::Poll {
                 session,
@@ -182,7 +217,7 @@ impl Actor for GoalActor {
                 }
                 if let Some(change) = change {
                     let (body, kick) = event(change, goal.turns_done);
-                    inbox.event(body, kick);
+                    inbox.event(body, kick, None);
                 }
             }
         }

@@ -45,9 +45,14 @@ pub trait Inbox: Send + Sync + 'static {
     /// The answer to poll `poll`: one item, or nothing due.
     fn offer(&self, origin: Origin, poll: u64, work: Option<Work>);
     /// An event for the session's log (a goal paused, completed...), and
-    /// whether the session should look for work afterwards.
-    fn event(&self, body: EventBody, kick: bool);
+    /// whether the session should look for work afterwards. `ack`, when
+    /// given, is answered once the event is stored (or could not be).
+    fn event(&self, body: EventBody, kick: bool, ack: Option<Ack>);
 }
+
+/// Answered once an event is stored: what a caller waits for before it
+/// acknowledges the change the event records.
+pub type Ack = tokio::sync::oneshot::Sender<Result<(), crate::SessionError>>;
 
 /// One kind of automatic work, as a session sees it.
 pub trait WorkQueue: Send + Sync + 'static {

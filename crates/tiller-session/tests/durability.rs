@@ -191,3 +191,39 @@ async fn a_notification_whose_start_was_never_stored_is_still_queued_and_runs() 
     }
     assert!(ran, "the notification was lost");
 }
+
+/// A goal change is answered once its event is in the log: a client that
+/// reads the log after the answer finds it there, and one the store could
+/// not record is an error, not a success.
+#[tokio::test]
+async fn a_goal_change_is_answered_only_once_its_event_is_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let id = h.id();
+    let last = |log: &[tiller_session::EventRecord]| log.last().map(|e| e.body.kind());
+    // A long turn keeps the goal's own turns from starting meanwhile.
+    let (_, _done) = h
+        .prompt(
+            r#"{"script": [{"sleep_ms": 3000}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    s.goal_set(id, "keep going".into(), 3).await.unwrap();
+    let log = s.events_after(id, 0, 1000).await.unwrap();
+    assert_eq!(last(&log), Some("goal_set"), "{:?}", kinds(&log));
+    s.goal_pause_resume(id, false).await.unwrap().unwrap();
+    let log = s.events_after(id, 0, 1000).await.unwrap();
+    assert_eq!(last(&log), Some("goal_paused"), "{:?}", kinds(&log));
+    assert!(s.goal_clear(id).await.unwrap());
+    let log = s.events_after(id, 0, 1000).await.unwrap();
+    assert_eq!(last(&log), Some("goal_cleared"), "{:?}", kinds(&log));
+    // Not recorded: an error to the caller.
+    s.goal_set(id, "again".into(), 3).await.unwrap();
+    store.fail_appends(true);
+    let cleared = s.goal_clear(id).await;
+    assert!(cleared.is_err(), "{cleared:?}");
+    store.fail_appends(false);
+}

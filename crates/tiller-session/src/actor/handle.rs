@@ -77,8 +77,14 @@ impl SessionState {
             SessionMsg::Offer { origin, poll, work } => {
                 self.offer(myself, origin, poll, work).await;
             }
-            SessionMsg::Automation { body, kick } => {
-                self.publish(None, None, body);
+            SessionMsg::Automation { body, kick, ack } => {
+                match ack {
+                    Some(ack) => {
+                        let stored = self.publish_durable(None, None, body, Ledger::Plain).await;
+                        let _ = ack.send(stored.map_err(crate::SessionError::from));
+                    }
+                    None => self.publish(None, None, body),
+                }
                 if kick {
                     self.feed(myself, Input::Kick, None).await;
                 }

@@ -34,7 +34,7 @@ use publish::Ledger;
 use crate::event::ConfigOption;
 use crate::event::{EventBody, EventRecord};
 pub use crate::ports::Work;
-use crate::ports::{Inbox, WorkQueue};
+use crate::ports::{Ack, Inbox, WorkQueue};
 use crate::tools::{Batch, Decision, PermissionMode, Permissions, Progress};
 use crate::{
     PermissionRefused, PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber,
@@ -72,8 +72,8 @@ impl Inbox for ActorRef<SessionMsg> {
         let _ = self.send_message(SessionMsg::Offer { origin, poll, work });
     }
 
-    fn event(&self, body: EventBody, kick: bool) {
-        let _ = self.send_message(SessionMsg::Automation { body, kick });
+    fn event(&self, body: EventBody, kick: bool, ack: Option<Ack>) {
+        let _ = self.send_message(SessionMsg::Automation { body, kick, ack });
     }
 }
 
@@ -116,8 +116,13 @@ pub enum SessionMsg {
         work: Option<Work>,
     },
     /// An event from a queue actor to publish (goal changes), and whether
-    /// to poll afterwards.
-    Automation { body: EventBody, kick: bool },
+    /// to poll afterwards. With `ack` it is stored before it is answered
+    /// and fanned out.
+    Automation {
+        body: EventBody,
+        kick: bool,
+        ack: Option<Ack>,
+    },
     /// A notification was queued for this session (already durable).
     NotificationQueued {
         task_id: String,
