@@ -1,6 +1,6 @@
 //! Property model of automatic work: the session core, the notification
-//! queue core (`tiller_core::notify`), the goal core and a stand-in for the
-//! cron fires (one waiting fire per job, as the store keeps them) exchange
+//! queue core (`tiller_core::notify`), the goal core and the cron fires
+//! core (`tiller_core::cron::Fires`: one waiting fire per job) exchange
 //! messages over a bus, as the actors do;
 //! a test scheduler (proptest) picks which message is delivered next, and
 //! when prompts, notifications, cron fires and engine results happen.
@@ -13,6 +13,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use proptest::prelude::*;
+use tiller_core::cron::{FireChange, Fires};
 use tiller_core::goal::Goal;
 use tiller_core::notify::Queues;
 use tiller_core::{
@@ -30,6 +31,9 @@ const CFG: TurnConfig = TurnConfig {
 
 /// The one session of the model.
 const SESSION: tiller_core::SessionId = tiller_core::SessionId::from_u128(7);
+
+/// Cron work ids are the fire ids offset by this (other work ids are small).
+const CRON: u32 = 1 << 30;
 
 /// Messages on the bus.
 #[derive(Clone, Debug)]
@@ -54,8 +58,8 @@ enum Step {
     Prompt,
     /// A notification is queued.
     Notify,
-    /// The cron job fires.
-    CronFires,
+    /// One of two cron jobs fires (a job with a fire waiting coalesces).
+    CronFires { second_job: bool },
     /// The running turn's engine ends it (or loop protection stops it).
     EngineEnds { looped: bool },
     /// A cancel.
@@ -68,7 +72,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
             8 => any::<usize>().prop_map(Step::Deliver),
             2 => Just(Step::Prompt),
             2 => Just(Step::Notify),
-            2 => Just(Step::CronFires),
+            2 => any::<bool>().prop_map(|second_job| Step::CronFires { second_job }),
             4 => any::<bool>().prop_map(|looped| Step::EngineEnds { looped }),
             1 => Just(Step::Cancel),
         ],
@@ -84,8 +88,8 @@ struct World {
     next: u32,
     /// The notification queues (the actor's core); task ids are work ids.
     notifications: Queues,
-    /// The cron job's waiting fire.
-    cron_waiting: Option<u32>,
+    /// The waiting cron fires (the actor's core); fire ids are work ids.
+    cron: Fires,
     goal: Option<Goal>,
     /// Work ids created per kind, and how often each ran.
     created: HashMap<u32, Origin>,
@@ -205,7 +209,7 @@ impl World {
                     .push_back(Msg::Offer(Origin::Notification, poll, w));
             }
             Msg::Poll(Origin::Cron, poll) => {
-                let w = self.cron_waiting;
+                let w = self.cron.next(SESSION).map(|f| f.id as u32 + CRON);
                 self.bus.push_back(Msg::Offer(Origin::Cron, poll, w));
             }
             Msg::Poll(Origin::Goal, poll) => {
@@ -229,8 +233,14 @@ impl World {
                 self.notifications.consumed(SESSION, id);
             }
             Msg::Started(Origin::Cron, w) => {
-                assert_eq!(self.cron_waiting, Some(w), "the started fire was waiting");
-                self.cron_waiting = None;
+                let id = i64::from(w - CRON);
+                assert!(
+                    self.cron
+                        .session(SESSION)
+                        .is_some_and(|f| f.iter().any(|f| f.id == id)),
+                    "the started fire was waiting"
+                );
+                self.cron.consumed(SESSION, id);
             }
             Msg::Started(..) => {}
             Msg::GoalTurnEnded { loop_stopped } => {
@@ -276,11 +286,18 @@ impl World {
                 assert!(!out.deduplicated && out.evicted.is_empty());
                 self.bus.push_back(Msg::Kick);
             }
-            Step::CronFires => {
-                if self.cron_waiting.is_none() {
-                    let id = self.fresh();
-                    self.created.insert(id, Origin::Cron);
-                    self.cron_waiting = Some(id);
+            Step::CronFires { second_job } => {
+                let job = if second_job { "b" } else { "a" };
+                match self.cron.fire(SESSION, job, "", self.now as i64) {
+                    FireChange::Insert { fire, .. } => {
+                        let id = u32::try_from(fire.id).expect("small ids") + CRON;
+                        assert!(!self.created.contains_key(&id), "fire ids are fresh");
+                        self.created.insert(id, Origin::Cron);
+                    }
+                    // Coalesced into the job's waiting fire: no new work.
+                    FireChange::Refresh { id, .. } => {
+                        assert!(self.created.contains_key(&(id as u32 + CRON)));
+                    }
                 }
                 self.bus.push_back(Msg::Kick);
             }
@@ -316,7 +333,7 @@ impl World {
                 self.deliver(msg);
             } else if self.core().active().is_some() {
                 self.step(Step::EngineEnds { looped: false });
-            } else if !self.notifications.is_empty() || self.cron_waiting.is_some() {
+            } else if !self.notifications.is_empty() || self.cron.next(SESSION).is_some() {
                 // Work is waiting and the session idle: its actor's kick.
                 self.bus.push_back(Msg::Kick);
             } else {
