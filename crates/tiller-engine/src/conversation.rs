@@ -43,24 +43,57 @@ pub struct Conversation(Arc<Mutex<Inner>>);
 #[derive(Debug, Default)]
 struct Inner {
     msgs: Vec<Message>,
-    /// Bumped by every change, so the owner knows when to store it.
-    revision: u64,
+    /// The position of `msgs[0]` in the session's whole conversation
+    /// (trimming drops the oldest messages; positions never move).
+    base: u64,
+    /// The lowest position changed since the owner last took the changes.
+    dirty: Option<u64>,
+    /// `base` when the owner last took the changes (`None`: never).
+    saved_base: Option<u64>,
+}
+
+/// What changed since the owner last stored the conversation: stored
+/// messages before `keep_from` are dropped (trimmed), those from
+/// `replace_from` on are replaced by `messages`. A turn only appends, so a
+/// save writes only what the turn added.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ConversationChange {
+    /// The position of the oldest message kept.
+    pub keep_from: u64,
+    /// The position of `messages[0]`.
+    pub replace_from: u64,
+    /// The messages from `replace_from` on.
+    pub messages: Vec<Message>,
 }
 
 impl Conversation {
-    /// A conversation holding `messages`.
+    /// A conversation holding `messages` (none stored yet).
     pub fn new(messages: Vec<Message>) -> Self {
+        let dirty = (!messages.is_empty()).then_some(0);
         Self(Arc::new(Mutex::new(Inner {
             msgs: messages,
-            revision: 0,
+            base: 0,
+            dirty,
+            saved_base: None,
+        })))
+    }
+
+    /// The conversation as stored: `messages` from position `base` on.
+    pub fn restore(base: u64, messages: Vec<Message>) -> Self {
+        Self(Arc::new(Mutex::new(Inner {
+            msgs: messages,
+            base,
+            dirty: None,
+            saved_base: Some(base),
         })))
     }
 
     /// Appends a message.
     pub fn push(&self, m: Message) {
         let mut inner = self.lock();
+        let at = inner.base + inner.msgs.len() as u64;
+        inner.mark(at);
         inner.msgs.push(m);
-        inner.revision += 1;
     }
 
     /// A copy of the messages.
@@ -68,9 +101,32 @@ impl Conversation {
         self.lock().msgs.clone()
     }
 
-    /// Its revision: it changed iff this did.
-    pub fn revision(&self) -> u64 {
-        self.lock().revision
+    /// What changed since the last call (`None`: nothing). The owner
+    /// stores it; if that fails it hands it back with
+    /// [`Conversation::unsaved`].
+    pub fn take_changes(&self) -> Option<ConversationChange> {
+        let mut inner = self.lock();
+        let trimmed = inner.saved_base != Some(inner.base);
+        if inner.dirty.is_none() && !trimmed {
+            return None;
+        }
+        let end = inner.base + inner.msgs.len() as u64;
+        let replace_from = inner.dirty.unwrap_or(end).max(inner.base);
+        let messages = inner.msgs[(replace_from - inner.base) as usize..].to_vec();
+        inner.dirty = None;
+        inner.saved_base = Some(inner.base);
+        Some(ConversationChange {
+            keep_from: inner.base,
+            replace_from,
+            messages,
+        })
+    }
+
+    /// A change that could not be stored: it is taken again next time.
+    pub fn unsaved(&self, change: &ConversationChange) {
+        let mut inner = self.lock();
+        inner.mark(change.replace_from);
+        inner.saved_base = None;
     }
 
     /// Makes the conversation valid for a provider after a turn ended
@@ -78,15 +134,21 @@ impl Conversation {
     /// "did not run"), so no request is refused for a dangling tool call.
     pub fn repair(&self) {
         let mut inner = self.lock();
-        let msgs = &mut inner.msgs;
-        let before = msgs.len();
+        let msgs = std::mem::take(&mut inner.msgs);
         let mut out = Vec::with_capacity(msgs.len());
         let mut open: Vec<String> = Vec::new();
-        for m in msgs.drain(..) {
+        let mut first_insert = None;
+        let mut close_at = |open: &mut Vec<String>, out: &mut Vec<Message>| {
+            if !open.is_empty() && first_insert.is_none() {
+                first_insert = Some(out.len());
+            }
+            close(open, out);
+        };
+        for m in msgs {
             match &m {
                 Message::ToolResult { id, .. } => open.retain(|o| o != id),
                 _ => {
-                    close(&mut open, &mut out);
+                    close_at(&mut open, &mut out);
                     if let Message::Assistant { calls, .. } = &m {
                         open = calls.iter().map(|c| c.id.clone()).collect();
                     }
@@ -94,10 +156,11 @@ impl Conversation {
             }
             out.push(m);
         }
-        close(&mut open, &mut out);
-        *msgs = out;
-        if msgs.len() != before {
-            inner.revision += 1;
+        close_at(&mut open, &mut out);
+        inner.msgs = out;
+        if let Some(i) = first_insert {
+            let at = inner.base + i as u64;
+            inner.mark(at);
         }
     }
 
@@ -109,13 +172,19 @@ impl Conversation {
         let cut = cut_for(&inner.msgs, max_chars);
         if cut > 0 {
             inner.msgs.drain(..cut);
-            inner.revision += 1;
+            inner.base += cut as u64;
         }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         // A turn that panicked mid-push leaves a usable vector.
         self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Inner {
+    fn mark(&mut self, at: u64) {
+        self.dirty = Some(self.dirty.map_or(at, |d| d.min(at)));
     }
 }
 
@@ -330,22 +399,96 @@ mod tests {
         }
     }
 
+    use proptest::strategy::Strategy as _;
+
+    /// What a store does with a change: rows by position.
+    fn apply(rows: &mut std::collections::BTreeMap<u64, Message>, c: &ConversationChange) {
+        rows.retain(|&i, _| i >= c.keep_from && i < c.replace_from);
+        for (k, m) in c.messages.iter().enumerate() {
+            rows.insert(c.replace_from + k as u64, m.clone());
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Push(bool),
+        Repair,
+        Trim(usize),
+        Save,
+        SaveFails,
+    }
+
+    proptest::proptest! {
+        /// Stored change by change (some saves failing), the rows always
+        /// rebuild the conversation; a save writes only what changed.
+        #[test]
+        fn stored_changes_rebuild_the_conversation(
+            start in arb_conversation(),
+            ops in proptest::collection::vec(proptest::prop_oneof![
+                proptest::strategy::Just(Op::Push(false)),
+                proptest::strategy::Just(Op::Push(true)),
+                proptest::strategy::Just(Op::Repair),
+                (0usize..200).prop_map(Op::Trim),
+                proptest::strategy::Just(Op::Save),
+                proptest::strategy::Just(Op::SaveFails),
+            ], 0..30),
+        ) {
+            let c = Conversation::new(start);
+            let mut rows = std::collections::BTreeMap::new();
+            let mut n = 0;
+            for op in ops {
+                match op {
+                    Op::Push(user) => {
+                        n += 1;
+                        c.push(if user {
+                            Message::User { text: format!("u{n}") }
+                        } else {
+                            Message::Assistant { text: String::new(), calls: vec![call(&format!("p{n}"))] }
+                        });
+                    }
+                    Op::Repair => c.repair(),
+                    Op::Trim(max) => c.trim(max),
+                    Op::Save => {
+                        let len = c.snapshot().len();
+                        if let Some(ch) = c.take_changes() {
+                            proptest::prop_assert!(ch.messages.len() <= len);
+                            apply(&mut rows, &ch);
+                        }
+                        proptest::prop_assert!(c.take_changes().is_none(), "nothing new");
+                    }
+                    Op::SaveFails => {
+                        if let Some(ch) = c.take_changes() {
+                            c.unsaved(&ch);
+                        }
+                    }
+                }
+            }
+            if let Some(ch) = c.take_changes() {
+                apply(&mut rows, &ch);
+            }
+            let stored: Vec<Message> = rows.values().cloned().collect();
+            proptest::prop_assert_eq!(stored, c.snapshot());
+            let base = c.lock().base;
+            proptest::prop_assert_eq!(rows.keys().next().copied().unwrap_or(base), base);
+        }
+    }
+
     #[test]
-    fn every_change_moves_the_revision_even_at_the_same_length() {
-        let c = Conversation::new(vec![
-            Message::User {
-                text: "a".repeat(50),
-            },
-            Message::User { text: "b".into() },
-        ]);
-        let r0 = c.revision();
-        c.repair();
-        c.trim(1000);
-        assert_eq!(c.revision(), r0, "no change, same revision");
-        c.trim(10);
-        c.push(Message::User { text: "c".into() });
-        assert_eq!(c.snapshot().len(), 2, "same length as before");
-        assert!(c.revision() > r0 + 1);
+    fn a_turn_saves_only_what_it_appended() {
+        let c = Conversation::restore(40, vec![Message::User { text: "a".into() }]);
+        assert_eq!(c.take_changes(), None, "restored as stored");
+        c.push(Message::User { text: "b".into() });
+        assert_eq!(
+            c.take_changes(),
+            Some(ConversationChange {
+                keep_from: 40,
+                replace_from: 41,
+                messages: vec![Message::User { text: "b".into() }],
+            })
+        );
+        c.trim(1);
+        let ch = c.take_changes().unwrap();
+        assert_eq!((ch.keep_from, ch.messages.len()), (41, 0));
     }
 
     #[test]

@@ -12,7 +12,9 @@ use std::sync::Arc;
 use tiller_core::{ErrorKind, SteerId, SteerReceipt, StopReason, TurnId};
 use tokio::sync::mpsc;
 
-pub use conversation::{CallRecord, Conversation, Message, OMITTED, TurnContext, window};
+pub use conversation::{
+    CallRecord, Conversation, ConversationChange, Message, OMITTED, TurnContext, window,
+};
 pub use script::{Script, ScriptError, Step, ToolStep};
 pub use scripted::ScriptedEngine;
 

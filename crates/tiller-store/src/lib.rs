@@ -141,8 +141,7 @@ impl Store {
             .await
     }
 
-    /// Stores one piece of a session's state (engine, settings JSON or
-    /// conversation JSON).
+    /// Stores one piece of a session's state (engine, settings JSON).
     pub async fn save_state(
         &self,
         id: SessionId,
@@ -153,7 +152,18 @@ impl Store {
             .await
     }
 
-    /// A session's stored state (all `None` when nothing was saved).
+    /// Applies a change to a session's stored conversation (one
+    /// transaction: what a turn appended, what trimming dropped).
+    pub async fn save_conversation(
+        &self,
+        id: SessionId,
+        write: ConversationWrite,
+    ) -> Result<(), StoreError> {
+        self.call(move |c| sessions::save_conversation(c, id, &write))
+            .await
+    }
+
+    /// A session's stored state (empty when nothing was saved).
     pub async fn load_state(&self, id: SessionId) -> Result<SessionExtras, StoreError> {
         self.call(move |c| sessions::load_state(c, id)).await
     }

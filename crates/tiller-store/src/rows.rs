@@ -9,8 +9,6 @@ pub enum StateColumn {
     Engine,
     /// Session settings (JSON).
     Settings,
-    /// The model conversation (JSON).
-    Conversation,
 }
 
 impl StateColumn {
@@ -18,7 +16,6 @@ impl StateColumn {
         match self {
             StateColumn::Engine => "engine",
             StateColumn::Settings => "settings",
-            StateColumn::Conversation => "conversation",
         }
     }
 }
@@ -30,8 +27,31 @@ pub struct SessionExtras {
     pub engine: Option<String>,
     /// Session settings, JSON.
     pub settings: Option<String>,
-    /// The model conversation, JSON.
-    pub conversation: Option<String>,
+    /// The model conversation.
+    pub conversation: StoredConversation,
+}
+
+/// A session's model conversation as stored: one row per message (JSON,
+/// opaque to the store), by position. Appending a turn writes only its
+/// messages; the whole conversation is never rewritten.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoredConversation {
+    /// The position of `messages[0]` (older ones were trimmed).
+    pub base: u64,
+    /// The messages, oldest first.
+    pub messages: Vec<String>,
+}
+
+/// A change to a stored conversation: rows before `keep_from` are
+/// dropped, rows from `replace_from` on are replaced by `messages`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ConversationWrite {
+    /// The position of the oldest message kept.
+    pub keep_from: u64,
+    /// The position of `messages[0]`.
+    pub replace_from: u64,
+    /// The messages (JSON) from `replace_from` on.
+    pub messages: Vec<String>,
 }
 
 /// A session row.

@@ -27,7 +27,7 @@ pub(crate) fn restrict(path: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-const SCHEMA: &[&str] = &[
+pub(crate) const SCHEMA: &[&str] = &[
     // v1
     "CREATE TABLE sessions (
         n INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -115,6 +115,20 @@ const SCHEMA: &[&str] = &[
     );",
     // v9: the channel that created a session.
     "ALTER TABLE sessions ADD COLUMN channel TEXT;",
+    // v10: the model conversation one row per message (a turn appends its
+    // messages instead of rewriting the whole conversation).
+    "CREATE TABLE conversation (
+        session_id TEXT NOT NULL,
+        idx INTEGER NOT NULL,
+        message TEXT NOT NULL,
+        PRIMARY KEY (session_id, idx)
+    ) WITHOUT ROWID;
+    INSERT INTO conversation (session_id, idx, message)
+        SELECT s.session_id, j.key, j.value
+        FROM session_state s, json_each(s.conversation) j
+        WHERE s.conversation IS NOT NULL AND json_valid(s.conversation)
+          AND json_type(s.conversation) = 'array';
+    UPDATE session_state SET conversation = NULL;",
 ];
 
 pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {

@@ -3,7 +3,10 @@
 use rusqlite::{Connection, OptionalExtension, params};
 use tiller_core::SessionId;
 
-use crate::{LogHead, SessionExtras, SessionPage, SessionRecord, StateColumn};
+use crate::{
+    ConversationWrite, LogHead, SessionExtras, SessionPage, SessionRecord, StateColumn,
+    StoredConversation,
+};
 
 pub(crate) fn create_session(conn: &Connection, rec: &SessionRecord) -> rusqlite::Result<()> {
     conn.execute(
@@ -112,19 +115,53 @@ pub(crate) fn save_state(
 }
 
 pub(crate) fn load_state(conn: &Connection, id: SessionId) -> rusqlite::Result<SessionExtras> {
-    conn.query_row(
-        "SELECT engine, settings, conversation FROM session_state WHERE session_id = ?1",
-        params![id.to_string()],
-        |r| {
-            Ok(SessionExtras {
-                engine: r.get(0)?,
-                settings: r.get(1)?,
-                conversation: r.get(2)?,
-            })
-        },
-    )
-    .optional()
-    .map(Option::unwrap_or_default)
+    let sid = id.to_string();
+    let (engine, settings) = conn
+        .query_row(
+            "SELECT engine, settings FROM session_state WHERE session_id = ?1",
+            params![sid],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()?
+        .unwrap_or_default();
+    let mut stmt = conn.prepare_cached(
+        "SELECT idx, message FROM conversation WHERE session_id = ?1 ORDER BY idx",
+    )?;
+    let mut conversation = StoredConversation::default();
+    for row in stmt.query_map(params![sid], |r| Ok((r.get::<_, i64>(0)?, r.get(1)?)))? {
+        let (idx, message) = row?;
+        if conversation.messages.is_empty() {
+            conversation.base = idx as u64;
+        }
+        conversation.messages.push(message);
+    }
+    Ok(SessionExtras {
+        engine,
+        settings,
+        conversation,
+    })
+}
+
+/// Applies a conversation change in one transaction.
+pub(crate) fn save_conversation(
+    conn: &Connection,
+    id: SessionId,
+    w: &ConversationWrite,
+) -> rusqlite::Result<()> {
+    let sid = id.to_string();
+    let tx = conn.unchecked_transaction()?;
+    tx.prepare_cached(
+        "DELETE FROM conversation WHERE session_id = ?1 AND (idx < ?2 OR idx >= ?3)",
+    )?
+    .execute(params![sid, w.keep_from as i64, w.replace_from as i64])?;
+    let mut insert = tx.prepare_cached(
+        "INSERT INTO conversation (session_id, idx, message) VALUES (?1, ?2, ?3)",
+    )?;
+    for (k, m) in w.messages.iter().enumerate() {
+        insert.execute(params![sid, (w.replace_from + k as u64) as i64, m])?;
+    }
+    drop(insert);
+    tx.commit()
 }
 
 /// Records a channel request key; false when it was seen within the

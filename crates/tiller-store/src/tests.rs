@@ -68,6 +68,11 @@ mod basics {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.db");
         let id = SessionId::new();
+        let write = |keep_from, replace_from, messages: &[&str]| ConversationWrite {
+            keep_from,
+            replace_from,
+            messages: messages.iter().map(|m| m.to_string()).collect(),
+        };
         {
             let store = Store::open(&path).unwrap();
             assert_eq!(
@@ -79,11 +84,13 @@ mod basics {
                 .await
                 .unwrap();
             store
-                .save_state(id, StateColumn::Conversation, "[1]".into())
+                .save_conversation(id, write(0, 0, &["1", "2", "3"]))
                 .await
                 .unwrap();
+            // A turn appends; trimming drops the oldest; a repair replaces
+            // from where it inserted.
             store
-                .save_state(id, StateColumn::Conversation, "[2]".into())
+                .save_conversation(id, write(1, 2, &["3b", "4"]))
                 .await
                 .unwrap();
         }
@@ -93,9 +100,46 @@ mod basics {
             SessionExtras {
                 engine: Some("openai".into()),
                 settings: None,
-                conversation: Some("[2]".into()),
+                conversation: StoredConversation {
+                    base: 1,
+                    messages: vec!["2".into(), "3b".into(), "4".into()],
+                },
             }
         );
+    }
+
+    /// A conversation stored whole (before v10) becomes one row per message.
+    #[tokio::test]
+    async fn a_conversation_stored_whole_is_migrated_to_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let id = SessionId::new();
+        {
+            let conn = rusqlite::Connection::open(&path).unwrap();
+            for (i, sql) in crate::schema::SCHEMA[..9].iter().enumerate() {
+                conn.execute_batch(sql).unwrap();
+                conn.pragma_update(None, "user_version", i as i64 + 1)
+                    .unwrap();
+            }
+            conn.execute(
+                "INSERT INTO session_state (session_id, conversation) VALUES (?1, ?2)",
+                rusqlite::params![
+                    id.to_string(),
+                    r#"[{"role":"user","text":"hi"},{"role":"user","text":"again"}]"#
+                ],
+            )
+            .unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        let c = store.load_state(id).await.unwrap().conversation;
+        assert_eq!(c.base, 0);
+        let texts: Vec<serde_json::Value> = c
+            .messages
+            .iter()
+            .map(|m| serde_json::from_str(m).unwrap())
+            .collect();
+        assert_eq!(texts[0]["text"], "hi");
+        assert_eq!(texts[1]["text"], "again");
     }
 
     #[tokio::test]

@@ -278,8 +278,6 @@ pub struct SessionState {
     /// The engine's signals waiting in this mailbox (engines wait while
     /// it is high).
     pace: Arc<tiller_engine::Pace>,
-    /// The conversation's revision already stored.
-    conversation_saved: u64,
     /// The model chosen with `session/set_config_option`.
     model: Option<String>,
     /// The `permission_requested` the running turn waits on.
@@ -347,12 +345,25 @@ impl Actor for SessionActor {
             .as_deref()
             .and_then(|s| serde_json::from_str(s).ok())
             .unwrap_or_default();
-        let conversation: Vec<tiller_engine::Message> = args
-            .extras
-            .conversation
-            .as_deref()
-            .and_then(|s| serde_json::from_str(s).ok())
-            .unwrap_or_default();
+        let stored = &args.extras.conversation;
+        // A message this version cannot read is dropped (and the rest
+        // kept), never the whole conversation.
+        let conversation: Vec<tiller_engine::Message> = stored
+            .messages
+            .iter()
+            .filter_map(|m| serde_json::from_str(m).ok())
+            .collect();
+        let conversation = if conversation.len() == stored.messages.len() {
+            Conversation::restore(stored.base, conversation)
+        } else {
+            tracing::warn!(session = %args.id, "some stored conversation messages are unreadable");
+            // Positions moved: stored afresh at the next save.
+            let c = Conversation::restore(stored.base, Vec::new());
+            for m in conversation {
+                c.push(m);
+            }
+            c
+        };
         let mode = settings
             .permission_mode
             .as_deref()
@@ -363,8 +374,7 @@ impl Actor for SessionActor {
                 args.cwd.clone().into(),
                 args.config.tools.clone(),
             )),
-            conversation_saved: 0,
-            conversation: Conversation::new(conversation),
+            conversation,
             pace: Arc::default(),
             model: settings.model,
             id: args.id,

@@ -119,21 +119,24 @@ impl SessionState {
         }
     }
 
-    /// Stores the conversation when a turn added to it.
+    /// Stores what the turn added to the conversation (only that: the
+    /// conversation is stored a row per message).
     pub(super) async fn save_conversation(&mut self) {
-        let revision = self.conversation.revision();
-        if revision == self.conversation_saved {
+        let Some(change) = self.conversation.take_changes() else {
             return;
-        }
-        self.conversation_saved = revision;
-        let msgs = self.conversation.snapshot();
-        let json = serde_json::to_string(&msgs).expect("messages serialize");
-        if let Err(e) = self
-            .store
-            .save_state(self.id, tiller_store::StateColumn::Conversation, json)
-            .await
-        {
+        };
+        let write = tiller_store::ConversationWrite {
+            keep_from: change.keep_from,
+            replace_from: change.replace_from,
+            messages: change
+                .messages
+                .iter()
+                .map(|m| serde_json::to_string(m).expect("messages serialize"))
+                .collect(),
+        };
+        if let Err(e) = self.store.save_conversation(self.id, write).await {
             tracing::error!(error = %e, "cannot store the conversation");
+            self.conversation.unsaved(&change);
         }
     }
 }
