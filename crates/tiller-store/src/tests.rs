@@ -115,8 +115,8 @@ mod basics {
         let path = dir.path().join("t.db");
         let id = SessionId::new();
         {
-            let conn = rusqlite::Connection::open(&path).unwrap();
-            for (i, sql) in crate::schema::SCHEMA[..9].iter().enumerate() {
+            let conn = Connection::open(&path).unwrap();
+            for (i, sql) in schema::SCHEMA[..9].iter().enumerate() {
                 conn.execute_batch(sql).unwrap();
                 conn.pragma_update(None, "user_version", i as i64 + 1)
                     .unwrap();
