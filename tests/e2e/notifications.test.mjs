@@ -151,4 +151,23 @@ describe("notifications", () => {
       await d.stop();
     }
   });
+
+  test("the prompt queue depth gauge is back at zero once queued and automatic turns ran", async () => {
+    const d = await startDaemon();
+    try {
+      const sid = await session(d);
+      const s = await openStream(d, sid, {});
+      await api(d, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ sleep_ms: 200 }]) });
+      await api(d, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ say: "queued" }]) });
+      for (const t of ["a", "b", "c"]) await notify(sid, t, [{ say: t }], d);
+      await s.until(() => types(s).filter((e) => e.type === "turn_complete").length === 5, 5000);
+      s.close();
+      const text = await (await fetch(`${d.http}/metrics`, { headers: d.auth })).text();
+      const line = text.split("\n").find((l) => l.startsWith("tiller_prompt_queue_depth "));
+      assert.ok(line, "the gauge is exported");
+      assert.equal(Number(line.split(" ")[1]), 0, line);
+    } finally {
+      await d.stop();
+    }
+  });
 });

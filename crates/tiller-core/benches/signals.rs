@@ -16,7 +16,7 @@ fn plain_turns(c: &mut Criterion) {
     // Signals per turn: UPDATES updates + 1 result.
     g.throughput(Throughput::Elements(UPDATES + 1));
     g.bench_function("plain turn (1000 updates + result)", |b| {
-        let mut core = SessionCore::new(TurnConfig::default(), 0);
+        let mut core: SessionCore = SessionCore::new(TurnConfig::default(), 0);
         let mut now = 0;
         b.iter(|| {
             now += 1;
@@ -25,6 +25,7 @@ fn plain_turns(c: &mut Criterion) {
                 Input::Prompt {
                     prompt: PromptId::from_u128(now as u128),
                     origin: Origin::Interactive,
+                    payload: (),
                 },
             );
             let turn = core.last_turn();
@@ -50,7 +51,7 @@ fn plain_turns(c: &mut Criterion) {
     g.bench_function(
         "steered turn (steer, receipt, 1000 updates, result, stale idle)",
         |b| {
-            let mut core = SessionCore::new(TurnConfig::default(), 0);
+            let mut core: SessionCore = SessionCore::new(TurnConfig::default(), 0);
             let mut now = 0;
             b.iter(|| {
                 now += 1;
@@ -59,6 +60,7 @@ fn plain_turns(c: &mut Criterion) {
                     Input::Prompt {
                         prompt: PromptId::from_u128(now as u128),
                         origin: Origin::Interactive,
+                        payload: (),
                     },
                 );
                 let turn = core.last_turn();
@@ -67,6 +69,7 @@ fn plain_turns(c: &mut Criterion) {
                     now,
                     Input::Steer {
                         steer,
+                        text: (),
                         idle_behavior: IdleBehavior::PromptRequired,
                     },
                 );

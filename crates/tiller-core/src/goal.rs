@@ -7,8 +7,11 @@ pub const LOOP_STOPS_BEFORE_PAUSE: u32 = 3;
 /// Where a goal stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GoalStatus {
+    /// Goal turns are offered while the session is idle.
     Active,
+    /// No goal turns until resumed; why it paused.
     Paused(PauseReason),
+    /// The objective was met or the turn budget spent.
     Completed,
 }
 
@@ -22,6 +25,7 @@ pub enum PauseReason {
 }
 
 impl PauseReason {
+    /// The stable name (stored, and in `goal_paused` events).
     pub fn as_str(self) -> &'static str {
         match self {
             PauseReason::User => "user",
@@ -29,6 +33,7 @@ impl PauseReason {
         }
     }
 
+    /// The reason named `s`, if it is one.
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "user" => Some(PauseReason::User),
@@ -41,9 +46,13 @@ impl PauseReason {
 /// A goal's pacing state.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Goal {
+    /// What the goal's turns work toward (their prompt).
     pub objective: String,
+    /// How many goal turns it may take.
     pub max_turns: u32,
+    /// How many it took so far.
     pub turns_done: u32,
+    /// Whether it offers turns now.
     pub status: GoalStatus,
     /// Consecutive goal turns stopped by loop protection.
     pub loop_stops: u32,
@@ -61,6 +70,7 @@ pub enum GoalChange {
 }
 
 impl Goal {
+    /// An active goal with no turns taken.
     pub fn new(objective: String, max_turns: u32) -> Self {
         Self {
             objective,

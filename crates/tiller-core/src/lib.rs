@@ -6,6 +6,8 @@
 //! check "every admitted prompt gets exactly one terminal" over arbitrary
 //! interleavings.
 
+#![warn(missing_docs)]
+
 pub mod cron;
 pub mod goal;
 mod ids;
@@ -18,6 +20,6 @@ pub use ids::{PromptId, RequestId, SessionId, SteerId, TurnId};
 pub use loop_guard::{CallKey, CallOutcome, LoopConfig, LoopGuard, LoopType};
 pub use terminal::{ErrorKind, Origin, StopReason, Terminal};
 pub use turn::{
-    Effect, IdleBehavior, Input, Millis, Rejection, SessionCore, Signal, SteerDropReason,
-    SteerOutcome, SteerReceipt, SteerRefusal, TurnConfig, WatchdogKind,
+    Answer, Effect, IdleBehavior, Input, Millis, Rejection, SessionCore, Signal, SteerDropReason,
+    SteerOutcome, SteerReceipt, SteerRefusal, Step, TurnConfig, WatchdogKind,
 };

@@ -12,10 +12,15 @@ use std::fmt;
 /// The kinds of loop the guard detects.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum LoopType {
+    /// The same call (tool and arguments) several times in a row.
     ConsecutiveIdenticalToolCalls,
+    /// Calls of one tool failing several times in a row.
     RepeatedToolFailure,
+    /// More tool calls in one turn than the cap.
     TurnToolCallCap,
+    /// The same sentence repeated in the model's text.
     ChantingIdenticalSentences,
+    /// Two calls alternating (A, B, A, B...).
     AlternatingToolCallPattern,
 }
 
@@ -69,7 +74,9 @@ impl fmt::Display for LoopType {
 /// One loop type's switch and threshold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rule {
+    /// Whether the rule is checked.
     pub enabled: bool,
+    /// How many repetitions trip it.
     pub threshold: usize,
 }
 
@@ -130,13 +137,16 @@ const MIN_SENTENCE: usize = 8;
 /// canonicalizes, e.g. JSON with sorted keys).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CallKey {
+    /// The tool's name.
     pub tool: String,
+    /// Its arguments, canonical (object keys sorted).
     pub args: String,
 }
 
 /// How a call ended, reduced to what the guard compares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CallOutcome {
+    /// Whether the call succeeded.
     pub ok: bool,
     /// A hash of the output (or error signature).
     pub signature: u64,
@@ -166,6 +176,7 @@ pub struct LoopGuard {
 }
 
 impl LoopGuard {
+    /// A guard for one turn.
     pub fn new(config: LoopConfig) -> Self {
         Self {
             config,

@@ -27,11 +27,24 @@ pub struct Queued {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Change {
     /// A new row.
-    Insert { session: SessionId, item: Queued },
+    Insert {
+        /// The session it prompts.
+        session: SessionId,
+        /// The row.
+        item: Queued,
+    },
     /// A queued row's text replaced (dedup).
-    Replace { id: i64, text: String },
+    Replace {
+        /// The row.
+        id: i64,
+        /// Its new text.
+        text: String,
+    },
     /// A row evicted over the cap.
-    Evict { id: i64 },
+    Evict {
+        /// The row.
+        id: i64,
+    },
 }
 
 /// What queueing one notification did.

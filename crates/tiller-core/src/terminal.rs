@@ -48,10 +48,15 @@ impl Origin {
 /// Why a completed turn stopped (the ACP stop reasons).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum StopReason {
+    /// The model finished its answer.
     EndTurn,
+    /// The model hit its output token limit.
     MaxTokens,
+    /// The turn made as many model requests as it may.
     MaxTurnRequests,
+    /// The model refused.
     Refusal,
+    /// The turn was cancelled.
     Cancelled,
 }
 
@@ -169,7 +174,12 @@ pub enum Terminal {
     /// The turn completed; ACP answers `session/prompt` with this stop reason.
     Completed(StopReason),
     /// The turn failed; ACP answers with a JSON-RPC error carrying `kind`.
-    Failed { kind: ErrorKind, message: String },
+    Failed {
+        /// What failed, as clients match on it.
+        kind: ErrorKind,
+        /// A readable account (never a secret).
+        message: String,
+    },
 }
 
 impl Terminal {

@@ -1,8 +1,13 @@
 //! The session's turn core: admission, the running turn, settlement,
 //! steering, cancellation and timers, as one pure state machine.
 //!
-//! `SessionCore::on(now, input)` returns the effects the session actor must
-//! carry out, in order. Rules (see `turn-lifecycle.md`):
+//! `SessionCore::on(now, input)` returns a [`Step`]: the [`Answer`] for
+//! whoever sent the input (admitted, queued, refused; a steer's outcome),
+//! and the effects the session actor must carry out, in order. The core
+//! carries each prompt's and steer's payload (opaque type parameters `P`
+//! and `S`) from admission to settlement and hands it back where it is
+//! needed, so the actor keeps no copy of what is queued or outstanding.
+//! Rules (see `turn-lifecycle.md`):
 //!
 //! * every admitted prompt gets exactly one [`Effect::Settled`];
 //! * signals are tagged with a [`TurnId`]; a signal for any turn but the
@@ -51,9 +56,10 @@ impl Default for TurnConfig {
 
 /// What a steer does when no turn is running.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum IdleBehavior {
-    /// Start a new interactive prompt with this id (the default).
-    StartNewTurn(PromptId),
+pub enum IdleBehavior<P = ()> {
+    /// Start a new interactive prompt with this id and payload (the
+    /// default).
+    StartNewTurn(PromptId, P),
     /// Refuse with `promptRequired`.
     PromptRequired,
 }
@@ -91,15 +97,29 @@ pub enum Signal {
     Exited(Option<String>),
 }
 
-/// Everything that can happen to a session's turns.
+/// Everything that can happen to a session's turns. `P` is what the actor
+/// keeps with a prompt, `S` with a steer; the core hands them back.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Input {
-    /// A prompt asks to run. The actor has already validated and stored it.
-    Prompt { prompt: PromptId, origin: Origin },
+pub enum Input<P = (), S = ()> {
+    /// A prompt asks to run. The actor has already validated it; its
+    /// admission is stored before the answer is acknowledged.
+    Prompt {
+        /// The prompt.
+        prompt: PromptId,
+        /// Who sent it.
+        origin: Origin,
+        /// Kept until it settles (or handed back if refused).
+        payload: P,
+    },
     /// A steer for the running turn.
     Steer {
+        /// The steer.
         steer: SteerId,
-        idle_behavior: IdleBehavior,
+        /// Kept while the steer is outstanding (its text, for the engine
+        /// and for `steer_dropped`).
+        text: S,
+        /// What it does when no turn runs.
+        idle_behavior: IdleBehavior<P>,
     },
     /// `session/cancel`.
     Cancel,
@@ -110,14 +130,27 @@ pub enum Input {
     /// there, durable, for a reopen.
     Close,
     /// An engine signal.
-    Signal { turn: TurnId, signal: Signal },
+    Signal {
+        /// The turn it belongs to (any other than the running one is stale).
+        turn: TurnId,
+        /// What the engine said.
+        signal: Signal,
+    },
     /// The tool pipeline's loop guard tripped in this turn (the offending
     /// calls are already failed and the engine must stop).
-    LoopTrip { turn: TurnId, loop_type: LoopType },
+    LoopTrip {
+        /// The turn.
+        turn: TurnId,
+        /// Which rule tripped.
+        loop_type: LoopType,
+    },
     /// The tool pipeline finished a call of this turn. While tools run the
     /// engine is silent on purpose; this is progress for the stall bound,
     /// and nothing else.
-    ToolProgress { turn: TurnId },
+    ToolProgress {
+        /// The turn.
+        turn: TurnId,
+    },
     /// A timer armed by [`Effect::ArmTimer`] fired (or any wake-up: the core
     /// re-checks every deadline against `now`).
     Tick,
@@ -125,14 +158,69 @@ pub enum Input {
     /// queues if the session is idle.
     Kick,
     /// A queue actor's answer to [`Effect::Poll`]: its next due work for
-    /// this session, as a prompt, or nothing.
+    /// this session, as a prompt and its payload, or nothing.
     Offer {
+        /// The queue that answers.
         origin: Origin,
         /// The poll this answers (from [`Effect::Poll`]); an answer to an
         /// older poll is stale.
         poll: u64,
-        prompt: Option<PromptId>,
+        /// The work, if any.
+        work: Option<(PromptId, P)>,
     },
+}
+
+/// The core's answer to the one who sent an input, apart from the effects.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer<P = ()> {
+    /// The input asks for no answer (signals, timers, cancel, close...), or
+    /// an offer was empty.
+    None,
+    /// The prompt (or offered work) was admitted and its turn started.
+    Started {
+        /// The new turn.
+        turn: TurnId,
+    },
+    /// The prompt was admitted and waits behind the running turn.
+    Queued {
+        /// Prompts waiting, this one included.
+        depth: usize,
+    },
+    /// The prompt was refused and never admitted: its payload is back.
+    Rejected {
+        /// Why.
+        reason: Rejection,
+        /// The payload it came with.
+        payload: P,
+    },
+    /// The answer to a steer. A prompt payload the steer did not use (it
+    /// did not start a turn) is handed back.
+    Steer {
+        /// What became of it.
+        outcome: SteerOutcome,
+        /// The unused payload of [`IdleBehavior::StartNewTurn`].
+        unused: Option<P>,
+    },
+    /// Offered work came when the session could not take it: hand it back
+    /// to its queue (it is offered again at the next idle).
+    OfferRefused {
+        /// Its queue.
+        origin: Origin,
+        /// The prompt it would have been.
+        prompt: PromptId,
+        /// Its payload.
+        payload: P,
+    },
+}
+
+/// What one input did: the answer for its sender, and the effects for the
+/// actor, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step<P = (), S = ()> {
+    /// For the sender of the input.
+    pub answer: Answer<P>,
+    /// For the actor to carry out, in order.
+    pub effects: Vec<Effect<P, S>>,
 }
 
 /// Why a prompt was refused at admission (it was never admitted).
@@ -147,7 +235,9 @@ pub enum Rejection {
 /// Why a steer could not be injected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SteerRefusal {
+    /// No turn runs (and the steer was not to start one).
     NoRunningTurn,
+    /// The running turn is being cancelled.
     TurnCancelling,
     /// The session is closing: a steer cannot start a turn.
     SessionClosing,
@@ -157,11 +247,17 @@ pub enum SteerRefusal {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SteerOutcome {
     /// The steer joins the running turn.
-    Injected { turn: TurnId },
+    Injected {
+        /// That turn.
+        turn: TurnId,
+    },
     /// Nothing was consumed; the client must send a prompt.
     PromptRequired(SteerRefusal),
     /// No turn was running: the steer became a new prompt.
-    StartedNewTurn { prompt: PromptId },
+    StartedNewTurn {
+        /// That prompt.
+        prompt: PromptId,
+    },
 }
 
 /// Why a steer was dropped without being consumed.
@@ -180,89 +276,141 @@ pub enum SteerDropReason {
 /// Which watchdog fired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WatchdogKind {
+    /// No signal within `stall_timeout`.
     Stall,
+    /// A cancelled engine did not stop within `cancel_grace`.
     CancelGrace,
+    /// A steer's receipt did not come within `steer_receipt_timeout`.
     SteerReceipt,
 }
 
 /// What the actor must do, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Effect {
-    /// The prompt waits behind the running turn; `depth` counts it.
-    Queued { prompt: PromptId, depth: usize },
-    /// The prompt was refused and never admitted.
-    Rejected { prompt: PromptId, reason: Rejection },
-    /// Start the engine on this prompt with a fresh turn id.
+pub enum Effect<P = (), S = ()> {
+    /// Start the engine on this prompt with a fresh turn id. Its payload
+    /// is [`SessionCore::active_payload_mut`] until it settles.
     StartTurn {
+        /// The prompt.
         prompt: PromptId,
+        /// Its new turn.
         turn: TurnId,
+        /// Who sent it.
         origin: Origin,
+        /// It starts later than its admission was answered (it waited in
+        /// the queue, or it is offered automatic work): its start is news.
+        deferred: bool,
     },
     /// The content of the signal just given belongs to the running turn:
     /// publish it (updates) or run it (tool batches).
-    Deliver { turn: TurnId },
-    /// The answer to a steer request.
-    SteerAnswer {
-        steer: SteerId,
-        outcome: SteerOutcome,
+    Deliver {
+        /// The turn.
+        turn: TurnId,
     },
     /// Hand an injected steer to the engine.
-    ForwardSteer { turn: TurnId, steer: SteerId },
+    ForwardSteer {
+        /// The turn it joins.
+        turn: TurnId,
+        /// The steer.
+        steer: SteerId,
+        /// Its payload (a copy; the core keeps it while outstanding).
+        text: S,
+    },
     /// The engine consumed the steer (of this prompt's turn).
     SteerConsumed {
+        /// The steer.
         steer: SteerId,
+        /// The prompt of the turn.
         prompt: PromptId,
+        /// The turn.
         turn: TurnId,
+        /// Its payload, handed back.
+        text: S,
     },
     /// The steer was dropped; clients may resend its text.
     SteerDropped {
+        /// The steer.
         steer: SteerId,
+        /// Why.
         reason: SteerDropReason,
+        /// The prompt of the turn.
         prompt: PromptId,
+        /// The turn.
         turn: TurnId,
+        /// Its payload, handed back.
+        text: S,
     },
     /// Ask the engine to stop (cancel, stall, ...). `teardown` means the
     /// engine had its chance: stop its task now.
-    AbortEngine { turn: TurnId, teardown: bool },
+    AbortEngine {
+        /// The turn.
+        turn: TurnId,
+        /// Stop its task now.
+        teardown: bool,
+    },
     /// The prompt's one terminal. Publish it, answer its owner.
     Settled {
+        /// The prompt.
         prompt: PromptId,
+        /// Its turn (`None`: it never started).
         turn: Option<TurnId>,
+        /// Who sent it.
         origin: Origin,
+        /// Its one terminal.
         terminal: Terminal,
+        /// Loop protection stopped it (an automatic turn: see
+        /// [`Effect::LoopStopped`]).
+        loop_stopped: bool,
+        /// Its payload, handed back.
+        payload: P,
     },
     /// The signal belonged to another turn and was dropped.
-    Stale { turn: TurnId },
+    Stale {
+        /// The turn it named.
+        turn: TurnId,
+    },
     /// Loop protection stopped an automatic turn, which resolves `end_turn`;
     /// record a `loop_stopped` event (before its `Settled`).
     LoopStopped {
+        /// The prompt.
         prompt: PromptId,
+        /// The turn.
         turn: TurnId,
+        /// Which rule tripped.
         loop_type: LoopType,
     },
     /// A watchdog bound was reached.
-    WatchdogFired { kind: WatchdogKind },
+    WatchdogFired {
+        /// Which.
+        kind: WatchdogKind,
+    },
     /// Wake the core with [`Input::Tick`] at this time (replaces any earlier
     /// request; `None` means no timer is needed).
-    ArmTimer { at: Option<Millis> },
+    ArmTimer {
+        /// When (`None`: no timer).
+        at: Option<Millis>,
+    },
     /// Nothing runs and nothing is queued: the queue actors may offer work.
     Idle,
     /// Ask the queue actor of `origin` for its next due work; its answer
     /// must carry `poll`.
-    Poll { origin: Origin, poll: u64 },
-    /// An offer came when the session could not take it: hand it back to
-    /// its queue (it is offered again at the next idle).
-    OfferRefused { origin: Origin, prompt: PromptId },
+    Poll {
+        /// The queue.
+        origin: Origin,
+        /// Echoed in its answer.
+        poll: u64,
+    },
 }
 
 /// A steer handed to the engine that has no receipt yet.
 #[derive(Clone, Debug)]
-struct OutstandingSteer {
+struct OutstandingSteer<S> {
     /// Which steer.
     id: SteerId,
     /// When it was accepted; with a recorded result, its receipt deadline
     /// runs from the later of this and the result.
     accepted_at: Millis,
+    /// Its payload.
+    text: S,
 }
 
 /// Running or being cancelled.
@@ -278,9 +426,11 @@ enum Phase {
 
 /// The one unsettled turn.
 #[derive(Clone, Debug)]
-struct ActiveTurn {
+struct ActiveTurn<P, S> {
     /// The prompt that owns completion.
     prompt: PromptId,
+    /// Its payload.
+    payload: P,
     /// Its turn id; signals with any other id are stale.
     turn: TurnId,
     /// Decides the terminal of loop stops and labels metrics.
@@ -290,39 +440,51 @@ struct ActiveTurn {
     /// The result recorded while steers were outstanding, and when.
     result: Option<(StopReason, Millis)>,
     /// Steers handed to the engine without a receipt, oldest first.
-    steers: Vec<OutstandingSteer>,
+    steers: Vec<OutstandingSteer<S>>,
     /// Time of the last signal of this turn (the stall watchdog runs from it).
     last_signal: Millis,
     /// Content signals so far (bounded by `max_turn_events`).
     events: u64,
+    /// Loop protection stopped it.
+    loop_stopped: bool,
 }
 
-impl ActiveTurn {
+impl<P, S> ActiveTurn<P, S> {
     /// Drops every outstanding steer, reporting each with `reason`.
-    fn drop_steers(&mut self, reason: SteerDropReason, fx: &mut Vec<Effect>) {
+    fn drop_steers(&mut self, reason: SteerDropReason, fx: &mut Vec<Effect<P, S>>) {
         for s in self.steers.drain(..) {
             fx.push(Effect::SteerDropped {
                 steer: s.id,
                 reason,
                 prompt: self.prompt,
                 turn: self.turn,
+                text: s.text,
             });
         }
     }
 }
 
-/// The turn state of one session.
+/// A prompt waiting behind the running turn.
 #[derive(Clone, Debug)]
-pub struct SessionCore {
+struct Waiting<P> {
+    prompt: PromptId,
+    origin: Origin,
+    payload: P,
+}
+
+/// The turn state of one session. `P` is the payload the actor keeps with
+/// each prompt, `S` with each steer.
+#[derive(Clone, Debug)]
+pub struct SessionCore<P = (), S = ()> {
     /// Timers and bounds.
     config: TurnConfig,
     /// The last turn id handed out (monotonic per session).
     last_turn: u64,
     /// The unsettled turn, if any.
-    active: Option<ActiveTurn>,
+    active: Option<ActiveTurn<P, S>>,
     /// Prompts waiting behind the running turn, FIFO within each origin;
     /// interactive ones are taken first, then channel ones.
-    queue: VecDeque<(PromptId, Origin)>,
+    queue: VecDeque<Waiting<P>>,
     /// The automatic queues to poll when idle, in admission order.
     automatic: Vec<Origin>,
     /// Per queue in `automatic` (a bit each): whether it may have work. An empty answer
@@ -343,7 +505,7 @@ pub struct SessionCore {
     closing: bool,
 }
 
-impl SessionCore {
+impl<P, S: Clone> SessionCore<P, S> {
     /// A core whose next turn id is `last_turn + 1` (restored sessions pass
     /// the highest turn id they ever used, so old signals stay stale).
     pub fn new(config: TurnConfig, last_turn: u64) -> Self {
@@ -382,6 +544,16 @@ impl SessionCore {
         self.active.as_ref().map(|a| (a.prompt, a.turn))
     }
 
+    /// The running turn's prompt payload.
+    pub fn active_payload(&self) -> Option<&P> {
+        self.active.as_ref().map(|a| &a.payload)
+    }
+
+    /// The running turn's prompt payload, to change.
+    pub fn active_payload_mut(&mut self) -> Option<&mut P> {
+        self.active.as_mut().map(|a| &mut a.payload)
+    }
+
     /// True once the session is closing (nothing starts any more).
     pub fn is_closing(&self) -> bool {
         self.closing
@@ -397,7 +569,7 @@ impl SessionCore {
 
     /// Queued prompts, oldest first.
     pub fn queued(&self) -> impl Iterator<Item = PromptId> + '_ {
-        self.queue.iter().map(|(p, _)| *p)
+        self.queue.iter().map(|w| w.prompt)
     }
 
     /// The highest turn id handed out so far.
@@ -405,25 +577,44 @@ impl SessionCore {
         TurnId(self.last_turn)
     }
 
-    /// Feeds one input at time `now`; returns the effects, in order.
-    pub fn on(&mut self, now: Millis, input: Input) -> Vec<Effect> {
+    /// Feeds one input at time `now`; returns the answer for its sender and
+    /// the effects, in order.
+    pub fn on(&mut self, now: Millis, input: Input<P, S>) -> Step<P, S> {
         let mut fx = Vec::new();
-        match input {
-            Input::Prompt { prompt, origin } => self.prompt(now, prompt, origin, &mut fx),
+        let answer = match input {
+            Input::Prompt {
+                prompt,
+                origin,
+                payload,
+            } => self.prompt(now, prompt, origin, payload, &mut fx),
             Input::Steer {
                 steer,
+                text,
                 idle_behavior,
-            } => self.steer(now, steer, idle_behavior, &mut fx),
-            Input::Cancel => self.cancel(now, &mut fx),
-            Input::Close => self.close(now, &mut fx),
-            Input::Signal { turn, signal } => self.signal(now, turn, signal, &mut fx),
-            Input::LoopTrip { turn, loop_type } => self.loop_trip(now, turn, loop_type, &mut fx),
+            } => self.steer(now, steer, text, idle_behavior, &mut fx),
+            Input::Cancel => {
+                self.cancel(now, &mut fx);
+                Answer::None
+            }
+            Input::Close => {
+                self.close(now, &mut fx);
+                Answer::None
+            }
+            Input::Signal { turn, signal } => {
+                self.signal(now, turn, signal, &mut fx);
+                Answer::None
+            }
+            Input::LoopTrip { turn, loop_type } => {
+                self.loop_trip(now, turn, loop_type, &mut fx);
+                Answer::None
+            }
             Input::ToolProgress { turn } => {
                 if let Some(active) = self.active.as_mut().filter(|a| a.turn == turn) {
                     active.last_signal = now;
                 }
+                Answer::None
             }
-            Input::Tick => {}
+            Input::Tick => Answer::None,
             Input::Kick => {
                 self.maybe = u64::MAX;
                 if self.polling.is_some() {
@@ -431,52 +622,70 @@ impl SessionCore {
                 } else if self.active.is_none() && !self.closing {
                     self.poll_from(0, &mut fx);
                 }
+                Answer::None
             }
-            Input::Offer {
-                origin,
-                poll,
-                prompt,
-            } => self.offer(now, origin, poll, prompt, &mut fx),
-        }
+            Input::Offer { origin, poll, work } => self.offer(now, origin, poll, work, &mut fx),
+        };
         // Deadlines after the input: a signal that arrives late still counts.
         self.expire(now, &mut fx);
         self.rearm(&mut fx);
-        fx
+        Step {
+            answer,
+            effects: fx,
+        }
     }
 
-    fn prompt(&mut self, now: Millis, prompt: PromptId, origin: Origin, fx: &mut Vec<Effect>) {
+    fn prompt(
+        &mut self,
+        now: Millis,
+        prompt: PromptId,
+        origin: Origin,
+        payload: P,
+        fx: &mut Vec<Effect<P, S>>,
+    ) -> Answer<P> {
         if self.closing {
-            fx.push(Effect::Rejected {
-                prompt,
+            return Answer::Rejected {
                 reason: Rejection::Closed,
-            });
-            return;
+                payload,
+            };
         }
         let same_class = self
             .queue
             .iter()
-            .filter(|(_, o)| (*o == Origin::Interactive) == (origin == Origin::Interactive))
+            .filter(|w| (w.origin == Origin::Interactive) == (origin == Origin::Interactive))
             .count();
         if self.active.is_none() {
             // A prompt beats automatic work being polled for: late offers
             // are refused and handed back.
             self.polling = None;
-            self.start(now, prompt, origin, fx);
+            let turn = self.start(now, prompt, origin, payload, false, fx);
+            Answer::Started { turn }
         } else if same_class >= self.config.max_queued_prompts {
-            fx.push(Effect::Rejected {
-                prompt,
+            Answer::Rejected {
                 reason: Rejection::Overloaded,
-            });
+                payload,
+            }
         } else {
-            self.queue.push_back((prompt, origin));
-            fx.push(Effect::Queued {
+            self.queue.push_back(Waiting {
                 prompt,
-                depth: self.queue.len(),
+                origin,
+                payload,
             });
+            Answer::Queued {
+                depth: self.queue.len(),
+            }
         }
     }
 
-    fn start(&mut self, now: Millis, prompt: PromptId, origin: Origin, fx: &mut Vec<Effect>) {
+    fn start(
+        &mut self,
+        now: Millis,
+        prompt: PromptId,
+        origin: Origin,
+        payload: P,
+        deferred: bool,
+        fx: &mut Vec<Effect<P, S>>,
+    ) -> TurnId {
         // A poll round a start interrupts is over (late offers are refused);
         // a kick during it already set the queues' flags.
         self.polling = None;
@@ -485,6 +694,7 @@ impl SessionCore {
         let turn = TurnId(self.last_turn);
         self.active = Some(ActiveTurn {
             prompt,
+            payload,
             turn,
             origin,
             phase: Phase::Running,
@@ -492,78 +702,86 @@ impl SessionCore {
             steers: Vec::new(),
             last_signal: now,
             events: 0,
+            loop_stopped: false,
         });
         fx.push(Effect::StartTurn {
             prompt,
             turn,
             origin,
+            deferred,
         });
+        turn
     }
 
-    fn steer(&mut self, now: Millis, steer: SteerId, idle: IdleBehavior, fx: &mut Vec<Effect>) {
+    fn steer(
+        &mut self,
+        now: Millis,
+        steer: SteerId,
+        text: S,
+        idle: IdleBehavior<P>,
+        fx: &mut Vec<Effect<P, S>>,
+    ) -> Answer<P> {
+        let unused = |idle: IdleBehavior<P>| match idle {
+            IdleBehavior::StartNewTurn(_, payload) => Some(payload),
+            IdleBehavior::PromptRequired => None,
+        };
         let Some(active) = self.active.as_mut() else {
             if self.closing {
-                fx.push(Effect::SteerAnswer {
-                    steer,
+                return Answer::Steer {
                     outcome: SteerOutcome::PromptRequired(SteerRefusal::SessionClosing),
-                });
-                return;
+                    unused: unused(idle),
+                };
             }
-            match idle {
-                IdleBehavior::PromptRequired => fx.push(Effect::SteerAnswer {
-                    steer,
+            return match idle {
+                IdleBehavior::PromptRequired => Answer::Steer {
                     outcome: SteerOutcome::PromptRequired(SteerRefusal::NoRunningTurn),
-                }),
-                IdleBehavior::StartNewTurn(prompt) => {
-                    fx.push(Effect::SteerAnswer {
-                        steer,
+                    unused: None,
+                },
+                IdleBehavior::StartNewTurn(prompt, payload) => {
+                    self.start(now, prompt, Origin::Interactive, payload, false, fx);
+                    Answer::Steer {
                         outcome: SteerOutcome::StartedNewTurn { prompt },
-                    });
-                    self.start(now, prompt, Origin::Interactive, fx);
+                        unused: None,
+                    }
                 }
-            }
-            return;
+            };
         };
         if active.phase != Phase::Running {
-            fx.push(Effect::SteerAnswer {
-                steer,
+            return Answer::Steer {
                 outcome: SteerOutcome::PromptRequired(SteerRefusal::TurnCancelling),
-            });
-            return;
+                unused: unused(idle),
+            };
         }
         active.steers.push(OutstandingSteer {
             id: steer,
             accepted_at: now,
-        });
-        fx.push(Effect::SteerAnswer {
-            steer,
-            outcome: SteerOutcome::Injected { turn: active.turn },
+            text: text.clone(),
         });
         fx.push(Effect::ForwardSteer {
             turn: active.turn,
             steer,
+            text,
         });
+        Answer::Steer {
+            outcome: SteerOutcome::Injected { turn: active.turn },
+            unused: unused(idle),
+        }
     }
 
-    fn cancel(&mut self, now: Millis, fx: &mut Vec<Effect>) {
+    fn cancel(&mut self, now: Millis, fx: &mut Vec<Effect<P, S>>) {
         // Queued interactive prompts are cancelled, each with its own result.
         let (cancelled, kept): (Vec<_>, Vec<_>) = self
             .queue
             .drain(..)
-            .partition(|(_, o)| *o == Origin::Interactive);
+            .partition(|w| w.origin == Origin::Interactive);
         self.queue = kept.into();
         let Some(active) = self.active.as_mut() else {
             // Nothing is unsettled, so nothing can be queued behind it.
             debug_assert!(cancelled.is_empty());
             return;
         };
-        for (prompt, origin) in cancelled {
-            fx.push(Effect::Settled {
-                prompt,
-                turn: None,
-                origin,
-                terminal: Terminal::Completed(StopReason::Cancelled),
-            });
+        for w in cancelled {
+            fx.push(never_started(w));
         }
         if active.phase != Phase::Running {
             return; // a repeated cancel extends nothing
@@ -576,19 +794,14 @@ impl SessionCore {
         });
     }
 
-    fn close(&mut self, now: Millis, fx: &mut Vec<Effect>) {
+    fn close(&mut self, now: Millis, fx: &mut Vec<Effect<P, S>>) {
         if self.closing {
             return;
         }
         self.closing = true;
         self.polling = None;
-        for (prompt, origin) in std::mem::take(&mut self.queue) {
-            fx.push(Effect::Settled {
-                prompt,
-                turn: None,
-                origin,
-                terminal: Terminal::Completed(StopReason::Cancelled),
-            });
+        for w in std::mem::take(&mut self.queue) {
+            fx.push(never_started(w));
         }
         if self.active.is_some() {
             self.cancel(now, fx);
@@ -597,7 +810,7 @@ impl SessionCore {
         }
     }
 
-    fn signal(&mut self, now: Millis, turn: TurnId, signal: Signal, fx: &mut Vec<Effect>) {
+    fn signal(&mut self, now: Millis, turn: TurnId, signal: Signal, fx: &mut Vec<Effect<P, S>>) {
         let Some(active) = self.active.as_mut().filter(|a| a.turn == turn) else {
             fx.push(Effect::Stale { turn });
             return;
@@ -643,7 +856,7 @@ impl SessionCore {
                     fx.push(Effect::Stale { turn });
                     return;
                 };
-                active.steers.remove(pos);
+                let held = active.steers.remove(pos);
                 match receipt {
                     SteerReceipt::Consumed => {
                         // The engine goes on with the steer: a new result is due.
@@ -652,6 +865,7 @@ impl SessionCore {
                             steer,
                             prompt: active.prompt,
                             turn: active.turn,
+                            text: held.text,
                         });
                     }
                     SteerReceipt::Dropped => {
@@ -660,6 +874,7 @@ impl SessionCore {
                             reason: SteerDropReason::Engine,
                             prompt: active.prompt,
                             turn: active.turn,
+                            text: held.text,
                         });
                         if let (Some((reason, _)), true) = (active.result, active.steers.is_empty())
                         {
@@ -692,7 +907,13 @@ impl SessionCore {
         }
     }
 
-    fn loop_trip(&mut self, now: Millis, turn: TurnId, loop_type: LoopType, fx: &mut Vec<Effect>) {
+    fn loop_trip(
+        &mut self,
+        now: Millis,
+        turn: TurnId,
+        loop_type: LoopType,
+        fx: &mut Vec<Effect<P, S>>,
+    ) {
         let Some(active) = self.active.as_mut().filter(|a| a.turn == turn) else {
             fx.push(Effect::Stale { turn });
             return;
@@ -710,6 +931,7 @@ impl SessionCore {
                 Terminal::failed(ErrorKind::LoopDetected(loop_type))
             }
             (Phase::Running, _) => {
+                active.loop_stopped = true;
                 fx.push(Effect::LoopStopped {
                     prompt: active.prompt,
                     turn,
@@ -722,7 +944,7 @@ impl SessionCore {
     }
 
     /// Applies every deadline that has passed at `now`.
-    fn expire(&mut self, now: Millis, fx: &mut Vec<Effect>) {
+    fn expire(&mut self, now: Millis, fx: &mut Vec<Effect<P, S>>) {
         let Some(active) = self.active.as_mut() else {
             return;
         };
@@ -741,23 +963,21 @@ impl SessionCore {
         }
         if let Some((reason, result_at)) = active.result {
             let timeout = self.config.steer_receipt_timeout;
-            let mut expired = Vec::new();
-            active.steers.retain(|s| {
-                let due = s.accepted_at.max(result_at) + timeout;
-                if now >= due {
-                    expired.push(s.id);
-                }
-                now < due
-            });
-            for steer in expired {
+            let (expired, kept): (Vec<_>, Vec<_>) = active
+                .steers
+                .drain(..)
+                .partition(|s| now >= s.accepted_at.max(result_at) + timeout);
+            active.steers = kept;
+            for s in expired {
                 fx.push(Effect::WatchdogFired {
                     kind: WatchdogKind::SteerReceipt,
                 });
                 fx.push(Effect::SteerDropped {
-                    steer,
+                    steer: s.id,
                     reason: SteerDropReason::ReceiptTimeout,
                     prompt: active.prompt,
                     turn: active.turn,
+                    text: s.text,
                 });
             }
             if active.steers.is_empty() {
@@ -780,7 +1000,7 @@ impl SessionCore {
 
     /// Publishes the running turn's terminal, then starts the next queued
     /// prompt or reports the session idle.
-    fn settle(&mut self, now: Millis, terminal: Terminal, fx: &mut Vec<Effect>) {
+    fn settle(&mut self, now: Millis, terminal: Terminal, fx: &mut Vec<Effect<P, S>>) {
         let Some(active) = self.active.take() else {
             return;
         };
@@ -789,18 +1009,22 @@ impl SessionCore {
             turn: Some(active.turn),
             origin: active.origin,
             terminal,
+            loop_stopped: active.loop_stopped,
+            payload: active.payload,
         });
         // Interactive prompts first (FIFO), then channel prompts.
         let next = self
             .queue
             .iter()
-            .position(|(_, o)| *o == Origin::Interactive)
-            .or_else(|| self.queue.iter().position(|(_, o)| *o == Origin::Channel))
+            .position(|w| w.origin == Origin::Interactive)
+            .or_else(|| self.queue.iter().position(|w| w.origin == Origin::Channel))
             .or(if self.queue.is_empty() { None } else { Some(0) });
         // Closing emptied the queue; nothing starts then in any case.
         let next = next.filter(|_| !self.closing);
         match next.and_then(|i| self.queue.remove(i)) {
-            Some((prompt, origin)) => self.start(now, prompt, origin, fx),
+            Some(w) => {
+                self.start(now, w.prompt, w.origin, w.payload, true, fx);
+            }
             None => {
                 fx.push(Effect::Idle);
                 if !self.closing {
@@ -812,7 +1036,7 @@ impl SessionCore {
 
     /// Polls the automatic queues that may have work, from `i` on (or
     /// stops when none is left, unless a kick asked for another round).
-    fn poll_from(&mut self, i: usize, fx: &mut Vec<Effect>) {
+    fn poll_from(&mut self, i: usize, fx: &mut Vec<Effect<P, S>>) {
         let next = (i..self.automatic.len()).find(|j| self.maybe & (1 << j) != 0);
         match next {
             Some(j) => {
@@ -836,9 +1060,9 @@ impl SessionCore {
         now: Millis,
         origin: Origin,
         poll: u64,
-        prompt: Option<PromptId>,
-        fx: &mut Vec<Effect>,
-    ) {
+        work: Option<(PromptId, P)>,
+        fx: &mut Vec<Effect<P, S>>,
+    ) -> Answer<P> {
         // Only the answer to the current poll counts: an answer to an older
         // one may rest on state that has changed since.
         let expected = self.polling.filter(|i| {
@@ -846,10 +1070,11 @@ impl SessionCore {
                 && self.automatic.get(*i) == Some(&origin)
                 && self.active.is_none()
         });
-        match (expected, prompt) {
-            (Some(_), Some(prompt)) => {
+        match (expected, work) {
+            (Some(_), Some((prompt, payload))) => {
                 self.polling = None;
-                self.start(now, prompt, origin, fx);
+                let turn = self.start(now, prompt, origin, payload, true, fx);
+                Answer::Started { turn }
             }
             (Some(i), None) => {
                 // Empty, unless a kick since the poll may have brought work.
@@ -857,10 +1082,15 @@ impl SessionCore {
                     self.maybe &= !(1 << i);
                 }
                 self.poll_from(i + 1, fx);
+                Answer::None
             }
             // Not asked for, or the session got busy meanwhile.
-            (None, Some(prompt)) => fx.push(Effect::OfferRefused { origin, prompt }),
-            (None, None) => {}
+            (None, Some((prompt, payload))) => Answer::OfferRefused {
+                origin,
+                prompt,
+                payload,
+            },
+            (None, None) => Answer::None,
         }
     }
 
@@ -881,12 +1111,24 @@ impl SessionCore {
         Some(receipt.map_or(stall, |r| r.min(stall)))
     }
 
-    fn rearm(&mut self, fx: &mut Vec<Effect>) {
+    fn rearm(&mut self, fx: &mut Vec<Effect<P, S>>) {
         let at = self.next_deadline();
         if at != self.armed {
             self.armed = at;
             fx.push(Effect::ArmTimer { at });
         }
+    }
+}
+
+/// The terminal of a queued prompt that never started.
+fn never_started<P, S>(w: Waiting<P>) -> Effect<P, S> {
+    Effect::Settled {
+        prompt: w.prompt,
+        turn: None,
+        origin: w.origin,
+        terminal: Terminal::Completed(StopReason::Cancelled),
+        loop_stopped: false,
+        payload: w.payload,
     }
 }
 

@@ -17,7 +17,7 @@ use tiller_core::cron::{FireChange, Fires};
 use tiller_core::goal::Goal;
 use tiller_core::notify::Queues;
 use tiller_core::{
-    Effect, Input, LoopType, Origin, PromptId, SessionCore, Signal, StopReason, Terminal,
+    Answer, Effect, Input, LoopType, Origin, PromptId, SessionCore, Signal, StopReason, Terminal,
     TurnConfig,
 };
 
@@ -132,18 +132,28 @@ impl World {
 
     fn feed(&mut self, input: Input) {
         let now = self.now;
+        let asking = match &input {
+            Input::Prompt { prompt, .. } => Some(*prompt),
+            _ => None,
+        };
         let interactive_waiting = |c: &SessionCore, origins: &HashMap<PromptId, Origin>| {
             c.queued()
                 .any(|p| origins.get(&p) == Some(&Origin::Interactive))
         };
-        let fx = self.core().on(now, input);
-        for e in fx {
+        let step = self.core().on(now, input);
+        match step.answer {
+            Answer::OfferRefused { prompt, .. } => {
+                // Still queued: offered again at a later poll.
+                self.work_of.remove(&prompt).expect("offered work");
+            }
+            Answer::Queued { .. } => {
+                self.admitted.insert(asking.expect("a prompt"));
+            }
+            _ => {}
+        }
+        for e in step.effects {
             match e {
                 Effect::Poll { origin, poll } => self.bus.push_back(Msg::Poll(origin, poll)),
-                Effect::OfferRefused { prompt, .. } => {
-                    // Still queued: offered again at a later poll.
-                    self.work_of.remove(&prompt).expect("offered work");
-                }
                 Effect::StartTurn { prompt, origin, .. } => {
                     self.admitted.insert(prompt);
                     self.origin_of.insert(prompt, origin);
@@ -158,9 +168,6 @@ impl World {
                         *self.ran.entry(*work).or_default() += 1;
                         self.bus.push_back(Msg::Started(*o, *work));
                     }
-                }
-                Effect::Queued { prompt, .. } => {
-                    self.admitted.insert(prompt);
                 }
                 Effect::LoopStopped { prompt, .. } => self.loop_stopped = Some(prompt),
                 Effect::Settled {
@@ -196,7 +203,7 @@ impl World {
                 self.feed(Input::Offer {
                     origin,
                     poll,
-                    prompt,
+                    work: prompt.map(|p| (p, ())),
                 });
             }
             Msg::Poll(Origin::Notification, poll) => {
@@ -275,6 +282,7 @@ impl World {
                 self.feed(Input::Prompt {
                     prompt: p,
                     origin: Origin::Interactive,
+                    payload: (),
                 });
             }
             Step::Notify => {

@@ -13,9 +13,14 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use tiller_core::{
-    Effect, ErrorKind, IdleBehavior, Input, LoopType, Millis, Origin, PromptId, SessionCore,
-    Signal, SteerId, SteerOutcome, SteerReceipt, StopReason, Terminal, TurnConfig, TurnId,
+    Answer, Effect, ErrorKind, IdleBehavior, LoopType, Millis, Origin, PromptId, Signal, SteerId,
+    SteerOutcome, SteerReceipt, StopReason, Terminal, TurnConfig, TurnId,
 };
+
+/// The core under test carries each prompt's id as its payload and each
+/// steer's id as its text, so every hand-back can be checked.
+type SessionCore = tiller_core::SessionCore<PromptId, SteerId>;
+type Input = tiller_core::Input<PromptId, SteerId>;
 
 const CFG: TurnConfig = TurnConfig {
     steer_receipt_timeout: 50,
@@ -255,7 +260,7 @@ impl Sut {
         if let Input::Offer {
             origin,
             poll,
-            prompt: None,
+            work: None,
         } = &input
             && *poll == self.last_poll
             && self.core.is_polling()
@@ -263,7 +268,7 @@ impl Sut {
         {
             self.empty.insert(*origin);
         }
-        if let Input::Prompt { prompt, origin } = &input {
+        if let Input::Prompt { prompt, origin, .. } = &input {
             self.origins.insert(*prompt, *origin);
         }
         if matches!(input, Input::Close) {
@@ -274,14 +279,57 @@ impl Sut {
             self.cancel_first.extend(self.core.queued());
             self.closed = true;
         }
-        let fx = self.core.on(self.now, input);
+        // The prompt the input would admit, if any.
+        let asking = match &input {
+            Input::Prompt { prompt, .. }
+            | Input::Steer {
+                idle_behavior: IdleBehavior::StartNewTurn(prompt, _),
+                ..
+            }
+            | Input::Offer {
+                work: Some((prompt, _)),
+                ..
+            } => Some(*prompt),
+            _ => None,
+        };
+        let step = self.core.on(self.now, input);
+        let fx = step.effects;
+        match step.answer {
+            Answer::None | Answer::Started { .. } => {}
+            Answer::Queued { .. } => {
+                let prompt = asking.expect("only a prompt queues");
+                assert!(self.admitted.insert(prompt));
+            }
+            Answer::Rejected { payload, .. } => {
+                let prompt = asking.expect("only a prompt is refused");
+                assert_eq!(payload, prompt, "its own payload comes back");
+                assert!(!self.admitted.contains(&prompt));
+                self.rejected.insert(prompt);
+            }
+            Answer::Steer { outcome, unused } => {
+                if let SteerOutcome::StartedNewTurn { prompt } = outcome {
+                    assert_eq!(Some(prompt), asking);
+                    assert_eq!(unused, None);
+                    self.admitted.insert(prompt);
+                } else {
+                    assert_eq!(unused, asking, "an unused payload comes back");
+                }
+            }
+            Answer::OfferRefused {
+                prompt, payload, ..
+            } => {
+                assert_eq!(Some(prompt), asking);
+                assert_eq!(payload, prompt);
+                assert!(self.offered.contains(&prompt));
+                assert!(!self.turn_of.contains_key(&prompt), "refused after start");
+                assert!(self.handed_back.insert(prompt), "handed back twice");
+            }
+        }
         if self.closed {
             // Closing: nothing starts, nothing is polled, nothing queues.
             assert!(
-                !fx.iter().any(|e| matches!(
-                    e,
-                    Effect::StartTurn { .. } | Effect::Poll { .. } | Effect::Queued { .. }
-                )),
+                !fx.iter()
+                    .any(|e| matches!(e, Effect::StartTurn { .. } | Effect::Poll { .. })),
                 "work after the close: {fx:?}"
             );
             assert_eq!(self.core.queued().count(), 0, "queued after the close");
@@ -308,9 +356,6 @@ impl Sut {
 
         for (i, e) in fx.iter().enumerate() {
             match e {
-                Effect::Queued { prompt, .. } => {
-                    assert!(self.admitted.insert(*prompt));
-                }
                 Effect::StartTurn { prompt, turn, .. } => {
                     self.admitted.insert(*prompt);
                     assert!(
@@ -354,21 +399,19 @@ impl Sut {
                     assert!(self.core.active().is_none(), "polled while busy");
                     self.round = Some(k);
                 }
-                Effect::OfferRefused { prompt, .. } => {
-                    assert!(self.offered.contains(prompt));
-                    assert!(!self.turn_of.contains_key(prompt), "refused after start");
-                    assert!(self.handed_back.insert(*prompt), "handed back twice");
-                }
-                Effect::Rejected { prompt, .. } => {
-                    assert!(!self.admitted.contains(prompt));
-                    self.rejected.insert(*prompt);
+                Effect::ForwardSteer { steer, text, .. }
+                | Effect::SteerConsumed { steer, text, .. }
+                | Effect::SteerDropped { steer, text, .. } => {
+                    assert_eq!(steer, text, "a steer's own payload comes back");
                 }
                 Effect::Settled {
                     prompt,
                     turn,
                     terminal,
+                    payload,
                     ..
                 } => {
+                    assert_eq!(prompt, payload, "a prompt's own payload comes back");
                     assert!(
                         self.admitted.contains(prompt),
                         "terminal for unadmitted prompt"
@@ -420,12 +463,6 @@ impl Sut {
                 Effect::Deliver { turn } => {
                     assert!(!self.settled_turns.contains(turn));
                 }
-                Effect::SteerAnswer {
-                    outcome: SteerOutcome::StartedNewTurn { prompt },
-                    ..
-                } => {
-                    self.admitted.insert(*prompt);
-                }
                 _ => {}
             }
         }
@@ -454,18 +491,24 @@ impl StateMachineTest for TurnCoreTest {
         match step {
             Step::Prompt(origin) => {
                 let prompt = PromptId::from_u128(sut.fresh());
-                sut.feed(Input::Prompt { prompt, origin });
+                sut.feed(Input::Prompt {
+                    prompt,
+                    origin,
+                    payload: prompt,
+                });
             }
             Step::Steer { start_new } => {
                 let steer = SteerId::from_u128(sut.fresh());
                 sut.steers.push(steer);
                 let idle_behavior = if start_new {
-                    IdleBehavior::StartNewTurn(PromptId::from_u128(sut.fresh()))
+                    let p = PromptId::from_u128(sut.fresh());
+                    IdleBehavior::StartNewTurn(p, p)
                 } else {
                     IdleBehavior::PromptRequired
                 };
                 sut.feed(Input::Steer {
                     steer,
+                    text: steer,
                     idle_behavior,
                 });
             }
@@ -523,7 +566,7 @@ impl StateMachineTest for TurnCoreTest {
                 sut.feed(Input::Offer {
                     origin,
                     poll,
-                    prompt,
+                    work: prompt.map(|p| (p, p)),
                 });
                 if stale && poll != sut.last_poll {
                     assert_eq!(

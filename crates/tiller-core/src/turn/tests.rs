@@ -16,6 +16,8 @@ struct Harness {
     core: SessionCore,
     now: Millis,
     log: Vec<Effect>,
+    /// The answer to the last input.
+    answer: Answer,
 }
 
 impl Harness {
@@ -24,14 +26,16 @@ impl Harness {
             core: SessionCore::new(CFG, 0),
             now: 0,
             log: Vec::new(),
+            answer: Answer::None,
         }
     }
 
     fn at(&mut self, now: Millis, input: Input) -> Vec<Effect> {
         self.now = now;
-        let fx = self.core.on(now, input);
-        self.log.extend(fx.iter().cloned());
-        fx
+        let step = self.core.on(now, input);
+        self.log.extend(step.effects.iter().cloned());
+        self.answer = step.answer;
+        step.effects
     }
 
     fn feed(&mut self, input: Input) -> Vec<Effect> {
@@ -43,13 +47,18 @@ impl Harness {
         self.feed(Input::Prompt {
             prompt: p,
             origin: Origin::Interactive,
+            payload: (),
         });
         p
     }
 
     fn prompt_as(&mut self, n: u128, origin: Origin) -> PromptId {
         let p = PromptId::from_u128(n);
-        self.feed(Input::Prompt { prompt: p, origin });
+        self.feed(Input::Prompt {
+            prompt: p,
+            origin,
+            payload: (),
+        });
         p
     }
 
@@ -64,6 +73,7 @@ impl Harness {
         let s = SteerId::from_u128(n);
         self.feed(Input::Steer {
             steer: s,
+            text: (),
             idle_behavior: IdleBehavior::PromptRequired,
         });
         s
@@ -148,6 +158,7 @@ fn case4_steer_result_idle_drops_steer_and_ends() {
         reason: SteerDropReason::TurnEnded,
         prompt: p,
         turn: TurnId(1),
+        text: (),
     }));
     assert_eq!(settled(&fx), Some(END));
 }
@@ -292,25 +303,29 @@ fn queue_is_fifo_and_bounded() {
     let fx = h.feed(Input::Prompt {
         prompt: PromptId::from_u128(4),
         origin: Origin::Interactive,
+        payload: (),
     });
+    assert_eq!(fx, vec![]);
     assert_eq!(
-        fx,
-        vec![Effect::Rejected {
-            prompt: PromptId::from_u128(4),
-            reason: Rejection::Overloaded
-        }]
+        h.answer,
+        Answer::Rejected {
+            reason: Rejection::Overloaded,
+            payload: ()
+        }
     );
     let fx = h.sig(1, Signal::Result(StopReason::EndTurn));
     assert!(fx.contains(&Effect::StartTurn {
         prompt: p2,
         turn: TurnId(2),
-        origin: Origin::Interactive
+        origin: Origin::Interactive,
+        deferred: true,
     }));
     let fx = h.sig(2, Signal::Result(StopReason::EndTurn));
     assert!(fx.contains(&Effect::StartTurn {
         prompt: p3,
         turn: TurnId(3),
-        origin: Origin::Interactive
+        origin: Origin::Interactive,
+        deferred: true,
     }));
     let fx = h.sig(3, Signal::Result(StopReason::EndTurn));
     assert_eq!(fx.iter().filter(|e| **e == Effect::Idle).count(), 1);
@@ -335,41 +350,47 @@ fn steering_outcomes() {
     let s = SteerId::from_u128(1);
     let fx = h.feed(Input::Steer {
         steer: s,
+        text: (),
         idle_behavior: IdleBehavior::PromptRequired,
     });
+    assert_eq!(fx, vec![]);
     assert_eq!(
-        fx,
-        vec![Effect::SteerAnswer {
-            steer: s,
-            outcome: SteerOutcome::PromptRequired(SteerRefusal::NoRunningTurn)
-        }]
+        h.answer,
+        Answer::Steer {
+            outcome: SteerOutcome::PromptRequired(SteerRefusal::NoRunningTurn),
+            unused: None,
+        }
     );
     let p = PromptId::from_u128(9);
     let fx = h.feed(Input::Steer {
         steer: s,
-        idle_behavior: IdleBehavior::StartNewTurn(p),
+        text: (),
+        idle_behavior: IdleBehavior::StartNewTurn(p, ()),
     });
     assert_eq!(
-        fx[0],
-        Effect::SteerAnswer {
-            steer: s,
-            outcome: SteerOutcome::StartedNewTurn { prompt: p }
+        h.answer,
+        Answer::Steer {
+            outcome: SteerOutcome::StartedNewTurn { prompt: p },
+            unused: None,
         }
     );
+    assert!(matches!(fx[0], Effect::StartTurn { prompt, deferred: false, .. } if prompt == p));
     let fx = h.steer(2);
     let _ = fx;
     h.feed(Input::Cancel);
     let s3 = SteerId::from_u128(3);
     let fx = h.feed(Input::Steer {
         steer: s3,
+        text: (),
         idle_behavior: IdleBehavior::PromptRequired,
     });
+    assert_eq!(fx, vec![]);
     assert_eq!(
-        fx,
-        vec![Effect::SteerAnswer {
-            steer: s3,
-            outcome: SteerOutcome::PromptRequired(SteerRefusal::TurnCancelling)
-        }]
+        h.answer,
+        Answer::Steer {
+            outcome: SteerOutcome::PromptRequired(SteerRefusal::TurnCancelling),
+            unused: None,
+        }
     );
 }
 
@@ -480,18 +501,21 @@ fn tool_progress_defers_the_stall_and_nothing_else() {
 
 #[test]
 fn restored_core_continues_turn_ids() {
-    let mut core = SessionCore::new(CFG, 41);
-    let fx = core.on(
+    let mut core: SessionCore = SessionCore::new(CFG, 41);
+    let step = core.on(
         0,
         Input::Prompt {
             prompt: PromptId::from_u128(1),
             origin: Origin::Interactive,
+            payload: (),
         },
     );
-    assert!(fx.contains(&Effect::StartTurn {
+    assert_eq!(step.answer, Answer::Started { turn: TurnId(42) });
+    assert!(step.effects.contains(&Effect::StartTurn {
         prompt: PromptId::from_u128(1),
         turn: TurnId(42),
-        origin: Origin::Interactive
+        origin: Origin::Interactive,
+        deferred: false,
     }));
 }
 
@@ -532,7 +556,8 @@ fn case10_interactive_loop_trip_fails_and_the_queue_drains() {
     assert!(fx.contains(&Effect::StartTurn {
         prompt: p2,
         turn: TurnId(2),
-        origin: Origin::Interactive
+        origin: Origin::Interactive,
+        deferred: true,
     }));
 }
 
@@ -548,6 +573,7 @@ fn case11_automatic_loop_trip_ends_the_turn_with_loop_stopped() {
         h.feed(Input::Prompt {
             prompt: PromptId::from_u128(1),
             origin,
+            payload: (),
         });
         let fx = h.feed(Input::LoopTrip {
             turn: TurnId(1),
@@ -607,6 +633,7 @@ fn an_engine_that_exits_without_its_terminal_crashed_at_once() {
         reason: SteerDropReason::TurnEnded,
         prompt: p,
         turn: TurnId(1),
+        text: (),
     }));
     assert_eq!(settled(&fx), Some(END));
     // After the terminal, an exit is stale.
@@ -647,44 +674,50 @@ fn closing_cancels_the_turn_settles_every_queued_prompt_and_starts_nothing() {
     let fx = h.feed(Input::Prompt {
         prompt: p,
         origin: Origin::Interactive,
+        payload: (),
     });
+    assert_eq!(fx, vec![]);
     assert_eq!(
-        fx,
-        vec![Effect::Rejected {
-            prompt: p,
-            reason: Rejection::Closed
-        }]
+        h.answer,
+        Answer::Rejected {
+            reason: Rejection::Closed,
+            payload: ()
+        }
     );
     assert!(h.feed(Input::Kick).is_empty());
     let fx = h.feed(Input::Steer {
         steer: SteerId::from_u128(5),
-        idle_behavior: IdleBehavior::StartNewTurn(PromptId::from_u128(98)),
+        text: (),
+        idle_behavior: IdleBehavior::StartNewTurn(PromptId::from_u128(98), ()),
     });
-    assert!(matches!(
-        fx[..],
-        [Effect::SteerAnswer {
+    assert_eq!(fx, vec![]);
+    assert_eq!(
+        h.answer,
+        Answer::Steer {
             outcome: SteerOutcome::PromptRequired(SteerRefusal::SessionClosing),
-            ..
-        }]
-    ));
+            unused: Some(()),
+        }
+    );
     let offered = PromptId::from_u128(97);
     let fx = h.feed(Input::Offer {
         origin: Origin::Cron,
         poll: 1,
-        prompt: Some(offered),
+        work: Some((offered, ())),
     });
+    assert_eq!(fx, vec![]);
     assert_eq!(
-        fx,
-        vec![Effect::OfferRefused {
+        h.answer,
+        Answer::OfferRefused {
             origin: Origin::Cron,
-            prompt: offered
-        }]
+            prompt: offered,
+            payload: ()
+        }
     );
 }
 
 #[test]
 fn a_turn_past_its_event_bound_fails_and_its_engine_is_torn_down() {
-    let mut core = SessionCore::new(
+    let mut core: SessionCore = SessionCore::new(
         TurnConfig {
             max_turn_events: 3,
             ..CFG
@@ -697,6 +730,7 @@ fn a_turn_past_its_event_bound_fails_and_its_engine_is_torn_down() {
         Input::Prompt {
             prompt: p,
             origin: Origin::Interactive,
+            payload: (),
         },
     );
     let sig = |core: &mut SessionCore, s: Signal| {
@@ -707,6 +741,7 @@ fn a_turn_past_its_event_bound_fails_and_its_engine_is_torn_down() {
                 signal: s,
             },
         )
+        .effects
     };
     for _ in 0..3 {
         assert!(sig(&mut core, Signal::Update).contains(&Effect::Deliver { turn: TurnId(1) }));
@@ -744,14 +779,14 @@ fn a_session_without_automatic_work_polls_nothing_when_its_turns_end() {
     let fx = h.feed(Input::Offer {
         origin: Origin::Notification,
         poll: 1,
-        prompt: None,
+        work: None,
     });
     assert_eq!(polls(&fx), vec![(Origin::Cron, 2)]);
     assert!(
         polls(&h.feed(Input::Offer {
             origin: Origin::Cron,
             poll: 2,
-            prompt: None,
+            work: None,
         }))
         .is_empty()
     );
@@ -775,13 +810,13 @@ fn a_kick_during_a_poll_round_brings_another_round() {
     let fx = h.feed(Input::Offer {
         origin: Origin::Notification,
         poll: 1,
-        prompt: None,
+        work: None,
     });
     assert_eq!(polls(&fx), vec![(Origin::Cron, 2)]);
     let fx = h.feed(Input::Offer {
         origin: Origin::Cron,
         poll: 2,
-        prompt: None,
+        work: None,
     });
     assert_eq!(polls(&fx), vec![(Origin::Notification, 3)]);
 }
@@ -794,7 +829,8 @@ fn a_turn_a_steer_starts_mid_poll_ends_that_round() {
     // A steer while idle starts a turn: the poll round is over.
     h.feed(Input::Steer {
         steer: SteerId::from_u128(1),
-        idle_behavior: IdleBehavior::StartNewTurn(PromptId::from_u128(2)),
+        text: (),
+        idle_behavior: IdleBehavior::StartNewTurn(PromptId::from_u128(2), ()),
     });
     assert!(!h.core.is_polling());
     // A kick during the turn is no reason for an extra round later.
@@ -804,13 +840,100 @@ fn a_turn_a_steer_starts_mid_poll_ends_that_round() {
     let fx = h.feed(Input::Offer {
         origin: Origin::Notification,
         poll: 2,
-        prompt: None,
+        work: None,
     });
     assert_eq!(polls(&fx), vec![(Origin::Cron, 3)]);
     let fx = h.feed(Input::Offer {
         origin: Origin::Cron,
         poll: 3,
-        prompt: None,
+        work: None,
     });
     assert!(polls(&fx).is_empty(), "one round only: {fx:?}");
+}
+
+/// The core carries payloads and hands each back exactly where the actor
+/// needs it: a prompt's at its terminal (or refusal), a steer's when it is
+/// forwarded, consumed or dropped.
+#[test]
+fn payloads_come_back_with_their_terminals_and_receipts() {
+    let mut core: SessionCore<u32, String> = SessionCore::new(CFG, 0);
+    let p = |n| PromptId::from_u128(n);
+    let prompt = |core: &mut SessionCore<u32, String>, n: u128| {
+        core.on(
+            0,
+            Input::Prompt {
+                prompt: p(n),
+                origin: Origin::Interactive,
+                payload: n as u32 * 10,
+            },
+        )
+    };
+    assert_eq!(
+        prompt(&mut core, 1).answer,
+        Answer::Started { turn: TurnId(1) }
+    );
+    assert_eq!(core.active_payload(), Some(&10));
+    *core.active_payload_mut().unwrap() += 1;
+    assert_eq!(prompt(&mut core, 2).answer, Answer::Queued { depth: 1 });
+    assert_eq!(prompt(&mut core, 3).answer, Answer::Queued { depth: 2 });
+    let refused = prompt(&mut core, 4).answer;
+    assert_eq!(
+        refused,
+        Answer::Rejected {
+            reason: Rejection::Overloaded,
+            payload: 40
+        }
+    );
+    let step = core.on(
+        0,
+        Input::Steer {
+            steer: SteerId::from_u128(7),
+            text: "look here".into(),
+            idle_behavior: IdleBehavior::StartNewTurn(p(8), 80),
+        },
+    );
+    assert_eq!(
+        step.answer,
+        Answer::Steer {
+            outcome: SteerOutcome::Injected { turn: TurnId(1) },
+            unused: Some(80),
+        }
+    );
+    assert!(
+        step.effects
+            .iter()
+            .any(|e| matches!(e, Effect::ForwardSteer { text, .. } if text == "look here"))
+    );
+    let step = core.on(1, Input::Cancel);
+    let dropped: Vec<_> = step
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::SteerDropped { text, .. } => Some(text.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(dropped, ["look here"]);
+    let payloads: Vec<(PromptId, u32)> = step
+        .effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Settled {
+                prompt, payload, ..
+            } => Some((*prompt, *payload)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(payloads, [(p(2), 20), (p(3), 30)], "queued ones, cancelled");
+    let step = core.on(
+        2,
+        Input::Signal {
+            turn: TurnId(1),
+            signal: Signal::Idle,
+        },
+    );
+    assert!(step.effects.iter().any(|e| matches!(
+        e,
+        Effect::Settled { prompt, payload: 11, .. } if *prompt == p(1)
+    )));
 }

@@ -30,47 +30,40 @@ impl SessionState {
             Err(why) => return refuse(admitted, PromptRefused::BadDelivery(why)),
         };
         let prompt = PromptId::new();
-        self.pending.insert(
+        let payload = Pending::new(prepared, self.now())
+            .settled(settled)
+            .delivery(delivery);
+        let input = Input::Prompt {
             prompt,
-            Pending {
-                prepared: Some(prepared),
-                settled,
-                admitted_at: self.now(),
-                queued: false,
-                work: None,
-                delivery,
-            },
-        );
-        let fx = self.core.on(self.now(), Input::Prompt { prompt, origin });
-        if let Some(Effect::Rejected { reason, .. }) = fx.first() {
-            self.pending.remove(&prompt);
-            return refuse(
-                admitted,
-                match reason {
-                    Rejection::Overloaded => PromptRefused::Overloaded,
-                    Rejection::Closed => PromptRefused::SessionClosed,
-                },
-            );
-        }
-        metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
-            .increment(1);
+            origin,
+            payload,
+        };
+        let step = self.core.on(self.now(), input);
         // Durable before acknowledged: the admission event is committed first.
-        let admission = match &fx[..] {
-            [Effect::Queued { depth, .. }, ..] => EventBody::PromptQueued {
-                origin: origin.as_str().into(),
-                depth: *depth,
-                text: text.clone(),
-            },
+        let admission = match step.answer {
+            Answer::Rejected { reason, .. } => {
+                return refuse(
+                    admitted,
+                    match reason {
+                        Rejection::Overloaded => PromptRefused::Overloaded,
+                        Rejection::Closed => PromptRefused::SessionClosed,
+                    },
+                );
+            }
+            Answer::Queued { depth } => {
+                metrics::gauge!("tiller_prompt_queue_depth").increment(1.0);
+                EventBody::PromptQueued {
+                    origin: origin.as_str().into(),
+                    depth,
+                    text: text.clone(),
+                }
+            }
             _ => EventBody::PromptStarted {
                 origin: origin.as_str().into(),
             },
         };
-        if let EventBody::PromptQueued { .. } = admission {
-            metrics::gauge!("tiller_prompt_queue_depth").increment(1.0);
-            if let Some(p) = self.pending.get_mut(&prompt) {
-                p.queued = true;
-            }
-        }
+        metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
+            .increment(1);
         if let Err(e) = self
             .publish_durable(Some(prompt), None, admission, Ledger::Admission)
             .await
@@ -84,7 +77,7 @@ impl SessionState {
             let _ = a.send(Ok(prompt));
         }
         // A start effect publishes `user_message` and runs the engine.
-        self.apply(myself, fx, None).await;
+        self.apply(myself, step.effects, None).await;
     }
 
     /// Takes (or refuses) automatic work offered by a queue actor.
@@ -95,26 +88,17 @@ impl SessionState {
         poll: u64,
         work: Option<Work>,
     ) {
-        let prompt = match work {
+        let work = match work {
             None => None,
             Some(work) => match self.engine.prepare(work.text()) {
                 Ok(prepared) => {
-                    let prompt = PromptId::new();
-                    self.pending.insert(
-                        prompt,
-                        Pending {
-                            prepared: Some(prepared),
-                            settled: None,
-                            admitted_at: self.now(),
-                            // Announced (and entered in the ledger) at start.
-                            queued: true,
-                            work: Some(work),
-                            delivery: None,
-                        },
-                    );
                     metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
                         .increment(1);
-                    Some(prompt)
+                    // Announced (and entered in the ledger) at its start.
+                    Some((
+                        PromptId::new(),
+                        Pending::new(prepared, self.now()).work(work),
+                    ))
                 }
                 Err(e) => {
                     // Unrunnable work is dropped, not retried forever.
@@ -123,16 +107,10 @@ impl SessionState {
                 }
             },
         };
-        self.feed(
-            myself,
-            Input::Offer {
-                origin,
-                poll,
-                prompt,
-            },
-            None,
-        )
-        .await;
+        // Refused (the session got busy): it stays in its queue, offered
+        // again at the next poll.
+        self.feed(myself, Input::Offer { origin, poll, work }, None)
+            .await;
     }
 
     pub(super) async fn steer(
@@ -158,51 +136,28 @@ impl SessionState {
                     return;
                 }
             };
-            let prompt = PromptId::new();
-            self.pending.insert(
-                prompt,
-                Pending {
-                    prepared: Some(prepared),
-                    settled: None,
-                    admitted_at: self.now(),
-                    queued: false,
-                    work: None,
-                    delivery: None,
-                },
-            );
-            IdleBehavior::StartNewTurn(prompt)
+            IdleBehavior::StartNewTurn(PromptId::new(), Pending::new(prepared, self.now()))
         };
-        let fx = self.core.on(
-            self.now(),
-            Input::Steer {
-                steer,
-                idle_behavior,
-            },
-        );
-        let mut answer = None;
-        for e in &fx {
-            if let Effect::SteerAnswer { outcome, .. } = e {
-                answer = Some(*outcome);
-            }
-        }
-        let outcome = answer.expect("the core answers every steer");
-        // An unused prompt reservation is released.
-        if let IdleBehavior::StartNewTurn(p) = idle_behavior
-            && !matches!(outcome, SteerOutcome::StartedNewTurn { .. })
-        {
-            self.pending.remove(&p);
-        }
+        let input = Input::Steer {
+            steer,
+            text: text.clone(),
+            idle_behavior,
+        };
+        let step = self.core.on(self.now(), input);
+        // A prompt payload the steer did not use is simply dropped.
+        let Answer::Steer { outcome, .. } = step.answer else {
+            unreachable!("the core answers every steer")
+        };
         metrics::counter!("tiller_steers_total", "outcome" => steer_outcome_label(&outcome))
             .increment(1);
         let stored = match outcome {
             SteerOutcome::Injected { turn } => {
-                self.steers.insert(steer, text.clone());
                 self.publish_durable(
                     self.core.active().map(|(p, _)| p),
                     Some(turn),
                     EventBody::SteerAccepted {
                         steer_id: steer.to_string(),
-                        text: text.clone(),
+                        text,
                     },
                     Ledger::Admission,
                 )
@@ -229,29 +184,8 @@ impl SessionState {
             return;
         }
         let _ = reply.send(Ok(SteerAnswer { steer, outcome }));
-        let steer_text = text;
-        self.apply_with_steer(myself, fx, steer, steer_text).await;
-    }
-
-    pub(super) async fn apply_with_steer(
-        &mut self,
-        myself: &ActorRef<SessionMsg>,
-        fx: Vec<Effect>,
-        steer: SteerId,
-        text: String,
-    ) {
-        for e in &fx {
-            if let Effect::ForwardSteer { turn, steer: s } = e
-                && *s == steer
-                && let Some(run) = self.running.as_ref().filter(|r| r.turn == *turn)
-            {
-                run.handle.send(EngineInput::Steer {
-                    id: steer,
-                    text: text.clone(),
-                });
-            }
-        }
-        self.apply(myself, fx, None).await;
+        // Forwards the steer to the engine (or starts its turn).
+        self.apply(myself, step.effects, None).await;
     }
 }
 

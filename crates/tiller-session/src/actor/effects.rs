@@ -3,21 +3,24 @@
 use super::*;
 
 impl SessionState {
+    /// Feeds the core an input that asks for no answer (or whose answer
+    /// only hands a payload back, which is dropped), and carries out its
+    /// effects.
     pub(super) async fn feed(
         &mut self,
         myself: &ActorRef<SessionMsg>,
-        input: Input,
+        input: Input<Pending, String>,
         content: Option<SignalKind>,
     ) {
-        let fx = self.core.on(self.now(), input);
-        self.apply(myself, fx, content).await;
+        let step = self.core.on(self.now(), input);
+        self.apply(myself, step.effects, content).await;
     }
 
     /// Carries out the core's effects in order.
     pub(super) async fn apply(
         &mut self,
         myself: &ActorRef<SessionMsg>,
-        fx: Vec<Effect>,
+        fx: Vec<Effect<Pending, String>>,
         mut content: Option<SignalKind>,
     ) {
         let mut trip = None;
@@ -26,15 +29,20 @@ impl SessionState {
                 return; // the session is failing: its state is not the log's
             }
             match e {
-                Effect::Queued { .. }
-                | Effect::Rejected { .. }
-                | Effect::SteerAnswer { .. }
-                | Effect::ForwardSteer { .. } => {} // handled by the caller
+                Effect::ForwardSteer { turn, steer, text } => {
+                    if let Some(run) = self.running.as_ref().filter(|r| r.turn == turn) {
+                        run.handle.send(EngineInput::Steer { id: steer, text });
+                    }
+                }
                 Effect::StartTurn {
                     prompt,
                     turn,
                     origin,
-                } => self.start_turn(myself, prompt, turn, origin).await,
+                    deferred,
+                } => {
+                    self.start_turn(myself, prompt, turn, origin, deferred)
+                        .await;
+                }
                 Effect::Deliver { turn } => {
                     if let Some(kind) = content.take()
                         && let Some(loop_type) = self.deliver(turn, kind)
@@ -47,7 +55,6 @@ impl SessionState {
                     turn,
                     loop_type,
                 } => {
-                    self.loop_stopped = Some(prompt);
                     self.publish(
                         Some(prompt),
                         Some(turn),
@@ -62,8 +69,8 @@ impl SessionState {
                     steer,
                     prompt,
                     turn,
+                    text: _,
                 } => {
-                    self.steers.remove(&steer);
                     metrics::counter!("tiller_steer_receipts_total", "kind" => "consumed")
                         .increment(1);
                     self.publish(
@@ -79,8 +86,8 @@ impl SessionState {
                     reason,
                     prompt,
                     turn,
+                    text,
                 } => {
-                    let text = self.steers.remove(&steer).unwrap_or_default();
                     match reason {
                         SteerDropReason::Engine => {
                             metrics::counter!("tiller_steer_receipts_total", "kind" => "dropped")
@@ -115,7 +122,12 @@ impl SessionState {
                     turn,
                     origin,
                     terminal,
-                } => self.settle(prompt, turn, origin, terminal).await,
+                    loop_stopped,
+                    payload,
+                } => {
+                    self.settle(prompt, turn, origin, terminal, loop_stopped, payload)
+                        .await;
+                }
                 // An engine task ending after its turn settled is no stale signal.
                 Effect::Stale { .. } if matches!(content, Some(SignalKind::Exited(_))) => {}
                 Effect::Stale { .. } => {
@@ -142,10 +154,6 @@ impl SessionState {
                         });
                     }
                 }
-                Effect::OfferRefused { prompt, .. } => {
-                    // Still queued in the store: offered again at the next poll.
-                    self.pending.remove(&prompt);
-                }
                 Effect::Idle => {
                     tracing::debug!("session idle");
                     for d in self.drained.drain(..) {
@@ -159,8 +167,8 @@ impl SessionState {
         }
         // A loop trip found while delivering content is the core's next input.
         if let Some(input) = trip {
-            let fx = self.core.on(self.now(), input);
-            Box::pin(self.apply(myself, fx, None)).await;
+            let step = self.core.on(self.now(), input);
+            Box::pin(self.apply(myself, step.effects, None)).await;
         }
     }
 
@@ -170,21 +178,26 @@ impl SessionState {
         prompt: PromptId,
         turn: TurnId,
         origin: Origin,
+        deferred: bool,
     ) {
-        let Some((prepared, queued)) = self
-            .pending
-            .get_mut(&prompt)
-            .and_then(|p| Some((p.prepared.take()?, p.queued)))
+        let starting = self.core.active().map(|(p, _)| p) == Some(prompt);
+        let Some(prepared) = self
+            .core
+            .active_payload_mut()
+            .filter(|_| starting)
+            .and_then(|p| p.prepared.take())
         else {
             tracing::error!(%prompt, "started a prompt with no content");
             return;
         };
         let span = tracing::info_span!(parent: &self.span, "turn", %turn, %prompt, origin = origin.as_str());
         span.in_scope(|| tracing::info!("turn started"));
-        // A queued prompt already has its admission event; announce the start.
-        if queued {
-            metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
-            let work = self.pending.get(&prompt).and_then(|p| p.work.as_ref());
+        // A prompt that waited (or automatic work) has no start event yet.
+        if deferred {
+            let work = self.core.active_payload().and_then(|p| p.work.as_ref());
+            if work.is_none() {
+                metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
+            }
             let start = EventBody::PromptStarted {
                 origin: origin.as_str().into(),
             };
@@ -200,7 +213,7 @@ impl SessionState {
                         return; // the session fails; the work stays queued
                     }
                     if let (Some(work), Some(q)) = (
-                        self.pending.get(&prompt).and_then(|p| p.work.as_ref()),
+                        self.core.active_payload().and_then(|p| p.work.as_ref()),
                         self.automation.queue(origin),
                     ) {
                         q.started(self.id, work);

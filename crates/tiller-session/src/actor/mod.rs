@@ -2,13 +2,12 @@
 //! publishes events, runs the engine and the tool pipeline, and carries out
 //! the core's effects. Every rule about turns lives in the core.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tiller_core::{
-    Effect, IdleBehavior, Input, LoopConfig, LoopGuard, LoopType, Millis, Origin, PromptId,
+    Answer, Effect, IdleBehavior, Input, LoopConfig, LoopGuard, LoopType, Millis, Origin, PromptId,
     Rejection, SessionCore, SessionId, Signal, SteerDropReason, SteerId, SteerOutcome, Terminal,
     TurnId,
 };
@@ -211,20 +210,46 @@ struct Settings {
     always: Vec<String>,
 }
 
-/// A prompt admitted but not yet settled.
-struct Pending {
+/// What the session keeps with a prompt from admission to its terminal
+/// (the core carries it: `SessionCore<Pending, String>`).
+pub(crate) struct Pending {
     /// The engine's view of the prompt (taken when its turn starts).
     prepared: Option<PreparedPrompt>,
     /// The owner's terminal port.
     settled: Option<oneshot::Sender<Settlement>>,
     /// When it was admitted, for `turn_duration_seconds`.
     admitted_at: Millis,
-    /// It waited in the queue, so its start is announced when it starts.
-    queued: bool,
     /// The queue item it came from (consumed when its start is committed).
     work: Option<Work>,
     /// Where to deliver the final text on `end_turn`.
     delivery: Option<String>,
+}
+
+impl Pending {
+    fn new(prepared: PreparedPrompt, admitted_at: Millis) -> Self {
+        Pending {
+            prepared: Some(prepared),
+            settled: None,
+            admitted_at,
+            work: None,
+            delivery: None,
+        }
+    }
+
+    fn settled(mut self, settled: Option<oneshot::Sender<Settlement>>) -> Self {
+        self.settled = settled;
+        self
+    }
+
+    fn delivery(mut self, delivery: Option<String>) -> Self {
+        self.delivery = delivery;
+        self
+    }
+
+    fn work(mut self, work: Work) -> Self {
+        self.work = Some(work);
+        self
+    }
 }
 
 /// The running engine and the turn it serves.
@@ -254,7 +279,7 @@ struct RunningEngine {
 /// The session actor's state.
 pub struct SessionState {
     id: SessionId,
-    core: SessionCore,
+    core: SessionCore<Pending, String>,
     engine: Arc<dyn Engine>,
     /// Every engine (the session may switch between turns).
     engines: crate::Engines,
@@ -267,8 +292,6 @@ pub struct SessionState {
     config: Arc<SessionConfig>,
     /// The queue actors polled when idle.
     automation: Automation,
-    /// The last prompt loop protection stopped (tells the goal actor).
-    loop_stopped: Option<PromptId>,
     /// The permission mode and the tools allowed for the whole session.
     permissions: Permissions,
     /// The session's tools (built-ins in its cwd, MCP servers).
@@ -292,10 +315,6 @@ pub struct SessionState {
     /// The last `turn_error`, while no newer turn has started (survives a
     /// reload: restored from the log at start).
     last_turn_error: Option<Arc<EventRecord>>,
-    /// Prompts admitted and not settled.
-    pending: HashMap<PromptId, Pending>,
-    /// Text of steers that may still be dropped (for `steer_dropped`).
-    steers: HashMap<SteerId, String>,
     /// At most one engine runs.
     running: Option<RunningEngine>,
     /// Attached subscribers.
@@ -383,7 +402,6 @@ impl Actor for SessionActor {
             automation: args.automation,
             config: args.config.clone(),
             myself: myself.clone(),
-            loop_stopped: None,
             engine: args.engine,
             engines: args.engines,
             store: args.store,
@@ -394,8 +412,6 @@ impl Actor for SessionActor {
             unconfirmed: Vec::new(),
             failed: None,
             last_turn_error,
-            pending: HashMap::new(),
-            steers: HashMap::new(),
             running: None,
             subscribers: Vec::new(),
             timer: None,

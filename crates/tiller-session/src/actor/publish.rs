@@ -10,9 +10,10 @@ impl SessionState {
         turn: Option<TurnId>,
         origin: Origin,
         terminal: Terminal,
+        loop_stopped: bool,
+        pending: Pending,
     ) {
         let now = self.now();
-        let pending = self.pending.remove(&prompt);
         if turn.is_none() {
             // A queued prompt settled without running.
             metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
@@ -49,7 +50,7 @@ impl SessionState {
             },
         };
         // The delivery of the final text commits with the terminal.
-        let ledger = match (pending.as_ref().and_then(|p| p.delivery.clone()), &terminal) {
+        let ledger = match (pending.delivery.clone(), &terminal) {
             (Some(url), Terminal::Completed(tiller_core::StopReason::EndTurn)) => {
                 Ledger::Deliver(tiller_store::Delivery {
                     id: 0,
@@ -79,7 +80,7 @@ impl SessionState {
                 && let Some(q) = self.automation.queue(origin)
             {
                 let inbox: Arc<dyn Inbox> = Arc::new(self.myself.clone());
-                q.turn_ended(self.id, self.loop_stopped == Some(prompt), inbox);
+                q.turn_ended(self.id, loop_stopped, inbox);
             }
         }
         metrics::counter!(
@@ -88,12 +89,10 @@ impl SessionState {
             "outcome" => terminal.outcome_label()
         )
         .increment(1);
-        if let Some(p) = pending {
-            metrics::histogram!("tiller_turn_duration_seconds", "origin" => origin.as_str())
-                .record(now.saturating_sub(p.admitted_at) as f64 / 1000.0);
-            if let Some(tx) = p.settled {
-                let _ = tx.send(Settlement { prompt, terminal });
-            }
+        metrics::histogram!("tiller_turn_duration_seconds", "origin" => origin.as_str())
+            .record(now.saturating_sub(pending.admitted_at) as f64 / 1000.0);
+        if let Some(tx) = pending.settled {
+            let _ = tx.send(Settlement { prompt, terminal });
         }
         metrics::histogram!("tiller_settle_latency_seconds")
             .record(self.input_at.elapsed().as_secs_f64());
