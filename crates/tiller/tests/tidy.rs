@@ -158,10 +158,14 @@ fn no_session_crate_file_is_over_600_lines() {
 }
 
 #[test]
-fn the_store_documents_every_public_item_and_field() {
-    // With `-D warnings` (CI), an undocumented row field fails the build.
-    let lib = std::fs::read_to_string(root().join("crates/tiller-store/src/lib.rs")).unwrap();
-    assert!(lib.contains("#![warn(missing_docs)]"));
+fn the_cores_and_the_store_document_every_public_item_and_field() {
+    // With `-D warnings` (CI), an undocumented input, effect or row field
+    // fails the build.
+    for krate in ["tiller-core", "tiller-store"] {
+        let lib =
+            std::fs::read_to_string(root().join("crates").join(krate).join("src/lib.rs")).unwrap();
+        assert!(lib.contains("#![warn(missing_docs)]"), "{krate}");
+    }
 }
 
 #[test]
