@@ -197,6 +197,11 @@ describe("permissions", () => {
       const { existsSync } = await import("node:fs");
       assert.ok(existsSync(path.join(cwd, "one.txt")));
       assert.ok(!existsSync(path.join(cwd, "two.txt")), "the denied call did not run");
+      // Nor do they share an id in what clients see: each update names one call.
+      const hist = await api(d, "GET", `/api/sessions/${sid}/history?limit=200`);
+      const ids = hist.body.events.filter((e) => e.type === "tool_call").map((e) => e.data.toolCallId);
+      assert.equal(ids.length, 2);
+      assert.notEqual(ids[0], ids[1], `published ids ${ids}`);
     } finally {
       await d.stop();
       await mock.close();

@@ -13,6 +13,7 @@ pub mod goal;
 mod ids;
 pub mod loop_guard;
 pub mod notify;
+pub mod pipeline;
 mod terminal;
 pub mod turn;
 

@@ -12,9 +12,11 @@ use std::collections::{HashMap, HashSet};
 
 use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
+use tiller_core::pipeline::{Batch, CallId, CallSpec, Decision, PipeEvent, Progress};
 use tiller_core::{
-    Answer, Effect, ErrorKind, IdleBehavior, LoopType, Millis, Origin, PromptId, Signal, SteerId,
-    SteerOutcome, SteerReceipt, StopReason, Terminal, TurnConfig, TurnId,
+    Answer, CallKey, CallOutcome, Effect, ErrorKind, IdleBehavior, LoopConfig, LoopGuard, LoopType,
+    Millis, Origin, PromptId, Signal, SteerId, SteerOutcome, SteerReceipt, StopReason, Terminal,
+    TurnConfig, TurnId,
 };
 
 /// The core under test carries each prompt's id as its payload and each
@@ -73,6 +75,12 @@ enum Step {
     /// Repeat the last signal as is.
     Duplicate,
     Advance(Millis),
+    /// A person answers the running turn's permission request (or, when
+    /// `stale`, a request that is not pending).
+    Decide(u8, bool),
+    /// The call running off the actor finishes (or, when `stale`, a call
+    /// that is not running reports).
+    ToolDone(bool, bool),
 }
 
 struct Model;
@@ -93,7 +101,7 @@ impl ReferenceStateMachine for Model {
         ];
         let kind = prop_oneof![
             3 => Just(SigKind::Update),
-            1 => Just(SigKind::ToolBatch),
+            4 => Just(SigKind::ToolBatch),
             3 => stop.prop_map(SigKind::Result),
             3 => Just(SigKind::Idle),
             1 => Just(SigKind::Failed),
@@ -130,6 +138,8 @@ impl ReferenceStateMachine for Model {
             4 => (prop_oneof![Just(Origin::Goal), Just(Origin::Notification), Just(Origin::Cron)], any::<bool>(), prop::bool::weighted(0.2))
                 .prop_map(|(o, some, stale)| Step::Offer(o, some, stale)),
             3 => prop_oneof![1u64..30, 30u64..500].prop_map(Step::Advance),
+            3 => (0u8..4, prop::bool::weighted(0.2)).prop_map(|(d, s)| Step::Decide(d, s)),
+            3 => (any::<bool>(), prop::bool::weighted(0.2)).prop_map(|(ok, s)| Step::ToolDone(ok, s)),
         ]
         .boxed()
     }
@@ -177,6 +187,25 @@ struct Sut {
     kicked_in_round: bool,
     /// A close was fed: nothing may start (or be polled) after it.
     closed: bool,
+    /// The running turn's tool batch going through the pipeline core.
+    tools: Option<Tools>,
+    /// The next call id to hand out.
+    next_call: u64,
+    /// What happened to each call, in order.
+    calls: HashMap<CallId, Vec<PipeEvent>>,
+}
+
+/// A tool batch of a turn, with that turn's loop guard.
+#[derive(Clone)]
+struct Tools {
+    turn: TurnId,
+    batch: Batch,
+    guard: LoopGuard,
+}
+
+/// Which calls need a person's permission (a third of them).
+fn needs(id: CallId) -> bool {
+    id.0.is_multiple_of(3)
 }
 
 /// The automatic queues, in admission order.
@@ -205,6 +234,188 @@ impl Sut {
             empty: HashSet::new(),
             kicked_in_round: false,
             closed: false,
+            tools: None,
+            next_call: 0,
+            calls: HashMap::new(),
+        }
+    }
+
+    /// Records the pipeline's events, checking each call's life: announced
+    /// once, asked and resolved at most once (in that order), started at
+    /// most once, then ended exactly once, and nothing after its end.
+    fn record(&mut self, fx: Vec<PipeEvent>) {
+        for e in fx {
+            let id = match e {
+                PipeEvent::Announced(id)
+                | PipeEvent::Asked(id)
+                | PipeEvent::Resolved(id, _)
+                | PipeEvent::Started(id)
+                | PipeEvent::Completed(id, _)
+                | PipeEvent::Failed(id, _) => id,
+            };
+            let life = self.calls.entry(id).or_default();
+            let ended =
+                |e: &PipeEvent| matches!(e, PipeEvent::Completed(..) | PipeEvent::Failed(..));
+            assert!(
+                !life.iter().any(ended),
+                "{e:?} after the call ended: {life:?}"
+            );
+            match e {
+                PipeEvent::Announced(_) => assert!(life.is_empty(), "announced twice"),
+                PipeEvent::Asked(_) => {
+                    assert_eq!(
+                        life.as_slice(),
+                        [PipeEvent::Announced(id)],
+                        "asked out of order"
+                    );
+                }
+                PipeEvent::Resolved(..) => {
+                    assert_eq!(life.last(), Some(&PipeEvent::Asked(id)), "resolved unasked");
+                }
+                PipeEvent::Started(_) => {
+                    assert!(!life.contains(&PipeEvent::Started(id)), "started twice");
+                    assert!(
+                        matches!(
+                            life.last(),
+                            Some(
+                                PipeEvent::Announced(_)
+                                    | PipeEvent::Resolved(
+                                        _,
+                                        Decision::AllowOnce | Decision::AllowAlways
+                                    )
+                            )
+                        ),
+                        "started without leave: {life:?}"
+                    );
+                }
+                PipeEvent::Completed(..) => {
+                    assert_eq!(
+                        life.last(),
+                        Some(&PipeEvent::Started(id)),
+                        "completed unstarted"
+                    );
+                }
+                PipeEvent::Failed(..) => assert!(!life.is_empty(), "failed unannounced"),
+            }
+            life.push(e);
+        }
+    }
+
+    /// Where the batch stands: done batches are handed back (to the
+    /// engine), a trip is the core's next input.
+    fn batch_moved(&mut self, turn: TurnId, p: Option<Progress>) {
+        match p {
+            Some(Progress::Done) => self.tools = None,
+            Some(Progress::Tripped(loop_type)) => {
+                self.tools = None;
+                self.feed(Input::LoopTrip { turn, loop_type });
+            }
+            Some(Progress::Waiting(_) | Progress::Run(_)) | None => {}
+        }
+    }
+
+    /// A tool batch of `turn` arrives: a few calls, some scripted, some
+    /// real, some asking, with few distinct keys so loop trips happen.
+    fn start_batch(&mut self, turn: TurnId) {
+        if self.tools.is_some() {
+            return; // an engine waits for its batch's results
+        }
+        let n = 1 + (self.next_call % 3) as usize;
+        let first = CallId(self.next_call);
+        let specs = (0..n as u64)
+            .map(|i| {
+                let k = self.next_call + i;
+                CallSpec {
+                    key: CallKey {
+                        tool: format!("t{}", k % 2),
+                        args: "a".into(),
+                    },
+                    // A third scripted, a third real, a third asking first.
+                    simulated: (k % 3 == 1).then_some(CallOutcome {
+                        ok: k.is_multiple_of(2),
+                        signature: 1,
+                    }),
+                }
+            })
+            .collect();
+        self.next_call += n as u64;
+        let unattended = self
+            .core
+            .active()
+            .and_then(|(p, _)| self.origins.get(&p))
+            .is_some_and(|o| *o != Origin::Interactive);
+        let mut tools = Tools {
+            turn,
+            batch: Batch::new(first, specs, unattended),
+            guard: LoopGuard::new(LoopConfig::default()),
+        };
+        let mut fx = Vec::new();
+        let p = tools.batch.advance(&mut tools.guard, &needs, &mut fx);
+        self.tools = Some(tools);
+        self.record(fx);
+        self.batch_moved(turn, Some(p));
+    }
+
+    /// The turn of the batch ends (aborted or settled): what waits or runs
+    /// is abandoned, nothing more runs.
+    fn abandon(&mut self, turn: TurnId) {
+        let Some(mut tools) = self.tools.take_if(|t| t.turn == turn) else {
+            return;
+        };
+        let mut fx = Vec::new();
+        tools.batch.abandon(&mut tools.guard, &mut fx);
+        self.record(fx);
+        assert!(tools.batch.waiting().is_none() && tools.batch.running().is_none());
+    }
+
+    /// A person's decision, or a call's output, reaches the pipeline.
+    fn tool_step(&mut self, decide: Option<Decision>, ok: bool, stale: bool) {
+        let Some(mut tools) = self.tools.take() else {
+            return;
+        };
+        let turn = tools.turn;
+        let pending = match decide {
+            Some(_) => tools.batch.waiting(),
+            None => tools.batch.running(),
+        };
+        let target = if stale {
+            // A call of this batch that is not the pending one (ended, or
+            // not reached yet), or one of no batch at all.
+            let other = (0..3)
+                .map(|i| tools.batch.id(i))
+                .find(|id| tools.batch.index(*id).is_some() && Some(*id) != pending);
+            Some(other.unwrap_or(CallId(u64::MAX)))
+        } else {
+            pending
+        };
+        let Some(id) = target else {
+            self.tools = Some(tools);
+            return;
+        };
+        let mut fx = Vec::new();
+        let p = match decide {
+            Some(d) => tools.batch.decide(id, d, &mut tools.guard, &needs, &mut fx),
+            None => {
+                let outcome = CallOutcome { ok, signature: 2 };
+                tools
+                    .batch
+                    .finish(id, outcome, &mut tools.guard, &needs, &mut fx)
+            }
+        };
+        if stale {
+            assert!(
+                p.is_none() && fx.is_empty(),
+                "a stale answer changed the batch"
+            );
+        } else {
+            assert!(p.is_some(), "the pending call took its answer");
+        }
+        self.tools = Some(tools);
+        self.record(fx);
+        // As the session does: the call's end is progress for the turn.
+        self.feed(Input::ToolProgress { turn });
+        if self.tools.as_ref().is_some_and(|t| t.turn == turn) {
+            self.batch_moved(turn, p);
         }
     }
 
@@ -292,6 +503,14 @@ impl Sut {
             } => Some(*prompt),
             _ => None,
         };
+        let tool_batch = matches!(
+            &input,
+            Input::Signal {
+                signal: Signal::ToolBatch,
+                ..
+            }
+        );
+        let mut deliver_batch = None;
         let step = self.core.on(self.now, input);
         let fx = step.effects;
         match step.answer {
@@ -422,6 +641,7 @@ impl Sut {
                         .push(terminal.clone());
                     if let Some(t) = turn {
                         assert!(self.settled_turns.insert(*t));
+                        self.abandon(*t);
                     }
                     // Invariant 5: cancellation wins.
                     if self.cancel_first.contains(prompt) {
@@ -462,13 +682,23 @@ impl Sut {
                 }
                 Effect::Deliver { turn } => {
                     assert!(!self.settled_turns.contains(turn));
+                    if tool_batch {
+                        deliver_batch = Some(*turn);
+                    }
                 }
+                // As the session does: a turn that is stopped abandons its
+                // batch (a waiting call is resolved, a running one stopped).
+                Effect::AbortEngine { turn, .. } => self.abandon(*turn),
                 _ => {}
             }
         }
         // Invariant 1 (at most one): never two terminals for one prompt.
         for (p, t) in &self.terminals {
             assert_eq!(t.len(), 1, "prompt {p:?} got {t:?}");
+        }
+        // The delivered batch goes into the pipeline.
+        if let Some(turn) = deliver_batch {
+            self.start_batch(turn);
         }
     }
 
@@ -585,6 +815,12 @@ impl StateMachineTest for TurnCoreTest {
                 sut.now += ms;
                 sut.feed(Input::Tick);
             }
+            Step::Decide(d, stale) => {
+                let d =
+                    [Decision::AllowOnce, Decision::AllowAlways, Decision::Reject][d as usize % 3];
+                sut.tool_step(Some(d), false, stale);
+            }
+            Step::ToolDone(ok, stale) => sut.tool_step(None, ok, stale),
         }
         sut
     }
@@ -607,6 +843,16 @@ impl StateMachineTest for TurnCoreTest {
         }
         for p in &drain.admitted {
             assert!(drain.terminals.contains_key(p), "prompt {p:?} stranded");
+        }
+        // Tool calls: none is left waiting or running once the turns ended,
+        // and every announced call ended exactly once.
+        assert!(drain.tools.is_none(), "a batch outlived its turn");
+        for (id, life) in &drain.calls {
+            let ends = life
+                .iter()
+                .filter(|e| matches!(e, PipeEvent::Completed(..) | PipeEvent::Failed(..)))
+                .count();
+            assert_eq!(ends, 1, "call {id:?} ended {ends} times: {life:?}");
         }
         for p in &drain.rejected {
             assert!(!drain.terminals.contains_key(p));

@@ -261,6 +261,7 @@ impl SessionState {
             guard: LoopGuard::new(self.loops.clone()),
             text: String::new(),
             batch: None,
+            call_ids: CallIds::default(),
             exec: None,
             stopping: false,
             span,

@@ -46,7 +46,7 @@ impl SessionState {
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
             SessionMsg::ToolDone { turn, id, output } => {
-                let trip = self.tool_done(turn, &id, output);
+                let trip = self.tool_done(turn, id, output);
                 // The engine is silent while tools run: a finished call is
                 // the turn's progress (the stall bound restarts).
                 self.feed(myself, Input::ToolProgress { turn }, None).await;

@@ -34,11 +34,12 @@ use crate::event::ConfigOption;
 use crate::event::{EventBody, EventRecord};
 pub use crate::ports::Work;
 use crate::ports::{Ack, Inbox, WorkQueue};
-use crate::tools::{Batch, Decision, PermissionMode, Permissions, Progress};
+use crate::tools::{Batch, CallIds, Decision, PermissionMode, Permissions, Progress};
 use crate::{
     PermissionRefused, PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber,
     SubscriberId, TurnState,
 };
+use tiller_core::pipeline::CallId;
 
 /// The queues a session polls when idle, in admission order (goal,
 /// notification, cron), behind the [`WorkQueue`] port.
@@ -140,7 +141,8 @@ pub enum SessionMsg {
     /// A tool call that ran off the actor finished.
     ToolDone {
         turn: TurnId,
-        id: String,
+        /// The call, as the pipeline numbered it.
+        id: CallId,
         output: ToolOutput,
     },
     /// The session's MCP servers (connected by the edge), and the events
@@ -267,6 +269,8 @@ struct RunningEngine {
     /// The tool batch going through the pipeline (paused on a permission
     /// or a running call).
     batch: Option<Batch>,
+    /// Numbers the turn's calls, keeps their published ids unique.
+    call_ids: CallIds,
     /// The call running off the actor.
     exec: Option<tokio::task::JoinHandle<()>>,
     /// The turn is ending (cancel, settle): results no longer go to the

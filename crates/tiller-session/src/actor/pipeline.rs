@@ -39,7 +39,8 @@ impl SessionState {
             SignalKind::ToolBatch(calls) => {
                 // Nobody answers for an automatic turn: calls that would
                 // ask are refused at once.
-                let mut batch = Batch::new(calls).unattended(run.origin != Origin::Interactive);
+                let unattended = run.origin != Origin::Interactive;
+                let mut batch = Batch::new(calls, &mut run.call_ids, unattended);
                 let mut events = Vec::new();
                 let progress = batch.advance(&mut run.guard, &self.permissions, &mut events);
                 run.batch = Some(batch);
@@ -124,7 +125,7 @@ impl SessionState {
     pub(super) fn tool_done(
         &mut self,
         turn: TurnId,
-        id: &str,
+        id: CallId,
         output: ToolOutput,
     ) -> Option<LoopType> {
         let exec = Exec::of(self);
@@ -199,7 +200,7 @@ pub(super) fn batch_progress(
             None
         }
         Progress::Waiting => None,
-        Progress::Run(call) => {
+        Progress::Run(id, call) => {
             let (toolbox, client, actor) = (
                 exec.toolbox.clone(),
                 exec.client.clone(),
@@ -208,11 +209,7 @@ pub(super) fn batch_progress(
             let turn = run.turn;
             let task = async move {
                 let output = toolbox.run(&call, client).await;
-                let _ = actor.send_message(SessionMsg::ToolDone {
-                    turn,
-                    id: call.id,
-                    output,
-                });
+                let _ = actor.send_message(SessionMsg::ToolDone { turn, id, output });
             };
             run.exec = Some(tokio::spawn(task.instrument(run.span.clone())));
             None

@@ -81,7 +81,7 @@ proptest! {
             ..LoopConfig::default()
         });
         let mut perms = Permissions::new(mode);
-        let mut batch = Batch::new(calls.clone()).unattended(unattended);
+        let mut batch = Batch::new(calls.clone(), &mut CallIds::default(), unattended);
         let mut ev = Vec::new();
         let mut progress = batch.advance(&mut guard, &perms, &mut ev);
         let mut actions = actions.into_iter();
@@ -94,7 +94,7 @@ proptest! {
                     prop_assert_eq!(r.len(), calls.len(), "a trip fails every remaining call");
                     break r;
                 }
-                Progress::Waiting | Progress::Run(_) => {
+                Progress::Waiting | Progress::Run(..) => {
                     let act = actions.next().unwrap_or(if batch.running().is_some() {
                         Action::Finish(true)
                     } else {
@@ -107,24 +107,24 @@ proptest! {
                             p.expect("checked")
                         }
                         Action::Stale => {
-                            let p = batch.finish("nope", ToolOutput { ok: true, output: String::new() }, &mut guard, &perms, &mut ev);
+                            let p = batch.finish(CallId(u64::MAX), ToolOutput { ok: true, output: String::new() }, &mut guard, &perms, &mut ev);
                             prop_assert_eq!(&p, &Progress::Waiting, "a stale output changes nothing");
-                            if let Some(id) = batch.running().map(str::to_owned) {
-                                Progress::Run(calls.iter().find(|c| c.id == id).unwrap().clone())
+                            if let Some(id) = batch.running() {
+                                Progress::Run(id, calls[id.0 as usize].clone())
                             } else {
                                 Progress::Waiting
                             }
                         }
-                        Action::Finish(ok) => match batch.running().map(str::to_owned) {
-                            Some(id) => batch.finish(&id, ToolOutput { ok, output: "r".into() }, &mut guard, &perms, &mut ev),
+                        Action::Finish(ok) => match batch.running() {
+                            Some(id) => batch.finish(id, ToolOutput { ok, output: "r".into() }, &mut guard, &perms, &mut ev),
                             None => Progress::Waiting,
                         },
                         Action::Decide(d) => {
                             if batch.waiting().is_some() {
                                 let d = [Decision::AllowOnce, Decision::AllowAlways, Decision::Reject, Decision::Cancelled][d as usize];
                                 batch.decide(d, &mut guard, &mut perms, &mut ev)
-                            } else if let Some(id) = batch.running().map(str::to_owned) {
-                                Progress::Run(calls.iter().find(|c| c.id == id).unwrap().clone())
+                            } else if let Some(id) = batch.running() {
+                                Progress::Run(id, calls[id.0 as usize].clone())
                             } else {
                                 Progress::Waiting
                             }

@@ -1,14 +1,17 @@
-//! The session's tool pipeline. Each call goes through the loop guard, then
-//! permission, then execution, in the batch's order. A batch is resumable:
-//! when a call needs a person's decision it pauses (the session keeps
-//! handling messages) and continues when the decision arrives. A call that
-//! really runs (a file, search, shell or MCP tool) pauses the batch the same
-//! way: the actor runs it off the mailbox and hands the output back. The
-//! scripted engine's calls carry a simulated outcome and finish at once.
+//! The session's tool pipeline: the rules (announce, loop check,
+//! permission, run, finish, abandon) are the pure core
+//! `tiller_core::pipeline`; this module renders what the core decides as
+//! events and tool results, and owns what the core does not know: the
+//! calls' content, outputs, permission request ids and the wire ids.
+//!
+//! Every call has a [`CallId`] the core assigns; the id a call is
+//! published under is the model's own, made unique when the model repeats
+//! one within a turn, so two calls never alias each other in any client.
 
 use std::collections::HashSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
+use tiller_core::pipeline::{self, CallId, CallSpec, Failure, PipeEvent};
 use tiller_core::{CallKey, CallOutcome, LoopGuard, LoopType};
 use tiller_engine::{ToolCall, ToolKind, ToolOutput, ToolResult};
 
@@ -16,16 +19,15 @@ use crate::event::{EventBody, PermissionOption, ToolError, ToolStatus};
 mod permissions;
 
 pub use permissions::*;
+pub use tiller_core::pipeline::Decision;
 
-/// A call waiting for a decision.
+/// The call waiting for a decision.
 #[derive(Clone, Debug)]
 pub struct Waiting {
     /// The request's id (clients answer with it).
     pub request_id: String,
-    /// The call's index in the batch.
-    index: usize,
-    /// Its loop-guard key, to report the outcome.
-    key: CallKey,
+    /// The call.
+    pub call: CallId,
 }
 
 /// Where a batch stands after it advanced.
@@ -36,8 +38,8 @@ pub enum Progress {
     /// A call waits for a person.
     Waiting,
     /// This call must run now (off the actor); hand its output to
-    /// [`Batch::finish`].
-    Run(ToolCall),
+    /// [`Batch::finish`] with its id.
+    Run(CallId, ToolCall),
     /// The loop guard stopped the batch; the rest of it failed unstarted.
     Tripped(LoopType, Vec<ToolResult>),
 }
@@ -45,40 +47,77 @@ pub enum Progress {
 /// One tool batch going through the pipeline.
 #[derive(Debug)]
 pub struct Batch {
+    core: pipeline::Batch,
+    /// The id of `calls[0]`.
+    first: u64,
     calls: Vec<ToolCall>,
-    /// The next call to consider.
-    next: usize,
+    /// The id each call is published under.
+    wire: Vec<String>,
     results: Vec<ToolResult>,
-    /// The call paused on a decision, if any.
+    /// The pending request, if a call waits.
     waiting: Option<Waiting>,
-    /// The call running off the actor, if any, and its loop-guard key.
-    running: Option<(usize, CallKey)>,
-    /// Nobody is there to answer (a cron, notification, goal or channel
-    /// turn): a call that would ask fails at once instead.
-    unattended: bool,
+}
+
+/// Numbers a turn's calls and keeps their published ids unique.
+#[derive(Debug, Default)]
+pub struct CallIds {
+    next: u64,
+    published: HashSet<String>,
 }
 
 impl Batch {
-    pub fn new(calls: Vec<ToolCall>) -> Self {
+    /// A batch of `calls`, numbered by `ids`. `unattended`: nobody is there
+    /// to answer (a cron, notification, goal or channel turn), so calls
+    /// that would ask are refused at once.
+    pub fn new(calls: Vec<ToolCall>, ids: &mut CallIds, unattended: bool) -> Self {
+        let first = CallId(ids.next);
+        ids.next += calls.len() as u64;
+        let wire = calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let mut id = c.id.clone();
+                if !ids.published.insert(id.clone()) {
+                    // A repeated model id: published as its own call.
+                    id = format!("{}#{}", c.id, first.0 + i as u64);
+                    ids.published.insert(id.clone());
+                }
+                id
+            })
+            .collect();
+        let specs = calls
+            .iter()
+            .map(|c| CallSpec {
+                key: CallKey {
+                    tool: c.name.clone(),
+                    args: canonical_json(&c.input),
+                },
+                simulated: c.simulated.as_ref().map(outcome),
+            })
+            .collect();
         Self {
+            core: pipeline::Batch::new(first, specs, unattended),
+            first: first.0,
             results: Vec::with_capacity(calls.len()),
             calls,
-            next: 0,
+            wire,
             waiting: None,
-            running: None,
-            unattended: false,
         }
-    }
-
-    /// A batch of an automatic turn: calls that would ask are refused.
-    pub fn unattended(mut self, unattended: bool) -> Self {
-        self.unattended = unattended;
-        self
     }
 
     /// The pending request, if the batch waits for one.
     pub fn waiting(&self) -> Option<(&Waiting, &ToolCall)> {
-        self.waiting.as_ref().map(|w| (w, &self.calls[w.index]))
+        let w = self.waiting.as_ref()?;
+        Some((w, self.call(w.call)))
+    }
+
+    /// The call running off the actor, if any.
+    pub fn running(&self) -> Option<CallId> {
+        self.core.running()
+    }
+
+    fn call(&self, id: CallId) -> &ToolCall {
+        &self.calls[self.core.index(id).expect("a call of this batch")]
     }
 
     /// Runs calls until the batch is done, waits, or trips. Appends the
@@ -89,66 +128,12 @@ impl Batch {
         perms: &Permissions,
         events: &mut Vec<EventBody>,
     ) -> Progress {
-        while self.waiting.is_none() && self.running.is_none() && self.next < self.calls.len() {
-            let i = self.next;
-            self.next += 1;
-            let call = self.calls[i].clone();
-            events.push(announce(&call));
-            let key = CallKey {
-                tool: call.name.clone(),
-                args: canonical_json(&call.input),
-            };
-            if let Err(loop_type) = guard.check(&key) {
-                self.skip_rest(i, loop_type, events);
-                return Progress::Tripped(loop_type, std::mem::take(&mut self.results));
-            }
-            if perms.needs(&call) && self.unattended {
-                let output = ToolOutput {
-                    ok: false,
-                    output: unattended_message(&call, perms.mode),
-                };
-                guard.finished(
-                    &key,
-                    CallOutcome {
-                        ok: false,
-                        signature: signature(&output),
-                    },
-                );
-                let error = ToolError {
-                    error_kind: "permission_unavailable".into(),
-                    loop_type: None,
-                    code: "PERMISSION_UNAVAILABLE".into(),
-                    message: output.output.clone(),
-                };
-                self.fail(i, output, Some(error), events);
-                continue;
-            }
-            if perms.needs(&call) {
-                let request_id = format!("perm-{}", tiller_core::RequestId::new());
-                events.push(EventBody::PermissionRequested {
-                    request_id: request_id.clone(),
-                    tool_call_id: call.id.clone(),
-                    title: call.name.clone(),
-                    options: options(&call),
-                });
-                self.waiting = Some(Waiting {
-                    request_id,
-                    index: i,
-                    key,
-                });
-                return Progress::Waiting;
-            }
-            if let Some(call) = self.run(i, key, guard, events) {
-                return Progress::Run(call);
-            }
-        }
-        if let Some((i, _)) = &self.running {
-            Progress::Run(self.calls[*i].clone())
-        } else if self.waiting.is_some() {
-            Progress::Waiting
-        } else {
-            Progress::Done(std::mem::take(&mut self.results))
-        }
+        let mut fx = Vec::new();
+        let needs = needs(&self.calls, self.first, perms);
+        let p = self.core.advance(guard, &needs, &mut fx);
+        drop(needs);
+        self.render(fx, None, perms, events);
+        self.progress(p)
     }
 
     /// Applies a decision to the waiting call, then advances.
@@ -159,75 +144,41 @@ impl Batch {
         perms: &mut Permissions,
         events: &mut Vec<EventBody>,
     ) -> Progress {
-        let Some(w) = self.waiting.take() else {
+        let Some(id) = self.core.waiting() else {
             return Progress::Waiting;
         };
-        events.push(EventBody::PermissionResolved {
-            request_id: w.request_id.clone(),
-            tool_call_id: self.calls[w.index].id.clone(),
-            outcome: decision.as_str().into(),
-        });
-        match decision {
-            Decision::AllowOnce | Decision::AllowAlways => {
-                if decision == Decision::AllowAlways {
-                    perms.allow_always(&self.calls[w.index]);
-                }
-                if let Some(call) = self.run(w.index, w.key, guard, events) {
-                    return Progress::Run(call);
-                }
-                self.advance(guard, perms, events)
-            }
-            Decision::Reject | Decision::Cancelled => {
-                let why = if decision == Decision::Reject {
-                    "The user denied permission for this call; it did not run."
-                } else {
-                    "The turn ended before permission was given; this call did not run."
-                };
-                let output = ToolOutput {
-                    ok: false,
-                    output: why.into(),
-                };
-                guard.finished(
-                    &w.key,
-                    CallOutcome {
-                        ok: false,
-                        signature: signature(&output),
-                    },
-                );
-                self.fail(w.index, output, None, events);
-                if decision == Decision::Cancelled {
-                    // Nothing more runs; unreached calls were never announced.
-                    self.next = self.calls.len();
-                    return Progress::Done(std::mem::take(&mut self.results));
-                }
-                self.advance(guard, perms, events)
-            }
+        if decision == Decision::AllowAlways {
+            perms.allow_always(self.call(id));
         }
-    }
-
-    /// The id of the call running off the actor, if any.
-    pub fn running(&self) -> Option<&str> {
-        self.running
-            .as_ref()
-            .map(|(i, _)| self.calls[*i].id.as_str())
+        let mut fx = Vec::new();
+        let needs = needs(&self.calls, self.first, perms);
+        let p = self.core.decide(id, decision, guard, &needs, &mut fx);
+        drop(needs);
+        self.render(fx, None, perms, events);
+        p.map_or(Progress::Waiting, |p| self.progress(p))
     }
 
     /// Takes the output of the running call `id`, then advances. A stale id
     /// (the call was abandoned) changes nothing.
     pub fn finish(
         &mut self,
-        id: &str,
+        id: CallId,
         output: ToolOutput,
         guard: &mut LoopGuard,
         perms: &Permissions,
         events: &mut Vec<EventBody>,
     ) -> Progress {
-        if self.running() != Some(id) {
+        let mut fx = Vec::new();
+        let needs = needs(&self.calls, self.first, perms);
+        let p = self
+            .core
+            .finish(id, outcome(&output), guard, &needs, &mut fx);
+        drop(needs);
+        let Some(p) = p else {
             return Progress::Waiting;
-        }
-        let (i, key) = self.running.take().expect("checked above");
-        self.complete(i, &key, output, guard, events);
-        self.advance(guard, perms, events)
+        };
+        self.render(fx, Some((id, output)), perms, events);
+        self.progress(p)
     }
 
     /// The turn ended: a call waiting for permission or still running
@@ -238,139 +189,187 @@ impl Batch {
         perms: &mut Permissions,
         events: &mut Vec<EventBody>,
     ) -> Option<Progress> {
-        if self.waiting.is_some() {
-            return Some(self.decide(Decision::Cancelled, guard, perms, events));
-        }
-        let (i, _) = self.running.take()?;
-        let output = ToolOutput {
-            ok: false,
-            output: "The turn ended before this call finished; it was stopped.".into(),
-        };
-        self.fail(i, output, None, events);
-        self.next = self.calls.len();
-        Some(Progress::Done(std::mem::take(&mut self.results)))
+        let mut fx = Vec::new();
+        let p = self.core.abandon(guard, &mut fx)?;
+        self.render(fx, None, perms, events);
+        Some(self.progress(p))
     }
 
-    /// Starts call `i`: a simulated call completes now; a real one is
-    /// returned to be run off the actor.
-    fn run(
-        &mut self,
-        i: usize,
-        key: CallKey,
-        guard: &mut LoopGuard,
-        events: &mut Vec<EventBody>,
-    ) -> Option<ToolCall> {
-        let call = &self.calls[i];
-        events.push(EventBody::ToolCallUpdate {
-            tool_call_id: call.id.clone(),
-            status: ToolStatus::InProgress,
-            output: None,
-            error: None,
-        });
-        match call.simulated.clone() {
-            Some(output) => {
-                self.complete(i, &key, output, guard, events);
-                None
-            }
-            None => {
-                let call = call.clone();
-                self.running = Some((i, key));
-                Some(call)
+    fn progress(&mut self, p: pipeline::Progress) -> Progress {
+        match p {
+            pipeline::Progress::Done => Progress::Done(std::mem::take(&mut self.results)),
+            pipeline::Progress::Waiting(_) => Progress::Waiting,
+            pipeline::Progress::Run(id) => Progress::Run(id, self.call(id).clone()),
+            pipeline::Progress::Tripped(t) => {
+                Progress::Tripped(t, std::mem::take(&mut self.results))
             }
         }
     }
 
-    fn complete(
+    /// The core's events as session events and tool results. `finished`
+    /// is the output a [`Batch::finish`] brought.
+    fn render(
         &mut self,
-        i: usize,
-        key: &CallKey,
-        output: ToolOutput,
-        guard: &mut LoopGuard,
+        fx: Vec<PipeEvent>,
+        mut finished: Option<(CallId, ToolOutput)>,
+        perms: &Permissions,
         events: &mut Vec<EventBody>,
     ) {
-        let call = &self.calls[i];
-        guard.finished(
-            key,
-            CallOutcome {
-                ok: output.ok,
-                signature: signature(&output),
-            },
-        );
-        metrics::counter!(
-            "tiller_tool_calls_total",
-            "status" => if output.ok { "completed" } else { "failed" }
-        )
-        .increment(1);
-        events.push(EventBody::ToolCallUpdate {
-            tool_call_id: call.id.clone(),
-            status: if output.ok {
-                ToolStatus::Completed
-            } else {
-                ToolStatus::Failed
-            },
-            output: Some(output.output.clone()),
-            error: None,
-        });
-        self.results.push(ToolResult {
-            id: call.id.clone(),
-            output,
-        });
-    }
-
-    fn fail(
-        &mut self,
-        i: usize,
-        output: ToolOutput,
-        error: Option<ToolError>,
-        events: &mut Vec<EventBody>,
-    ) {
-        metrics::counter!("tiller_tool_calls_total", "status" => "failed").increment(1);
-        let id = self.calls[i].id.clone();
-        events.push(EventBody::ToolCallUpdate {
-            tool_call_id: id.clone(),
-            status: ToolStatus::Failed,
-            output: Some(output.output.clone()),
-            error,
-        });
-        self.results.push(ToolResult { id, output });
-    }
-
-    /// The tripping call (already announced) and every later call fail
-    /// with the skip reason; none runs, none stays pending.
-    fn skip_rest(&mut self, from: usize, loop_type: LoopType, events: &mut Vec<EventBody>) {
-        let message = skip_message(loop_type);
-        for i in from..self.calls.len() {
-            if i > from {
-                events.push(announce(&self.calls[i]));
+        for e in fx {
+            match e {
+                PipeEvent::Announced(id) => events.push(self.announce(id)),
+                PipeEvent::Asked(id) => {
+                    let request_id = format!("perm-{}", tiller_core::RequestId::new());
+                    let call = self.call(id);
+                    events.push(EventBody::PermissionRequested {
+                        request_id: request_id.clone(),
+                        tool_call_id: self.wire_id(id),
+                        title: call.name.clone(),
+                        options: options(call),
+                    });
+                    self.waiting = Some(Waiting {
+                        request_id,
+                        call: id,
+                    });
+                }
+                PipeEvent::Resolved(id, decision) => {
+                    let request_id = self
+                        .waiting
+                        .take()
+                        .filter(|w| w.call == id)
+                        .map(|w| w.request_id)
+                        .unwrap_or_default();
+                    events.push(EventBody::PermissionResolved {
+                        request_id,
+                        tool_call_id: self.wire_id(id),
+                        outcome: decision.as_str().into(),
+                    });
+                }
+                PipeEvent::Started(id) => events.push(EventBody::ToolCallUpdate {
+                    tool_call_id: self.wire_id(id),
+                    status: ToolStatus::InProgress,
+                    output: None,
+                    error: None,
+                }),
+                PipeEvent::Completed(id, ok) => {
+                    let output = match finished.take_if(|(f, _)| *f == id) {
+                        Some((_, output)) => output,
+                        None => self.call(id).simulated.clone().unwrap_or(ToolOutput {
+                            ok,
+                            output: String::new(),
+                        }),
+                    };
+                    metrics::counter!(
+                        "tiller_tool_calls_total",
+                        "status" => if output.ok { "completed" } else { "failed" }
+                    )
+                    .increment(1);
+                    events.push(EventBody::ToolCallUpdate {
+                        tool_call_id: self.wire_id(id),
+                        status: if output.ok {
+                            ToolStatus::Completed
+                        } else {
+                            ToolStatus::Failed
+                        },
+                        output: Some(output.output.clone()),
+                        error: None,
+                    });
+                    self.results.push(ToolResult {
+                        id: self.call(id).id.clone(),
+                        output,
+                    });
+                }
+                PipeEvent::Failed(id, why) => {
+                    let (text, error) = failure(self.call(id), why, perms.mode);
+                    metrics::counter!("tiller_tool_calls_total", "status" => "failed").increment(1);
+                    events.push(EventBody::ToolCallUpdate {
+                        tool_call_id: self.wire_id(id),
+                        status: ToolStatus::Failed,
+                        output: Some(text.clone()),
+                        error,
+                    });
+                    self.results.push(ToolResult {
+                        id: self.call(id).id.clone(),
+                        output: ToolOutput {
+                            ok: false,
+                            output: text,
+                        },
+                    });
+                }
             }
+        }
+    }
+
+    /// The id call `id` is published under.
+    fn wire_id(&self, id: CallId) -> String {
+        self.wire[self.core.index(id).expect("a call of this batch")].clone()
+    }
+
+    /// The event that announces a call (the session adds its locations).
+    fn announce(&self, id: CallId) -> EventBody {
+        let call = self.call(id);
+        EventBody::ToolCall {
+            tool_call_id: self.wire_id(id),
+            name: call.name.clone(),
+            input: call.input.clone(),
+            status: ToolStatus::Pending,
+            locations: Vec::new(),
+        }
+    }
+}
+
+/// Whether a call needs a person's permission under `perms` now.
+fn needs<'a>(
+    calls: &'a [ToolCall],
+    first: u64,
+    perms: &'a Permissions,
+) -> impl Fn(CallId) -> bool + 'a {
+    move |id| perms.needs(&calls[(id.0 - first) as usize])
+}
+
+/// What a call that failed without its own output tells the model, and
+/// the structured error clients get, if any.
+fn failure(call: &ToolCall, why: Failure, mode: PermissionMode) -> (String, Option<ToolError>) {
+    match why {
+        Failure::Skipped(loop_type) => {
+            let message = skip_message(loop_type);
             let error = ToolError {
                 error_kind: "loop_detected".into(),
                 loop_type: Some(loop_type.as_str().into()),
                 code: "LOOP_DETECTED".into(),
                 message: message.clone(),
             };
-            self.fail(
-                i,
-                ToolOutput {
-                    ok: false,
-                    output: message.clone(),
-                },
-                Some(error),
-                events,
-            );
+            (message, Some(error))
         }
-        self.next = self.calls.len();
+        Failure::Unattended => {
+            let message = unattended_message(call, mode);
+            let error = ToolError {
+                error_kind: "permission_unavailable".into(),
+                loop_type: None,
+                code: "PERMISSION_UNAVAILABLE".into(),
+                message: message.clone(),
+            };
+            (message, Some(error))
+        }
+        Failure::Denied => (
+            "The user denied permission for this call; it did not run.".into(),
+            None,
+        ),
+        Failure::Cancelled => (
+            "The turn ended before permission was given; this call did not run.".into(),
+            None,
+        ),
+        Failure::Stopped => (
+            "The turn ended before this call finished; it was stopped.".into(),
+            None,
+        ),
     }
 }
 
-/// The event that announces a call (the session adds its locations).
-fn announce(call: &ToolCall) -> EventBody {
-    EventBody::ToolCall {
-        tool_call_id: call.id.clone(),
-        name: call.name.clone(),
-        input: call.input.clone(),
-        status: ToolStatus::Pending,
-        locations: Vec::new(),
+fn outcome(out: &ToolOutput) -> CallOutcome {
+    CallOutcome {
+        ok: out.ok,
+        signature: signature(out),
     }
 }
 

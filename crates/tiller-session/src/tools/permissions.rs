@@ -234,37 +234,6 @@ impl Permissions {
     }
 }
 
-/// A person's answer to a permission request.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Decision {
-    AllowOnce,
-    AllowAlways,
-    Reject,
-    /// The turn ended before anyone answered.
-    Cancelled,
-}
-
-impl Decision {
-    /// Reads an option id offered by [`options`].
-    pub fn from_option(id: &str) -> Option<Decision> {
-        Some(match id {
-            "allow_once" => Decision::AllowOnce,
-            "allow_always" => Decision::AllowAlways,
-            "reject_once" => Decision::Reject,
-            _ => return None,
-        })
-    }
-
-    pub(crate) fn as_str(self) -> &'static str {
-        match self {
-            Decision::AllowOnce => "allow_once",
-            Decision::AllowAlways => "allow_always",
-            Decision::Reject => "reject_once",
-            Decision::Cancelled => "cancelled",
-        }
-    }
-}
-
 /// The options a permission request for `call` offers. For `shell`, the
 /// "always" option names the commands it covers.
 pub fn options(call: &ToolCall) -> Vec<PermissionOption> {

@@ -31,6 +31,11 @@ fn finals(events: &[EventBody]) -> Vec<(String, ToolStatus)> {
         .collect()
 }
 
+/// A batch of an interactive turn, numbered from 0.
+fn batch(calls: Vec<ToolCall>) -> Batch {
+    Batch::new(calls, &mut CallIds::default(), false)
+}
+
 fn guard() -> LoopGuard {
     LoopGuard::new(LoopConfig::default())
 }
@@ -49,25 +54,31 @@ fn a_real_call_pauses_the_batch_until_its_output_arrives() {
     let mut ev = Vec::new();
     let mut g = guard();
     let perms = Permissions::default();
-    let mut b = Batch::new(calls);
-    let Progress::Run(c) = b.advance(&mut g, &perms, &mut ev) else {
+    let mut b = batch(calls);
+    let Progress::Run(id, c) = b.advance(&mut g, &perms, &mut ev) else {
         panic!("b must run off the actor")
     };
-    assert_eq!((c.id.as_str(), b.running()), ("b", Some("b")));
+    assert_eq!((c.id.as_str(), b.running()), ("b", Some(id)));
+    assert_eq!(id, CallId(1), "the pipeline numbers the calls");
     // A stale output changes nothing.
     let out = |ok| ToolOutput {
         ok,
         output: "x".into(),
     };
     assert_eq!(
-        b.finish("zz", out(true), &mut g, &perms, &mut ev),
+        b.finish(CallId(7), out(true), &mut g, &perms, &mut ev),
         Progress::Waiting
     );
-    let Progress::Run(c) = b.finish("b", out(false), &mut g, &perms, &mut ev) else {
+    let Progress::Run(next, c) = b.finish(id, out(false), &mut g, &perms, &mut ev) else {
         panic!("c runs next")
     };
     assert_eq!(c.id, "c");
-    let p = b.finish("c", out(true), &mut g, &perms, &mut ev);
+    // The finished call's id is stale now.
+    assert_eq!(
+        b.finish(id, out(true), &mut g, &perms, &mut ev),
+        Progress::Waiting
+    );
+    let p = b.finish(next, out(true), &mut g, &perms, &mut ev);
     let Progress::Done(results) = p else {
         panic!("{p:?}")
     };
@@ -94,10 +105,10 @@ fn abandoning_a_running_call_fails_it_and_ends_the_batch() {
     let mut ev = Vec::new();
     let mut g = guard();
     let mut perms = Permissions::default();
-    let mut b = Batch::new(vec![real("a"), real("b")]);
+    let mut b = batch(vec![real("a"), real("b")]);
     assert!(matches!(
         b.advance(&mut g, &perms, &mut ev),
-        Progress::Run(_)
+        Progress::Run(..)
     ));
     let p = b.abandon(&mut g, &mut perms, &mut ev);
     assert!(matches!(p, Some(Progress::Done(ref r)) if r.len() == 1 && !r[0].output.ok));
@@ -120,7 +131,7 @@ fn six_identical_calls_run_four_and_fail_two() {
         })
         .collect();
     let mut ev = Vec::new();
-    let p = Batch::new(calls).advance(&mut guard(), &Permissions::default(), &mut ev);
+    let p = batch(calls).advance(&mut guard(), &Permissions::default(), &mut ev);
     let Progress::Tripped(LoopType::ConsecutiveIdenticalToolCalls, results) = p else {
         panic!("{p:?}")
     };
@@ -164,7 +175,7 @@ fn permission_pauses_the_batch_and_decisions_resume_it() {
     ];
     let mut perms = Permissions::default();
     let mut g = guard();
-    let mut b = Batch::new(calls);
+    let mut b = batch(calls);
     let mut ev = Vec::new();
     assert_eq!(b.advance(&mut g, &perms, &mut ev), Progress::Waiting);
     let first = b.waiting().unwrap().0.request_id.clone();
@@ -223,7 +234,7 @@ fn calls_that_share_a_model_call_id_never_share_a_request() {
     ];
     let mut perms = Permissions::default();
     let mut g = guard();
-    let mut b = Batch::new(calls);
+    let mut b = batch(calls);
     let mut ev = Vec::new();
     assert_eq!(b.advance(&mut g, &perms, &mut ev), Progress::Waiting);
     let first = b.waiting().unwrap().0.request_id.clone();
@@ -236,6 +247,44 @@ fn calls_that_share_a_model_call_id_never_share_a_request() {
         first, second,
         "a second answer to the first request must not approve the second call"
     );
+    // Nor do they share a published id: no client can mistake one for the
+    // other.
+    let announced: Vec<String> = ev
+        .iter()
+        .filter_map(|e| match e {
+            EventBody::ToolCall { tool_call_id, .. } => Some(tool_call_id.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(announced.len(), 2);
+    assert_ne!(announced[0], announced[1]);
+    assert_eq!(announced[0], "same", "a first use keeps the model's id");
+}
+
+#[test]
+fn a_model_id_reused_in_a_later_batch_of_the_turn_is_published_as_its_own_call() {
+    let mut ids = CallIds::default();
+    let mut ev = Vec::new();
+    let mut g = guard();
+    let perms = Permissions::default();
+    for _ in 0..2 {
+        let calls = vec![call(
+            "call_0",
+            "read_file",
+            serde_json::json!({}),
+            true,
+            "x",
+        )];
+        Batch::new(calls, &mut ids, false).advance(&mut g, &perms, &mut ev);
+    }
+    let published: Vec<&str> = ev
+        .iter()
+        .filter_map(|e| match e {
+            EventBody::ToolCall { tool_call_id, .. } => Some(tool_call_id.as_str()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(published, ["call_0", "call_0#1"]);
 }
 
 #[test]
@@ -246,7 +295,7 @@ fn a_cancelled_wait_fails_the_call_and_ends_the_batch() {
     ];
     let mut perms = Permissions::new(PermissionMode::AcceptEdits);
     let mut g = guard();
-    let mut b = Batch::new(calls);
+    let mut b = batch(calls);
     let mut ev = Vec::new();
     assert_eq!(b.advance(&mut g, &perms, &mut ev), Progress::Waiting);
     let p = b.decide(Decision::Cancelled, &mut g, &mut perms, &mut ev);
@@ -382,10 +431,11 @@ fn an_unattended_call_that_would_ask_is_refused_at_once() {
         ),
     ];
     let mut ev = Vec::new();
-    let p =
-        Batch::new(calls)
-            .unattended(true)
-            .advance(&mut guard(), &Permissions::default(), &mut ev);
+    let p = Batch::new(calls, &mut CallIds::default(), true).advance(
+        &mut guard(),
+        &Permissions::default(),
+        &mut ev,
+    );
     let Progress::Done(results) = p else {
         panic!("{p:?}")
     };
@@ -401,14 +451,11 @@ fn an_unattended_call_that_would_ask_is_refused_at_once() {
     );
     // In allow-all mode nothing needs asking, so everything runs.
     let mut ev = Vec::new();
-    let p = Batch::new(vec![call(
-        "w",
-        "write_file",
-        serde_json::json!({}),
+    let p = Batch::new(
+        vec![call("w", "write_file", serde_json::json!({}), true, "ok")],
+        &mut CallIds::default(),
         true,
-        "ok",
-    )])
-    .unattended(true)
+    )
     .advance(
         &mut guard(),
         &Permissions::new(PermissionMode::AllowAll),
