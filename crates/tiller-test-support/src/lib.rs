@@ -1,7 +1,12 @@
 //! Shared helpers for Tiller's Rust tests, so every test builds sessions
 //! the same way: one session config, a subscriber that collects what it
-//! is sent, and a real store (in a temporary directory) that a test can
-//! make fail on demand ([`Store::fail_appends`]).
+//! is sent, a real store (in a temporary directory) that a test can
+//! make fail on demand ([`Store::fail_appends`]), paused time
+//! ([`virtual_elapsed`]) and an in-process ACP client ([`AcpClient`]).
+
+mod acp;
+
+pub use acp::{AcpClient, update_kinds};
 
 use std::sync::{Arc, Mutex};
 
@@ -64,4 +69,14 @@ impl Subscriber for Collect {
 /// The kinds of `events`, in order.
 pub fn kinds<E: std::borrow::Borrow<EventRecord>>(events: &[E]) -> Vec<&'static str> {
     events.iter().map(|e| e.borrow().body.kind()).collect()
+}
+
+/// Runs `f` and returns its output with the time it took on tokio's clock.
+/// In a `#[tokio::test(start_paused = true)]` that clock is virtual: it
+/// jumps to the next timer whenever every task waits, so a bound of ten
+/// minutes is checked in milliseconds of real time, exactly.
+pub async fn virtual_elapsed<F: Future>(f: F) -> (F::Output, std::time::Duration) {
+    let start = tokio::time::Instant::now();
+    let out = f.await;
+    (out, start.elapsed())
 }

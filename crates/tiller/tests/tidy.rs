@@ -69,6 +69,7 @@ fn crates_depend_only_downward() {
         (
             "tiller-test-support",
             &[
+                "tiller-acp",
                 "tiller-core",
                 "tiller-engine",
                 "tiller-session",

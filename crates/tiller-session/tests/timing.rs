@@ -1,0 +1,55 @@
+//! The lifecycle's time bounds under paused time: tokio's clock is virtual
+//! here, so each bound is checked exactly, in no real time at all.
+
+use std::time::Duration;
+
+use tiller_core::{ErrorKind, Origin, StopReason, Terminal};
+use tiller_test_support::{session_config, sessions, virtual_elapsed};
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_engine_settles_stalled_at_the_stall_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (_, rx) = h
+        .prompt(
+            // Ten silent minutes: far past the bound.
+            r#"{"script": [{"sleep_ms": 600000}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let (done, took) = virtual_elapsed(rx).await;
+    assert_eq!(done.unwrap().terminal, Terminal::failed(ErrorKind::Stalled));
+    let bound = Duration::from_millis(session_config().turn.stall_timeout);
+    assert!(took >= bound, "settled early: {took:?}");
+    assert!(
+        took < bound + Duration::from_millis(50),
+        "settled late: {took:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancel_the_engine_ignores_settles_at_the_cancel_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"sleep_ms": 600000}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    h.cancel().unwrap();
+    let (done, took) = virtual_elapsed(rx).await;
+    assert_eq!(
+        done.unwrap().terminal,
+        Terminal::Completed(StopReason::Cancelled)
+    );
+    let grace = Duration::from_millis(session_config().turn.cancel_grace);
+    assert!(took <= grace + Duration::from_millis(50), "{took:?}");
+}
