@@ -702,6 +702,54 @@ describe("resource bounds at the edges", () => {
     }
   });
 
+  test("a slow SSE reader during a 20,000-chunk turn gets every event once, in order, without a resync", async () => {
+    const d = await startDaemon({ env: { TILLER_LIMITS__SUBSCRIBER_QUEUE: "16" } });
+    try {
+      const sid = (await api(d, "POST", "/api/sessions", { cwd: "/w" })).body.id;
+      const res = await fetch(`${d.http}/api/sessions/${sid}/events`, { headers: d.auth });
+      const reader = res.body.getReader();
+      const first = await reader.read(); // the snapshot
+      await api(d, "POST", `/api/sessions/${sid}/prompts`, {
+        text: script([{ repeat: { times: 10000, steps: [{ say: "x" }, { say: "x" }] } }]),
+      });
+      // Not reading while the turn streams far more than any buffer holds.
+      const snap = async () => (await api(d, "GET", `/api/sessions/${sid}`)).body;
+      await until(async () => (await snap()).state === "idle", 60000, "the turn ends");
+      const last = (await snap()).lastSeq;
+      const decoder = new TextDecoder();
+      let buf = decoder.decode(first.value, { stream: true });
+      const events = [];
+      while (!events.some((e) => e.id === last)) {
+        const { value, done } = await reader.read();
+        assert.ok(!done, "the stream stays open");
+        buf += decoder.decode(value, { stream: true });
+        let i;
+        while ((i = buf.indexOf("\n\n")) >= 0) {
+          const block = buf.slice(0, i);
+          buf = buf.slice(i + 2);
+          const ev = { event: "message", id: undefined, data: "" };
+          for (const line of block.split("\n")) {
+            const [k, ...rest] = line.split(":");
+            const v = rest.join(":").replace(/^ /, "");
+            if (k === "event") ev.event = v;
+            else if (k === "id") ev.id = Number(v);
+            else if (k === "data") ev.data += v;
+          }
+          if (ev.event === "resync") assert.fail("told to resync");
+          if (ev.event === "event") events.push({ id: ev.id, data: JSON.parse(ev.data) });
+        }
+      }
+      await reader.cancel();
+      const ids = events.map((e) => e.id);
+      assert.deepEqual(ids, Array.from({ length: ids.length }, (_, k) => ids[0] + k), "contiguous, each once");
+      assert.equal(ids.at(-1), last);
+      const text = events.filter((e) => e.data.type === "agent_message_chunk").map((e) => e.data.data.text).join("");
+      assert.equal(text, "x".repeat(20000), "nothing lost");
+    } finally {
+      await d.stop();
+    }
+  });
+
   test("a slow ACP reader during a 20,000-chunk turn still gets its prompt's response, and every chunk", async () => {
     const raw = await rawUnix(daemon);
     const messages = raw.messages;

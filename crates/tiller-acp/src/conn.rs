@@ -31,6 +31,7 @@ use agent_client_protocol::v1::schema::{
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tiller_core::{Origin, SessionId};
+use tiller_session::view::{Cursor, Live};
 use tiller_session::{
     EventRecord, PromptRefused, SessionError, SessionHandle, Sessions, Subscriber, SubscriberId,
 };
@@ -54,7 +55,8 @@ pub enum Frame {
 pub struct AcpConfig {
     /// Largest accepted message.
     pub max_message_bytes: usize,
-    /// Events buffered per connection before it is evicted as too slow.
+    /// Events buffered per connection; past it the connection reads what
+    /// it missed from the log.
     pub subscriber_queue: usize,
     /// Reported in `initialize`.
     pub version: String,
@@ -420,14 +422,38 @@ impl Writer {
                 let Some(a) = self.attached.get_mut(&rec.session).filter(|a| a.sub == sub) else {
                     return Ok(()); // from a replaced subscription
                 };
-                // During a replay the store has it; after a catch-up the
-                // client may have it already.
-                if a.replaying || a.sent.is_some_and(|s| rec.seq <= s) {
+                // During a replay the store has it.
+                if a.replaying {
                     return Ok(());
                 }
-                a.sent = Some(rec.seq);
-                for msg in self.live(&rec) {
-                    self.write(msg).await?;
+                // The one rule every viewer follows (`view::Cursor`): the
+                // client may have it already (a catch-up covered it), it
+                // is the next one, or events before it were dropped for
+                // this connection and are read from the log first.
+                let step = a
+                    .sent
+                    .map_or(Live::Send, |s| Cursor::at(rec.session, s).live(rec.seq));
+                match step {
+                    Live::Skip => {}
+                    Live::Send => {
+                        a.sent = Some(rec.seq);
+                        for msg in self.live(&rec) {
+                            self.write(msg).await?;
+                        }
+                    }
+                    Live::CatchUp => {
+                        self.catch_up(rec.session).await?;
+                        // Not in the log yet (the store is recovering):
+                        // never out of order; read again later.
+                        if self
+                            .attached
+                            .get(&rec.session)
+                            .and_then(|a| a.sent)
+                            .is_some_and(|s| s < rec.seq)
+                        {
+                            self.lag.mark(rec.session);
+                        }
+                    }
                 }
             }
         }
@@ -441,7 +467,7 @@ impl Writer {
         let Some(a) = self.attached.get(&session) else {
             return Ok(());
         };
-        let Some(mut from) = a.sent.filter(|_| !a.replaying) else {
+        let Some(from) = a.sent.filter(|_| !a.replaying) else {
             // Its start is not known yet (or a replay will cover it).
             if !a.replaying {
                 self.lag.mark(session);
@@ -450,26 +476,25 @@ impl Writer {
         };
         let live_from = a.live_from;
         metrics::counter!("tiller_acp_catch_ups_total").increment(1);
+        let mut cursor = Cursor::at(session, from);
         loop {
-            let page = match self.sessions.events_after(session, from, PAGE).await {
+            let page = match cursor.page(&self.sessions, None, PAGE).await {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(%session, error = %e, "cannot read the log to catch a client up");
                     break;
                 }
             };
-            let full = page.len() == PAGE;
-            let Some(last) = page.last().map(|e| e.seq) else {
+            if page.is_empty() {
                 break;
-            };
+            }
             for msg in self.page_messages(&page, live_from) {
                 self.write(msg).await?;
             }
-            from = last;
             if let Some(a) = self.attached.get_mut(&session) {
-                a.sent = Some(last);
+                a.sent = Some(cursor.sent());
             }
-            if !full {
+            if page.len() < PAGE {
                 break;
             }
         }

@@ -16,9 +16,10 @@ use futures::Stream;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tiller_core::{Origin, PromptId, SessionId};
+use tiller_session::view::{Cursor, Live};
 use tiller_session::{
     EventBody, EventRecord, PermissionRefused, PromptRefused, SessionError, SessionHandle,
-    Snapshot, Subscriber,
+    Sessions, Snapshot, Subscriber,
 };
 use tokio::sync::mpsc;
 
@@ -612,11 +613,12 @@ pub async fn get_history(
     })))
 }
 
-/// Feeds one SSE stream. Bounded: when its queue is full it is detached
-/// (the stream then tells the client to resync) and never slows the session.
+/// Feeds one SSE stream. Bounded, and never slows the session: when its
+/// queue is full the event is dropped for it and the stream reads what it
+/// missed from the log ([`Cursor`]).
 struct SseSubscriber {
     tx: mpsc::Sender<Arc<EventRecord>>,
-    evicted: Arc<AtomicBool>,
+    behind: Arc<AtomicBool>,
 }
 
 impl Subscriber for SseSubscriber {
@@ -624,8 +626,8 @@ impl Subscriber for SseSubscriber {
         match self.tx.try_send(event.clone()) {
             Ok(()) => true,
             Err(mpsc::error::TrySendError::Full(_)) => {
-                self.evicted.store(true, Ordering::Release);
-                false
+                self.behind.store(true, Ordering::Release);
+                true
             }
             Err(mpsc::error::TrySendError::Closed(_)) => false,
         }
@@ -655,7 +657,8 @@ fn sse_event(rec: &EventRecord) -> Event {
 
 /// `GET /api/sessions/:id/events`: `session_snapshot` first, then the events
 /// after `Last-Event-ID` (or `?after=`) from the log, then live ones. The
-/// subscription is made before the replay is read, so nothing falls between.
+/// subscription is made before the replay is read, so nothing falls
+/// between; a client too slow for the live events reads them from the log.
 pub async fn events(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -669,14 +672,14 @@ pub async fn events(
         .and_then(|v| v.trim().parse::<u64>().ok())
         .or(q.after);
     let (tx, mut rx) = mpsc::channel(st.subscriber_queue);
-    let evicted = Arc::new(AtomicBool::new(false));
+    let behind = Arc::new(AtomicBool::new(false));
     let sub = st.sessions.subscriber_id();
     let snap = handle
         .subscribe(
             sub,
             Box::new(SseSubscriber {
                 tx,
-                evicted: evicted.clone(),
+                behind: behind.clone(),
             }),
         )
         .await?;
@@ -692,37 +695,67 @@ pub async fn events(
                 .data(snapshot_json(&snap).to_string()),
         )
         .await;
-        if let Some(mut from) = after {
-            // Replay what the client missed, page by page, up to `last`.
-            while from < last {
-                let Ok(page) = sessions.events_after(session, from, 500).await else {
-                    break;
-                };
-                if page.is_empty() {
-                    break;
-                }
-                for rec in page.iter().filter(|e| e.seq <= last) {
-                    out.send(sse_event(rec)).await;
-                }
-                from = page.last().map_or(last, |e| e.seq);
-            }
+        // Without a position the client starts from the snapshot.
+        let mut cursor = Cursor::at(session, after.map_or(last, |a| a.min(last)));
+        // Replay what the client missed, up to `last`; later ones are live.
+        if replay(&sessions, &mut cursor, Some(last), &out)
+            .await
+            .is_err()
+        {
+            return;
         }
-        while let Some(rec) = rx.recv().await {
-            if rec.seq > last {
-                out.send(sse_event(&rec)).await;
+        loop {
+            if behind.swap(false, Ordering::AcqRel) {
+                metrics::counter!("tiller_sse_catch_ups_total").increment(1);
+                if replay(&sessions, &mut cursor, None, &out).await.is_err() {
+                    return;
+                }
             }
-        }
-        if evicted.load(Ordering::Acquire) {
-            metrics::counter!("tiller_sse_resyncs_total").increment(1);
-            out.send(
-                Event::default()
-                    .event("resync")
-                    .data(json!({ "reason": "slow_subscriber" }).to_string()),
-            )
-            .await;
+            let Some(rec) = rx.recv().await else {
+                return; // the session's actor ended: the client reconnects
+            };
+            match cursor.live(rec.seq) {
+                Live::Skip => {}
+                Live::Send => {
+                    out.send(sse_event(&rec)).await;
+                    cursor.advance(rec.seq);
+                }
+                Live::CatchUp => {
+                    if replay(&sessions, &mut cursor, Some(rec.seq), &out)
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    // Not in the log yet (the store is recovering): never
+                    // out of order; read again with the next event.
+                    if cursor.sent() < rec.seq {
+                        behind.store(true, Ordering::Release);
+                    }
+                }
+            }
         }
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
+}
+
+/// Sends the stored events after `cursor` up to `until` (`None`: all),
+/// page by page.
+async fn replay(
+    sessions: &Sessions,
+    cursor: &mut Cursor,
+    until: Option<u64>,
+    out: &Out,
+) -> Result<(), SessionError> {
+    loop {
+        let page = cursor.page(sessions, until, 500).await?;
+        if page.is_empty() {
+            return Ok(());
+        }
+        for rec in &page {
+            out.send(sse_event(rec)).await;
+        }
+    }
 }
 
 /// Where an SSE producer writes.

@@ -39,7 +39,8 @@ pub struct AppState {
     pub permits: Arc<Semaphore>,
     /// False until start-up is complete, and again during shutdown.
     pub ready: Arc<AtomicBool>,
-    /// Events buffered per SSE stream before it is told to resync.
+    /// Events buffered per SSE stream; past it the stream reads what it
+    /// missed from the log.
     pub subscriber_queue: usize,
     /// Token, cookie, Host and Origin checks.
     pub auth: Arc<auth::Auth>,

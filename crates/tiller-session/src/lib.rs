@@ -16,6 +16,7 @@ pub mod ports;
 mod reconcile;
 mod registry;
 mod tools;
+pub mod view;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
