@@ -67,6 +67,8 @@ describe("goals", () => {
   test("pause, resume, clear; 404 without a goal; bad input is 400", async () => {
     const sid = await session();
     assert.equal((await api(daemon, "GET", `/api/sessions/${sid}/goal`)).status, 404);
+    assert.equal((await api(daemon, "POST", `/api/sessions/${sid}/goal/pause`)).status, 404);
+    assert.equal((await api(daemon, "POST", `/api/sessions/${sid}/goal/resume`)).status, 404);
     assert.equal((await api(daemon, "PUT", `/api/sessions/${sid}/goal`, { objective: "" })).status, 400);
     assert.equal((await api(daemon, "PUT", `/api/sessions/${sid}/goal`, { objective: "x", maxTurns: 0 })).status, 400);
     const s = await openStream(daemon, sid, {});

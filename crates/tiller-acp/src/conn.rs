@@ -323,7 +323,27 @@ struct Gone;
 
 impl Writer {
     async fn run(mut self, mut rx: mpsc::Receiver<Out>) {
-        while let Some(out) = rx.recv().await {
+        loop {
+            // A lag still open is read again now and then, even when no
+            // message comes (a session that went quiet).
+            let out = if self.lag.any.load(Ordering::Acquire) {
+                match tokio::time::timeout(GAP_RETRY, rx.recv()).await {
+                    Ok(out) => out,
+                    Err(_) => {
+                        for session in self.lag.take() {
+                            if self.catch_up(session).await.is_err() {
+                                return;
+                            }
+                        }
+                        continue;
+                    }
+                }
+            } else {
+                rx.recv().await
+            };
+            let Some(out) = out else {
+                return;
+            };
             if matches!(out, Out::Close) || self.on(out).await.is_err() {
                 return;
             }
@@ -443,15 +463,22 @@ impl Writer {
                     }
                     Live::CatchUp => {
                         self.catch_up(rec.session).await?;
-                        // Not in the log yet (the store is recovering):
-                        // never out of order; read again later.
-                        if self
-                            .attached
-                            .get(&rec.session)
-                            .and_then(|a| a.sent)
-                            .is_some_and(|s| s < rec.seq)
-                        {
-                            self.lag.mark(rec.session);
+                        let sent = self.attached.get(&rec.session).and_then(|a| a.sent);
+                        match sent.map(|s| Cursor::at(rec.session, s).live(rec.seq)) {
+                            // The gap is read; this one is next.
+                            Some(Live::Send) => {
+                                if let Some(a) = self.attached.get_mut(&rec.session) {
+                                    a.sent = Some(rec.seq);
+                                }
+                                for msg in self.live(&rec) {
+                                    self.write(msg).await?;
+                                }
+                            }
+                            // The log does not hold the gap yet (the store
+                            // is recovering): never out of order; read
+                            // again soon.
+                            Some(Live::CatchUp) => self.lag.mark(rec.session),
+                            _ => {}
                         }
                     }
                 }
@@ -635,6 +662,8 @@ const MAX_IN_FLIGHT: usize = 256;
 /// Longest a write to the client may wait before the client is taken for
 /// gone (it is not reading at all; a slow one is caught up from the store).
 const WRITE_STALL: std::time::Duration = std::time::Duration::from_secs(300);
+/// How soon a lag the log could not cover yet is read again.
+const GAP_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Waits for room to handle one more request.
 async fn permit(inflight: &Arc<Semaphore>) -> OwnedSemaphorePermit {

@@ -11,8 +11,8 @@
 
 use crate::{CallKey, CallOutcome, LoopGuard, LoopType};
 
-/// A call's identity, assigned by the pipeline: unique within its session
-/// (the session numbers every call it sees).
+/// A call's identity, assigned by the pipeline: the session numbers every
+/// call it sees, so ids never repeat within a session actor's life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CallId(pub u64);
 

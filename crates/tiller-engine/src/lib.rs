@@ -248,15 +248,7 @@ impl EngineHandle {
         tokio::spawn(async move {
             match task.await {
                 Ok(()) => exited(None),
-                Err(e) if e.is_panic() => {
-                    let payload = e.into_panic();
-                    let why = payload
-                        .downcast_ref::<&str>()
-                        .map(|s| (*s).to_owned())
-                        .or_else(|| payload.downcast_ref::<String>().cloned())
-                        .unwrap_or_else(|| "a panic".to_owned());
-                    exited(Some(why));
-                }
+                Err(e) if e.is_panic() => exited(Some(panic_message(&*e.into_panic()))),
                 Err(_) => {} // aborted: the turn already ended
             }
         });
@@ -268,6 +260,15 @@ impl Drop for EngineHandle {
         // An engine never outlives its turn.
         self.abort.abort();
     }
+}
+
+/// What a panic said (its message, when it has one).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".to_owned())
 }
 
 pub trait Engine: Send + Sync + 'static {

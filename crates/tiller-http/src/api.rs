@@ -688,56 +688,76 @@ pub async fn events(
     let detach = Detach(handle, sub);
     let stream = async_stream(move |out| async move {
         let _detach = detach;
-        let last = snap.last_seq;
-        out.send(
-            Event::default()
-                .event("session_snapshot")
-                .data(snapshot_json(&snap).to_string()),
-        )
-        .await;
-        // Without a position the client starts from the snapshot.
-        let mut cursor = Cursor::at(session, after.map_or(last, |a| a.min(last)));
-        // Replay what the client missed, up to `last`; later ones are live.
-        if replay(&sessions, &mut cursor, Some(last), &out)
-            .await
-            .is_err()
-        {
-            return;
-        }
-        loop {
-            if behind.swap(false, Ordering::AcqRel) {
-                metrics::counter!("tiller_sse_catch_ups_total").increment(1);
-                if replay(&sessions, &mut cursor, None, &out).await.is_err() {
-                    return;
-                }
-            }
-            let Some(rec) = rx.recv().await else {
-                return; // the session's actor ended: the client reconnects
-            };
-            match cursor.live(rec.seq) {
-                Live::Skip => {}
-                Live::Send => {
-                    out.send(sse_event(&rec)).await;
-                    cursor.advance(rec.seq);
-                }
-                Live::CatchUp => {
-                    if replay(&sessions, &mut cursor, Some(rec.seq), &out)
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                    // Not in the log yet (the store is recovering): never
-                    // out of order; read again with the next event.
-                    if cursor.sent() < rec.seq {
-                        behind.store(true, Ordering::Release);
-                    }
-                }
-            }
-        }
+        let _ = follow(&sessions, session, snap, after, &mut rx, &behind, &out).await;
     });
     Ok(Sse::new(stream).keep_alive(KeepAlive::new().interval(Duration::from_secs(15))))
 }
+
+/// Why a stream ended: the client stopped reading, the log could not be
+/// read, or the session's actor ended (the client reconnects).
+struct Ended;
+
+/// Feeds one stream: the snapshot, the replay up to it, then live events
+/// by the view rule ([`Cursor`]).
+async fn follow(
+    sessions: &Sessions,
+    session: SessionId,
+    snap: Snapshot,
+    after: Option<u64>,
+    rx: &mut mpsc::Receiver<Arc<EventRecord>>,
+    behind: &AtomicBool,
+    out: &Out,
+) -> Result<(), Ended> {
+    let last = snap.last_seq;
+    out.send(
+        Event::default()
+            .event("session_snapshot")
+            .data(snapshot_json(&snap).to_string()),
+    )
+    .await?;
+    // Without a position the client starts from the snapshot.
+    let mut cursor = Cursor::at(session, after.map_or(last, |a| a.min(last)));
+    // Replay what the client missed, up to `last`; later ones are live.
+    replay(sessions, &mut cursor, Some(last), out).await?;
+    loop {
+        if behind.swap(false, Ordering::AcqRel) {
+            metrics::counter!("tiller_sse_catch_ups_total").increment(1);
+            replay(sessions, &mut cursor, None, out).await?;
+        }
+        // While a gap is open, the log is read again now and then even if
+        // the session has gone quiet.
+        let next = if behind.load(Ordering::Acquire) {
+            match tokio::time::timeout(GAP_RETRY, rx.recv()).await {
+                Ok(next) => next,
+                Err(_) => continue,
+            }
+        } else {
+            rx.recv().await
+        };
+        let rec = next.ok_or(Ended)?;
+        if cursor.live(rec.seq) == Live::CatchUp {
+            replay(sessions, &mut cursor, Some(rec.seq), out).await?;
+        }
+        match cursor.live(rec.seq) {
+            Live::Skip => {}
+            // The next one (at once, or once the gap before it was read).
+            Live::Send => {
+                out.send(sse_event(&rec)).await?;
+                cursor.advance(rec.seq);
+            }
+            // The log does not hold the gap yet (the store is recovering):
+            // never out of order; read again soon.
+            Live::CatchUp => behind.store(true, Ordering::Release),
+        }
+    }
+}
+
+/// How soon a stream with a gap the log did not hold reads it again.
+const GAP_RETRY: Duration = Duration::from_millis(100);
+
+/// How long a stream may wait for its client to read before it ends (the
+/// client reconnects with `Last-Event-ID` and loses nothing).
+const WRITE_STALL: Duration = Duration::from_secs(300);
 
 /// Sends the stored events after `cursor` up to `until` (`None`: all),
 /// page by page.
@@ -746,14 +766,20 @@ async fn replay(
     cursor: &mut Cursor,
     until: Option<u64>,
     out: &Out,
-) -> Result<(), SessionError> {
+) -> Result<(), Ended> {
     loop {
-        let page = cursor.page(sessions, until, 500).await?;
+        let page = match cursor.page(sessions, until, 500).await {
+            Ok(page) => page,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the log for an event stream");
+                return Err(Ended);
+            }
+        };
         if page.is_empty() {
             return Ok(());
         }
         for rec in &page {
-            out.send(sse_event(rec)).await;
+            out.send(sse_event(rec)).await?;
         }
     }
 }
@@ -762,8 +788,13 @@ async fn replay(
 struct Out(mpsc::Sender<Event>);
 
 impl Out {
-    async fn send(&self, e: Event) {
-        let _ = self.0.send(e).await;
+    /// Ends the stream when the client went away or read nothing for
+    /// [`WRITE_STALL`].
+    async fn send(&self, e: Event) -> Result<(), Ended> {
+        match tokio::time::timeout(WRITE_STALL, self.0.send(e)).await {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(Ended),
+        }
     }
 }
 

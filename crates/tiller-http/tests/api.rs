@@ -32,19 +32,15 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
     let sessions = Sessions::start(
         store,
         tiller_session::Engines::single(Arc::new(ScriptedEngine)),
+        // The shared test config, with the default timers, one queued
+        // prompt and room for many sessions.
         SessionConfig {
             turn: TurnConfig {
                 max_queued_prompts: 1,
-                max_turn_events: 100_000,
                 ..TurnConfig::default()
             },
             max_sessions: 100,
-            loops: Default::default(),
-            permission_mode: Default::default(),
-            notification_cap: 32,
-            delivery: Default::default(),
-            delivery_wake: None,
-            tools: Default::default(),
+            ..tiller_test_support::session_config()
         },
     )
     .await

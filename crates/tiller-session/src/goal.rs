@@ -166,8 +166,11 @@ impl Actor for GoalActor {
                     change = if resume { g.resume() } else { g.pause() };
                 })
                 .await;
-                if let Ok(Some(row)) = &r {
-                    publish.send(change.map(|c| event(c, row.turns_done)));
+                match &r {
+                    Ok(Some(row)) => publish.send(change.map(|c| event(c, row.turns_done))),
+                    // No goal: nothing to publish, the caller hears `None`.
+                    Ok(None) => publish.send(None),
+                    Err(_) => {} // the caller hears the error first
                 }
                 let _ = reply.send(r);
             }

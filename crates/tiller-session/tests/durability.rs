@@ -202,6 +202,11 @@ async fn a_goal_change_is_answered_only_once_its_event_is_stored() {
     let h = s.create("/tmp".into(), None).await.unwrap();
     let id = h.id();
     let last = |log: &[tiller_session::EventRecord]| log.last().map(|e| e.body.kind());
+    // Without a goal there is nothing to pause or resume: `None`, not an
+    // error.
+    assert_eq!(s.goal_pause_resume(id, false).await.unwrap(), None);
+    assert_eq!(s.goal_pause_resume(id, true).await.unwrap(), None);
+    assert!(!s.goal_clear(id).await.unwrap());
     // A long turn keeps the goal's own turns from starting meanwhile.
     let (_, _done) = h
         .prompt(

@@ -46,8 +46,28 @@ pub(crate) fn notification_changes(
 
 /// Every queued notification (the core is rebuilt from them at start).
 pub(crate) fn notifications(conn: &Connection) -> rusqlite::Result<Vec<Notification>> {
-    let mut stmt = conn
-        .prepare("SELECT n, session_id, task_id, text, created_ms FROM notifications ORDER BY n")?;
+    queue_rows(
+        conn,
+        "SELECT n, session_id, task_id, text, created_ms FROM notifications ORDER BY n",
+        |id, session, task_id, text, created_ms| Notification {
+            id,
+            session,
+            task_id,
+            text,
+            created_ms,
+        },
+    )
+}
+
+/// The rows of a queue table, oldest first: its position, the session
+/// (rows of a session id that does not parse are skipped), two texts and a
+/// time, in that column order.
+fn queue_rows<T>(
+    conn: &Connection,
+    sql: &str,
+    make: impl Fn(i64, SessionId, String, String, i64) -> T,
+) -> rusqlite::Result<Vec<T>> {
+    let mut stmt = conn.prepare(sql)?;
     let rows = stmt.query_map([], |r| {
         Ok((
             r.get::<_, i64>(0)?,
@@ -59,15 +79,9 @@ pub(crate) fn notifications(conn: &Connection) -> rusqlite::Result<Vec<Notificat
     })?;
     let mut out = Vec::new();
     for row in rows {
-        let (id, sid, task_id, text, created_ms) = row?;
+        let (id, sid, a, b, ms) = row?;
         if let Some(session) = SessionId::parse(&sid) {
-            out.push(Notification {
-                id,
-                session,
-                task_id,
-                text,
-                created_ms,
-            });
+            out.push(make(id, session, a, b, ms));
         }
     }
     Ok(out)
@@ -140,31 +154,17 @@ pub(crate) fn cron_fire(
 
 /// Every waiting fire (the cron core is rebuilt from them at start).
 pub(crate) fn cron_fires(conn: &Connection) -> rusqlite::Result<Vec<CronFire>> {
-    let mut stmt =
-        conn.prepare("SELECT n, job_id, session_id, prompt, fired_ms FROM cron_fires ORDER BY n")?;
-    let rows = stmt.query_map([], |r| {
-        Ok((
-            r.get::<_, i64>(0)?,
-            r.get::<_, String>(1)?,
-            r.get::<_, String>(2)?,
-            r.get::<_, String>(3)?,
-            r.get::<_, i64>(4)?,
-        ))
-    })?;
-    let mut out = Vec::new();
-    for row in rows {
-        let (id, job_id, sid, prompt, fired_ms) = row?;
-        if let Some(session) = SessionId::parse(&sid) {
-            out.push(CronFire {
-                id,
-                job_id,
-                session,
-                prompt,
-                fired_ms,
-            });
-        }
-    }
-    Ok(out)
+    queue_rows(
+        conn,
+        "SELECT n, session_id, job_id, prompt, fired_ms FROM cron_fires ORDER BY n",
+        |id, session, job_id, prompt, fired_ms| CronFire {
+            id,
+            job_id,
+            session,
+            prompt,
+            fired_ms,
+        },
+    )
 }
 
 pub(crate) fn cron_add(conn: &Connection, j: &CronJob) -> rusqlite::Result<()> {

@@ -124,10 +124,14 @@ pub(crate) const SCHEMA: &[&str] = &[
         PRIMARY KEY (session_id, idx)
     ) WITHOUT ROWID;
     INSERT INTO conversation (session_id, idx, message)
-        SELECT s.session_id, j.key, j.value
-        FROM session_state s, json_each(s.conversation) j
-        WHERE s.conversation IS NOT NULL AND json_valid(s.conversation)
-          AND json_type(s.conversation) = 'array';
+        SELECT s.session_id,
+               row_number() OVER (PARTITION BY s.session_id ORDER BY j.key) - 1,
+               j.value
+        FROM session_state s,
+             json_each(CASE WHEN json_valid(s.conversation)
+                             AND json_type(s.conversation) = 'array'
+                            THEN s.conversation ELSE '[]' END) j
+        WHERE s.conversation IS NOT NULL AND j.type = 'object';
     UPDATE session_state SET conversation = NULL;",
 ];
 

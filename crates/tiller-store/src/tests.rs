@@ -125,8 +125,14 @@ mod basics {
                 "INSERT INTO session_state (session_id, conversation) VALUES (?1, ?2)",
                 rusqlite::params![
                     id.to_string(),
-                    r#"[{"role":"user","text":"hi"},{"role":"user","text":"again"}]"#
+                    r#"[{"role":"user","text":"hi"},null,{"role":"user","text":"again"}]"#
                 ],
+            )
+            .unwrap();
+            // A session whose stored conversation is not JSON at all.
+            conn.execute(
+                "INSERT INTO session_state (session_id, conversation) VALUES (?1, 'not json')",
+                rusqlite::params![SessionId::new().to_string()],
             )
             .unwrap();
         }
@@ -140,6 +146,33 @@ mod basics {
             .collect();
         assert_eq!(texts[0]["text"], "hi");
         assert_eq!(texts[1]["text"], "again");
+        assert_eq!(
+            texts.len(),
+            2,
+            "a null element is dropped, not a failed start"
+        );
+        // Positions stay contiguous: a turn appended later lands after them.
+        store
+            .save_conversation(
+                id,
+                ConversationWrite {
+                    keep_from: 0,
+                    replace_from: 2,
+                    messages: vec!["{}".into()],
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            store
+                .load_state(id)
+                .await
+                .unwrap()
+                .conversation
+                .messages
+                .len(),
+            3
+        );
     }
 
     #[tokio::test]

@@ -51,6 +51,8 @@ impl SessionState {
                 );
             }
             Answer::Queued { depth } => {
+                // It waits in the core from now on (a failed actor takes
+                // it off again at its stop).
                 metrics::gauge!("tiller_prompt_queue_depth").increment(1.0);
                 EventBody::PromptQueued {
                     origin: origin.as_str().into(),
@@ -62,8 +64,6 @@ impl SessionState {
                 origin: origin.as_str().into(),
             },
         };
-        metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
-            .increment(1);
         if let Err(e) = self
             .publish_durable(Some(prompt), None, admission, Ledger::Admission)
             .await
@@ -73,6 +73,8 @@ impl SessionState {
             tracing::warn!(error = %e, "prompt refused: the store is unavailable");
             return refuse(admitted, PromptRefused::StoreUnavailable);
         }
+        metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
+            .increment(1);
         if let Some(a) = admitted {
             let _ = a.send(Ok(prompt));
         }
@@ -92,8 +94,6 @@ impl SessionState {
             None => None,
             Some(work) => match self.engine.prepare(work.text()) {
                 Ok(prepared) => {
-                    metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
-                        .increment(1);
                     // Announced (and entered in the ledger) at its start.
                     Some((
                         PromptId::new(),
@@ -107,10 +107,16 @@ impl SessionState {
                 }
             },
         };
+        let step = self
+            .core
+            .on(self.now(), Input::Offer { origin, poll, work });
         // Refused (the session got busy): it stays in its queue, offered
-        // again at the next poll.
-        self.feed(myself, Input::Offer { origin, poll, work }, None)
-            .await;
+        // again at the next poll, and counted when it is taken.
+        if let Answer::Started { .. } = step.answer {
+            metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
+                .increment(1);
+        }
+        self.apply(myself, step.effects, None).await;
     }
 
     pub(super) async fn steer(

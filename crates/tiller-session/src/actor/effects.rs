@@ -261,7 +261,6 @@ impl SessionState {
             guard: LoopGuard::new(self.loops.clone()),
             text: String::new(),
             batch: None,
-            call_ids: CallIds::default(),
             exec: None,
             stopping: false,
             span,

@@ -269,8 +269,6 @@ struct RunningEngine {
     /// The tool batch going through the pipeline (paused on a permission
     /// or a running call).
     batch: Option<Batch>,
-    /// Numbers the turn's calls, keeps their published ids unique.
-    call_ids: CallIds,
     /// The call running off the actor.
     exec: Option<tokio::task::JoinHandle<()>>,
     /// The turn is ending (cancel, settle): results no longer go to the
@@ -302,6 +300,8 @@ pub struct SessionState {
     toolbox: Arc<Toolbox>,
     /// The model conversation (model engines append to it).
     conversation: Conversation,
+    /// Numbers the session's tool calls, keeps their published ids unique.
+    call_ids: CallIds,
     /// The engine's signals waiting in this mailbox (engines wait while
     /// it is high).
     pace: Arc<tiller_engine::Pace>,
@@ -398,6 +398,7 @@ impl Actor for SessionActor {
                 args.config.tools.clone(),
             )),
             conversation,
+            call_ids: CallIds::default(),
             pace: Arc::default(),
             model: settings.model,
             id: args.id,
@@ -451,6 +452,12 @@ impl Actor for SessionActor {
     ) -> Result<(), ActorProcessingErr> {
         if let Some(t) = st.timer.take() {
             t.abort();
+        }
+        // A failed actor leaves prompts queued (they are reconciled from
+        // the ledger); they no longer wait here.
+        let queued = st.core.queued().count();
+        if queued > 0 {
+            metrics::gauge!("tiller_prompt_queue_depth").decrement(queued as f64);
         }
         Ok(())
     }

@@ -40,7 +40,7 @@ impl SessionState {
                 // Nobody answers for an automatic turn: calls that would
                 // ask are refused at once.
                 let unattended = run.origin != Origin::Interactive;
-                let mut batch = Batch::new(calls, &mut run.call_ids, unattended);
+                let mut batch = Batch::new(calls, &mut self.call_ids, unattended);
                 let mut events = Vec::new();
                 let progress = batch.advance(&mut run.guard, &self.permissions, &mut events);
                 run.batch = Some(batch);
@@ -208,7 +208,7 @@ pub(super) fn batch_progress(
             );
             let turn = run.turn;
             let task = async move {
-                let output = toolbox.run(&call, client).await;
+                let output = run_call(&toolbox, &call, client).await;
                 let _ = actor.send_message(SessionMsg::ToolDone { turn, id, output });
             };
             run.exec = Some(tokio::spawn(task.instrument(run.span.clone())));
@@ -225,5 +225,97 @@ pub(super) fn batch_progress(
             exec.record(results);
             Some(loop_type)
         }
+    }
+}
+
+/// Runs one call off the actor. A tool that panics fails its call at once
+/// (the turn goes on) instead of leaving the batch waiting, until the
+/// stall bound, for an output that will never come.
+pub(super) async fn run_call(
+    toolbox: &Toolbox,
+    call: &tiller_engine::ToolCall,
+    client: Option<Arc<dyn ClientTools>>,
+) -> ToolOutput {
+    use futures::FutureExt;
+    match std::panic::AssertUnwindSafe(toolbox.run(call, client))
+        .catch_unwind()
+        .await
+    {
+        Ok(output) => output,
+        Err(panic) => {
+            let why = tiller_engine::panic_message(&*panic);
+            tracing::error!(tool = %call.name, panic = %why, "a tool panicked");
+            metrics::counter!("tiller_tool_panics_total").increment(1);
+            ToolOutput {
+                ok: false,
+                output: format!(
+                    "The `{}` tool failed unexpectedly ({why}); the call did not finish.",
+                    call.name
+                ),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use tiller_tools::{BoxFuture, CommandOutput};
+
+    use super::*;
+
+    /// An editor whose file reads crash.
+    struct Crashing;
+
+    impl ClientTools for Crashing {
+        fn can_read(&self) -> bool {
+            true
+        }
+        fn can_write(&self) -> bool {
+            false
+        }
+        fn can_terminal(&self) -> bool {
+            false
+        }
+        fn read_text_file(&self, _: PathBuf) -> BoxFuture<Result<String, String>> {
+            Box::pin(async { panic!("the editor bridge broke") })
+        }
+        fn write_text_file(&self, _: PathBuf, _: String) -> BoxFuture<Result<(), String>> {
+            Box::pin(async { Err("no".into()) })
+        }
+        fn run_command(
+            &self,
+            _: String,
+            _: PathBuf,
+            _: Duration,
+        ) -> BoxFuture<Result<CommandOutput, String>> {
+            Box::pin(async { Err("no".into()) })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_tool_that_panics_fails_its_call_instead_of_hanging_the_turn() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a.txt"), "hi").unwrap();
+        let toolbox = Toolbox::new(dir.path().to_path_buf(), Default::default());
+        let call = tiller_engine::ToolCall {
+            id: "c".into(),
+            name: "read_file".into(),
+            kind: tiller_engine::ToolKind::of("read_file"),
+            input: serde_json::json!({ "path": "a.txt" }),
+            simulated: None,
+        };
+        let out = run_call(&toolbox, &call, Some(Arc::new(Crashing))).await;
+        assert!(!out.ok);
+        assert!(
+            out.output.contains("the editor bridge broke"),
+            "{}",
+            out.output
+        );
+        // A tool that works is untouched.
+        let out = run_call(&toolbox, &call, None).await;
+        assert!(out.ok, "{}", out.output);
     }
 }

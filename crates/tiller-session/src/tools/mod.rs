@@ -6,7 +6,8 @@
 //!
 //! Every call has a [`CallId`] the core assigns; the id a call is
 //! published under is the model's own, made unique when the model repeats
-//! one within a turn, so two calls never alias each other in any client.
+//! one in the session (as some servers do every turn), so two calls never
+//! alias each other in any client.
 
 use std::collections::HashSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -58,11 +59,38 @@ pub struct Batch {
     waiting: Option<Waiting>,
 }
 
-/// Numbers a turn's calls and keeps their published ids unique.
+/// Numbers a session's calls and keeps the ids they are published under
+/// unique (among the last [`CallIds::REMEMBERED`], so a session that lives
+/// for months does not grow: clients only ever confuse recent calls).
 #[derive(Debug, Default)]
 pub struct CallIds {
     next: u64,
     published: HashSet<String>,
+    order: std::collections::VecDeque<String>,
+}
+
+impl CallIds {
+    /// How many published ids are remembered.
+    pub const REMEMBERED: usize = 4096;
+
+    /// The id call `n` with the model's id `model` is published under: the
+    /// model's own unless it was published recently.
+    fn publish(&mut self, model: &str, n: u64) -> String {
+        let mut id = model.to_owned();
+        let mut k = n;
+        while self.published.contains(&id) {
+            id = format!("{model}#{k}");
+            k += 1;
+        }
+        self.published.insert(id.clone());
+        self.order.push_back(id.clone());
+        if self.order.len() > Self::REMEMBERED
+            && let Some(old) = self.order.pop_front()
+        {
+            self.published.remove(&old);
+        }
+        id
+    }
 }
 
 impl Batch {
@@ -72,18 +100,11 @@ impl Batch {
     pub fn new(calls: Vec<ToolCall>, ids: &mut CallIds, unattended: bool) -> Self {
         let first = CallId(ids.next);
         ids.next += calls.len() as u64;
+        // A repeated model id is published as its own call.
         let wire = calls
             .iter()
             .enumerate()
-            .map(|(i, c)| {
-                let mut id = c.id.clone();
-                if !ids.published.insert(id.clone()) {
-                    // A repeated model id: published as its own call.
-                    id = format!("{}#{}", c.id, first.0 + i as u64);
-                    ids.published.insert(id.clone());
-                }
-                id
-            })
+            .map(|(i, c)| ids.publish(&c.id, first.0 + i as u64))
             .collect();
         let specs = calls
             .iter()

@@ -262,7 +262,7 @@ fn calls_that_share_a_model_call_id_never_share_a_request() {
 }
 
 #[test]
-fn a_model_id_reused_in_a_later_batch_of_the_turn_is_published_as_its_own_call() {
+fn a_model_id_reused_in_a_later_batch_is_published_as_its_own_call() {
     let mut ids = CallIds::default();
     let mut ev = Vec::new();
     let mut g = guard();
