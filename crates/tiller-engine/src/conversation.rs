@@ -40,16 +40,22 @@ pub enum Message {
 #[derive(Clone, Debug, Default)]
 pub struct Conversation(Arc<Mutex<Inner>>);
 
-#[derive(Debug, Default)]
+/// `Inner::dirty` when nothing changed.
+const CLEAN: u64 = u64::MAX;
+/// `Inner::saved_base` before the first save.
+const NEVER: u64 = u64::MAX;
+
+#[derive(Debug)]
 struct Inner {
     msgs: Vec<Message>,
     /// The position of `msgs[0]` in the session's whole conversation
     /// (trimming drops the oldest messages; positions never move).
     base: u64,
-    /// The lowest position changed since the owner last took the changes.
-    dirty: Option<u64>,
-    /// `base` when the owner last took the changes (`None`: never).
-    saved_base: Option<u64>,
+    /// The lowest position changed since the owner last took the changes
+    /// ([`CLEAN`]: none).
+    dirty: u64,
+    /// `base` when the owner last took the changes ([`NEVER`]: never).
+    saved_base: u64,
 }
 
 /// What changed since the owner last stored the conversation: stored
@@ -69,12 +75,12 @@ pub struct ConversationChange {
 impl Conversation {
     /// A conversation holding `messages` (none stored yet).
     pub fn new(messages: Vec<Message>) -> Self {
-        let dirty = (!messages.is_empty()).then_some(0);
+        let dirty = if messages.is_empty() { CLEAN } else { 0 };
         Self(Arc::new(Mutex::new(Inner {
             msgs: messages,
             base: 0,
             dirty,
-            saved_base: None,
+            saved_base: NEVER,
         })))
     }
 
@@ -83,8 +89,8 @@ impl Conversation {
         Self(Arc::new(Mutex::new(Inner {
             msgs: messages,
             base,
-            dirty: None,
-            saved_base: Some(base),
+            dirty: CLEAN,
+            saved_base: base,
         })))
     }
 
@@ -106,15 +112,15 @@ impl Conversation {
     /// [`Conversation::unsaved`].
     pub fn take_changes(&self) -> Option<ConversationChange> {
         let mut inner = self.lock();
-        let trimmed = inner.saved_base != Some(inner.base);
-        if inner.dirty.is_none() && !trimmed {
+        let trimmed = inner.saved_base != inner.base;
+        if inner.dirty == CLEAN && !trimmed {
             return None;
         }
         let end = inner.base + inner.msgs.len() as u64;
-        let replace_from = inner.dirty.unwrap_or(end).max(inner.base);
+        let replace_from = inner.dirty.min(end).max(inner.base);
         let messages = inner.msgs[(replace_from - inner.base) as usize..].to_vec();
-        inner.dirty = None;
-        inner.saved_base = Some(inner.base);
+        inner.dirty = CLEAN;
+        inner.saved_base = inner.base;
         Some(ConversationChange {
             keep_from: inner.base,
             replace_from,
@@ -126,7 +132,7 @@ impl Conversation {
     pub fn unsaved(&self, change: &ConversationChange) {
         let mut inner = self.lock();
         inner.mark(change.replace_from);
-        inner.saved_base = None;
+        inner.saved_base = NEVER;
     }
 
     /// Makes the conversation valid for a provider after a turn ended
@@ -182,9 +188,20 @@ impl Conversation {
     }
 }
 
+impl Default for Inner {
+    fn default() -> Self {
+        Inner {
+            msgs: Vec::new(),
+            base: 0,
+            dirty: CLEAN,
+            saved_base: NEVER,
+        }
+    }
+}
+
 impl Inner {
     fn mark(&mut self, at: u64) {
-        self.dirty = Some(self.dirty.map_or(at, |d| d.min(at)));
+        self.dirty = self.dirty.min(at);
     }
 }
 

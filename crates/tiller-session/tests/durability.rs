@@ -232,3 +232,50 @@ async fn a_goal_change_is_answered_only_once_its_event_is_stored() {
     assert!(cleared.is_err(), "{cleared:?}");
     store.fail_appends(false);
 }
+
+/// Events are shown once committed: whatever a viewer saw is in the log,
+/// under the number it saw, even when the store failed mid-turn and the
+/// session was rebuilt (no number is ever given to two events).
+#[tokio::test]
+async fn a_viewer_never_sees_an_event_the_log_does_not_keep() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Collect::default();
+    h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"say": "a"}, {"sleep_ms": 300}, {"say": "b"}, {"say": "c"}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.fail_appends(true);
+    let done = rx.await.unwrap();
+    assert_eq!(done.terminal, Terminal::failed(ErrorKind::StoreUnavailable));
+    store.fail_appends(false);
+    // Rebuilt and reconciled from the log.
+    let _h = s.open(h.id()).await.unwrap();
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let shown = seen.events();
+    assert!(
+        kinds(&shown).contains(&"agent_message_chunk"),
+        "{:?}",
+        kinds(&shown)
+    );
+    for e in &shown {
+        let stored = log.iter().find(|l| l.seq == e.seq);
+        assert_eq!(
+            stored.map(|l| l.body.kind()),
+            Some(e.body.kind()),
+            "seq {} was shown as {} but the log has {:?}",
+            e.seq,
+            e.body.kind(),
+            kinds(&log)
+        );
+    }
+}

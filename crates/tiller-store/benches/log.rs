@@ -43,6 +43,7 @@ async fn main() {
                 data: data.into(),
             },
             None,
+            None,
         );
     }
     store.flush().await.expect("flush");

@@ -33,6 +33,10 @@ use tiller_core::SessionId;
 use tokio::sync::oneshot;
 
 pub use error::StoreError;
+
+/// Called on the store thread once appends of a session committed, with
+/// the highest sequence number among them (what the session may now show).
+pub type OnCommit = Arc<dyn Fn(u64) + Send + Sync>;
 pub use rows::*;
 use writer::{Cmd, Pending, Writer};
 
@@ -186,12 +190,19 @@ impl Store {
 
     /// Appends (and updates the ledger) without waiting. Ordered with
     /// every other command; a failure breaks the session's log, so the
-    /// next awaited append of that session reports it.
-    pub fn append(&self, event: StoredEvent, ledger: Option<LedgerOp>) {
+    /// next awaited append of that session reports it. `on_commit` hears
+    /// when it committed (not when it failed).
+    pub fn append(
+        &self,
+        event: StoredEvent,
+        ledger: Option<LedgerOp>,
+        on_commit: Option<OnCommit>,
+    ) {
         let _ = self.tx.send(Cmd::Append(Pending {
             event,
             ledger,
             reply: None,
+            on_commit,
         }));
     }
 
@@ -209,6 +220,7 @@ impl Store {
                 event,
                 ledger,
                 reply: Some(reply),
+                on_commit: None,
             }))
             .map_err(|_| StoreError::Closed)?;
         rx.await.map_err(|_| StoreError::Closed)?

@@ -38,7 +38,7 @@ mod basics {
         store.create_session(a.clone()).await.unwrap();
         store.create_session(b.clone()).await.unwrap();
         for seq in 1..=5 {
-            store.append(ev(a.id, seq), None);
+            store.append(ev(a.id, seq), None, None);
         }
         store.append_durable(ev(a.id, 6), None).await.unwrap();
         drop(store);
@@ -292,7 +292,7 @@ mod ledger {
         let store = Store::open(&dir.path().join("t.db")).unwrap();
         let s = SessionId::new();
         for seq in 1..=10 {
-            store.append(ev(s, seq, "x"), None);
+            store.append(ev(s, seq, "x"), None, None);
         }
         let p = store.history(s, None, 4).await.unwrap();
         assert_eq!(
@@ -378,10 +378,10 @@ mod durability {
         let s = SessionId::new();
         store.append_durable(ev(s, 1, "a"), None).await.unwrap();
         // A duplicate sequence number fails its transaction.
-        store.append(ev(s, 1, "dup"), None);
+        store.append(ev(s, 1, "dup"), None, None);
         store.flush().await.unwrap();
         // Later appends of that session are refused, not stored past the gap.
-        store.append(ev(s, 3, "b"), None);
+        store.append(ev(s, 3, "b"), None, None);
         let e = store.append_durable(ev(s, 4, "c"), None).await.unwrap_err();
         assert!(matches!(e, StoreError::LogBroken), "{e}");
         assert!(e.is_unavailable());
@@ -405,9 +405,9 @@ mod durability {
         let (a, b) = (SessionId::new(), SessionId::new());
         store.append_durable(ev(a, 1, "x"), None).await.unwrap();
         // Sent together, these share a transaction; a's duplicate fails it.
-        store.append(ev(b, 1, "y"), None);
-        store.append(ev(a, 1, "dup"), None);
-        store.append(ev(b, 2, "y"), None);
+        store.append(ev(b, 1, "y"), None, None);
+        store.append(ev(a, 1, "dup"), None, None);
+        store.append(ev(b, 2, "y"), None, None);
         store.append_durable(ev(b, 3, "y"), None).await.unwrap();
         assert_eq!(store.events_after(b, 0, 10).await.unwrap().len(), 3);
         assert!(store.append_durable(ev(a, 2, "x"), None).await.is_err());

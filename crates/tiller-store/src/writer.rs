@@ -3,7 +3,7 @@
 //! transaction (one per session when a shared one fails, so one session's
 //! failure never costs another its events).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc as std_mpsc;
@@ -13,7 +13,7 @@ use rusqlite::Connection;
 use tiller_core::SessionId;
 use tokio::sync::oneshot;
 
-use crate::{LedgerOp, StoreError, StoredEvent, log};
+use crate::{LedgerOp, OnCommit, StoreError, StoredEvent, log};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
@@ -30,6 +30,8 @@ pub(crate) struct Pending {
     pub(crate) event: StoredEvent,
     pub(crate) ledger: Option<LedgerOp>,
     pub(crate) reply: Option<Reply<()>>,
+    /// Told the session's highest committed sequence number.
+    pub(crate) on_commit: Option<OnCommit>,
 }
 
 /// What the thread owns.
@@ -122,10 +124,19 @@ impl Writer {
 }
 
 fn reply_ok(batch: Vec<Pending>) {
+    // Each session hears its commit once per batch, with its highest
+    // sequence number.
+    let mut committed: HashMap<SessionId, (OnCommit, u64)> = HashMap::new();
     for p in batch {
         if let Some(reply) = p.reply {
             let _ = reply.send(Ok(()));
         }
+        if let Some(tell) = p.on_commit {
+            committed.insert(p.event.session, (tell, p.event.seq));
+        }
+    }
+    for (tell, seq) in committed.into_values() {
+        tell(seq);
     }
 }
 

@@ -39,7 +39,7 @@ proptest! {
             let append = |n: u64, head: &mut u64| {
                 for _ in 0..n {
                     *head += 1;
-                    store.append(ev(s, *head), None);
+                    store.append(ev(s, *head), None, None);
                 }
             };
             append(initial, &mut head);

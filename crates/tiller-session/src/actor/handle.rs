@@ -45,6 +45,7 @@ impl SessionState {
                 .await;
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
+            SessionMsg::Committed(seq) => self.committed(seq),
             SessionMsg::ToolDone { turn, id, output } => {
                 let trip = self.tool_done(turn, id, output);
                 // The engine is silent while tools run: a finished call is

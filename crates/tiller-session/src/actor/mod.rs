@@ -138,6 +138,9 @@ pub enum SessionMsg {
     },
     /// A signal from this session's engine.
     Engine(EngineSignal),
+    /// The store committed this session's events up to this sequence
+    /// number: they may be shown.
+    Committed(u64),
     /// A tool call that ran off the actor finished.
     ToolDone {
         turn: TurnId,
@@ -300,8 +303,9 @@ pub struct SessionState {
     toolbox: Arc<Toolbox>,
     /// The model conversation (model engines append to it).
     conversation: Conversation,
-    /// Numbers the session's tool calls, keeps their published ids unique.
-    call_ids: CallIds,
+    /// Numbers the session's tool calls, keeps their published ids unique
+    /// (made at the first tool call: an idle session pays one pointer).
+    call_ids: Option<Box<CallIds>>,
     /// The engine's signals waiting in this mailbox (engines wait while
     /// it is high).
     pace: Arc<tiller_engine::Pace>,
@@ -311,9 +315,14 @@ pub struct SessionState {
     pending_permission: Option<Arc<EventRecord>>,
     /// The last sequence number given out.
     seq: u64,
-    /// Events appended without waiting since the last durable commit
-    /// (re-sent, same sequence numbers, if the store lost them).
+    /// Events appended and not known committed: shown once they are, and
+    /// re-sent with the same sequence numbers if the store lost them.
     unconfirmed: Vec<(Arc<EventRecord>, Option<LedgerOp>)>,
+    /// The last sequence number fanned out (committed and shown).
+    fanned: u64,
+    /// How the store tells this session its appends committed (made at
+    /// the first append: an idle session pays no allocation).
+    on_commit: Option<tiller_store::OnCommit>,
     /// Set when the store failed: the actor fails after this message.
     failed: Option<crate::SessionFailed>,
     /// The last `turn_error`, while no newer turn has started (survives a
@@ -398,7 +407,7 @@ impl Actor for SessionActor {
                 args.config.tools.clone(),
             )),
             conversation,
-            call_ids: CallIds::default(),
+            call_ids: None,
             pace: Arc::default(),
             model: settings.model,
             id: args.id,
@@ -415,6 +424,8 @@ impl Actor for SessionActor {
             pending_permission: None,
             seq: args.head.last_seq,
             unconfirmed: Vec::new(),
+            fanned: args.head.last_seq,
+            on_commit: None,
             failed: None,
             last_turn_error,
             running: None,

@@ -40,7 +40,8 @@ impl SessionState {
                 // Nobody answers for an automatic turn: calls that would
                 // ask are refused at once.
                 let unattended = run.origin != Origin::Interactive;
-                let mut batch = Batch::new(calls, &mut self.call_ids, unattended);
+                let ids = self.call_ids.get_or_insert_with(Box::default);
+                let mut batch = Batch::new(calls, ids, unattended);
                 let mut events = Vec::new();
                 let progress = batch.advance(&mut run.guard, &self.permissions, &mut events);
                 run.batch = Some(batch);

@@ -114,7 +114,7 @@ impl SessionState {
                 .clone()
                 .filter(|_| state == TurnState::Idle),
             pending_permission: self.pending_permission.clone(),
-            last_seq: self.seq,
+            last_seq: self.fanned,
         }
     }
 
@@ -160,7 +160,8 @@ impl SessionState {
         }
     }
 
-    /// Appends an event (ordered, not awaited) and fans it out.
+    /// Appends an event (ordered, not awaited); it is fanned out once the
+    /// store says it committed.
     pub(super) fn publish(
         &mut self,
         prompt: Option<PromptId>,
@@ -178,12 +179,44 @@ impl SessionState {
         }
         let rec = self.record(prompt, turn, body);
         let op = rec.ledger_op();
-        self.store.append(rec.to_stored(), op.clone());
-        self.unconfirmed.push((rec.clone(), op));
-        self.fan_out(&rec);
+        let tell = self.on_commit();
+        self.store.append(rec.to_stored(), op.clone(), Some(tell));
+        // Shown once committed (`committed`): a viewer never sees an event
+        // the log may not keep, nor a number the log may give another.
+        self.unconfirmed.push((rec, op));
     }
 
-    /// Appends an event, waits for its commit, and only then fans it out.
+    /// What the store calls once this session's appends committed.
+    fn on_commit(&mut self) -> tiller_store::OnCommit {
+        let actor = &self.myself;
+        self.on_commit
+            .get_or_insert_with(|| {
+                let actor = actor.clone();
+                Arc::new(move |seq| {
+                    let _ = actor.send_message(SessionMsg::Committed(seq));
+                })
+            })
+            .clone()
+    }
+
+    /// The store committed this session's events up to `seq`: they are
+    /// fanned out, in order, and need no re-sending.
+    pub(super) fn committed(&mut self, seq: u64) {
+        let ready: Vec<Arc<EventRecord>> = self
+            .unconfirmed
+            .iter()
+            .filter(|(r, _)| r.seq > self.fanned && r.seq <= seq)
+            .map(|(r, _)| r.clone())
+            .collect();
+        for r in &ready {
+            self.fan_out(r);
+        }
+        self.fanned = self.fanned.max(seq);
+        self.unconfirmed.retain(|(r, _)| r.seq > seq);
+    }
+
+    /// Appends an event, waits for its commit, and only then fans it out
+    /// (after every earlier one).
     /// `retries` is how often a failure the store may recover from is
     /// retried (the log is reopened and what it lost sent again, with the
     /// sequence numbers clients already saw). On error nobody saw the
@@ -215,8 +248,12 @@ impl SessionState {
             let r = self.store.append_durable(rec.to_stored(), op.clone()).await;
             match r {
                 Ok(()) => {
-                    self.unconfirmed.clear();
+                    // Everything before it committed too (appends commit
+                    // in order; a lost one would have failed this one).
+                    self.committed(rec.seq - 1);
                     self.fan_out(&rec);
+                    self.fanned = rec.seq;
+                    self.unconfirmed.clear();
                     return Ok(());
                 }
                 Err(e) if attempt < retries && e.is_unavailable() => {
@@ -224,12 +261,14 @@ impl SessionState {
                     tracing::warn!(error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
                     tokio::time::sleep(Duration::from_millis(25 << (2 * attempt))).await;
                     if let Ok(head) = self.store.reopen_log(self.id).await {
+                        let tell = self.on_commit();
                         for (u, op) in self
                             .unconfirmed
                             .iter()
                             .filter(|(u, _)| u.seq > head.last_seq)
                         {
-                            self.store.append(u.to_stored(), op.clone());
+                            self.store
+                                .append(u.to_stored(), op.clone(), Some(tell.clone()));
                         }
                     }
                 }
