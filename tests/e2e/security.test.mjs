@@ -18,6 +18,7 @@ import {
   connectStream,
   initialize,
   openStream,
+  parseSseBlock,
   rawUnix,
   script,
   startDaemon,
@@ -725,16 +726,8 @@ describe("resource bounds at the edges", () => {
         buf += decoder.decode(value, { stream: true });
         let i;
         while ((i = buf.indexOf("\n\n")) >= 0) {
-          const block = buf.slice(0, i);
+          const ev = parseSseBlock(buf.slice(0, i));
           buf = buf.slice(i + 2);
-          const ev = { event: "message", id: undefined, data: "" };
-          for (const line of block.split("\n")) {
-            const [k, ...rest] = line.split(":");
-            const v = rest.join(":").replace(/^ /, "");
-            if (k === "event") ev.event = v;
-            else if (k === "id") ev.id = Number(v);
-            else if (k === "data") ev.data += v;
-          }
           if (ev.event === "resync") assert.fail("told to resync");
           if (ev.event === "event") events.push({ id: ev.id, data: JSON.parse(ev.data) });
         }

@@ -6,20 +6,31 @@ use std::time::Duration;
 use tiller_core::{ErrorKind, Origin, StopReason, Terminal};
 use tiller_test_support::{session_config, sessions, virtual_elapsed};
 
-#[tokio::test(start_paused = true)]
-async fn a_silent_engine_settles_stalled_at_the_stall_bound() {
-    let dir = tempfile::tempdir().unwrap();
-    let (s, _store) = sessions(&dir).await;
+/// A session running a turn whose engine stays silent for ten minutes,
+/// far past every bound; the turn's terminal comes on the receiver.
+async fn silent_turn(
+    dir: &tempfile::TempDir,
+) -> (
+    tiller_session::SessionHandle,
+    tokio::sync::oneshot::Receiver<tiller_session::Settlement>,
+) {
+    let (s, _store) = sessions(dir).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
     let (_, rx) = h
         .prompt(
-            // Ten silent minutes: far past the bound.
             r#"{"script": [{"sleep_ms": 600000}]}"#.into(),
             Origin::Interactive,
         )
         .await
         .unwrap()
         .unwrap();
+    (h, rx)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_engine_settles_stalled_at_the_stall_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_h, rx) = silent_turn(&dir).await;
     let (done, took) = virtual_elapsed(rx).await;
     assert_eq!(done.unwrap().terminal, Terminal::failed(ErrorKind::Stalled));
     let bound = Duration::from_millis(session_config().turn.stall_timeout);
@@ -33,16 +44,7 @@ async fn a_silent_engine_settles_stalled_at_the_stall_bound() {
 #[tokio::test(start_paused = true)]
 async fn a_cancel_the_engine_ignores_settles_at_the_cancel_grace() {
     let dir = tempfile::tempdir().unwrap();
-    let (s, _store) = sessions(&dir).await;
-    let h = s.create("/tmp".into(), None).await.unwrap();
-    let (_, rx) = h
-        .prompt(
-            r#"{"script": [{"sleep_ms": 600000}]}"#.into(),
-            Origin::Interactive,
-        )
-        .await
-        .unwrap()
-        .unwrap();
+    let (h, rx) = silent_turn(&dir).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     h.cancel().unwrap();
     let (done, took) = virtual_elapsed(rx).await;

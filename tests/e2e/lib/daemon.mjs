@@ -328,6 +328,20 @@ export async function api(daemon, method, path, body, headers = {}) {
  * Opens the SSE stream of a session with a real HTTP client (fetch).
  * Returns { next(pred, ms), events, close }. Each event: {event, id, data}.
  */
+/** One SSE event block (the text between blank lines): `{event, id, data}`, data unparsed. */
+export function parseSseBlock(block) {
+  const ev = { event: "message", id: undefined, data: "" };
+  for (const line of block.split("\n")) {
+    if (line.startsWith(":")) continue;
+    const [k, ...rest] = line.split(":");
+    const v = rest.join(":").replace(/^ /, "");
+    if (k === "event") ev.event = v;
+    else if (k === "id") ev.id = Number(v);
+    else if (k === "data") ev.data += v;
+  }
+  return ev;
+}
+
 export async function openStream(daemon, sessionId, { after, lastEventId } = {}) {
   const ctl = new AbortController();
   const qs = after === undefined ? "" : `?after=${after}`;
@@ -348,17 +362,8 @@ export async function openStream(daemon, sessionId, { after, lastEventId } = {})
         buf += decoder.decode(chunk, { stream: true });
         let i;
         while ((i = buf.indexOf("\n\n")) >= 0) {
-          const block = buf.slice(0, i);
+          const ev = parseSseBlock(buf.slice(0, i));
           buf = buf.slice(i + 2);
-          const ev = { event: "message", id: undefined, data: "" };
-          for (const line of block.split("\n")) {
-            if (line.startsWith(":")) continue;
-            const [k, ...rest] = line.split(":");
-            const v = rest.join(":").replace(/^ /, "");
-            if (k === "event") ev.event = v;
-            else if (k === "id") ev.id = Number(v);
-            else if (k === "data") ev.data += v;
-          }
           if (!ev.data) continue;
           ev.data = JSON.parse(ev.data);
           events.push(ev);
