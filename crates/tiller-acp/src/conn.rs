@@ -18,8 +18,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use agent_client_protocol::schema::ProtocolVersion;
-use agent_client_protocol::v1::schema::{
+use agent_client_protocol_schema::ProtocolVersion;
+use agent_client_protocol_schema::v1::{
     AgentCapabilities, CancelNotification, CloseSessionRequest, CloseSessionResponse,
     Implementation, InitializeRequest, InitializeResponse, ListSessionsRequest,
     ListSessionsResponse, LoadSessionRequest, LoadSessionResponse, McpCapabilities,
@@ -30,7 +30,7 @@ use agent_client_protocol::v1::schema::{
 };
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use tiller_core::{Origin, SessionId};
+use tiller_core::{Origin, PromptId, SessionId, TurnId};
 use tiller_session::view::{Cursor, Live};
 use tiller_session::{
     EventRecord, PromptRefused, SessionError, SessionHandle, Sessions, Subscriber, SubscriberId,
@@ -101,6 +101,11 @@ enum Out {
     },
     /// A ready-made message.
     Raw(String),
+    /// This connection sends prompt `0` (before it is submitted): its
+    /// text is not echoed back live, the client has it.
+    Mine(PromptId),
+    /// The response to our prompt `mine`, which is over.
+    Answer { msg: String, mine: PromptId },
     /// Everything before this is written: end.
     Close,
 }
@@ -229,6 +234,7 @@ pub async fn serve(
         out: outgoing.clone(),
         attached: HashMap::new(),
         next_request: 0,
+        mine: HashSet::new(),
     };
     let mut writing = tokio::spawn(writer.run(rx));
     // Once the client stops sending, answer what is in flight, then end.
@@ -300,6 +306,9 @@ struct Attachment {
     replaying: bool,
     /// What this attachment replaced, until its subscription has started.
     replaced: Option<Box<Attachment>>,
+    /// The run of message chunks last written: `(thought?, turn, id)`.
+    /// Chunks continuing it share its `messageId`.
+    run: Option<(bool, Option<TurnId>, u64)>,
 }
 
 /// Events read from the store per page when catching up.
@@ -316,6 +325,8 @@ struct Writer {
     attached: HashMap<SessionId, Attachment>,
     /// Counter for our request ids.
     next_request: u64,
+    /// Prompts this connection sent that are not over.
+    mine: HashSet<PromptId>,
 }
 
 /// The client stopped reading.
@@ -377,6 +388,13 @@ impl Writer {
         }
         match out {
             Out::Raw(s) => self.write(s).await?,
+            Out::Mine(prompt) => {
+                self.mine.insert(prompt);
+            }
+            Out::Answer { msg, mine } => {
+                self.mine.remove(&mine);
+                self.write(msg).await?;
+            }
             Out::Close => {}
             Out::Attach {
                 session,
@@ -392,6 +410,7 @@ impl Writer {
                         live_from: 0,
                         replaying: replay,
                         replaced,
+                        run: None,
                     },
                 );
             }
@@ -556,7 +575,8 @@ impl Writer {
 
     fn messages(&mut self, rec: &EventRecord, live_from: u64) -> Vec<String> {
         if rec.seq <= live_from {
-            map::session_update(rec)
+            let message = self.message_id(rec);
+            map::session_update(rec, message.as_deref())
                 .map(|n| update_message(&n))
                 .into_iter()
                 .collect()
@@ -565,10 +585,44 @@ impl Writer {
         }
     }
 
+    /// The `messageId` of a message chunk: chunks of one kind that follow
+    /// each other in one turn are one message; anything shown between
+    /// them (a tool call, a plan) starts a new one.
+    fn message_id(&mut self, rec: &EventRecord) -> Option<String> {
+        use tiller_session::EventBody::{AgentMessageChunk, AgentThoughtChunk};
+        let a = self.attached.get_mut(&rec.session)?;
+        let thought = match rec.body {
+            AgentMessageChunk { .. } => false,
+            AgentThoughtChunk { .. } => true,
+            _ => {
+                if map::shown(&rec.body) {
+                    a.run = None;
+                }
+                return None;
+            }
+        };
+        let id = match a.run {
+            Some((t, turn, id)) if t == thought && turn == rec.turn => id,
+            _ => rec.seq,
+        };
+        a.run = Some((thought, rec.turn, id));
+        Some(format!("{}-{id}", if thought { "thought" } else { "msg" }))
+    }
+
     /// What a live event becomes for this client: updates, extension
-    /// notifications, and permission requests (or their withdrawal).
+    /// notifications, and permission requests (or their withdrawal). The
+    /// text of a prompt this connection sent is not echoed back to it.
     fn live(&mut self, rec: &EventRecord) -> Vec<String> {
-        let mut msgs = live_messages(rec);
+        let message = self.message_id(rec);
+        let echo = matches!(rec.body, tiller_session::EventBody::UserMessage { .. })
+            && rec.prompt.is_some_and(|p| self.mine.contains(&p));
+        let mut msgs = Vec::new();
+        if !echo && let Some(n) = map::session_update(rec, message.as_deref()) {
+            msgs.push(update_message(&n));
+        }
+        if let Some((method, params)) = map::extension_notification(rec) {
+            msgs.push(jsonrpc::notification(method, params));
+        }
         msgs.extend(self.ask(rec));
         let mut asked = self.asked.lock().expect("poisoned");
         if let tiller_session::EventBody::PermissionResolved { request_id, .. } = &rec.body {
@@ -639,22 +693,11 @@ fn merge(into: &mut EventRecord, next: &EventRecord) -> bool {
     true
 }
 
-fn update_message(n: &agent_client_protocol::v1::schema::SessionNotification) -> String {
+fn update_message(n: &agent_client_protocol_schema::v1::SessionNotification) -> String {
     jsonrpc::notification(
         "session/update",
         serde_json::to_value(n).expect("serialize"),
     )
-}
-
-fn live_messages(rec: &EventRecord) -> Vec<String> {
-    let mut msgs = Vec::new();
-    if let Some(n) = map::session_update(rec) {
-        msgs.push(update_message(&n));
-    }
-    if let Some((method, params)) = map::extension_notification(rec) {
-        msgs.push(jsonrpc::notification(method, params));
-    }
-    msgs
 }
 
 /// Requests of one connection handled at once.
@@ -745,6 +788,14 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 let msg = match handle(&shared, &method, params).await {
                     Ok(result) => jsonrpc::response(&id, result),
                     Err(Reply::Error(e)) => jsonrpc::error(&id, &e),
+                    Err(Reply::Mine { result, prompt }) => {
+                        let msg = match result {
+                            Ok(v) => jsonrpc::response(&id, v),
+                            Err(e) => jsonrpc::error(&id, &e),
+                        };
+                        let _ = shared.tx.send(Out::Answer { msg, mine: prompt }).await;
+                        return;
+                    }
                     Err(Reply::Replay {
                         session,
                         sub,
@@ -782,6 +833,11 @@ fn send_raw(shared: &Arc<Shared>, msg: String, inflight: OwnedSemaphorePermit) {
 /// A request's answer other than a plain result.
 enum Reply {
     Error(RpcError),
+    /// The answer to this connection's prompt `prompt`.
+    Mine {
+        result: Result<Value, RpcError>,
+        prompt: PromptId,
+    },
     /// `session/load`: the history goes out before the response.
     Replay {
         session: SessionId,
@@ -1133,6 +1189,32 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
             Ok(to_value(CloseSessionResponse::new()))
         }
         "session/prompt" => {
+            // The writer learns the id first: the client has the text, it
+            // is not echoed back live.
+            let mine = PromptId::new();
+            let _ = shared.tx.send(Out::Mine(mine)).await;
+            let result = match prompt(shared, raw, mine).await {
+                Ok(v) => Ok(v),
+                Err(Reply::Error(e)) => Err(e),
+                Err(_) => Err(RpcError::new(code::INTERNAL_ERROR, "unexpected reply")),
+            };
+            Err(Reply::Mine {
+                result,
+                prompt: mine,
+            })
+        }
+        "_session/steering" => steering(shared, raw).await,
+        other => Err(Reply::Error(RpcError::new(
+            code::METHOD_NOT_FOUND,
+            format!("method not found: {other}"),
+        ))),
+    }
+}
+
+/// `session/prompt`, submitted as `mine`: answered once the prompt is over.
+async fn prompt(shared: &Shared, raw: Value, mine: PromptId) -> Result<Value, Reply> {
+    {
+        {
             let req: PromptRequest = params(raw)?;
             let handle = shared.open(&req.session_id.0).await?;
             shared.attach(&handle).await?;
@@ -1141,7 +1223,7 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
             let meta = req.meta.clone().map(Value::Object);
             let delivery = tiller_session::delivery::caller_meta(meta.as_ref(), "acp");
             let (prompt, settled) = handle
-                .prompt_with(text, Origin::Interactive, delivery)
+                .submit(mine, text, Origin::Interactive, delivery)
                 .await
                 .map_err(session_error)?
                 .map_err(refused)?;
@@ -1159,11 +1241,6 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
             })?;
             map::prompt_result(handle.id(), prompt, &done.terminal).map_err(Reply::Error)
         }
-        "_session/steering" => steering(shared, raw).await,
-        other => Err(Reply::Error(RpcError::new(
-            code::METHOD_NOT_FOUND,
-            format!("method not found: {other}"),
-        ))),
     }
 }
 
@@ -1173,7 +1250,7 @@ async fn steering(shared: &Shared, raw: Value) -> Result<Value, Reply> {
     #[serde(rename_all = "camelCase")]
     struct SteerParams {
         session_id: String,
-        prompt: Vec<agent_client_protocol::v1::schema::ContentBlock>,
+        prompt: Vec<agent_client_protocol_schema::v1::ContentBlock>,
         #[serde(rename = "_meta", default)]
         meta: Option<Value>,
     }

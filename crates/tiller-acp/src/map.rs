@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use agent_client_protocol::v1::schema::{
-    ConfigOptionUpdate, ContentBlock, ContentChunk, McpServer, PermissionOption,
+use agent_client_protocol_schema::v1::{
+    ConfigOptionUpdate, ContentBlock, ContentChunk, Diff, McpServer, MessageId, PermissionOption,
     PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
     SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption,
@@ -17,18 +17,22 @@ use tiller_tools::McpServerConfig;
 
 use crate::jsonrpc::{RpcError, code};
 
-/// The `session/update` an event shows as, if any.
-pub fn session_update(rec: &EventRecord) -> Option<SessionNotification> {
+/// The `session/update` an event shows as, if any. Message chunks carry
+/// `message` as their `messageId` (a user message: its prompt's id), and
+/// every update names its prompt and turn in `_meta.tiller`.
+pub fn session_update(rec: &EventRecord, message: Option<&str>) -> Option<SessionNotification> {
+    let chunk = |text: &String| {
+        ContentChunk::new(ContentBlock::from(text.clone())).message_id(message.map(MessageId::new))
+    };
     let update = match &rec.body {
         EventBody::UserMessage { text } => {
-            SessionUpdate::UserMessageChunk(ContentChunk::new(ContentBlock::from(text.clone())))
+            let id = rec.prompt.map(|p| MessageId::new(p.to_string()));
+            SessionUpdate::UserMessageChunk(
+                ContentChunk::new(ContentBlock::from(text.clone())).message_id(id),
+            )
         }
-        EventBody::AgentMessageChunk { text } => {
-            SessionUpdate::AgentMessageChunk(ContentChunk::new(ContentBlock::from(text.clone())))
-        }
-        EventBody::AgentThoughtChunk { text } => {
-            SessionUpdate::AgentThoughtChunk(ContentChunk::new(ContentBlock::from(text.clone())))
-        }
+        EventBody::AgentMessageChunk { text } => SessionUpdate::AgentMessageChunk(chunk(text)),
+        EventBody::AgentThoughtChunk { text } => SessionUpdate::AgentThoughtChunk(chunk(text)),
         EventBody::Plan { entries } => SessionUpdate::Plan(Plan::new(
             entries
                 .iter()
@@ -94,7 +98,25 @@ pub fn session_update(rec: &EventRecord) -> Option<SessionNotification> {
         }
         _ => return None,
     };
-    Some(SessionNotification::new(rec.session.to_string(), update))
+    Some(SessionNotification::new(rec.session.to_string(), update).meta(turn_meta(rec)))
+}
+
+/// `{"tiller": {"promptId", "turnId"}}`: which prompt and turn an update
+/// belongs to, so a client with several attached can tell turns apart.
+fn turn_meta(rec: &EventRecord) -> Option<serde_json::Map<String, Value>> {
+    if rec.prompt.is_none() && rec.turn.is_none() {
+        return None;
+    }
+    let mut tiller = serde_json::Map::new();
+    if let Some(p) = rec.prompt {
+        tiller.insert("promptId".into(), Value::String(p.to_string()));
+    }
+    if let Some(t) = rec.turn {
+        tiller.insert("turnId".into(), json!(t.0));
+    }
+    let mut meta = serde_json::Map::new();
+    meta.insert("tiller".into(), Value::Object(tiller));
+    Some(meta)
 }
 
 /// ACP's kind of a tool, by name (MCP tools are `other`).
@@ -181,6 +203,10 @@ pub fn permission_request(rec: &EventRecord) -> Option<(String, Value)> {
         tool_call_id,
         title,
         options,
+        name,
+        input,
+        locations,
+        diff,
     } = &rec.body
     else {
         return None;
@@ -197,12 +223,39 @@ pub fn permission_request(rec: &EventRecord) -> Option<(String, Value)> {
             PermissionOption::new(o.option_id.clone(), o.name.clone(), kind)
         })
         .collect();
+    // The whole call, as `tool_call` showed it: what is decided on.
+    let mut fields = ToolCallUpdateFields::new().title(title.clone());
+    if !name.is_empty() {
+        let mut content = Vec::new();
+        if let Some(d) = diff {
+            content.push(ToolCallContent::Diff(
+                Diff::new(PathBuf::from(&d.path), d.new_text.clone()).old_text(d.old_text.clone()),
+            ));
+        }
+        if let Some(cmd) = input.get("command").and_then(Value::as_str)
+            && name == "shell"
+        {
+            content.push(ToolCallContent::from(ContentBlock::from(format!(
+                "$ {cmd}"
+            ))));
+        }
+        fields = fields
+            .kind(tool_kind(name))
+            .status(ToolCallStatus::Pending)
+            .raw_input(input.clone())
+            .locations(
+                locations
+                    .iter()
+                    .map(|p| ToolCallLocation::new(PathBuf::from(p)))
+                    .collect::<Vec<_>>(),
+            );
+        if !content.is_empty() {
+            fields = fields.content(content);
+        }
+    }
     let req = RequestPermissionRequest::new(
         rec.session.to_string(),
-        ToolCallUpdate::new(
-            tool_call_id.clone(),
-            ToolCallUpdateFields::new().title(title.clone()),
-        ),
+        ToolCallUpdate::new(tool_call_id.clone(), fields),
         options,
     );
     Some((
@@ -285,7 +338,7 @@ pub fn prompt_result(
 ) -> Result<Value, RpcError> {
     match terminal {
         Terminal::Completed(r) => Ok(serde_json::to_value(
-            agent_client_protocol::v1::schema::PromptResponse::new(acp_stop(*r)),
+            agent_client_protocol_schema::v1::PromptResponse::new(acp_stop(*r)),
         )
         .expect("serialize")),
         Terminal::Failed { kind, message } => {
@@ -337,4 +390,18 @@ pub fn steer_answer(answer: &tiller_session::SteerAnswer) -> Value {
             },
         }),
     }
+}
+
+/// Whether an event shows as a `session/update`.
+pub fn shown(body: &EventBody) -> bool {
+    matches!(
+        body,
+        EventBody::UserMessage { .. }
+            | EventBody::AgentMessageChunk { .. }
+            | EventBody::AgentThoughtChunk { .. }
+            | EventBody::Plan { .. }
+            | EventBody::ToolCall { .. }
+            | EventBody::ToolCallUpdate { .. }
+            | EventBody::ConfigOptions { .. }
+    )
 }

@@ -102,6 +102,17 @@ pub enum EventBody {
         tool_call_id: String,
         title: String,
         options: Vec<PermissionOption>,
+        /// The call, as its `tool_call` showed it, so a person sees what
+        /// they decide on.
+        #[serde(default)]
+        name: String,
+        #[serde(default)]
+        input: serde_json::Value,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        locations: Vec<String>,
+        /// For edits: the change.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        diff: Option<tiller_tools::FileDiff>,
     },
     /// The decision (an option id, or `cancelled`).
     PermissionResolved {

@@ -51,9 +51,24 @@ impl SessionHandle {
         delivery: Option<String>,
     ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
     {
+        self.submit(PromptId::new(), text, origin, delivery).await
+    }
+
+    /// Like [`SessionHandle::prompt_with`], under an id the caller chose
+    /// (fresh from [`PromptId::new`]), so it can recognize the prompt's
+    /// events before the prompt is acknowledged.
+    pub async fn submit(
+        &self,
+        id: PromptId,
+        text: String,
+        origin: Origin,
+        delivery: Option<String>,
+    ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
+    {
         let (atx, arx) = oneshot::channel();
         let (stx, srx) = oneshot::channel();
         let sent = self.send(SessionMsg::Prompt {
+            id,
             text,
             origin,
             delivery,

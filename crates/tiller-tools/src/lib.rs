@@ -161,6 +161,22 @@ pub fn child_env(
         .collect()
 }
 
+/// Largest file whose whole text a permission request shows.
+const MAX_DIFF_BYTES: u64 = 256 * 1024;
+
+/// A file change as a person reviews it: `old_text` is `None` for a file
+/// that does not exist yet.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FileDiff {
+    /// Absolute path.
+    pub path: String,
+    /// The text replaced (the whole file for `write_file`).
+    pub old_text: Option<String>,
+    /// The text after the change.
+    pub new_text: String,
+}
+
 /// A session's tools: the built-ins rooted at its directory, and its MCP
 /// servers.
 #[derive(Clone)]
@@ -212,6 +228,34 @@ impl Toolbox {
                 .map(|p| vec![p.display().to_string()])
                 .unwrap_or_default(),
             _ => Vec::new(),
+        }
+    }
+
+    /// The change a built-in edit would make, for a person to see before
+    /// allowing it: `edit` shows the text it replaces, `write_file` the
+    /// file as it is now (none for a new file). Read confined, bounded.
+    pub fn diff(&self, name: &str, input: &serde_json::Value) -> Option<FileDiff> {
+        let arg = |k: &str| input.get(k).and_then(serde_json::Value::as_str);
+        let path = arg("path")?;
+        let shown = resolve(&self.root, path).ok()?.display().to_string();
+        match name {
+            "edit" => Some(FileDiff {
+                path: shown,
+                old_text: Some(arg("old_string")?.to_owned()),
+                new_text: arg("new_string")?.to_owned(),
+            }),
+            "write_file" => {
+                let new_text = arg("content")?;
+                if new_text.len() as u64 > MAX_DIFF_BYTES {
+                    return None;
+                }
+                Some(FileDiff {
+                    path: shown,
+                    old_text: local::current_text(&self.root, path, MAX_DIFF_BYTES),
+                    new_text: new_text.to_owned(),
+                })
+            }
+            _ => None,
         }
     }
 

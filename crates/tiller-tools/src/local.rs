@@ -364,6 +364,21 @@ async fn read_file(
     .await
 }
 
+/// The current text of a file inside `root`, read confined, for showing
+/// a change before it is made: `None` when it does not exist, is not a
+/// regular text file, or is larger than `max` bytes.
+pub(crate) fn current_text(root: &Path, path: &str, max: u64) -> Option<String> {
+    let r = Root::open(root).ok()?;
+    let rel = r.relative(path).ok()?;
+    let (file, len) = r.open_read(&rel, path).ok()?;
+    if len > max {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(len as usize);
+    file.take(max).read_to_end(&mut bytes).ok()?;
+    String::from_utf8(bytes).ok().filter(|t| !t.contains('\0'))
+}
+
 async fn write_file(
     root: &Path,
     input: &Value,

@@ -10,6 +10,7 @@ import { Readable, Writable } from "node:stream";
 import { fileURLToPath } from "node:url";
 
 import { client, ndJsonStream } from "@agentclientprotocol/sdk";
+import { validated } from "./schema.mjs";
 import { createWebSocketStream } from "@agentclientprotocol/sdk/experimental/ws-client";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
@@ -134,7 +135,7 @@ export function connectStream(stream, onClose = () => {}, { editor = false } = {
       ext.push({ method, params });
       notify();
     });
-  const conn = app.connect(stream);
+  const conn = app.connect(validated(stream));
   conn.closed.then(onClose, onClose);
   return Object.assign(self, {
     conn,

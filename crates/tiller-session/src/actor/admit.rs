@@ -7,6 +7,7 @@ impl SessionState {
     pub(super) async fn prompt(
         &mut self,
         myself: &ActorRef<SessionMsg>,
+        prompt: PromptId,
         text: String,
         origin: Origin,
         delivery: Option<String>,
@@ -29,7 +30,6 @@ impl SessionState {
             Ok(d) => d,
             Err(why) => return refuse(admitted, PromptRefused::BadDelivery(why)),
         };
-        let prompt = PromptId::new();
         let payload = Pending::new(prepared, self.now())
             .settled(settled)
             .delivery(delivery);

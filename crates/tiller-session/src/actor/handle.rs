@@ -11,13 +11,14 @@ impl SessionState {
         self.input_at = crate::clock::instant();
         match msg {
             SessionMsg::Prompt {
+                id,
                 text,
                 origin,
                 delivery,
                 admitted,
                 settled,
             } => {
-                self.prompt(myself, text, origin, delivery, admitted, settled)
+                self.prompt(myself, id, text, origin, delivery, admitted, settled)
                     .await;
             }
             SessionMsg::Steer {

@@ -91,6 +91,8 @@ pub enum SessionMsg {
     /// Run a prompt. `admitted` answers once it is stored (or refused);
     /// `settled` answers with its terminal.
     Prompt {
+        /// Chosen by the caller (fresh).
+        id: PromptId,
         text: String,
         origin: Origin,
         /// A webhook to receive the final text on `end_turn`.

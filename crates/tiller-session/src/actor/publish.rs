@@ -168,14 +168,24 @@ impl SessionState {
         turn: Option<TurnId>,
         mut body: EventBody,
     ) {
-        if let EventBody::ToolCall {
-            name,
-            input,
-            locations,
-            ..
-        } = &mut body
-        {
-            *locations = self.toolbox.locations(name, input);
+        match &mut body {
+            EventBody::ToolCall {
+                name,
+                input,
+                locations,
+                ..
+            } => *locations = self.toolbox.locations(name, input),
+            EventBody::PermissionRequested {
+                name,
+                input,
+                locations,
+                diff,
+                ..
+            } => {
+                *locations = self.toolbox.locations(name, input);
+                *diff = self.toolbox.diff(name, input);
+            }
+            _ => {}
         }
         let rec = self.record(prompt, turn, body);
         let op = rec.ledger_op();

@@ -247,6 +247,11 @@ impl Batch {
                         tool_call_id: self.wire_id(id),
                         title: call.name.clone(),
                         options: options(call),
+                        name: call.name.clone(),
+                        input: call.input.clone(),
+                        // Filled in from the toolbox as it is published.
+                        locations: Vec::new(),
+                        diff: None,
                     });
                     self.waiting = Some(Waiting {
                         request_id,

@@ -1,0 +1,165 @@
+// Today's ACP surface, as real editors expect it (issue 14): what each
+// connection is sent, and the methods and updates of the stable v1 schema.
+// Every message here is also checked against the official schema
+// (lib/schema.mjs).
+
+import assert from "node:assert/strict";
+import { after, before, describe, test } from "node:test";
+
+import fs from "node:fs";
+import path from "node:path";
+
+import {
+  agentText,
+  initialize,
+  newSession,
+  script,
+  startDaemon,
+  tempDir,
+  textPrompt,
+  transports,
+} from "./lib/daemon.mjs";
+
+let daemon;
+
+before(async () => {
+  daemon = await startDaemon();
+});
+
+after(async () => {
+  await daemon?.stop();
+});
+
+const kinds = (c, sid) => c.updates.filter((u) => u.sessionId === sid).map((u) => u.update.sessionUpdate);
+const userChunks = (c, sid) =>
+  c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "user_message_chunk");
+
+describe("which connection is sent what", () => {
+  test("a prompt's own text is not echoed to its sender; other clients and a load get it", async () => {
+    const a = await transports.unix(daemon);
+    const b = await transports.websocket(daemon);
+    try {
+      await initialize(a);
+      await initialize(b);
+      const sid = await newSession(a);
+      await b.request("session/resume", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+      const text = script([{ say: "hello" }]);
+      const res = await a.request("session/prompt", textPrompt(sid, text));
+      assert.equal(res.stopReason, "end_turn");
+      await b.until(() => agentText(b, sid) === "hello");
+      assert.equal(agentText(a, sid), "hello");
+      assert.deepEqual(userChunks(a, sid), [], "the sender got its own prompt back");
+      assert.deepEqual(userChunks(b, sid).map((u) => u.update.content.text), [text]);
+
+      // A load replays the whole conversation, the user's part included.
+      const c = await transports.unix(daemon);
+      try {
+        await initialize(c);
+        await c.request("session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+        assert.deepEqual(userChunks(c, sid).map((u) => u.update.content.text), [text]);
+        assert.equal(agentText(c, sid), "hello");
+      } finally {
+        c.close();
+      }
+    } finally {
+      a.close();
+      b.close();
+    }
+  });
+
+  test("every update names its prompt and turn; chunks carry messageId", async () => {
+    const a = await transports.unix(daemon);
+    const b = await transports.unix(daemon);
+    try {
+      await initialize(a);
+      await initialize(b);
+      const sid = await newSession(a);
+      await b.request("session/resume", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+      await a.request(
+        "session/prompt",
+        textPrompt(
+          sid,
+          script([
+            { say: "one " },
+            { say: "message" },
+            { tool: { name: "read_file", input: { path: "x" }, outcome: "ok", output: "x" } },
+            { say: "another" },
+          ]),
+        ),
+      );
+      await b.request("session/prompt", textPrompt(sid, script([{ say: "b's" }])));
+      await a.until(() => agentText(a, sid) === "one messageanotherb's");
+      const updates = a.updates.filter((u) => u.sessionId === sid);
+      for (const u of updates) {
+        assert.match(u._meta?.tiller?.promptId ?? "", /.+/, `no promptId on ${u.update.sessionUpdate}`);
+        assert.equal(typeof u._meta.tiller.turnId, "number");
+      }
+      const text = updates.filter((u) => u.update.sessionUpdate === "agent_message_chunk");
+      const ids = text.map((u) => u.update.messageId);
+      assert.ok(ids.every((id) => typeof id === "string" && id.length > 0), `messageIds ${ids}`);
+      // Two chunks in a row are one message; a tool call between starts a
+      // new one; the other client's turn is another prompt and turn.
+      assert.equal(ids[0], ids[1]);
+      assert.notEqual(ids[1], ids[2]);
+      assert.notEqual(ids[2], ids[3]);
+      const prompts = text.map((u) => u._meta.tiller.promptId);
+      assert.equal(prompts[0], prompts[2]);
+      assert.notEqual(prompts[2], prompts[3]);
+      assert.notEqual(text[2]._meta.tiller.turnId, text[3]._meta.tiller.turnId);
+      // The other client's prompt reached A as a user message with its id.
+      const user = userChunks(a, sid);
+      assert.equal(user.length, 1);
+      assert.equal(user[0].update.messageId, prompts[3]);
+      assert.ok(kinds(a, sid).includes("tool_call"));
+    } finally {
+      a.close();
+      b.close();
+    }
+  });
+});
+
+describe("permission requests", () => {
+  test("carry the whole call: kind, rawInput, locations, a diff for edits, the command for shell", async () => {
+    const dir = tempDir();
+    fs.writeFileSync(path.join(dir, "old.txt"), "before\n");
+    const c = await transports.unix(daemon);
+    try {
+      await initialize(c);
+      const sid = await newSession(c, dir);
+      c.answer = async () => ({ outcome: { outcome: "selected", optionId: "reject_once" } });
+      const calls = [
+        { name: "write_file", input: { path: "old.txt", content: "after\n" }, output: "" },
+        { name: "write_file", input: { path: "new.txt", content: "fresh\n" }, output: "" },
+        { name: "edit", input: { path: "old.txt", old_string: "before", new_string: "later" }, output: "" },
+        { name: "shell", input: { command: "rm -rf build" }, output: "" },
+      ];
+      await c.request("session/prompt", textPrompt(sid, script(calls.map((t) => ({ tool: t })))));
+      assert.equal(c.permissionRequests.length, 4);
+      const [overwrite, create, edit, shell] = c.permissionRequests.map((p) => p.toolCall);
+      const real = fs.realpathSync(dir);
+      assert.equal(overwrite.kind, "edit");
+      assert.deepEqual(overwrite.rawInput, calls[0].input);
+      assert.deepEqual(overwrite.locations, [{ path: path.join(real, "old.txt") }]);
+      assert.deepEqual(overwrite.content, [
+        { type: "diff", path: path.join(real, "old.txt"), oldText: "before\n", newText: "after\n" },
+      ]);
+      assert.equal(create.content[0].oldText ?? null, null, "a new file has no old text");
+      assert.equal(create.content[0].newText, "fresh\n");
+      assert.deepEqual(
+        { old: edit.content[0].oldText, new: edit.content[0].newText, kind: edit.kind },
+        { old: "before", new: "later", kind: "edit" },
+      );
+      assert.equal(shell.kind, "execute");
+      assert.deepEqual(shell.rawInput, { command: "rm -rf build" });
+      assert.equal(shell.content[0].content.text, "$ rm -rf build");
+      // Each request names the tool call the client saw announced.
+      const announced = c.updates.filter((u) => u.update.sessionUpdate === "tool_call").map((u) => u.update.toolCallId);
+      assert.deepEqual(
+        c.permissionRequests.map((p) => p.toolCall.toolCallId),
+        announced,
+      );
+    } finally {
+      c.close();
+    }
+  });
+});
