@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 
-import { agentText, initialize, newSession, script, startDaemon, textPrompt, transports } from "./lib/daemon.mjs";
+import { agentText, initialize, newSession, script, startDaemon, textPrompt, transports, turnStarted } from "./lib/daemon.mjs";
 
 let daemon;
 let c;
@@ -94,7 +94,7 @@ describe("loop protection", () => {
   test("a cancel sent before the trip yields cancelled", async () => {
     const sid = await newSession(c);
     const pending = c.request("session/prompt", textPrompt(sid, script([{ sleep_ms: 300 }, { tools: Array(6).fill(call) }])));
-    await c.until(() => c.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "user_message_chunk"));
+    await turnStarted(c, sid);
     await c.notify("session/cancel", { sessionId: sid });
     assert.equal((await pending).stopReason, "cancelled");
     assert.equal(toolUpdates(sid).calls.length, 0, "the looping batch never ran");

@@ -6,6 +6,7 @@ import { execFile } from "node:child_process";
 import { after, before, describe, test } from "node:test";
 
 import {
+  turnStarted,
   api,
   bin,
   initialize,
@@ -66,7 +67,7 @@ describe("notifications", () => {
       const sid = await acpSession(c);
       const call = { name: "read_file", input: { path: "x" }, output: "same" };
       const looping = c.request("session/prompt", textPrompt(sid, script([{ sleep_ms: 200 }, { tools: Array(6).fill(call) }])));
-      await c.until(() => c.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "user_message_chunk"));
+      await turnStarted(c, sid);
       assert.equal((await notify(sid, "ci", [{ say: "CI is green" }])).status, 202);
       await assert.rejects(looping, (e) => e.data?.errorKind === "loop_detected");
       await c.until(() =>

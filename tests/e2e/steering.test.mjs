@@ -6,7 +6,7 @@
 import assert from "node:assert/strict";
 import { after, before, describe, test } from "node:test";
 
-import { agentText, initialize, newSession, script, startDaemon, textPrompt, transports } from "./lib/daemon.mjs";
+import { agentText, initialize, newSession, script, startDaemon, textPrompt, transports, turnStarted } from "./lib/daemon.mjs";
 
 let daemon;
 let c;
@@ -34,7 +34,7 @@ async function run({ steps, steer = false, settleWithin = 2000 }) {
   );
   let steerAnswer;
   if (steer) {
-    await c.until(() => c.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "user_message_chunk"));
+    await turnStarted(c, sid);
     steerAnswer = await c.request("_session/steering", { sessionId: sid, prompt: [{ type: "text", text: STEER }] });
   }
   const result = await outcome;
@@ -116,7 +116,7 @@ describe("conformance cases of turn-lifecycle.md", () => {
   test("8: P, C, silence: cancelled within cancel_grace", async () => {
     const sid = await newSession(c);
     const pending = c.request("session/prompt", textPrompt(sid, script([{ hang: true }])));
-    await c.until(() => c.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "user_message_chunk"));
+    await turnStarted(c, sid);
     const t0 = performance.now();
     await c.notify("session/cancel", { sessionId: sid });
     assert.equal((await pending).stopReason, "cancelled");
@@ -159,7 +159,7 @@ describe("the seed's reproduction tables settle instead of hanging", () => {
     await c.until(() =>
       c.ext.some((e) => e.method === "_tiller/turn_settled" && e.params.promptId === answer.promptId),
     );
-    const settled = c.ext.find((e) => e.params.promptId === answer.promptId);
+    const settled = c.ext.find((e) => e.method === "_tiller/turn_settled" && e.params.promptId === answer.promptId);
     assert.equal(settled.params.stopReason, "end_turn");
     assert.equal(agentText(c, sid), "steered turn");
   });
@@ -181,7 +181,7 @@ describe("_session/steering outcomes", () => {
     assert.deepEqual(idle, { outcome: "promptRequired", reason: "noRunningTurn" });
 
     const pending = c.request("session/prompt", textPrompt(sid, script([{ hang: true }])));
-    await c.until(() => c.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "user_message_chunk"));
+    await turnStarted(c, sid);
     await c.notify("session/cancel", { sessionId: sid });
     const during = await c.request("_session/steering", { sessionId: sid, prompt: [{ type: "text", text: "x" }] });
     assert.deepEqual(during, { outcome: "promptRequired", reason: "turnCancelling" });
@@ -214,7 +214,7 @@ describe("admission", () => {
       const sid = await newSession(k);
       const slow = script([{ sleep_ms: 5000 }]);
       const first = k.request("session/prompt", textPrompt(sid, slow));
-      await k.until(() => k.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "user_message_chunk"));
+      await turnStarted(k, sid);
       const second = k.request("session/prompt", textPrompt(sid, slow));
       await new Promise((r) => setTimeout(r, 100));
       await assert.rejects(

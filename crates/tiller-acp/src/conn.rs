@@ -101,11 +101,19 @@ enum Out {
     },
     /// A ready-made message.
     Raw(String),
-    /// This connection sends prompt `0` (before it is submitted): its
-    /// text is not echoed back live, the client has it.
-    Mine(PromptId),
-    /// The response to our prompt `mine`, which is over.
-    Answer { msg: String, mine: PromptId },
+    /// This connection sends `prompt` to `session` (before it is
+    /// submitted): its text is not echoed back live, the client has it,
+    /// and until it is answered the client is sent only its turn.
+    Mine {
+        session: SessionId,
+        prompt: PromptId,
+    },
+    /// The response to our prompt, which is over.
+    Answer {
+        msg: String,
+        session: SessionId,
+        prompt: PromptId,
+    },
     /// Everything before this is written: end.
     Close,
 }
@@ -201,6 +209,8 @@ struct Shared {
     asked: Arc<std::sync::Mutex<HashMap<String, (SessionId, String)>>>,
     /// Itself, for the subscribers it makes.
     me: std::sync::Weak<Shared>,
+    /// See [`Writer::all_turns`].
+    all_turns: Arc<AtomicBool>,
 }
 
 /// Serves one connection until the transport closes. `outgoing` receives
@@ -217,7 +227,9 @@ pub async fn serve(
     let (call_tx, mut call_rx) = mpsc::channel::<String>(64);
     let lag = Arc::new(Lag::default());
     let asked = Arc::new(std::sync::Mutex::new(HashMap::new()));
+    let all_turns = Arc::new(AtomicBool::new(false));
     let shared = Arc::new_cyclic(|me| Shared {
+        all_turns: all_turns.clone(),
         sessions: sessions.clone(),
         config,
         tx,
@@ -234,7 +246,8 @@ pub async fn serve(
         out: outgoing.clone(),
         attached: HashMap::new(),
         next_request: 0,
-        mine: HashSet::new(),
+        mine: HashMap::new(),
+        all_turns: all_turns.clone(),
     };
     let mut writing = tokio::spawn(writer.run(rx));
     // Once the client stops sending, answer what is in flight, then end.
@@ -325,8 +338,12 @@ struct Writer {
     attached: HashMap<SessionId, Attachment>,
     /// Counter for our request ids.
     next_request: u64,
-    /// Prompts this connection sent that are not over.
-    mine: HashSet<PromptId>,
+    /// Prompts this connection sent that are not over, per session.
+    mine: HashMap<SessionId, Vec<PromptId>>,
+    /// The client separates turns itself (`_meta.tiller.allTurns` in its
+    /// `initialize`): it is sent every turn, even while its own prompt
+    /// waits or runs.
+    all_turns: Arc<AtomicBool>,
 }
 
 /// The client stopped reading.
@@ -388,11 +405,18 @@ impl Writer {
         }
         match out {
             Out::Raw(s) => self.write(s).await?,
-            Out::Mine(prompt) => {
-                self.mine.insert(prompt);
-            }
-            Out::Answer { msg, mine } => {
-                self.mine.remove(&mine);
+            Out::Mine { session, prompt } => self.mine.entry(session).or_default().push(prompt),
+            Out::Answer {
+                msg,
+                session,
+                prompt,
+            } => {
+                if let Some(mine) = self.mine.get_mut(&session) {
+                    mine.retain(|p| *p != prompt);
+                    if mine.is_empty() {
+                        self.mine.remove(&session);
+                    }
+                }
                 self.write(msg).await?;
             }
             Out::Close => {}
@@ -612,10 +636,25 @@ impl Writer {
     /// What a live event becomes for this client: updates, extension
     /// notifications, and permission requests (or their withdrawal). The
     /// text of a prompt this connection sent is not echoed back to it.
+    ///
+    /// While a prompt of this connection waits or runs, it is sent only
+    /// that prompt's turn: clients show what arrives then as the answer
+    /// to their prompt, so another client's turn meanwhile (or an
+    /// automatic one) is left out for it, unless it separates turns
+    /// itself (`all_turns`). `session/load` replays everything.
     fn live(&mut self, rec: &EventRecord) -> Vec<String> {
         let message = self.message_id(rec);
-        let echo = matches!(rec.body, tiller_session::EventBody::UserMessage { .. })
-            && rec.prompt.is_some_and(|p| self.mine.contains(&p));
+        let mut echo = false;
+        if let Some(mine) = self.mine.get(&rec.session)
+            && let Some(p) = rec.prompt
+        {
+            let own = mine.contains(&p);
+            if !own && !self.all_turns.load(Ordering::Relaxed) {
+                return Vec::new();
+            }
+            // The client has its own text.
+            echo = own && matches!(rec.body, tiller_session::EventBody::UserMessage { .. });
+        }
         let mut msgs = Vec::new();
         if !echo && let Some(n) = map::session_update(rec, message.as_deref()) {
             msgs.push(update_message(&n));
@@ -788,12 +827,23 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 let msg = match handle(&shared, &method, params).await {
                     Ok(result) => jsonrpc::response(&id, result),
                     Err(Reply::Error(e)) => jsonrpc::error(&id, &e),
-                    Err(Reply::Mine { result, prompt }) => {
+                    Err(Reply::Mine {
+                        result,
+                        session,
+                        prompt,
+                    }) => {
                         let msg = match result {
                             Ok(v) => jsonrpc::response(&id, v),
                             Err(e) => jsonrpc::error(&id, &e),
                         };
-                        let _ = shared.tx.send(Out::Answer { msg, mine: prompt }).await;
+                        let _ = shared
+                            .tx
+                            .send(Out::Answer {
+                                msg,
+                                session,
+                                prompt,
+                            })
+                            .await;
                         return;
                     }
                     Err(Reply::Replay {
@@ -836,6 +886,7 @@ enum Reply {
     /// The answer to this connection's prompt `prompt`.
     Mine {
         result: Result<Value, RpcError>,
+        session: SessionId,
         prompt: PromptId,
     },
     /// `session/load`: the history goes out before the response.
@@ -1050,6 +1101,8 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
     match method {
         "initialize" => {
             shared.calls.set_caps(ClientCaps::from_initialize(&raw));
+            let all_turns = raw["clientCapabilities"]["_meta"]["tiller"]["allTurns"] == json!(true);
+            shared.all_turns.store(all_turns, Ordering::Relaxed);
             let _req: InitializeRequest = params(raw)?;
             let caps = AgentCapabilities::new()
                 .load_session(true)
@@ -1191,15 +1244,24 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
         "session/prompt" => {
             // The writer learns the id first: the client has the text, it
             // is not echoed back live.
+            let req: PromptRequest = params(raw)?;
+            let session = session_id(&req.session_id.0)?;
             let mine = PromptId::new();
-            let _ = shared.tx.send(Out::Mine(mine)).await;
-            let result = match prompt(shared, raw, mine).await {
+            let _ = shared
+                .tx
+                .send(Out::Mine {
+                    session,
+                    prompt: mine,
+                })
+                .await;
+            let result = match prompt(shared, req, mine).await {
                 Ok(v) => Ok(v),
                 Err(Reply::Error(e)) => Err(e),
                 Err(_) => Err(RpcError::new(code::INTERNAL_ERROR, "unexpected reply")),
             };
             Err(Reply::Mine {
                 result,
+                session,
                 prompt: mine,
             })
         }
@@ -1212,10 +1274,9 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
 }
 
 /// `session/prompt`, submitted as `mine`: answered once the prompt is over.
-async fn prompt(shared: &Shared, raw: Value, mine: PromptId) -> Result<Value, Reply> {
+async fn prompt(shared: &Shared, req: PromptRequest, mine: PromptId) -> Result<Value, Reply> {
     {
         {
-            let req: PromptRequest = params(raw)?;
             let handle = shared.open(&req.session_id.0).await?;
             shared.attach(&handle).await?;
             let text = map::prompt_text(&req.prompt);

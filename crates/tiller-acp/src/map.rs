@@ -281,6 +281,11 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
     let session = rec.session.to_string();
     let prompt = rec.prompt.map(|p| p.to_string());
     match &rec.body {
+        // Its text comes first in every turn.
+        EventBody::UserMessage { .. } => Some((
+            "_tiller/turn_started",
+            json!({ "sessionId": session, "promptId": prompt, "turnId": rec.turn.map(|t| t.0) }),
+        )),
         EventBody::TurnComplete { stop_reason } => Some((
             "_tiller/turn_settled",
             json!({ "sessionId": session, "promptId": prompt, "stopReason": stop_reason }),

@@ -250,6 +250,11 @@ export function textPrompt(sessionId, text) {
   return { sessionId, prompt: [{ type: "text", text }] };
 }
 
+/** Waits until a turn of `sessionId` started (`_tiller/turn_started`). */
+export function turnStarted(c, sessionId) {
+  return c.until(() => c.ext.some((e) => e.method === "_tiller/turn_started" && e.params.sessionId === sessionId));
+}
+
 /** The agent text a connection saw for a session, joined. */
 export function agentText(c, sessionId) {
   return c.updates
