@@ -11,8 +11,10 @@ import path from "node:path";
 
 import {
   agentText,
+  api,
   initialize,
   newSession,
+  rawUnix,
   script,
   startDaemon,
   tempDir,
@@ -160,6 +162,84 @@ describe("permission requests", () => {
       );
     } finally {
       c.close();
+    }
+  });
+});
+
+describe("$/cancel_request", () => {
+  const rpc = (id, method, params) => JSON.stringify({ jsonrpc: "2.0", id, method, params });
+  const cancelReq = (requestId) => JSON.stringify({ jsonrpc: "2.0", method: "$/cancel_request", params: { requestId } });
+
+  async function rawSession(r) {
+    r.send(rpc(1, "initialize", { protocolVersion: 1, clientCapabilities: {} }));
+    await r.next((m) => m.id === 1);
+    r.send(rpc(2, "session/new", { cwd: "/tmp", mcpServers: [] }));
+    return (await r.next((m) => m.id === 2)).result.sessionId;
+  }
+
+  test("a running prompt is cancelled and answered -32800; the one queued behind it still runs", async () => {
+    const r = await rawUnix(daemon);
+    try {
+      const sid = await rawSession(r);
+      r.send(rpc(10, "session/prompt", textPrompt(sid, script([{ sleep_ms: 20000 }]))));
+      r.send(rpc(11, "session/prompt", textPrompt(sid, script([{ say: "second ran" }]))));
+      await r.next((m) => m.method === "_tiller/turn_started");
+      r.send(cancelReq(10));
+      const first = await r.next((m) => m.id === 10);
+      assert.equal(first.error?.code, -32800, JSON.stringify(first));
+      const second = await r.next((m) => m.id === 11);
+      assert.equal(second.result?.stopReason, "end_turn");
+    } finally {
+      r.close();
+    }
+  });
+
+  test("a queued prompt is withdrawn with -32800 and the running one is untouched", async () => {
+    const r = await rawUnix(daemon);
+    try {
+      const sid = await rawSession(r);
+      r.send(rpc(10, "session/prompt", textPrompt(sid, script([{ sleep_ms: 300 }, { say: "first" }]))));
+      r.send(rpc(11, "session/prompt", textPrompt(sid, script([{ say: "never" }]))));
+      r.send(cancelReq(11));
+      const second = await r.next((m) => m.id === 11);
+      assert.equal(second.error?.code, -32800, JSON.stringify(second));
+      const first = await r.next((m) => m.id === 10);
+      assert.equal(first.result?.stopReason, "end_turn");
+      const hist = await api(daemon, "GET", `/api/sessions/${sid}/history`);
+      const said = hist.body.events.filter((e) => e.type === "agent_message_chunk").map((e) => e.data.text);
+      assert.deepEqual(said, ["first"]);
+    } finally {
+      r.close();
+    }
+  });
+
+  test("a session/load cancelled before its replay writes nothing and answers -32800", async () => {
+    const a = await transports.unix(daemon);
+    const r = await rawUnix(daemon);
+    try {
+      await initialize(a);
+      const sid = await newSession(a);
+      await a.request("session/prompt", textPrompt(sid, script([{ say: "history" }])));
+      r.send(rpc(1, "initialize", { protocolVersion: 1, clientCapabilities: {} }));
+      await r.next((m) => m.id === 1);
+      r.send(rpc(5, "session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] }) + "\n" + cancelReq(5));
+      const res = await r.next((m) => m.id === 5);
+      assert.equal(res.error?.code, -32800, JSON.stringify(res));
+      assert.deepEqual(r.messages.filter((m) => m.method === "session/update"), []);
+      // Detached: a later turn of the session is not sent to it.
+      await a.request("session/prompt", textPrompt(sid, script([{ say: "later" }])));
+      await new Promise((res) => setTimeout(res, 200));
+      assert.deepEqual(r.messages.filter((m) => m.method === "session/update"), []);
+      // And a load afterwards replays everything.
+      r.send(rpc(6, "session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] }));
+      assert.deepEqual((await r.next((m) => m.id === 6)).result, {});
+      const text = r.messages
+        .filter((m) => m.method === "session/update" && m.params.update.sessionUpdate === "agent_message_chunk")
+        .map((m) => m.params.update.content.text);
+      assert.deepEqual(text, ["history", "later"]);
+    } finally {
+      a.close();
+      r.close();
     }
   });
 });

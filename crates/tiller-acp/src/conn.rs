@@ -92,6 +92,12 @@ enum Out {
         last: u64,
         pending: Option<Arc<EventRecord>>,
         response: String,
+        /// Set by `$/cancel_request`: the replay stops between pages, the
+        /// session is detached, and `cancelled` is the answer.
+        cancel: Arc<AtomicBool>,
+        cancelled: String,
+        /// The `session/load` request's id.
+        request: Value,
     },
     /// The subscription `sub` announced by `Attach` never started (the
     /// session stopped): what was attached before it stands again.
@@ -211,6 +217,61 @@ struct Shared {
     me: std::sync::Weak<Shared>,
     /// See [`Writer::all_turns`].
     all_turns: Arc<AtomicBool>,
+    /// The client's requests that `$/cancel_request` can cancel, by id.
+    cancellable: std::sync::Mutex<HashMap<String, Cancellable>>,
+}
+
+/// A request of the client's under way that it may cancel.
+struct Cancellable {
+    /// Set when it is cancelled.
+    flag: Arc<AtomicBool>,
+    /// A prompt: withdrawn from its session.
+    prompt: Option<(SessionId, PromptId)>,
+}
+
+impl Shared {
+    /// Makes request `id` cancellable (done as it is read, so a
+    /// `$/cancel_request` read after it always finds it); the flag is set
+    /// once it is cancelled. `prompt` names the prompt it submits.
+    fn cancellable(&self, id: &Value, prompt: Option<(SessionId, PromptId)>) -> Arc<AtomicBool> {
+        let mut all = self.cancellable.lock().expect("poisoned");
+        let c = all.entry(id.to_string()).or_insert_with(|| Cancellable {
+            flag: Arc::new(AtomicBool::new(false)),
+            prompt: None,
+        });
+        if prompt.is_some() {
+            c.prompt = prompt;
+        }
+        c.flag.clone()
+    }
+
+    fn settled(&self, id: &Value) {
+        self.cancellable
+            .lock()
+            .expect("poisoned")
+            .remove(&id.to_string());
+    }
+
+    /// `$/cancel_request`: a prompt is withdrawn (answered -32800 once it
+    /// settles `cancelled`), a replay stops. Other requests are short and
+    /// answered as they are.
+    async fn cancel_request(&self, id: &Value) {
+        let found = self
+            .cancellable
+            .lock()
+            .expect("poisoned")
+            .get(&id.to_string())
+            .map(|c| (c.flag.clone(), c.prompt));
+        let Some((flag, prompt)) = found else {
+            return;
+        };
+        flag.store(true, Ordering::Release);
+        if let Some((session, prompt)) = prompt
+            && let Ok(h) = self.sessions.open(session).await
+        {
+            let _ = h.withdraw(prompt);
+        }
+    }
 }
 
 /// Serves one connection until the transport closes. `outgoing` receives
@@ -230,6 +291,7 @@ pub async fn serve(
     let all_turns = Arc::new(AtomicBool::new(false));
     let shared = Arc::new_cyclic(|me| Shared {
         all_turns: all_turns.clone(),
+        cancellable: std::sync::Mutex::new(HashMap::new()),
         sessions: sessions.clone(),
         config,
         tx,
@@ -248,6 +310,7 @@ pub async fn serve(
         next_request: 0,
         mine: HashMap::new(),
         all_turns: all_turns.clone(),
+        shared: Arc::downgrade(&shared),
     };
     let mut writing = tokio::spawn(writer.run(rx));
     // Once the client stops sending, answer what is in flight, then end.
@@ -338,6 +401,8 @@ struct Writer {
     attached: HashMap<SessionId, Attachment>,
     /// Counter for our request ids.
     next_request: u64,
+    /// The connection, to detach a session.
+    shared: std::sync::Weak<Shared>,
     /// Prompts this connection sent that are not over, per session.
     mine: HashMap<SessionId, Vec<PromptId>>,
     /// The client separates turns itself (`_meta.tiller.allTurns` in its
@@ -466,16 +531,26 @@ impl Writer {
                 last,
                 pending,
                 response,
+                cancel,
+                cancelled,
+                request,
             } => {
+                let mut response = response;
                 if let Some(a) = self.attached.get_mut(&session).filter(|a| a.sub == sub) {
                     a.sent = Some(0);
                     a.live_from = last;
                     a.replaying = false;
                     a.replaced = None;
-                    self.catch_up(session).await?;
-                    if let Some(msg) = pending.and_then(|rec| self.ask(&rec)) {
+                    self.catch_up_until(session, Some(&cancel)).await?;
+                    if cancel.load(Ordering::Acquire) {
+                        self.detach(session, sub);
+                        response = cancelled;
+                    } else if let Some(msg) = pending.and_then(|rec| self.ask(&rec)) {
                         self.write(msg).await?;
                     }
+                }
+                if let Some(shared) = self.shared.upgrade() {
+                    shared.settled(&request);
                 }
                 if !response.is_empty() {
                     self.write(response).await?;
@@ -534,6 +609,15 @@ impl Writer {
     /// page (never the whole log in memory), consecutive text and thought
     /// chunks coalesced, until the store has nothing newer.
     async fn catch_up(&mut self, session: SessionId) -> Result<(), Gone> {
+        self.catch_up_until(session, None).await
+    }
+
+    /// [`Writer::catch_up`], stopping between pages once `stop` is set.
+    async fn catch_up_until(
+        &mut self,
+        session: SessionId,
+        stop: Option<&AtomicBool>,
+    ) -> Result<(), Gone> {
         let Some(a) = self.attached.get(&session) else {
             return Ok(());
         };
@@ -548,6 +632,9 @@ impl Writer {
         metrics::counter!("tiller_acp_catch_ups_total").increment(1);
         let mut cursor = Cursor::at(session, from);
         loop {
+            if stop.is_some_and(|s| s.load(Ordering::Acquire)) {
+                break;
+            }
             let page = match cursor.page(&self.sessions, None, PAGE).await {
                 Ok(p) => p,
                 Err(e) => {
@@ -684,6 +771,22 @@ impl Writer {
 }
 
 impl Writer {
+    /// Ends this connection's attachment `sub` to `session` (a cancelled
+    /// `session/load`): nothing more of it is written.
+    fn detach(&mut self, session: SessionId, sub: SubscriberId) {
+        self.attached.remove(&session);
+        if let Some(shared) = self.shared.upgrade() {
+            tokio::spawn(async move {
+                let mut attached = shared.attached.lock().await;
+                if attached.get(&session).is_some_and(|(_, s)| *s == sub)
+                    && let Some((h, sub)) = attached.remove(&session)
+                {
+                    h.unsubscribe(sub);
+                }
+            });
+        }
+    }
+
     /// The `session/request_permission` for a `permission_requested`,
     /// remembered so the answer finds its session (and so the request can
     /// be withdrawn when someone else answers).
@@ -795,6 +898,14 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
         Incoming::Invalid { id, error } => send_raw(shared, jsonrpc::error(&id, &error), inflight),
         Incoming::Response { .. } => {}
         Incoming::Notification { method, params } => {
+            if method == "$/cancel_request" {
+                let Some(id) = params.get("requestId").cloned() else {
+                    return;
+                };
+                let shared = shared.clone();
+                tokio::spawn(async move { shared.cancel_request(&id).await });
+                return;
+            }
             if method == "session/cancel" {
                 let Ok(p) = serde_json::from_value::<CancelNotification>(params) else {
                     return;
@@ -821,10 +932,13 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
             // Other notifications are ignored, as JSON-RPC asks.
         }
         Incoming::Request { id, method, params } => {
+            if matches!(method.as_str(), "session/prompt" | "session/load") {
+                shared.cancellable(&id, None);
+            }
             let shared = shared.clone();
             tokio::spawn(async move {
                 let _inflight = inflight;
-                let msg = match handle(&shared, &method, params).await {
+                let msg = match handle(&shared, &id, &method, params).await {
                     Ok(result) => jsonrpc::response(&id, result),
                     Err(Reply::Error(e)) => jsonrpc::error(&id, &e),
                     Err(Reply::Mine {
@@ -836,6 +950,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                             Ok(v) => jsonrpc::response(&id, v),
                             Err(e) => jsonrpc::error(&id, &e),
                         };
+                        shared.settled(&id);
                         let _ = shared
                             .tx
                             .send(Out::Answer {
@@ -852,6 +967,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                         last,
                         pending,
                         result,
+                        cancel,
                     }) => {
                         let _ = shared
                             .tx
@@ -861,11 +977,15 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                                 last,
                                 pending,
                                 response: jsonrpc::response(&id, result),
+                                cancelled: jsonrpc::error(&id, &request_cancelled()),
+                                cancel,
+                                request: id.clone(),
                             })
                             .await;
                         return;
                     }
                 };
+                shared.settled(&id);
                 let _ = shared.tx.send(Out::Raw(msg)).await;
             });
         }
@@ -897,6 +1017,8 @@ enum Reply {
         /// The permission request the session waits on: asked after the replay.
         pending: Option<Arc<EventRecord>>,
         result: Value,
+        /// Set by `$/cancel_request`.
+        cancel: Arc<AtomicBool>,
     },
 }
 
@@ -1097,7 +1219,7 @@ impl Shared {
     }
 }
 
-async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Reply> {
+async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result<Value, Reply> {
     match method {
         "initialize" => {
             shared.calls.set_caps(ClientCaps::from_initialize(&raw));
@@ -1196,6 +1318,7 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
             // answers; live events that arrive meanwhile are in the store too.
             let (sub, snap) = shared.attach_for_replay(&handle).await?;
             Err(Reply::Replay {
+                cancel: shared.cancellable(id, None),
                 session: handle.id(),
                 sub,
                 last: snap.last_seq,
@@ -1254,7 +1377,12 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
                     prompt: mine,
                 })
                 .await;
-            let result = match prompt(shared, req, mine).await {
+            let cancel = shared.cancellable(id, Some((session, mine)));
+            let result = match prompt(shared, req, mine, &cancel).await {
+                // Cancelled by `$/cancel_request`: answered as JSON-RPC says.
+                Ok(v) if cancel.load(Ordering::Acquire) && v["stopReason"] == "cancelled" => {
+                    Err(request_cancelled())
+                }
                 Ok(v) => Ok(v),
                 Err(Reply::Error(e)) => Err(e),
                 Err(_) => Err(RpcError::new(code::INTERNAL_ERROR, "unexpected reply")),
@@ -1274,7 +1402,12 @@ async fn handle(shared: &Shared, method: &str, raw: Value) -> Result<Value, Repl
 }
 
 /// `session/prompt`, submitted as `mine`: answered once the prompt is over.
-async fn prompt(shared: &Shared, req: PromptRequest, mine: PromptId) -> Result<Value, Reply> {
+async fn prompt(
+    shared: &Shared,
+    req: PromptRequest,
+    mine: PromptId,
+    cancel: &AtomicBool,
+) -> Result<Value, Reply> {
     {
         {
             let handle = shared.open(&req.session_id.0).await?;
@@ -1288,6 +1421,10 @@ async fn prompt(shared: &Shared, req: PromptRequest, mine: PromptId) -> Result<V
                 .await
                 .map_err(session_error)?
                 .map_err(refused)?;
+            // Cancelled while it was being admitted.
+            if cancel.load(Ordering::Acquire) {
+                let _ = handle.withdraw(prompt);
+            }
             // A dropped terminal port means the session actor failed; the
             // registry settles the prompt as `session_restarted`.
             let done = settled.await.map_err(|_| {
@@ -1344,6 +1481,11 @@ async fn steering(shared: &Shared, raw: Value) -> Result<Value, Reply> {
         .map_err(session_error)?
         .map_err(refused)?;
     Ok(map::steer_answer(&answer))
+}
+
+/// The answer to a request the client cancelled (`$/cancel_request`).
+fn request_cancelled() -> RpcError {
+    RpcError::new(code::REQUEST_CANCELLED, "request cancelled")
 }
 
 /// Formats ms since the epoch as RFC 3339 (UTC).

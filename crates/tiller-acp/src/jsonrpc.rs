@@ -10,6 +10,8 @@ pub mod code {
     pub const METHOD_NOT_FOUND: i64 = -32601;
     pub const INVALID_PARAMS: i64 = -32602;
     pub const INTERNAL_ERROR: i64 = -32603;
+    /// The client cancelled the request (`$/cancel_request`).
+    pub const REQUEST_CANCELLED: i64 = -32800;
     pub const OVERLOADED: i64 = -32001;
     pub const UNKNOWN_SESSION: i64 = -32002;
 }

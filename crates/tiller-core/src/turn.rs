@@ -123,6 +123,14 @@ pub enum Input<P = (), S = ()> {
     },
     /// `session/cancel`.
     Cancel,
+    /// Its sender withdraws one prompt (`$/cancel_request`): queued, it
+    /// settles `cancelled` at once; running, its turn is cancelled as by
+    /// [`Input::Cancel`], but prompts queued behind it stay. A prompt that
+    /// is over (or unknown) is left alone.
+    Withdraw {
+        /// The prompt.
+        prompt: PromptId,
+    },
     /// The session closes (or the daemon drains): the running turn is
     /// cancelled, every queued prompt of any origin settles `cancelled`,
     /// and nothing starts any more (prompts are refused, offers handed
@@ -450,6 +458,21 @@ struct ActiveTurn<P, S> {
 }
 
 impl<P, S> ActiveTurn<P, S> {
+    /// Starts cancelling the turn: its steers are dropped and the engine
+    /// aborted. A turn already cancelling is left as it is (a repeated
+    /// cancel extends nothing).
+    fn cancel(&mut self, now: Millis, fx: &mut Vec<Effect<P, S>>) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        self.phase = Phase::Cancelling { at: now };
+        self.drop_steers(SteerDropReason::Cancelled, fx);
+        fx.push(Effect::AbortEngine {
+            turn: self.turn,
+            teardown: false,
+        });
+    }
+
     /// Drops every outstanding steer, reporting each with `reason`.
     fn drop_steers(&mut self, reason: SteerDropReason, fx: &mut Vec<Effect<P, S>>) {
         for s in self.steers.drain(..) {
@@ -594,6 +617,10 @@ impl<P, S: Clone> SessionCore<P, S> {
             } => self.steer(now, steer, text, idle_behavior, &mut fx),
             Input::Cancel => {
                 self.cancel(now, &mut fx);
+                Answer::None
+            }
+            Input::Withdraw { prompt } => {
+                self.withdraw(now, prompt, &mut fx);
                 Answer::None
             }
             Input::Close => {
@@ -783,15 +810,18 @@ impl<P, S: Clone> SessionCore<P, S> {
         for w in cancelled {
             fx.push(never_started(w));
         }
-        if active.phase != Phase::Running {
-            return; // a repeated cancel extends nothing
+        active.cancel(now, fx);
+    }
+
+    fn withdraw(&mut self, now: Millis, prompt: PromptId, fx: &mut Vec<Effect<P, S>>) {
+        if let Some(i) = self.queue.iter().position(|w| w.prompt == prompt) {
+            let w = self.queue.remove(i).expect("position is in the queue");
+            fx.push(never_started(w));
+            return;
         }
-        active.phase = Phase::Cancelling { at: now };
-        active.drop_steers(SteerDropReason::Cancelled, fx);
-        fx.push(Effect::AbortEngine {
-            turn: active.turn,
-            teardown: false,
-        });
+        if let Some(active) = self.active.as_mut().filter(|a| a.prompt == prompt) {
+            active.cancel(now, fx);
+        }
     }
 
     fn close(&mut self, now: Millis, fx: &mut Vec<Effect<P, S>>) {

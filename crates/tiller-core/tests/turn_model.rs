@@ -61,6 +61,9 @@ enum Step {
         start_new: bool,
     },
     Cancel,
+    /// The sender withdraws the n-th prompt ever sent (queued, running,
+    /// over or refused).
+    Withdraw(usize),
     /// The session closes (or the daemon drains).
     Close,
     Signal(Which, SigKind),
@@ -129,6 +132,7 @@ impl ReferenceStateMachine for Model {
             4 => origin.prop_map(Step::Prompt),
             3 => any::<bool>().prop_map(|start_new| Step::Steer { start_new }),
             2 => Just(Step::Cancel),
+            2 => (0usize..12).prop_map(Step::Withdraw),
             1 => Just(Step::Close),
             10 => (which.clone(), kind).prop_map(|(w, k)| Step::Signal(w, k)),
             2 => (which.clone(), loop_type).prop_map(|(w, t)| Step::LoopTrip(w, t)),
@@ -167,6 +171,8 @@ struct Sut {
     turn_of: HashMap<PromptId, TurnId>,
     /// Steers sent, in order.
     steers: Vec<SteerId>,
+    /// Prompts sent, in order.
+    sent: Vec<PromptId>,
     /// The last signal fed, for `Duplicate`.
     last_signal: Option<(TurnId, Signal)>,
     /// Origin per admitted prompt.
@@ -224,6 +230,7 @@ impl Sut {
             settled_turns: HashSet::new(),
             turn_of: HashMap::new(),
             steers: Vec::new(),
+            sent: Vec::new(),
             last_signal: None,
             origins: HashMap::new(),
             tripped: HashMap::new(),
@@ -449,6 +456,18 @@ impl Sut {
         {
             self.cancel_first.insert(p);
         }
+        // A withdrawn prompt that is not over ends `cancelled`, and nothing
+        // else changes: what is queued behind it stays queued.
+        let mut withdrawn = None;
+        if let Input::Withdraw { prompt } = &input {
+            let queued_before: Vec<PromptId> = self.core.queued().collect();
+            let live = queued_before.contains(prompt)
+                || self.core.active().is_some_and(|(p, _)| p == *prompt);
+            if live {
+                self.cancel_first.insert(*prompt);
+            }
+            withdrawn = Some((*prompt, queued_before));
+        }
         if let Input::LoopTrip { turn, loop_type } = &input
             && let Some((p, t)) = self.core.active()
             && t == *turn
@@ -513,6 +532,18 @@ impl Sut {
         let mut deliver_batch = None;
         let step = self.core.on(self.now, input);
         let fx = step.effects;
+        if let Some((prompt, before)) = withdrawn {
+            let after: Vec<PromptId> = self.core.queued().collect();
+            let kept: Vec<PromptId> = before.into_iter().filter(|p| *p != prompt).collect();
+            assert_eq!(after, kept, "a withdraw touched other queued prompts");
+            assert!(
+                fx.iter().all(|e| match e {
+                    Effect::Settled { prompt: p, .. } => *p == prompt,
+                    _ => true,
+                }),
+                "a withdraw settled another prompt: {fx:?}"
+            );
+        }
         match step.answer {
             Answer::None | Answer::Started { .. } => {}
             Answer::Queued { .. } => {
@@ -721,6 +752,7 @@ impl StateMachineTest for TurnCoreTest {
         match step {
             Step::Prompt(origin) => {
                 let prompt = PromptId::from_u128(sut.fresh());
+                sut.sent.push(prompt);
                 sut.feed(Input::Prompt {
                     prompt,
                     origin,
@@ -743,6 +775,14 @@ impl StateMachineTest for TurnCoreTest {
                 });
             }
             Step::Cancel => sut.feed(Input::Cancel),
+            Step::Withdraw(n) => {
+                let prompt = sut
+                    .sent
+                    .get(n)
+                    .copied()
+                    .unwrap_or(PromptId::from_u128(u128::MAX));
+                sut.feed(Input::Withdraw { prompt });
+            }
             Step::Close => sut.feed(Input::Close),
             Step::Signal(which, kind) => {
                 let turn = sut.turn_of(which);

@@ -110,6 +110,12 @@ impl SessionHandle {
         self.send(SessionMsg::Cancel)
     }
 
+    /// Withdraws one prompt: queued, it settles `cancelled`; running, its
+    /// turn is cancelled (prompts queued behind it stay); over, nothing.
+    pub fn withdraw(&self, prompt: PromptId) -> Result<(), SessionError> {
+        self.send(SessionMsg::Withdraw(prompt))
+    }
+
     /// Attaches a subscriber; returns the state at that instant. Events up
     /// to `last_seq` are replayed from the store; later ones arrive live.
     pub async fn subscribe(

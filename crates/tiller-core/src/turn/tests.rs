@@ -289,6 +289,44 @@ fn cancel_cancels_queued_prompts_each_once_and_repeat_extends_nothing() {
 }
 
 #[test]
+fn withdraw_settles_only_its_own_prompt() {
+    let mut h = Harness::new();
+    let p1 = h.prompt(1);
+    let p2 = h.prompt(2);
+    let p3 = h.prompt(3);
+    let cancelled = Terminal::Completed(StopReason::Cancelled);
+    // Queued: settled at once; the others stay.
+    let fx = h.feed(Input::Withdraw { prompt: p2 });
+    assert_eq!(settled(&fx), Some(cancelled.clone()));
+    assert_eq!(h.core.queued().collect::<Vec<_>>(), vec![p3]);
+    // Running: cancelled like session/cancel, and the queued one runs next.
+    let fx = h.at(10, Input::Withdraw { prompt: p1 });
+    assert!(fx.contains(&Effect::AbortEngine {
+        turn: TurnId(1),
+        teardown: false
+    }));
+    assert_eq!(h.core.queued().collect::<Vec<_>>(), vec![p3]);
+    let fx = h.sig(1, Signal::Result(StopReason::EndTurn));
+    assert_eq!(settled(&fx), Some(cancelled.clone()));
+    assert!(
+        fx.iter()
+            .any(|e| matches!(e, Effect::StartTurn { prompt, .. } if *prompt == p3))
+    );
+    // Over, or unknown: nothing.
+    assert!(h.feed(Input::Withdraw { prompt: p1 }).is_empty());
+    assert!(
+        h.feed(Input::Withdraw {
+            prompt: PromptId::from_u128(99)
+        })
+        .is_empty()
+    );
+    assert_eq!(
+        h.terminals(),
+        vec![(p2, cancelled.clone()), (p1, cancelled)]
+    );
+}
+
+#[test]
 fn cancel_with_nothing_running_is_a_noop() {
     let mut h = Harness::new();
     assert!(h.feed(Input::Cancel).is_empty());

@@ -32,6 +32,14 @@ impl SessionState {
                 }
                 self.feed(myself, Input::Cancel, None).await;
             }
+            SessionMsg::Withdraw(prompt) => {
+                if self.core.active().is_some_and(|(p, _)| p == prompt)
+                    && !self.core.is_cancelling()
+                {
+                    self.cancel_at = Some(crate::clock::instant());
+                }
+                self.feed(myself, Input::Withdraw { prompt }, None).await;
+            }
             SessionMsg::Engine(sig) => {
                 self.pace.handled();
                 let signal = core_signal(&sig.kind);

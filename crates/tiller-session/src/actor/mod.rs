@@ -108,6 +108,8 @@ pub enum SessionMsg {
     },
     /// `session/cancel`.
     Cancel,
+    /// Its sender withdraws a prompt (see [`tiller_core::Input::Withdraw`]).
+    Withdraw(PromptId),
     /// A queue actor may have work: poll if idle.
     Kick,
     /// A queue actor's answer to a poll.
