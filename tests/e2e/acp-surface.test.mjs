@@ -232,7 +232,7 @@ describe("$/cancel_request", () => {
       assert.deepEqual(r.messages.filter((m) => m.method === "session/update"), []);
       // And a load afterwards replays everything.
       r.send(rpc(6, "session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] }));
-      assert.deepEqual((await r.next((m) => m.id === 6)).result, {});
+      assert.equal((await r.next((m) => m.id === 6)).result.modes.currentModeId, "ask");
       const text = r.messages
         .filter((m) => m.method === "session/update" && m.params.update.sessionUpdate === "agent_message_chunk")
         .map((m) => m.params.update.content.text);
@@ -240,6 +240,41 @@ describe("$/cancel_request", () => {
     } finally {
       a.close();
       r.close();
+    }
+  });
+});
+
+describe("session modes", () => {
+  test("the permission modes are session modes: set_mode switches, current_mode_update follows, the option agrees", async () => {
+    const c = await transports.unix(daemon);
+    try {
+      await initialize(c);
+      const res = await c.request("session/new", { cwd: "/tmp", mcpServers: [] });
+      const sid = res.sessionId;
+      assert.equal(res.modes.currentModeId, "ask");
+      assert.deepEqual(res.modes.availableModes.map((m) => m.id), ["ask", "accept-edits", "allow-all"]);
+      assert.deepEqual(await c.request("session/set_mode", { sessionId: sid, modeId: "allow-all" }), {});
+      await c.until(() =>
+        c.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "current_mode_update"),
+      );
+      const mode = c.updates.find((u) => u.update.sessionUpdate === "current_mode_update");
+      assert.equal(mode.update.currentModeId, "allow-all");
+      const options = c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "config_option_update");
+      const pm = options.at(-1).update.configOptions.find((o) => o.id === "permission_mode");
+      assert.equal(pm.currentValue, "allow-all");
+      // The mode is in force: a write runs without asking.
+      await c.request(
+        "session/prompt",
+        textPrompt(sid, script([{ tool: { name: "write_file", input: { path: "m.txt", content: "x" }, output: "ok" } }])),
+      );
+      assert.equal(c.permissionRequests.length, 0);
+      // Setting the option moves the mode too, and resume reports it.
+      await c.request("session/set_config_option", { sessionId: sid, configId: "permission_mode", value: "ask" });
+      const resumed = await c.request("session/resume", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+      assert.equal(resumed.modes.currentModeId, "ask");
+      await assert.rejects(c.request("session/set_mode", { sessionId: sid, modeId: "yolo" }), (e) => e.code === -32602);
+    } finally {
+      c.close();
     }
   });
 });

@@ -26,7 +26,7 @@ use agent_client_protocol_schema::v1::{
     NewSessionRequest, NewSessionResponse, PromptCapabilities, PromptRequest, ResumeSessionRequest,
     ResumeSessionResponse, SessionCapabilities, SessionCloseCapabilities, SessionInfo,
     SessionListCapabilities, SessionResumeCapabilities, SetSessionConfigOptionRequest,
-    SetSessionConfigOptionResponse,
+    SetSessionConfigOptionResponse, SetSessionModeRequest, SetSessionModeResponse,
 };
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -688,8 +688,9 @@ impl Writer {
         if rec.seq <= live_from {
             let message = self.message_id(rec);
             map::session_update(rec, message.as_deref())
-                .map(|n| update_message(&n))
                 .into_iter()
+                .chain(map::mode_update(rec))
+                .map(|n| update_message(&n))
                 .collect()
         } else {
             self.live(rec)
@@ -744,6 +745,9 @@ impl Writer {
         }
         let mut msgs = Vec::new();
         if !echo && let Some(n) = map::session_update(rec, message.as_deref()) {
+            msgs.push(update_message(&n));
+        }
+        if let Some(n) = map::mode_update(rec) {
             msgs.push(update_message(&n));
         }
         if let Some((method, params)) = map::extension_notification(rec) {
@@ -1281,8 +1285,24 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let options = handle.options().await.map_err(session_error)?;
             Ok(to_value(
                 NewSessionResponse::new(handle.id().to_string())
-                    .config_options(map::config_options(&options)),
+                    .config_options(map::config_options(&options))
+                    .modes(map::modes(&options)),
             ))
+        }
+        "session/set_mode" => {
+            let req: SetSessionModeRequest = params(raw)?;
+            let handle = shared.open(&req.session_id.0).await?;
+            shared.attach(&handle).await?;
+            handle
+                .set_option("permission_mode".into(), req.mode_id.0.to_string())
+                .await
+                .map_err(session_error)?
+                .map_err(|e| {
+                    Reply::Error(
+                        RpcError::invalid_params(e).with_data(json!({ "field": "modeId" })),
+                    )
+                })?;
+            Ok(to_value(SetSessionModeResponse::new()))
         }
         "session/set_config_option" => {
             let req: SetSessionConfigOptionRequest = params(raw)?;
@@ -1316,6 +1336,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             shared.connect_mcp(&handle, mcp).await?;
             // The writer replays the log page by page from the store, then
             // answers; live events that arrive meanwhile are in the store too.
+            let options = handle.options().await.map_err(session_error)?;
             let (sub, snap) = shared.attach_for_replay(&handle).await?;
             Err(Reply::Replay {
                 cancel: shared.cancellable(id, None),
@@ -1323,7 +1344,11 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
                 sub,
                 last: snap.last_seq,
                 pending: snap.pending_permission,
-                result: to_value(LoadSessionResponse::new()),
+                result: to_value(
+                    LoadSessionResponse::new()
+                        .config_options(map::config_options(&options))
+                        .modes(map::modes(&options)),
+                ),
             })
         }
         "session/resume" => {
@@ -1332,7 +1357,12 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let handle = shared.open(&req.session_id.0).await?;
             shared.connect_mcp(&handle, mcp).await?;
             shared.attach(&handle).await?;
-            Ok(to_value(ResumeSessionResponse::new()))
+            let options = handle.options().await.map_err(session_error)?;
+            Ok(to_value(
+                ResumeSessionResponse::new()
+                    .config_options(map::config_options(&options))
+                    .modes(map::modes(&options)),
+            ))
         }
         "session/list" => {
             let req: ListSessionsRequest = params(raw)?;

@@ -3,12 +3,13 @@
 use std::path::PathBuf;
 
 use agent_client_protocol_schema::v1::{
-    ConfigOptionUpdate, ContentBlock, ContentChunk, Diff, McpServer, MessageId, PermissionOption,
-    PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
+    ConfigOptionUpdate, ContentBlock, ContentChunk, CurrentModeUpdate, Diff, McpServer, MessageId,
+    PermissionOption, PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
-    SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption,
-    SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall, ToolCallContent,
-    ToolCallLocation, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
+    SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption, SessionMode,
+    SessionModeState, SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall,
+    ToolCallContent, ToolCallLocation, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields,
+    ToolKind,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
@@ -149,6 +150,42 @@ pub fn config_options(options: &[ConfigOption]) -> Vec<SessionConfigOption> {
                 .category(category)
         })
         .collect()
+}
+
+/// The permission modes as ACP session modes (`session/set_mode`), for
+/// clients that switch modes rather than config options.
+pub fn modes(options: &[ConfigOption]) -> Option<SessionModeState> {
+    let o = options.iter().find(|o| o.id == "permission_mode")?;
+    let modes = o
+        .choices
+        .iter()
+        .map(|c| {
+            let (name, description) = match c.as_str() {
+                "ask" => ("Ask", "Edits and commands ask first"),
+                "accept-edits" => ("Accept edits", "Edits run; commands ask first"),
+                "allow-all" => ("Allow all", "Nothing asks"),
+                other => (other, ""),
+            };
+            SessionMode::new(c.clone(), name)
+                .description((!description.is_empty()).then(|| description.to_owned()))
+        })
+        .collect();
+    Some(SessionModeState::new(o.current.clone(), modes))
+}
+
+/// The `current_mode_update` that goes with a `config_options` event.
+pub fn mode_update(rec: &EventRecord) -> Option<SessionNotification> {
+    let EventBody::ConfigOptions { options } = &rec.body else {
+        return None;
+    };
+    let current = &options.iter().find(|o| o.id == "permission_mode")?.current;
+    Some(
+        SessionNotification::new(
+            rec.session.to_string(),
+            SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(current.clone())),
+        )
+        .meta(turn_meta(rec)),
+    )
 }
 
 /// The MCP servers of `session/new` (or load/resume) as the tools crate
