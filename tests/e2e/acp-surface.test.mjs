@@ -20,6 +20,7 @@ import {
   tempDir,
   textPrompt,
   transports,
+  turnStarted,
 } from "./lib/daemon.mjs";
 
 let daemon;
@@ -276,5 +277,68 @@ describe("session modes", () => {
     } finally {
       c.close();
     }
+  });
+});
+
+describe("session/delete", () => {
+  test("removes history, state, queued work and cron jobs; attached clients are told", async () => {
+    const a = await transports.unix(daemon);
+    const b = await transports.websocket(daemon);
+    try {
+      const init = await initialize(a);
+      assert.ok(init.agentCapabilities.sessionCapabilities.delete);
+      await initialize(b);
+      const sid = await newSession(a);
+      const keep = await newSession(a);
+      await a.request("session/prompt", textPrompt(sid, script([{ say: "history" }])));
+      await b.request("session/resume", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+      const job = await api(daemon, "POST", "/api/cron", {
+        sessionId: sid,
+        schedule: "0 0 1 1 *",
+        tz: "UTC",
+        prompt: "yearly",
+      });
+      assert.equal(job.status, 201);
+      // A running turn, and a notification queued behind it.
+      const running = a.request("session/prompt", textPrompt(sid, script([{ sleep_ms: 20000 }])));
+      await turnStarted(a, sid);
+      const queued = await api(daemon, "POST", `/api/sessions/${sid}/notifications`, { taskId: "t", text: "later" });
+      assert.equal(queued.status, 202);
+
+      assert.deepEqual(await a.request("session/delete", { sessionId: sid }), {});
+      assert.equal((await running).stopReason, "cancelled");
+      await b.until(() => b.ext.some((e) => e.method === "_tiller/session_closed" && e.params.sessionId === sid));
+      assert.equal(b.ext.find((e) => e.method === "_tiller/session_closed").params.deleted, true);
+
+      assert.equal((await api(daemon, "GET", `/api/sessions/${sid}`)).status, 404);
+      assert.equal((await api(daemon, "GET", `/api/sessions/${sid}/history`)).status, 404);
+      const cron = await api(daemon, "GET", "/api/cron");
+      assert.ok(!JSON.stringify(cron.body).includes(sid), "its cron job is gone");
+      const listed = await a.request("session/list", {});
+      assert.deepEqual(
+        listed.sessions.map((s) => s.sessionId).filter((s) => s === sid || s === keep),
+        [keep],
+      );
+      await assert.rejects(
+        a.request("session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] }),
+        (e) => e.code === -32002,
+      );
+      // Deleting it again: -32002, which the SDK reports as done (as ACP asks).
+      assert.deepEqual(await a.request("session/delete", { sessionId: sid }), {});
+      // The other session is untouched.
+      assert.equal((await a.request("session/prompt", textPrompt(keep, script([{ say: "ok" }])))).stopReason, "end_turn");
+    } finally {
+      a.close();
+      b.close();
+    }
+  });
+
+  test("over HTTP: DELETE with purge=true deletes, without it closes", async () => {
+    const made = await api(daemon, "POST", "/api/sessions", { cwd: "/tmp" });
+    const sid = made.body.id;
+    assert.equal((await api(daemon, "DELETE", `/api/sessions/${sid}?purge=true`)).status, 204);
+    assert.equal((await api(daemon, "GET", `/api/sessions/${sid}/history`)).status, 404);
+    assert.equal((await api(daemon, "DELETE", `/api/sessions/${sid}?purge=true`)).status, 404);
+    assert.equal((await api(daemon, "DELETE", `/api/sessions/${sid}?purge=maybe`)).status, 400);
   });
 });

@@ -38,6 +38,7 @@ for (const [name, connect] of Object.entries(transports)) {
       assert.equal(res.agentCapabilities.loadSession, true);
       assert.deepEqual(Object.keys(res.agentCapabilities.sessionCapabilities).sort(), [
         "close",
+        "delete",
         "list",
         "resume",
       ]);

@@ -8,6 +8,7 @@ import path from "node:path";
 import { after, before, describe, test } from "node:test";
 
 import {
+  api,
   bin,
   initialize,
   newSession,
@@ -187,5 +188,26 @@ describe("bad configuration", () => {
     const child = spawn(bin, ["config", "check", path.resolve(import.meta.dirname, "../../config/tiller.toml")]);
     const code = await new Promise((r) => child.on("close", r));
     assert.equal(code, 0);
+  });
+});
+
+describe("bad query strings over HTTP", () => {
+  test("get a JSON 400 naming the problem, like every other API error", async () => {
+    const made = await api(daemon, "POST", "/api/sessions", { cwd: "/tmp" });
+    const sid = made.body.id;
+    for (const path of [
+      `/api/sessions/${sid}/history?limit=lots`,
+      `/api/sessions?limit=-1`,
+      `/api/sessions/${sid}?purge=maybe`,
+      `/api/sessions/${sid}/events?after=x`,
+    ]) {
+      const method = path.includes("purge") ? "DELETE" : "GET";
+      const headers = { ...daemon.auth, "content-type": "application/json" };
+      const res = await fetch(`${daemon.http}${path}`, { method, headers });
+      assert.equal(res.status, 400, path);
+      assert.match(res.headers.get("content-type") ?? "", /json/, path);
+      const body = await res.json();
+      assert.match(body.error?.message ?? body.message ?? "", /.+/, `${path}: ${JSON.stringify(body)}`);
+    }
   });
 });

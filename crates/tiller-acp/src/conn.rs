@@ -21,6 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use agent_client_protocol_schema::ProtocolVersion;
 use agent_client_protocol_schema::v1::{
     AgentCapabilities, CancelNotification, CloseSessionRequest, CloseSessionResponse,
+    DeleteSessionRequest, DeleteSessionResponse, SessionDeleteCapabilities,
     Implementation, InitializeRequest, InitializeResponse, ListSessionsRequest,
     ListSessionsResponse, LoadSessionRequest, LoadSessionResponse, McpCapabilities,
     NewSessionRequest, NewSessionResponse, PromptCapabilities, PromptRequest, ResumeSessionRequest,
@@ -1238,7 +1239,8 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
                     SessionCapabilities::new()
                         .list(SessionListCapabilities::new())
                         .resume(SessionResumeCapabilities::new())
-                        .close(SessionCloseCapabilities::new()),
+                        .close(SessionCloseCapabilities::new())
+                        .delete(SessionDeleteCapabilities::new()),
                 )
                 .meta(
                     json!({ "steering": { "supported": true } })
@@ -1384,6 +1386,16 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             Ok(to_value(
                 ListSessionsResponse::new(sessions).next_cursor(page.next_cursor),
             ))
+        }
+        "session/delete" => {
+            let req: DeleteSessionRequest = params(raw)?;
+            let id = session_id(&req.session_id.0)?;
+            // Attached clients (this one included) hear `_tiller/session_closed`.
+            shared.sessions.delete(id).await.map_err(session_error)?;
+            if let Some((h, sub)) = shared.attached.lock().await.remove(&id) {
+                h.unsubscribe(sub);
+            }
+            Ok(to_value(DeleteSessionResponse::new()))
         }
         "session/close" => {
             let req: CloseSessionRequest = params(raw)?;

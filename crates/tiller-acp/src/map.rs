@@ -323,6 +323,10 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
             "_tiller/turn_started",
             json!({ "sessionId": session, "promptId": prompt, "turnId": rec.turn.map(|t| t.0) }),
         )),
+        EventBody::SessionClosed { deleted } => Some((
+            "_tiller/session_closed",
+            json!({ "sessionId": session, "deleted": deleted }),
+        )),
         EventBody::TurnComplete { stop_reason } => Some((
             "_tiller/turn_settled",
             json!({ "sessionId": session, "promptId": prompt, "stopReason": stop_reason }),

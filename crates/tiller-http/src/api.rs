@@ -117,6 +117,27 @@ where
     }
 }
 
+/// A query string whose rejections are API errors too.
+pub struct ApiQuery<T>(pub T);
+
+impl<T, S> axum::extract::FromRequestParts<S> for ApiQuery<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match Query::<T>::from_request_parts(parts, state).await {
+            Ok(Query(v)) => Ok(ApiQuery(v)),
+            Err(e) => Err(bad_request(e.body_text())),
+        }
+    }
+}
+
 fn session_id(raw: &str) -> ApiResult<SessionId> {
     SessionId::parse(raw).ok_or_else(|| SessionError::Unknown(SessionId::from_u128(0)).into())
 }
@@ -190,7 +211,7 @@ pub struct ListQuery {
 
 pub async fn list_sessions(
     State(st): State<AppState>,
-    Query(q): Query<ListQuery>,
+    ApiQuery(q): ApiQuery<ListQuery>,
 ) -> ApiResult<Json<Value>> {
     let page = st
         .sessions
@@ -302,11 +323,25 @@ pub async fn get_session(
     Ok(Json(v))
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CloseQuery {
+    /// Delete the session with its history, state, queued work and cron
+    /// jobs, instead of closing it.
+    #[serde(default)]
+    purge: bool,
+}
+
 pub async fn close_session(
     State(st): State<AppState>,
     Path(id): Path<String>,
+    ApiQuery(q): ApiQuery<CloseQuery>,
 ) -> ApiResult<StatusCode> {
-    open(&st, &id).await?.close().await?;
+    if q.purge {
+        st.sessions.delete(session_id(&id)?).await?;
+    } else {
+        open(&st, &id).await?.close().await?;
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -595,7 +630,7 @@ pub struct HistoryQuery {
 pub async fn get_history(
     State(st): State<AppState>,
     Path(id): Path<String>,
-    Query(q): Query<HistoryQuery>,
+    ApiQuery(q): ApiQuery<HistoryQuery>,
 ) -> ApiResult<Json<Value>> {
     let id = session_id(&id)?;
     st.sessions.record(id).await?;
@@ -662,7 +697,7 @@ fn sse_event(rec: &EventRecord) -> Event {
 pub async fn events(
     State(st): State<AppState>,
     Path(id): Path<String>,
-    Query(q): Query<EventsQuery>,
+    ApiQuery(q): ApiQuery<EventsQuery>,
     headers: HeaderMap,
 ) -> ApiResult<Sse<impl Stream<Item = Result<Event, Infallible>>>> {
     let handle = open(&st, &id).await?;

@@ -59,6 +59,9 @@ pub enum CronMsg {
         poll: u64,
         inbox: Arc<dyn Inbox>,
     },
+    /// The session was deleted (its rows are gone): forget its jobs and
+    /// fires.
+    Forget(SessionId),
 }
 
 /// See the module docs.
@@ -174,6 +177,10 @@ impl Actor for CronActor {
                 inbox.offer(Origin::Cron, poll, work);
             }
             CronMsg::Started { session, id } => st.fires.consumed(session, id),
+            CronMsg::Forget(session) => {
+                st.jobs.retain(|_, (job, _)| job.session != session);
+                st.fires.put_back(session, None);
+            }
         }
         Ok(())
     }

@@ -164,8 +164,12 @@ pub enum EventBody {
     },
     /// Loop protection stopped an automatic turn (which ended `end_turn`).
     LoopStopped { loop_type: String, message: String },
-    /// The session was closed.
-    SessionClosed,
+    /// The session was closed (and, with `deleted`, is being deleted:
+    /// its history goes with it).
+    SessionClosed {
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        deleted: bool,
+    },
     /// Tokens one model request used.
     Usage {
         input_tokens: u64,
@@ -227,7 +231,7 @@ impl EventBody {
             EventBody::TurnComplete { .. } => "turn_complete",
             EventBody::TurnError { .. } => "turn_error",
             EventBody::LoopStopped { .. } => "loop_stopped",
-            EventBody::SessionClosed => "session_closed",
+            EventBody::SessionClosed { .. } => "session_closed",
             EventBody::Usage { .. } => "usage",
             EventBody::ConfigOptions { .. } => "config_options",
             EventBody::McpServer { .. } => "mcp_server",
@@ -343,7 +347,8 @@ mod tests {
                 loop_type: "repeated_tool_failure".into(),
                 message: "m".into(),
             },
-            EventBody::SessionClosed,
+            EventBody::SessionClosed { deleted: false },
+            EventBody::SessionClosed { deleted: true },
         ];
         for (i, body) in bodies.into_iter().enumerate() {
             let rec = EventRecord {

@@ -15,6 +15,8 @@ pub struct Sessions {
     next_subscriber: Arc<AtomicU64>,
     /// The tools' settings (MCP servers are connected under its policy).
     tools: Arc<tiller_tools::ToolsConfig>,
+    /// How long a cancelled turn may take to settle.
+    cancel_grace_ms: u64,
 }
 
 impl Sessions {
@@ -42,6 +44,7 @@ impl Sessions {
             .await
             .map_err(|e| SessionError::Internal(e.to_string()))?;
         let tools = config.tools.clone();
+        let cancel_grace_ms = config.turn.cancel_grace;
         let args = RegistryArgs {
             store: store.clone(),
             // Admission order: goal, then notifications, then cron fires.
@@ -67,6 +70,7 @@ impl Sessions {
             engines,
             next_subscriber: Arc::new(AtomicU64::new(1)),
             tools,
+            cancel_grace_ms,
         };
         // Work queued before a restart runs: wake the sessions it is for.
         let (mut waiting, _) = sessions.store.notification_backlog().await?;
@@ -309,6 +313,31 @@ impl Sessions {
     /// The engines sessions may use.
     pub fn engines(&self) -> &Engines {
         &self.engines
+    }
+
+    /// Deletes a session: it is closed (its running turn cancelled, its
+    /// queued prompts settled `cancelled`, attached clients told by a
+    /// `session_closed` event with `deleted`), then its history, state,
+    /// queued work and cron jobs are removed from the store in one
+    /// transaction. Answered once that committed.
+    pub async fn delete(&self, id: SessionId) -> Result<(), SessionError> {
+        match self.open(id).await {
+            Ok(h) => {
+                let bound = std::time::Duration::from_millis(self.cancel_grace_ms)
+                    + std::time::Duration::from_secs(5);
+                h.close_for_delete(bound).await?;
+            }
+            // Closed already (or never was: the store says which).
+            Err(SessionError::Unknown(_)) => {}
+            Err(e) => return Err(e),
+        }
+        if !self.store.delete_session(id).await? {
+            return Err(SessionError::Unknown(id));
+        }
+        let _ = self.notify.send_message(notify::NotifyMsg::Forget(id));
+        let _ = self.cron.send_message(cron::CronMsg::Forget(id));
+        metrics::counter!("tiller_sessions_deleted_total").increment(1);
+        Ok(())
     }
 
     /// Finds a live session or loads it from the store.

@@ -240,7 +240,32 @@ impl SessionHandle {
     /// Closes the session.
     pub async fn close(&self) -> Result<(), SessionError> {
         let (tx, rx) = oneshot::channel();
-        self.send(SessionMsg::Close(tx))?;
+        self.send(SessionMsg::Close {
+            deleted: false,
+            reply: tx,
+        })?;
         rx.await.map_err(|_| SessionError::Stopped)?
+    }
+
+    /// Closes the session for deletion and waits until its actor has
+    /// stopped (its running turn settled), so nothing more is written.
+    pub(crate) async fn close_for_delete(
+        &self,
+        bound: std::time::Duration,
+    ) -> Result<(), SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::Close {
+            deleted: true,
+            reply: tx,
+        })?;
+        match rx.await {
+            Ok(r) => r?,
+            Err(_) => {} // it stopped on its own meanwhile
+        }
+        self.actor
+            .get_cell()
+            .wait(Some(bound))
+            .await
+            .map_err(|_| SessionError::Internal("the session did not stop in time".into()))
     }
 }

@@ -33,6 +33,8 @@ pub enum NotifyMsg {
     },
     /// The session started the notification `id` (its start consumes it).
     Started { session: SessionId, id: i64 },
+    /// The session was deleted (its rows are gone): forget its queue.
+    Forget(SessionId),
 }
 
 /// See the module docs.
@@ -128,6 +130,10 @@ impl Actor for NotifyActor {
             }
             NotifyMsg::Started { session, id } => {
                 st.queues.consumed(session, id);
+                st.gauge();
+            }
+            NotifyMsg::Forget(session) => {
+                st.queues.put_back(session, None);
                 st.gauge();
             }
         }

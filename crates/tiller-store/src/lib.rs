@@ -188,6 +188,17 @@ impl Store {
         self.call(move |c| sessions::close(c, id)).await
     }
 
+    /// Removes a session and everything kept for it (see
+    /// [`sessions::delete`]); false when there was none. Ordered after
+    /// every append issued before it.
+    pub async fn delete_session(&self, id: SessionId) -> Result<bool, StoreError> {
+        self.call_writer(move |w| {
+            w.broken.remove(&id);
+            sessions::delete(&mut w.conn, id).map_err(StoreError::from)
+        })
+        .await
+    }
+
     /// Appends (and updates the ledger) without waiting. Ordered with
     /// every other command; a failure breaks the session's log, so the
     /// next awaited append of that session reports it. `on_commit` hears

@@ -97,6 +97,34 @@ pub(crate) fn close(conn: &Connection, id: SessionId) -> rusqlite::Result<()> {
     .map(drop)
 }
 
+/// Removes a session and everything kept for it, in one transaction:
+/// its log, prompt ledger, queued work (notifications, cron jobs and their
+/// fires, goal), webhook deliveries, state and conversation. False when
+/// there was no such session.
+pub(crate) fn delete(conn: &mut Connection, id: SessionId) -> rusqlite::Result<bool> {
+    let id = id.to_string();
+    let tx = conn.transaction()?;
+    for table in [
+        "events",
+        "prompts",
+        "notifications",
+        "cron_jobs",
+        "cron_fires",
+        "goals",
+        "deliveries",
+        "session_state",
+        "conversation",
+    ] {
+        tx.execute(
+            &format!("DELETE FROM {table} WHERE session_id = ?1"),
+            params![id],
+        )?;
+    }
+    let n = tx.execute("DELETE FROM sessions WHERE id = ?1", params![id])?;
+    tx.commit()?;
+    Ok(n > 0)
+}
+
 pub(crate) fn save_state(
     conn: &Connection,
     id: SessionId,

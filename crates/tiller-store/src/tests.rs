@@ -414,6 +414,89 @@ mod durability {
     }
 
     #[tokio::test]
+    async fn deleting_a_session_removes_everything_kept_for_it_and_nothing_else() {
+        let (_dir, store) = open();
+        let ids = [SessionId::new(), SessionId::new()];
+        let mut q = tiller_core::notify::Queues::new(10);
+        let mut fires = tiller_core::cron::Fires::default();
+        for (n, &s) in ids.iter().enumerate() {
+            store
+                .create_session(SessionRecord {
+                    id: s,
+                    cwd: "/tmp".into(),
+                    title: None,
+                    created_ms: n as i64,
+                    updated_ms: n as i64,
+                    closed: false,
+                    channel: None,
+                })
+                .await
+                .unwrap();
+            let admit = Some(LedgerOp::Admit {
+                prompt: PromptId::new(),
+                origin: "interactive".into(),
+                consumes: None,
+            });
+            store
+                .append_durable(ev(s, 1, "prompt_started"), admit)
+                .await
+                .unwrap();
+            store
+                .save_state(s, StateColumn::Settings, "{}".into())
+                .await
+                .unwrap();
+            store
+                .notification_changes(q.enqueue(s, "t", "done", 1).changes)
+                .await
+                .unwrap();
+            let job = CronJob {
+                id: format!("job-{n}"),
+                session: s,
+                schedule: "* * * * *".into(),
+                tz: "UTC".into(),
+                prompt: "tick".into(),
+                next_fire_ms: 0,
+                created_ms: 0,
+            };
+            store.cron_add(job.clone()).await.unwrap();
+            let change = fires.fire(s, &job.id, "tick", 5);
+            store.cron_fire(change, job.id, 60_000).await.unwrap();
+            store
+                .goal_put(GoalRow {
+                    session: s,
+                    objective: "o".into(),
+                    max_turns: 3,
+                    turns_done: 0,
+                    status: "active".into(),
+                    pause_reason: None,
+                    loop_stops: 0,
+                })
+                .await
+                .unwrap();
+        }
+        let [gone, kept] = ids;
+        assert!(store.delete_session(gone).await.unwrap());
+        assert!(!store.delete_session(gone).await.unwrap(), "deleted twice");
+        assert!(store.get_session(gone).await.unwrap().is_none());
+        assert!(store.events_after(gone, 0, 10).await.unwrap().is_empty());
+        assert!(store.goal_get(gone).await.unwrap().is_none());
+        let sessions_of = |v: Vec<SessionId>| v.into_iter().filter(|s| *s == gone).count();
+        assert_eq!(sessions_of(store.unsettled().await.unwrap().iter().map(|u| u.session).collect()), 0);
+        assert_eq!(sessions_of(store.notifications().await.unwrap().iter().map(|n| n.session).collect()), 0);
+        assert_eq!(sessions_of(store.cron_list().await.unwrap().iter().map(|j| j.session).collect()), 0);
+        assert_eq!(sessions_of(store.cron_fires().await.unwrap().iter().map(|f| f.session).collect()), 0);
+        assert_eq!(store.load_state(gone).await.unwrap().settings, None);
+        // The other session keeps all of its own.
+        assert!(store.get_session(kept).await.unwrap().is_some());
+        assert_eq!(store.events_after(kept, 0, 10).await.unwrap().len(), 1);
+        assert!(store.goal_get(kept).await.unwrap().is_some());
+        assert_eq!(store.unsettled().await.unwrap().len(), 1);
+        assert_eq!(store.notifications().await.unwrap().len(), 1);
+        assert_eq!(store.cron_list().await.unwrap().len(), 1);
+        assert_eq!(store.cron_fires().await.unwrap().len(), 1);
+    }
+
+    #[tokio::test]
     async fn a_failed_start_leaves_its_notification_queued_and_unadmitted() {
         let (_dir, store) = open();
         let s = SessionId::new();

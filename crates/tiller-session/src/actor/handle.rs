@@ -180,7 +180,7 @@ impl SessionState {
                     self.feed(myself, Input::Close, None).await;
                 }
             }
-            SessionMsg::Close(reply) => {
+            SessionMsg::Close { deleted, reply } => {
                 if !self.closing {
                     self.closing = true;
                     if self.core.active().is_some() {
@@ -189,7 +189,12 @@ impl SessionState {
                     self.feed(myself, Input::Close, None).await;
                     // Answered only once the close is stored.
                     let stored = match self
-                        .publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
+                        .publish_durable(
+                            None,
+                            None,
+                            EventBody::SessionClosed { deleted },
+                            Ledger::Plain,
+                        )
                         .await
                     {
                         Ok(()) => self.store.close_session(self.id).await,
