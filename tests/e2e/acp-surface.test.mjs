@@ -342,3 +342,50 @@ describe("session/delete", () => {
     assert.equal((await api(daemon, "DELETE", `/api/sessions/${sid}?purge=maybe`)).status, 400);
   });
 });
+
+describe("session titles", () => {
+  const titles = (c, sid) =>
+    c.updates
+      .filter((u) => u.sessionId === sid && u.update.sessionUpdate === "session_info_update")
+      .map((u) => u.update.title);
+
+  test("the first prompt names a session; a person over HTTP and the agent rename it; session/list shows it", async () => {
+    const c = await transports.unix(daemon);
+    try {
+      await initialize(c);
+      const sid = await newSession(c);
+      await c.request("session/prompt", textPrompt(sid, "  fix the   flaky test\nand then some"));
+      await c.request("session/prompt", textPrompt(sid, "second prompt"));
+      await c.until(() => titles(c, sid).length >= 1);
+      assert.deepEqual(titles(c, sid), ["fix the flaky test"]);
+      const listed = async () => (await c.request("session/list", {})).sessions.find((s) => s.sessionId === sid);
+      assert.equal((await listed()).title, "fix the flaky test");
+
+      const patched = await api(daemon, "PATCH", `/api/sessions/${sid}`, { title: "Renamed" });
+      assert.equal(patched.status, 200, JSON.stringify(patched.body));
+      assert.equal(patched.body.title, "Renamed");
+      await c.until(() => titles(c, sid).length === 2);
+      assert.equal((await listed()).title, "Renamed");
+
+      await c.request("session/prompt", textPrompt(sid, script([{ title: "Named by the agent" }])));
+      await c.until(() => titles(c, sid).length === 3);
+      assert.equal((await api(daemon, "GET", `/api/sessions/${sid}`)).body.title, "Named by the agent");
+      const update = c.updates.filter((u) => u.update.sessionUpdate === "session_info_update").at(-1);
+      assert.ok(!Number.isNaN(Date.parse(update.update.updatedAt)));
+
+      assert.equal((await api(daemon, "PATCH", `/api/sessions/${sid}`, { title: 3 })).status, 400);
+      assert.equal((await api(daemon, "PATCH", `/api/sessions/${sid}`, { name: "x" })).status, 400);
+    } finally {
+      c.close();
+    }
+  });
+
+  test("a session created with a title keeps it", async () => {
+    const made = await api(daemon, "POST", "/api/sessions", { cwd: "/tmp", title: "Given" });
+    assert.equal(made.status, 201, JSON.stringify(made.body));
+    const sid = made.body.id;
+    await api(daemon, "POST", `/api/sessions/${sid}/prompts`, { text: "hello" });
+    await new Promise((r) => setTimeout(r, 300));
+    assert.equal((await api(daemon, "GET", `/api/sessions/${sid}`)).body.title, "Given");
+  });
+});

@@ -1531,7 +1531,7 @@ fn request_cancelled() -> RpcError {
 }
 
 /// Formats ms since the epoch as RFC 3339 (UTC).
-fn rfc3339(ms: i64) -> String {
+pub(crate) fn rfc3339(ms: i64) -> String {
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms.max(0) as u64);
     humantime::format_rfc3339_seconds(t).to_string()
 }

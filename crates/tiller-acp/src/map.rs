@@ -6,7 +6,8 @@ use agent_client_protocol_schema::v1::{
     ConfigOptionUpdate, ContentBlock, ContentChunk, CurrentModeUpdate, Diff, McpServer, MessageId,
     PermissionOption, PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
-    SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption, SessionMode,
+    SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption, SessionInfoUpdate,
+    SessionMode,
     SessionModeState, SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall,
     ToolCallContent, ToolCallLocation, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields,
     ToolKind,
@@ -97,6 +98,11 @@ pub fn session_update(rec: &EventRecord, message: Option<&str>) -> Option<Sessio
         EventBody::ConfigOptions { options } => {
             SessionUpdate::ConfigOptionUpdate(ConfigOptionUpdate::new(config_options(options)))
         }
+        EventBody::SessionInfo { title } => SessionUpdate::SessionInfoUpdate(
+            SessionInfoUpdate::new()
+                .title(title.clone())
+                .updated_at(crate::conn::rfc3339(rec.ts_ms)),
+        ),
         _ => return None,
     };
     Some(SessionNotification::new(rec.session.to_string(), update).meta(turn_meta(rec)))
@@ -449,5 +455,6 @@ pub fn shown(body: &EventBody) -> bool {
             | EventBody::ToolCall { .. }
             | EventBody::ToolCallUpdate { .. }
             | EventBody::ConfigOptions { .. }
+            | EventBody::SessionInfo { .. }
     )
 }

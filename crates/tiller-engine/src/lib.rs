@@ -30,6 +30,8 @@ pub enum Update {
     Plan(Vec<(String, String)>),
     /// Tokens one model request used.
     Usage { input: u64, output: u64 },
+    /// The agent names the session.
+    Title(String),
 }
 
 /// What a tool does, which decides whether it needs permission.

@@ -30,6 +30,10 @@ pub enum Step {
     Think(String),
     /// Plan entries `(content, status)`.
     Plan(Vec<(String, String)>),
+    /// The agent names the session.
+    Title(String),
+    /// What a model request used: `(input, output)` tokens.
+    Usage(u64, u64),
     Tools(Vec<ToolStep>),
     SleepMs(u64),
     Result(StopReason),
@@ -130,6 +134,15 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
     let here = here.as_str();
     Ok(match key.as_str() {
         "say" => Step::Say(string(val, here)?),
+        "title" => Step::Title(string(val, here)?),
+        "usage" => {
+            let n = |k: &str| {
+                val.get(k)
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| err(&format!("{here}.{k}"), "expected a number of tokens"))
+            };
+            Step::Usage(n("input")?, n("output")?)
+        }
         "think" => Step::Think(string(val, here)?),
         "plan" => {
             let Value::Array(entries) = val else {
@@ -210,6 +223,8 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
                 Step::Say(_)
                 | Step::Think(_)
                 | Step::Plan(_)
+                | Step::Title(_)
+                | Step::Usage(..)
                 | Step::Result(_)
                 | Step::Idle
                 | Step::Fail(_)
@@ -332,11 +347,13 @@ mod tests {
             {"sleep_ms": 5}, {"await_steer": 10}, {"consume_steer": true}, {"drop_steer": true},
             {"stale": {"idle": true}}, {"repeat": {"times": 2, "steps": [{"say": "r"}]}},
             {"result": "max_tokens"}, {"idle": true}, {"fail": "boom"}, {"hang": true},
-            {"crash": "bug"}
+            {"crash": "bug"}, {"title": "t"}, {"usage": {"input": 3, "output": 4}}
         ]}"#;
         let s = Script::from_prompt(text).unwrap().unwrap();
-        assert_eq!(s.steps.len(), 15);
+        assert_eq!(s.steps.len(), 17);
         assert_eq!(s.steps[14], Step::Crash("bug".into()));
+        assert_eq!(s.steps[15], Step::Title("t".into()));
+        assert_eq!(s.steps[16], Step::Usage(3, 4));
         assert_eq!(
             s.steps[2],
             Step::Tools(vec![ToolStep {
@@ -388,6 +405,11 @@ mod tests {
                 "script[0].tools[0].outcome",
             ),
             (r#"{"script": [{"sleep_ms": -1}]}"#, "script[0].sleep_ms"),
+            (r#"{"script": [{"title": 7}]}"#, "script[0].title"),
+            (
+                r#"{"script": [{"usage": {"input": 1}}]}"#,
+                "script[0].usage.output",
+            ),
             (r#"{"script": [{"say": "a", "think": "b"}]}"#, "script[0]"),
             (
                 r#"{"script": [{"stale": {"sleep_ms": 1}}]}"#,

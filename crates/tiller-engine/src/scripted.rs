@@ -164,6 +164,8 @@ impl Run {
             Step::Say(t) => SignalKind::Update(Update::Text(t)),
             Step::Think(t) => SignalKind::Update(Update::Thought(t)),
             Step::Plan(p) => SignalKind::Update(Update::Plan(p)),
+            Step::Title(t) => SignalKind::Update(Update::Title(t)),
+            Step::Usage(input, output) => SignalKind::Update(Update::Usage { input, output }),
             Step::Result(r) => SignalKind::Result(r),
             Step::Idle => SignalKind::Idle,
             Step::Fail(m) => SignalKind::Failed(ErrorKind::ModelStreamInterrupted, m),
@@ -195,6 +197,8 @@ impl Run {
             Step::Say(_)
             | Step::Think(_)
             | Step::Plan(_)
+            | Step::Title(_)
+            | Step::Usage(..)
             | Step::Result(_)
             | Step::Idle
             | Step::Fail(_) => {

@@ -325,6 +325,29 @@ pub async fn get_session(
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+pub struct SessionPatch {
+    /// The new title; `null` or blank clears it.
+    title: Option<String>,
+}
+
+/// `PATCH /api/sessions/:id {title}`: answered once stored; attached
+/// clients get `session_info_update`.
+pub async fn update_session(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(body): ApiJson<SessionPatch>,
+) -> ApiResult<Json<Value>> {
+    let handle = open(&st, &id).await?;
+    if body.title.as_ref().is_some_and(|t| t.len() > 1024) {
+        return Err(bad_request("title: at most 1024 bytes"));
+    }
+    handle.set_title(body.title).await?;
+    let rec = st.sessions.record(handle.id()).await?;
+    Ok(Json(session_json(&rec)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CloseQuery {
     /// Delete the session with its history, state, queued work and cron
     /// jobs, instead of closing it.

@@ -70,7 +70,9 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/api/sessions/{id}",
-            get(api::get_session).delete(api::close_session),
+            get(api::get_session)
+                .patch(api::update_session)
+                .delete(api::close_session),
         )
         .route("/api/engines", get(api::list_engines))
         .route("/api/sessions/{id}/options", get(api::get_options))

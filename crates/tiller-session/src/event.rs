@@ -175,6 +175,9 @@ pub enum EventBody {
         input_tokens: u64,
         output_tokens: u64,
     },
+    /// The session's title was set (by its first prompt, a person or the
+    /// agent) or cleared.
+    SessionInfo { title: Option<String> },
     /// The session's options changed (model, permission mode).
     ConfigOptions { options: Vec<ConfigOption> },
     /// An MCP server connected (with its tools) or failed to.
@@ -233,6 +236,7 @@ impl EventBody {
             EventBody::LoopStopped { .. } => "loop_stopped",
             EventBody::SessionClosed { .. } => "session_closed",
             EventBody::Usage { .. } => "usage",
+            EventBody::SessionInfo { .. } => "session_info",
             EventBody::ConfigOptions { .. } => "config_options",
             EventBody::McpServer { .. } => "mcp_server",
         }

@@ -110,6 +110,17 @@ impl SessionHandle {
         self.send(SessionMsg::Cancel)
     }
 
+    /// Sets (or, with `None` or blank, clears) the session's title;
+    /// answered once it is stored.
+    pub async fn set_title(&self, title: Option<String>) -> Result<(), SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::SetTitle {
+            title,
+            reply: Some(tx),
+        })?;
+        rx.await.map_err(|_| SessionError::Stopped)?
+    }
+
     /// Withdraws one prompt: queued, it settles `cancelled`; running, its
     /// turn is cancelled (prompts queued behind it stay); over, nothing.
     pub fn withdraw(&self, prompt: PromptId) -> Result<(), SessionError> {

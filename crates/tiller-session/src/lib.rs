@@ -239,3 +239,45 @@ pub trait Subscriber: Send + 'static {
         None
     }
 }
+
+/// A session title made from a prompt: its first line that has text,
+/// spaces collapsed, at most 60 characters (cut at a word when it can).
+pub fn title_of(text: &str) -> Option<String> {
+    const MAX: usize = 60;
+    let line = text.lines().map(str::trim).find(|l| !l.is_empty())?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let line = words.join(" ");
+    if line.chars().count() <= MAX {
+        return Some(line);
+    }
+    let cut: String = line.chars().take(MAX - 1).collect();
+    let cut = match cut.rfind(' ') {
+        Some(i) if i > MAX / 2 => &cut[..i],
+        _ => cut.as_str(),
+    };
+    Some(format!("{}…", cut.trim_end()))
+}
+
+#[cfg(test)]
+mod title_tests {
+    use super::title_of;
+
+    #[test]
+    fn titles_from_prompts() {
+        let long = "word ".repeat(30);
+        for (text, want) in [
+            ("fix the build", Some("fix the build")),
+            ("\n\n   spaced    out  \nsecond line", Some("spaced out")),
+            ("", None),
+            ("  \n\t\n", None),
+        ] {
+            assert_eq!(title_of(text).as_deref(), want, "{text:?}");
+        }
+        let t = title_of(&long).unwrap();
+        assert!(t.chars().count() <= 60 && t.ends_with('…') && !t.contains("  "), "{t}");
+        assert!(t.starts_with("word word"));
+        let wide = "é".repeat(100);
+        let t = title_of(&wide).unwrap();
+        assert_eq!(t.chars().count(), 60);
+    }
+}

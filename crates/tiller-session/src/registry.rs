@@ -170,7 +170,7 @@ impl RegistryState {
         myself: &ActorRef<RegistryMsg>,
         id: SessionId,
         head: LogHead,
-        cwd: String,
+        (cwd, title): (String, Option<String>),
         extras: SessionExtras,
     ) -> Result<ActorRef<SessionMsg>, SessionError> {
         if self.live.len() >= self.config.max_sessions {
@@ -187,6 +187,7 @@ impl RegistryState {
             id,
             head,
             cwd,
+            title,
             extras,
             engine,
             engines: self.engines.clone(),
@@ -214,6 +215,7 @@ impl RegistryState {
             engine,
             channel,
         } = new;
+        let given = title.clone();
         if self.live.len() >= self.config.max_sessions {
             return Err(SessionError::TooManySessions(self.config.max_sessions));
         }
@@ -242,7 +244,7 @@ impl RegistryState {
             ..SessionExtras::default()
         };
         let actor = self
-            .spawn(myself, id, LogHead::default(), cwd, extras)
+            .spawn(myself, id, LogHead::default(), (cwd, given), extras)
             .await?;
         Ok((id, actor))
     }
@@ -264,7 +266,8 @@ impl RegistryState {
                 // A failed actor may have left its log refusing appends.
                 let head = self.store.reopen_log(id).await?;
                 let extras = self.store.load_state(id).await?;
-                self.spawn(myself, id, head, rec.cwd, extras).await
+                self.spawn(myself, id, head, (rec.cwd, rec.title), extras)
+                    .await
             }
             _ => Err(SessionError::Unknown(id)),
         }

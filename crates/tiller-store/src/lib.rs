@@ -183,6 +183,12 @@ impl Store {
             .await
     }
 
+    /// Sets (or clears) a session's title.
+    pub async fn set_title(&self, id: SessionId, title: Option<String>) -> Result<(), StoreError> {
+        self.call(move |c| sessions::set_title(c, id, title.as_deref()))
+            .await
+    }
+
     /// Marks a session closed.
     pub async fn close_session(&self, id: SessionId) -> Result<(), StoreError> {
         self.call(move |c| sessions::close(c, id)).await

@@ -89,6 +89,18 @@ pub(crate) fn list_sessions(
     })
 }
 
+pub(crate) fn set_title(
+    conn: &Connection,
+    id: SessionId,
+    title: Option<&str>,
+) -> rusqlite::Result<()> {
+    conn.execute(
+        "UPDATE sessions SET title = ?2 WHERE id = ?1",
+        params![id.to_string(), title],
+    )
+    .map(drop)
+}
+
 pub(crate) fn close(conn: &Connection, id: SessionId) -> rusqlite::Result<()> {
     conn.execute(
         "UPDATE sessions SET closed = 1 WHERE id = ?1",

@@ -229,6 +229,9 @@ impl SessionState {
                 text: prepared.text.clone(),
             },
         );
+        if self.title.is_none() {
+            self.title_from(&prepared.text).await;
+        }
         let actor = myself.clone();
         let pace = self.pace.clone();
         let sink: tiller_engine::SignalSink = Arc::new(move |sig| {

@@ -32,6 +32,12 @@ impl SessionState {
                 }
                 self.feed(myself, Input::Cancel, None).await;
             }
+            SessionMsg::SetTitle { title, reply } => {
+                let r = self.set_title(title).await;
+                if let Some(reply) = reply {
+                    let _ = reply.send(r);
+                }
+            }
             SessionMsg::Withdraw(prompt) => {
                 if self.core.active().is_some_and(|(p, _)| p == prompt)
                     && !self.core.is_cancelling()

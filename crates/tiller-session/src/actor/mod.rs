@@ -108,6 +108,12 @@ pub enum SessionMsg {
     },
     /// `session/cancel`.
     Cancel,
+    /// Set (or clear) the title; answered once it is stored (the agent's
+    /// own naming has no one to answer).
+    SetTitle {
+        title: Option<String>,
+        reply: Option<oneshot::Sender<Result<(), crate::SessionError>>>,
+    },
     /// Its sender withdraws a prompt (see [`tiller_core::Input::Withdraw`]).
     Withdraw(PromptId),
     /// A queue actor may have work: poll if idle.
@@ -206,6 +212,8 @@ pub struct SessionArgs {
     pub automation: Automation,
     /// The session's working directory.
     pub cwd: String,
+    /// Its title, if it has one.
+    pub title: Option<String>,
     /// What the store kept of the session (settings, conversation).
     pub extras: tiller_store::SessionExtras,
 }
@@ -351,6 +359,8 @@ pub struct SessionState {
     cancel_at: Option<tokio::time::Instant>,
     /// Set by `Close`: refuse prompts, stop when idle.
     closing: bool,
+    /// The session's title (set from the first prompt unless given).
+    title: Option<String>,
     /// Answered at the next idle (daemon shutdown).
     drained: Vec<oneshot::Sender<()>>,
     /// The session span.
@@ -443,6 +453,7 @@ impl Actor for SessionActor {
             input_at: crate::clock::instant(),
             cancel_at: None,
             closing: false,
+            title: args.title,
             drained: Vec::new(),
             span,
         })

@@ -100,6 +100,36 @@ impl SessionState {
         Ok(options)
     }
 
+    /// Sets (or clears) the title: stored, then published.
+    pub(super) async fn set_title(
+        &mut self,
+        title: Option<String>,
+    ) -> Result<(), crate::SessionError> {
+        let title = title
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty());
+        if title == self.title {
+            return Ok(());
+        }
+        self.store.set_title(self.id, title.clone()).await?;
+        self.title = title.clone();
+        self.publish(None, None, EventBody::SessionInfo { title });
+        Ok(())
+    }
+
+    /// Names an untitled session after its first prompt.
+    pub(super) async fn title_from(&mut self, text: &str) {
+        if self.title.is_some() {
+            return;
+        }
+        let Some(title) = crate::title_of(text) else {
+            return;
+        };
+        if let Err(e) = self.set_title(Some(title)).await {
+            tracing::warn!(error = %e, "cannot store the session's title");
+        }
+    }
+
     /// Stores the session's options and "always allowed" tools.
     pub(super) async fn save_settings(&mut self) {
         let settings = Settings {

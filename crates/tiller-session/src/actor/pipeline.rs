@@ -27,6 +27,14 @@ impl SessionState {
                 }],
                 None,
             ),
+            SignalKind::Update(Update::Title(title)) => {
+                // Stored first, in order with everything else the actor does.
+                let _ = self.myself.send_message(SessionMsg::SetTitle {
+                    title: Some(title),
+                    reply: None,
+                });
+                (Vec::new(), None)
+            }
             SignalKind::Update(Update::Plan(entries)) => (
                 vec![EventBody::Plan {
                     entries: entries
