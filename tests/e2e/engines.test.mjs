@@ -45,6 +45,8 @@ base_url = "${mock.url}"
 model = "claude-mock"
 api_key_env = "TILLER_TEST_MODEL_KEY"
 retry_base = "10ms"
+context_window = 32000
+prices = { input = 2.0, output = 10.0, currency = "EUR" }
 
 [engine.mock-short]
 kind = "openai"
@@ -166,6 +168,32 @@ describe("OpenAI-compatible engine", () => {
     const h = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=200`);
     assert.ok(h.body.events.some((e) => e.type === "usage" && e.data.inputTokens === 11 && e.data.outputTokens === 7));
     assert.ok(existsSync(path.join(cwd, "notes.txt")));
+  });
+
+  test("usage_update after each model call: tokens in context, the window, the cost so far; kept in the snapshot", async () => {
+    const { sid } = await session("mock-anthropic");
+    mock.reply({ events: anthropic.text("One.", { input: 100, output: 20 }) }, { events: anthropic.text("Two.", { input: 150, output: 30 }) });
+    await c.request("session/prompt", textPrompt(sid, "one"));
+    await c.request("session/prompt", textPrompt(sid, "two"));
+    const usage = () => c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "usage_update").map((u) => u.update);
+    await c.until(() => usage().length === 2);
+    const [a, b] = usage();
+    assert.deepEqual([a.used, a.size, b.used, b.size], [120, 32000, 180, 32000]);
+    assert.equal(a.cost.currency, "EUR");
+    assert.ok(Math.abs(a.cost.amount - (100 * 2 + 20 * 10) / 1e6) < 1e-12, JSON.stringify(a.cost));
+    assert.ok(Math.abs(b.cost.amount - (250 * 2 + 50 * 10) / 1e6) < 1e-12, "cumulative");
+    const snap = await api(daemon, "GET", `/api/sessions/${sid}`);
+    assert.deepEqual(
+      { i: snap.body.usage.inputTokens, o: snap.body.usage.outputTokens, used: snap.body.usage.used, w: snap.body.usage.contextWindow },
+      { i: 250, o: 50, used: 180, w: 32000 },
+    );
+    // And the engine without prices reports no cost.
+    const other = await session("mock-openai");
+    mock.reply({ events: openai.text("Hi.") });
+    await c.request("session/prompt", textPrompt(other.sid, "hi"));
+    await c.until(() => c.updates.some((u) => u.sessionId === other.sid && u.update.sessionUpdate === "usage_update"));
+    const plain = c.updates.find((u) => u.sessionId === other.sid && u.update.sessionUpdate === "usage_update").update;
+    assert.deepEqual([plain.used, plain.size, plain.cost ?? null], [18, 128000, null]);
   });
 
   test("the conversation carries over to the next prompt", async () => {

@@ -3,14 +3,14 @@
 use std::path::PathBuf;
 
 use agent_client_protocol_schema::v1::{
-    ConfigOptionUpdate, ContentBlock, ContentChunk, CurrentModeUpdate, Diff, McpServer, MessageId,
+    ConfigOptionUpdate, ContentBlock, Cost, ContentChunk, CurrentModeUpdate, Diff, McpServer, MessageId,
     PermissionOption, PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
     SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption, SessionInfoUpdate,
     SessionMode,
     SessionModeState, SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall,
     ToolCallContent, ToolCallLocation, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields,
-    ToolKind,
+    ToolKind, UsageUpdate,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
@@ -98,6 +98,16 @@ pub fn session_update(rec: &EventRecord, message: Option<&str>) -> Option<Sessio
         EventBody::ConfigOptions { options } => {
             SessionUpdate::ConfigOptionUpdate(ConfigOptionUpdate::new(config_options(options)))
         }
+        // Old logs carry no window: nothing to report against.
+        EventBody::Usage {
+            input_tokens,
+            output_tokens,
+            context_window,
+            cost,
+        } if *context_window > 0 => SessionUpdate::UsageUpdate(
+            UsageUpdate::new(input_tokens + output_tokens, *context_window)
+                .cost(cost.as_ref().map(|c| Cost::new(c.amount, c.currency.clone()))),
+        ),
         EventBody::SessionInfo { title } => SessionUpdate::SessionInfoUpdate(
             SessionInfoUpdate::new()
                 .title(title.clone())
@@ -456,5 +466,5 @@ pub fn shown(body: &EventBody) -> bool {
             | EventBody::ToolCallUpdate { .. }
             | EventBody::ConfigOptions { .. }
             | EventBody::SessionInfo { .. }
-    )
+    ) || matches!(body, EventBody::Usage { context_window, .. } if *context_window > 0)
 }

@@ -273,9 +273,42 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic".to_owned())
 }
 
+/// What a session's usage is measured against: the model's context window
+/// (tokens) and, when configured, its prices.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UsageBasis {
+    /// Tokens the model's context holds.
+    pub context_window: u64,
+    pub prices: Option<Prices>,
+}
+
+/// What a model's tokens cost, per million.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prices {
+    pub input_per_mtok: f64,
+    pub output_per_mtok: f64,
+    /// ISO 4217, e.g. `USD`.
+    pub currency: String,
+}
+
+impl Prices {
+    /// The cost of `input` and `output` tokens.
+    pub fn cost(&self, input: u64, output: u64) -> f64 {
+        (input as f64 * self.input_per_mtok + output as f64 * self.output_per_mtok) / 1e6
+    }
+}
+
 pub trait Engine: Send + Sync + 'static {
     /// The engine's name in config and `session/new`.
     fn name(&self) -> &str;
+
+    /// The context window and prices usage is reported against.
+    fn usage_basis(&self) -> UsageBasis {
+        UsageBasis {
+            context_window: 200_000,
+            prices: None,
+        }
+    }
 
     /// Checks a prompt before admission. A malformed script is refused here,
     /// so it never becomes an engine crash.

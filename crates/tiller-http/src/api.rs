@@ -190,6 +190,7 @@ fn snapshot_json(snap: &Snapshot) -> Value {
             data
         }),
         "lastSeq": snap.last_seq,
+        "usage": snap.usage,
     })
 }
 

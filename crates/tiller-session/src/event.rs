@@ -170,10 +170,15 @@ pub enum EventBody {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         deleted: bool,
     },
-    /// Tokens one model request used.
+    /// Tokens one model request used, against the model's context window,
+    /// and what the session cost so far (when prices are configured).
     Usage {
         input_tokens: u64,
         output_tokens: u64,
+        #[serde(default)]
+        context_window: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost: Option<Cost>,
     },
     /// The session's title was set (by its first prompt, a person or the
     /// agent) or cleared.
@@ -188,6 +193,32 @@ pub enum EventBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
     },
+}
+
+/// An amount of money.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Cost {
+    pub amount: f64,
+    /// ISO 4217.
+    pub currency: String,
+}
+
+/// A session's usage so far, kept with its settings.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UsageTotals {
+    /// Input tokens of every model request.
+    pub input_tokens: u64,
+    /// Output tokens of every model request.
+    pub output_tokens: u64,
+    /// Tokens in context after the last request.
+    pub used: u64,
+    /// The model's context window then.
+    pub context_window: u64,
+    /// The cost so far, when prices are known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost: Option<Cost>,
 }
 
 /// A session option a client may change (`session/set_config_option`).

@@ -28,7 +28,9 @@ use tiller_store::{Store, StoreError};
 use tokio::sync::oneshot;
 
 pub use actor::{SessionMsg, Settlement};
-pub use event::{ConfigOption, EventBody, EventRecord, PermissionOption, ToolError, ToolStatus};
+pub use event::{
+    ConfigOption, Cost, EventBody, EventRecord, PermissionOption, ToolError, ToolStatus, UsageTotals,
+};
 pub use facade::Sessions;
 pub use handle::SessionHandle;
 pub(crate) use reconcile::reconcile;
@@ -221,6 +223,8 @@ pub struct Snapshot {
     pub pending_permission: Option<Arc<EventRecord>>,
     /// The last sequence number published.
     pub last_seq: u64,
+    /// Its model usage so far, if any.
+    pub usage: Option<UsageTotals>,
 }
 
 /// Identifies one attached subscriber.

@@ -101,6 +101,31 @@ pub struct ModelEngineCfg {
     pub max_requests_per_turn: u32,
     #[serde(default = "default_context_chars")]
     pub context_chars: usize,
+    /// The model's context window in tokens, reported with usage.
+    #[serde(default = "default_context_window")]
+    pub context_window: u64,
+    /// What the model's tokens cost, per million, for the usage reports.
+    #[serde(default)]
+    pub prices: Option<PricesCfg>,
+}
+
+/// `[engine.NAME] prices = { input = 3.0, output = 15.0, currency = "USD" }`.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PricesCfg {
+    /// Per million input tokens.
+    pub input: f64,
+    /// Per million output tokens.
+    pub output: f64,
+    #[serde(default = "default_currency")]
+    pub currency: String,
+}
+
+fn default_currency() -> String {
+    "USD".into()
+}
+fn default_context_window() -> u64 {
+    128_000
 }
 
 fn default_request_timeout() -> Duration {
@@ -165,6 +190,20 @@ impl ModelEngineCfg {
             retry_base: self.retry_base,
             max_requests_per_turn: self.max_requests_per_turn.max(1),
             context_chars: self.context_chars.max(1000),
+            context_window: self.context_window.max(1),
+            prices: match &self.prices {
+                None => None,
+                Some(p) if p.input < 0.0 || p.output < 0.0 || !p.input.is_finite() || !p.output.is_finite() => {
+                    return Err(format!(
+                        "key `engine.{name}.prices`: prices are non-negative numbers per million tokens"
+                    ));
+                }
+                Some(p) => Some(tiller_engine::Prices {
+                    input_per_mtok: p.input,
+                    output_per_mtok: p.output,
+                    currency: p.currency.clone(),
+                }),
+            },
         })
     }
 }

@@ -135,9 +135,9 @@ export const anthropic = {
     { event: "message_delta", data: { type: "message_delta", delta: { stop_reason: reason, stop_sequence: null }, usage: { output_tokens: output } } },
     { event: "message_stop", data: { type: "message_stop" } },
   ],
-  text(text, { stop = "end_turn" } = {}) {
+  text(text, { stop = "end_turn", input = 10, output = 5 } = {}) {
     return [
-      anthropic.start(),
+      anthropic.start(input),
       { event: "content_block_start", data: { type: "content_block_start", index: 0, content_block: { type: "text", text: "" } } },
       { event: "ping", data: { type: "ping" } },
       ...text.split(/(?<= )/).map((w) => ({
@@ -145,7 +145,7 @@ export const anthropic = {
         data: { type: "content_block_delta", index: 0, delta: { type: "text_delta", text: w } },
       })),
       { event: "content_block_stop", data: { type: "content_block_stop", index: 0 } },
-      ...anthropic.stop(stop),
+      ...anthropic.stop(stop, output),
     ];
   },
   tools(calls, { pieces = 3 } = {}) {

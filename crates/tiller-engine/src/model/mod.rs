@@ -87,6 +87,10 @@ pub struct ModelConfig {
     /// The most conversation text (chars) sent with a call: older turns
     /// are left out, with a note. The session keeps four times this.
     pub context_chars: usize,
+    /// The model's context window in tokens (reported with usage).
+    pub context_window: u64,
+    /// What its tokens cost, if known.
+    pub prices: Option<crate::Prices>,
 }
 
 /// A model engine (see the module docs).
@@ -111,6 +115,13 @@ impl ModelEngine {
 impl Engine for ModelEngine {
     fn name(&self) -> &str {
         &self.cfg.name
+    }
+
+    fn usage_basis(&self) -> crate::UsageBasis {
+        crate::UsageBasis {
+            context_window: self.cfg.context_window,
+            prices: self.cfg.prices.clone(),
+        }
     }
 
     fn prepare(&self, text: &str) -> Result<PreparedPrompt, ScriptError> {

@@ -232,6 +232,8 @@ fn cfg(provider: Provider) -> ModelConfig {
         retry_base: Duration::from_millis(10),
         max_requests_per_turn: 10,
         context_chars: 100_000,
+        context_window: 128_000,
+        prices: None,
     }
 }
 

@@ -32,6 +32,7 @@ impl SessionState {
                 }
                 self.feed(myself, Input::Cancel, None).await;
             }
+            SessionMsg::SaveSettings => self.save_settings().await,
             SessionMsg::SetTitle { title, reply } => {
                 let r = self.set_title(title).await;
                 if let Some(reply) = reply {

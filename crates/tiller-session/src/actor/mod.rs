@@ -108,6 +108,8 @@ pub enum SessionMsg {
     },
     /// `session/cancel`.
     Cancel,
+    /// Store the settings (the usage changed).
+    SaveSettings,
     /// Set (or clear) the title; answered once it is stored (the agent's
     /// own naming has no one to answer).
     SetTitle {
@@ -229,6 +231,9 @@ struct Settings {
     /// Tools the user allowed "always" in this session.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     always: Vec<String>,
+    /// Model usage so far.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    usage: Option<crate::UsageTotals>,
 }
 
 /// What the session keeps with a prompt from admission to its terminal
@@ -361,6 +366,8 @@ pub struct SessionState {
     closing: bool,
     /// The session's title (set from the first prompt unless given).
     title: Option<String>,
+    /// Model usage so far (none until the first request).
+    usage: Option<Box<crate::UsageTotals>>,
     /// Answered at the next idle (daemon shutdown).
     drained: Vec<oneshot::Sender<()>>,
     /// The session span.
@@ -454,6 +461,7 @@ impl Actor for SessionActor {
             cancel_at: None,
             closing: false,
             title: args.title,
+            usage: settings.usage.map(Box::new),
             drained: Vec::new(),
             span,
         })

@@ -138,6 +138,7 @@ impl SessionState {
             permission_mode: (self.permissions.mode != self.config.permission_mode)
                 .then(|| self.permissions.mode.as_str().into()),
             always: self.permissions.always(),
+            usage: self.usage.as_deref().cloned(),
         };
         let json = serde_json::to_string(&settings).expect("settings serialize");
         if let Err(e) = self

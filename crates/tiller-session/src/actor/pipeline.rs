@@ -20,13 +20,9 @@ impl SessionState {
             SignalKind::Update(Update::Thought(text)) => {
                 (vec![EventBody::AgentThoughtChunk { text }], None)
             }
-            SignalKind::Update(Update::Usage { input, output }) => (
-                vec![EventBody::Usage {
-                    input_tokens: input,
-                    output_tokens: output,
-                }],
-                None,
-            ),
+            SignalKind::Update(Update::Usage { input, output }) => {
+                (vec![usage_event(&mut self.usage, &*self.engine, input, output)], None)
+            }
             SignalKind::Update(Update::Title(title)) => {
                 // Stored first, in order with everything else the actor does.
                 let _ = self.myself.send_message(SessionMsg::SetTitle {
@@ -69,10 +65,19 @@ impl SessionState {
             )
             .increment(1);
         }
+        if events.iter().any(|e| matches!(e, EventBody::Usage { .. })) {
+            self.usage_changed();
+        }
         for body in events {
             self.publish(prompt, Some(turn), body);
         }
         trip
+    }
+
+    /// Stores the usage totals after a model request (in order with the
+    /// actor's other writes).
+    pub(super) fn usage_changed(&self) {
+        let _ = self.myself.send_message(SessionMsg::SaveSettings);
     }
 
     /// Applies a person's decision to the paused batch. Returns a loop trip
@@ -326,5 +331,38 @@ mod tests {
         // A tool that works is untouched.
         let out = run_call(&toolbox, &call, None).await;
         assert!(out.ok, "{}", out.output);
+    }
+}
+
+/// The `usage` event of one model request, with the session's totals
+/// brought up to date.
+fn usage_event(
+    usage: &mut Option<Box<crate::UsageTotals>>,
+    engine: &dyn Engine,
+    input: u64,
+    output: u64,
+) -> EventBody {
+    let basis = engine.usage_basis();
+    let totals = usage.get_or_insert_with(Box::default);
+    totals.input_tokens += input;
+    totals.output_tokens += output;
+    totals.used = input + output;
+    totals.context_window = basis.context_window;
+    if let Some(p) = &basis.prices {
+        let before = totals
+            .cost
+            .as_ref()
+            .filter(|c| c.currency == p.currency)
+            .map_or(0.0, |c| c.amount);
+        totals.cost = Some(crate::Cost {
+            amount: before + p.cost(input, output),
+            currency: p.currency.clone(),
+        });
+    }
+    EventBody::Usage {
+        input_tokens: input,
+        output_tokens: output,
+        context_window: basis.context_window,
+        cost: totals.cost.clone(),
     }
 }

@@ -115,6 +115,7 @@ impl SessionState {
                 .filter(|_| state == TurnState::Idle),
             pending_permission: self.pending_permission.clone(),
             last_seq: self.fanned,
+            usage: self.usage.as_deref().cloned(),
         }
     }
 
