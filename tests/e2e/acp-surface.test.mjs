@@ -389,3 +389,74 @@ describe("session titles", () => {
     assert.equal((await api(daemon, "GET", `/api/sessions/${sid}`)).body.title, "Given");
   });
 });
+
+describe("slash commands", () => {
+  test("available_commands_update lists Tiller's commands; the daemon runs them whatever the engine", async () => {
+    const c = await transports.unix(daemon);
+    try {
+      await initialize(c);
+      const sid = await newSession(c);
+      await c.until(() => c.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "available_commands_update"));
+      const listed = c.updates.find((u) => u.update.sessionUpdate === "available_commands_update").update.availableCommands;
+      assert.deepEqual(listed.map((x) => x.name), ["clear", "model", "mode", "goal", "cancel"]);
+      assert.equal(listed.find((x) => x.name === "mode").input.hint, "mode");
+
+      const said = () => agentText(c, sid);
+      // /mode switches the permission mode (and the mode update follows).
+      assert.equal((await c.request("session/prompt", textPrompt(sid, "/mode allow-all"))).stopReason, "end_turn");
+      assert.match(said(), /Permission mode: allow-all/);
+      await c.until(() => c.updates.some((u) => u.update.sessionUpdate === "current_mode_update" && u.update.currentModeId === "allow-all"));
+      // A bad one is refused with a clear error and changes nothing.
+      await assert.rejects(c.request("session/prompt", textPrompt(sid, "/mode yolo")), (e) => e.code === -32602 && /yolo/.test(e.message));
+      await assert.rejects(c.request("session/prompt", textPrompt(sid, "/model")), (e) => e.code === -32602);
+      // /goal sets a goal the daemon runs.
+      const objective = script([{ say: "goal turn" }]);
+      await c.request("session/prompt", textPrompt(sid, `/goal ${objective}`));
+      const goal = await api(daemon, "GET", `/api/sessions/${sid}/goal`);
+      assert.equal(goal.body.objective, objective, JSON.stringify(goal.body));
+      await c.until(() => said().includes("goal turn"));
+      await api(daemon, "DELETE", `/api/sessions/${sid}/goal`);
+      const idle = async () => (await api(daemon, "GET", `/api/sessions/${sid}`)).body.state === "idle";
+      for (let i = 0; i < 100 && !(await idle()); i++) await new Promise((r) => setTimeout(r, 50));
+      // /cancel during a turn: the turn ends cancelled.
+      const started = c.ext.filter((e) => e.method === "_tiller/turn_started").length;
+      const running = c.request("session/prompt", textPrompt(sid, script([{ sleep_ms: 20000 }])));
+      await c.until(() => c.ext.filter((e) => e.method === "_tiller/turn_started").length > started);
+      await c.request("session/prompt", textPrompt(sid, "/cancel"));
+      assert.equal((await running).stopReason, "cancelled");
+      // An unknown /word is an ordinary prompt for the engine.
+      const before = said().length;
+      await c.request("session/prompt", textPrompt(sid, "/review please"));
+      assert.match(said().slice(before), /scripted engine/);
+    } finally {
+      c.close();
+    }
+  });
+
+  test("/clear forgets the model conversation, keeps the history, and is refused during a turn", async () => {
+    const c = await transports.unix(daemon);
+    try {
+      await initialize(c);
+      const sid = await newSession(c);
+      await c.request("session/prompt", textPrompt(sid, script([{ say: "remember me" }])));
+      await c.request("session/prompt", textPrompt(sid, "/clear"));
+      assert.match(agentText(c, sid), /cleared/);
+      const hist = await api(daemon, "GET", `/api/sessions/${sid}/history`);
+      const types = hist.body.events.map((e) => e.type);
+      assert.ok(types.includes("conversation_cleared"), types.join());
+      assert.ok(hist.body.events.some((e) => e.type === "agent_message_chunk" && e.data.text === "remember me"));
+      // Over HTTP too, with the answer in the response.
+      const r = await api(daemon, "POST", `/api/sessions/${sid}/prompts`, { text: "/clear" });
+      assert.deepEqual([r.status, r.body.command], [200, true]);
+      const running = c.request("session/prompt", textPrompt(sid, script([{ sleep_ms: 20000 }])));
+      await turnStarted(c, sid);
+      const busy = await api(daemon, "POST", `/api/sessions/${sid}/prompts`, { text: "/clear" });
+      assert.equal(busy.status, 400);
+      assert.match(busy.body.error?.message ?? busy.body.message, /turn is running/);
+      await c.notify("session/cancel", { sessionId: sid });
+      await running;
+    } finally {
+      c.close();
+    }
+  });
+});

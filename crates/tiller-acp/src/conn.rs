@@ -21,11 +21,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use agent_client_protocol_schema::ProtocolVersion;
 use agent_client_protocol_schema::v1::{
     AgentCapabilities, CancelNotification, CloseSessionRequest, CloseSessionResponse,
-    DeleteSessionRequest, DeleteSessionResponse, SessionDeleteCapabilities,
-    Implementation, InitializeRequest, InitializeResponse, ListSessionsRequest,
-    ListSessionsResponse, LoadSessionRequest, LoadSessionResponse, McpCapabilities,
-    NewSessionRequest, NewSessionResponse, PromptCapabilities, PromptRequest, ResumeSessionRequest,
-    ResumeSessionResponse, SessionCapabilities, SessionCloseCapabilities, SessionInfo,
+    DeleteSessionRequest, DeleteSessionResponse, Implementation, InitializeRequest,
+    InitializeResponse, ListSessionsRequest, ListSessionsResponse, LoadSessionRequest,
+    LoadSessionResponse, McpCapabilities, NewSessionRequest, NewSessionResponse,
+    PromptCapabilities, PromptRequest, ResumeSessionRequest, ResumeSessionResponse,
+    SessionCapabilities, SessionCloseCapabilities, SessionDeleteCapabilities, SessionInfo,
     SessionListCapabilities, SessionResumeCapabilities, SetSessionConfigOptionRequest,
     SetSessionConfigOptionResponse, SetSessionModeRequest, SetSessionModeResponse,
 };
@@ -941,9 +941,22 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 shared.cancellable(&id, None);
             }
             let shared = shared.clone();
+            // The session a resume names (a new one's id is in its answer).
+            let mut params_session = params
+                .get("sessionId")
+                .and_then(Value::as_str)
+                .and_then(SessionId::parse);
             tokio::spawn(async move {
                 let _inflight = inflight;
-                let msg = match handle(&shared, &id, &method, params).await {
+                let result = handle(&shared, &id, &method, params).await;
+                if let Ok(v) = &result
+                    && method == "session/new"
+                {
+                    params_session = v["sessionId"].as_str().and_then(SessionId::parse);
+                }
+                let opened =
+                    result.is_ok() && matches!(method.as_str(), "session/new" | "session/resume");
+                let msg = match result {
                     Ok(result) => jsonrpc::response(&id, result),
                     Err(Reply::Error(e)) => jsonrpc::error(&id, &e),
                     Err(Reply::Mine {
@@ -987,13 +1000,25 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                                 request: id.clone(),
                             })
                             .await;
+                        commands_for(&shared, &Some(session)).await;
                         return;
                     }
                 };
                 shared.settled(&id);
                 let _ = shared.tx.send(Out::Raw(msg)).await;
+                if opened {
+                    commands_for(&shared, &params_session).await;
+                }
             });
         }
+    }
+}
+
+/// After a session is opened on this connection: the commands it has.
+async fn commands_for(shared: &Shared, session: &Option<SessionId>) {
+    if let Some(s) = session {
+        let n = map::available_commands(*s);
+        let _ = shared.tx.send(Out::Raw(update_message(&n))).await;
     }
 }
 
@@ -1455,6 +1480,31 @@ async fn prompt(
             let handle = shared.open(&req.session_id.0).await?;
             shared.attach(&handle).await?;
             let text = map::prompt_text(&req.prompt);
+            // Tiller's slash commands are the daemon's, whatever the engine.
+            if let Some(cmd) = tiller_session::commands::parse(&text) {
+                let message = match cmd {
+                    Ok(cmd) => shared.sessions.run_command(&handle, cmd).await,
+                    Err(why) => Err(tiller_session::commands::CommandError::Refused(why)),
+                };
+                let message = match message {
+                    Ok(m) => m,
+                    Err(tiller_session::commands::CommandError::Refused(why)) => {
+                        return Err(Reply::Error(
+                            RpcError::invalid_params(why).with_data(json!({ "field": "prompt" })),
+                        ));
+                    }
+                    Err(tiller_session::commands::CommandError::Session(e)) => {
+                        return Err(session_error(e));
+                    }
+                };
+                let note = map::agent_text(handle.id(), &message);
+                let _ = shared.tx.send(Out::Raw(update_message(&note))).await;
+                return Ok(to_value(
+                    agent_client_protocol_schema::v1::PromptResponse::new(
+                        agent_client_protocol_schema::v1::StopReason::EndTurn,
+                    ),
+                ));
+            }
             // Origin comes from the ingress, never from `_meta`.
             let meta = req.meta.clone().map(Value::Object);
             let delivery = tiller_session::delivery::caller_meta(meta.as_ref(), "acp");

@@ -3,14 +3,14 @@
 use std::path::PathBuf;
 
 use agent_client_protocol_schema::v1::{
-    ConfigOptionUpdate, ContentBlock, Cost, ContentChunk, CurrentModeUpdate, Diff, McpServer, MessageId,
+    AvailableCommand, AvailableCommandInput, AvailableCommandsUpdate, ConfigOptionUpdate,
+    ContentBlock, ContentChunk, Cost, CurrentModeUpdate, Diff, McpServer, MessageId,
     PermissionOption, PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
     RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
     SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption, SessionInfoUpdate,
-    SessionMode,
-    SessionModeState, SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall,
-    ToolCallContent, ToolCallLocation, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields,
-    ToolKind, UsageUpdate,
+    SessionMode, SessionModeState, SessionNotification, SessionUpdate, StopReason as AcpStop,
+    ToolCall, ToolCallContent, ToolCallLocation, ToolCallStatus, ToolCallUpdate,
+    ToolCallUpdateFields, ToolKind, UnstructuredCommandInput, UsageUpdate,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
@@ -105,8 +105,10 @@ pub fn session_update(rec: &EventRecord, message: Option<&str>) -> Option<Sessio
             context_window,
             cost,
         } if *context_window > 0 => SessionUpdate::UsageUpdate(
-            UsageUpdate::new(input_tokens + output_tokens, *context_window)
-                .cost(cost.as_ref().map(|c| Cost::new(c.amount, c.currency.clone()))),
+            UsageUpdate::new(input_tokens + output_tokens, *context_window).cost(
+                cost.as_ref()
+                    .map(|c| Cost::new(c.amount, c.currency.clone())),
+            ),
         ),
         EventBody::SessionInfo { title } => SessionUpdate::SessionInfoUpdate(
             SessionInfoUpdate::new()
@@ -201,6 +203,31 @@ pub fn mode_update(rec: &EventRecord) -> Option<SessionNotification> {
             SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(current.clone())),
         )
         .meta(turn_meta(rec)),
+    )
+}
+
+/// `available_commands_update`: Tiller's slash commands, which the daemon
+/// handles whatever the engine.
+pub fn available_commands(session: SessionId) -> SessionNotification {
+    let commands = tiller_session::commands::COMMANDS
+        .iter()
+        .map(|(name, description, hint)| {
+            AvailableCommand::new(*name, *description).input(
+                hint.map(|h| AvailableCommandInput::Unstructured(UnstructuredCommandInput::new(h))),
+            )
+        })
+        .collect();
+    SessionNotification::new(
+        session.to_string(),
+        SessionUpdate::AvailableCommandsUpdate(AvailableCommandsUpdate::new(commands)),
+    )
+}
+
+/// A message of the daemon's own (a command's answer), shown as agent text.
+pub fn agent_text(session: SessionId, text: &str) -> SessionNotification {
+    SessionNotification::new(
+        session.to_string(),
+        SessionUpdate::AgentMessageChunk(ContentChunk::new(ContentBlock::from(text.to_owned()))),
     )
 }
 

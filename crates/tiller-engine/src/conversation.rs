@@ -170,6 +170,13 @@ impl Conversation {
         }
     }
 
+    /// Forgets every message (`/clear`): the next turn starts afresh.
+    pub fn clear(&self) {
+        let mut inner = self.lock();
+        inner.base += inner.msgs.len() as u64;
+        inner.msgs.clear();
+    }
+
     /// Drops the oldest turns while the conversation holds more than
     /// `max_chars` (it keeps at least the last user turn). Memory and the
     /// stored copy stay bounded in a session that lives for months.

@@ -401,6 +401,22 @@ pub async fn post_prompt(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let text = prompt_text(&body)?;
     let handle = open(&st, &id).await?;
+    // Tiller's slash commands run at once: 200 with what to show.
+    if let Some(cmd) = tiller_session::commands::parse(&text) {
+        use tiller_session::commands::CommandError;
+        let message = match cmd {
+            Ok(cmd) => st.sessions.run_command(&handle, cmd).await,
+            Err(why) => Err(CommandError::Refused(why)),
+        };
+        return match message {
+            Ok(m) => Ok((
+                StatusCode::OK,
+                Json(json!({ "command": true, "message": m })),
+            )),
+            Err(CommandError::Refused(why)) => Err(bad_request(why)),
+            Err(CommandError::Session(e)) => Err(e.into()),
+        };
+    }
     let delivery = tiller_session::delivery::caller_meta(body.meta.as_ref(), "http");
     // Answered once the prompt is stored; its terminal arrives on the stream.
     let (prompt, _settled) = handle

@@ -487,14 +487,17 @@ async function sendText(text) {
   const status = $("form-status");
   status.textContent = "";
   try {
-    if (cur.snapshot?.state === "running") {
+    // Tiller's slash commands run at once, even during a turn.
+    const command = /^\s*\/(clear|model|mode|goal|cancel)(\s|$)/.test(text);
+    if (cur.snapshot?.state === "running" && !command) {
       const r = await api("POST", `/api/sessions/${cur.id}/steer`, { text });
       status.textContent =
         r.outcome === "injected" ? t("steerInjected") : r.outcome === "startedNewTurn" ? t("steerNewTurn") : t("steerRefused");
       status.dataset.outcome = r.outcome;
     } else {
-      await api("POST", `/api/sessions/${cur.id}/prompts`, { text });
+      const r = await api("POST", `/api/sessions/${cur.id}/prompts`, { text });
       delete status.dataset.outcome;
+      if (r?.command) status.textContent = r.message;
     }
     $("prompt-text").value = "";
   } catch (e) {

@@ -180,6 +180,8 @@ pub enum EventBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         cost: Option<Cost>,
     },
+    /// `/clear`: the model conversation was forgotten (the log keeps it).
+    ConversationCleared,
     /// The session's title was set (by its first prompt, a person or the
     /// agent) or cleared.
     SessionInfo { title: Option<String> },
@@ -268,6 +270,7 @@ impl EventBody {
             EventBody::SessionClosed { .. } => "session_closed",
             EventBody::Usage { .. } => "usage",
             EventBody::SessionInfo { .. } => "session_info",
+            EventBody::ConversationCleared => "conversation_cleared",
             EventBody::ConfigOptions { .. } => "config_options",
             EventBody::McpServer { .. } => "mcp_server",
         }

@@ -110,6 +110,14 @@ impl SessionHandle {
         self.send(SessionMsg::Cancel)
     }
 
+    /// Forgets the model conversation (`/clear`); `Ok(Err)` while a turn
+    /// runs.
+    pub async fn clear_conversation(&self) -> Result<Result<(), String>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::ClearConversation(tx))?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
     /// Sets (or, with `None` or blank, clears) the session's title;
     /// answered once it is stored.
     pub async fn set_title(&self, title: Option<String>) -> Result<(), SessionError> {

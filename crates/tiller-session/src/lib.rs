@@ -5,6 +5,7 @@
 
 mod actor;
 pub mod clock;
+pub mod commands;
 mod cron;
 pub mod delivery;
 pub mod event;
@@ -29,7 +30,8 @@ use tokio::sync::oneshot;
 
 pub use actor::{SessionMsg, Settlement};
 pub use event::{
-    ConfigOption, Cost, EventBody, EventRecord, PermissionOption, ToolError, ToolStatus, UsageTotals,
+    ConfigOption, Cost, EventBody, EventRecord, PermissionOption, ToolError, ToolStatus,
+    UsageTotals,
 };
 pub use facade::Sessions;
 pub use handle::SessionHandle;
@@ -278,7 +280,10 @@ mod title_tests {
             assert_eq!(title_of(text).as_deref(), want, "{text:?}");
         }
         let t = title_of(&long).unwrap();
-        assert!(t.chars().count() <= 60 && t.ends_with('…') && !t.contains("  "), "{t}");
+        assert!(
+            t.chars().count() <= 60 && t.ends_with('…') && !t.contains("  "),
+            "{t}"
+        );
         assert!(t.starts_with("word word"));
         let wide = "é".repeat(100);
         let t = title_of(&wide).unwrap();

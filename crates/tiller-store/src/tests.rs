@@ -481,10 +481,54 @@ mod durability {
         assert!(store.events_after(gone, 0, 10).await.unwrap().is_empty());
         assert!(store.goal_get(gone).await.unwrap().is_none());
         let sessions_of = |v: Vec<SessionId>| v.into_iter().filter(|s| *s == gone).count();
-        assert_eq!(sessions_of(store.unsettled().await.unwrap().iter().map(|u| u.session).collect()), 0);
-        assert_eq!(sessions_of(store.notifications().await.unwrap().iter().map(|n| n.session).collect()), 0);
-        assert_eq!(sessions_of(store.cron_list().await.unwrap().iter().map(|j| j.session).collect()), 0);
-        assert_eq!(sessions_of(store.cron_fires().await.unwrap().iter().map(|f| f.session).collect()), 0);
+        assert_eq!(
+            sessions_of(
+                store
+                    .unsettled()
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|u| u.session)
+                    .collect()
+            ),
+            0
+        );
+        assert_eq!(
+            sessions_of(
+                store
+                    .notifications()
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|n| n.session)
+                    .collect()
+            ),
+            0
+        );
+        assert_eq!(
+            sessions_of(
+                store
+                    .cron_list()
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|j| j.session)
+                    .collect()
+            ),
+            0
+        );
+        assert_eq!(
+            sessions_of(
+                store
+                    .cron_fires()
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|f| f.session)
+                    .collect()
+            ),
+            0
+        );
         assert_eq!(store.load_state(gone).await.unwrap().settings, None);
         // The other session keeps all of its own.
         assert!(store.get_session(kept).await.unwrap().is_some());

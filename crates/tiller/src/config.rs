@@ -193,7 +193,12 @@ impl ModelEngineCfg {
             context_window: self.context_window.max(1),
             prices: match &self.prices {
                 None => None,
-                Some(p) if p.input < 0.0 || p.output < 0.0 || !p.input.is_finite() || !p.output.is_finite() => {
+                Some(p)
+                    if p.input < 0.0
+                        || p.output < 0.0
+                        || !p.input.is_finite()
+                        || !p.output.is_finite() =>
+                {
                     return Err(format!(
                         "key `engine.{name}.prices`: prices are non-negative numbers per million tokens"
                     ));

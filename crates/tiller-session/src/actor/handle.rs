@@ -33,6 +33,17 @@ impl SessionState {
                 self.feed(myself, Input::Cancel, None).await;
             }
             SessionMsg::SaveSettings => self.save_settings().await,
+            SessionMsg::ClearConversation(reply) => {
+                let r = if self.core.active().is_some() {
+                    Err("a turn is running: /cancel it first, or wait for it to end".into())
+                } else {
+                    self.conversation.clear();
+                    self.save_conversation().await;
+                    self.publish(None, None, EventBody::ConversationCleared);
+                    Ok(())
+                };
+                let _ = reply.send(r);
+            }
             SessionMsg::SetTitle { title, reply } => {
                 let r = self.set_title(title).await;
                 if let Some(reply) = reply {

@@ -110,6 +110,8 @@ pub enum SessionMsg {
     Cancel,
     /// Store the settings (the usage changed).
     SaveSettings,
+    /// `/clear`: forget the model conversation (refused while a turn runs).
+    ClearConversation(oneshot::Sender<Result<(), String>>),
     /// Set (or clear) the title; answered once it is stored (the agent's
     /// own naming has no one to answer).
     SetTitle {

@@ -105,9 +105,7 @@ impl SessionState {
         &mut self,
         title: Option<String>,
     ) -> Result<(), crate::SessionError> {
-        let title = title
-            .map(|t| t.trim().to_owned())
-            .filter(|t| !t.is_empty());
+        let title = title.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty());
         if title == self.title {
             return Ok(());
         }

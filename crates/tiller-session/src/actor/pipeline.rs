@@ -20,9 +20,10 @@ impl SessionState {
             SignalKind::Update(Update::Thought(text)) => {
                 (vec![EventBody::AgentThoughtChunk { text }], None)
             }
-            SignalKind::Update(Update::Usage { input, output }) => {
-                (vec![usage_event(&mut self.usage, &*self.engine, input, output)], None)
-            }
+            SignalKind::Update(Update::Usage { input, output }) => (
+                vec![usage_event(&mut self.usage, &*self.engine, input, output)],
+                None,
+            ),
             SignalKind::Update(Update::Title(title)) => {
                 // Stored first, in order with everything else the actor does.
                 let _ = self.myself.send_message(SessionMsg::SetTitle {
