@@ -460,3 +460,46 @@ describe("slash commands", () => {
     }
   });
 });
+
+describe("additionalDirectories", () => {
+  test("widen the file tools to those roots, each confined and checked like the cwd", async () => {
+    const cwd = tempDir();
+    const lib = tempDir();
+    const outside = tempDir();
+    fs.writeFileSync(path.join(lib, "lib.txt"), "from lib\n");
+    fs.writeFileSync(path.join(outside, "secret.txt"), "secret\n");
+    const c = await transports.unix(daemon);
+    try {
+      const init = await initialize(c);
+      assert.ok(init.agentCapabilities.sessionCapabilities.additionalDirectories);
+      const res = await c.request("session/new", { cwd, mcpServers: [], additionalDirectories: [lib] });
+      const sid = res.sessionId;
+      c.answer = async () => ({ outcome: { outcome: "selected", optionId: "allow_once" } });
+      const realLib = fs.realpathSync(lib);
+      const read = (p) => ({ tool: { name: "read_file", input: { path: p } } });
+      const write = { tool: { name: "write_file", input: { path: path.join(realLib, "made.txt"), content: "made" } } };
+      // A scripted engine runs no real tools: check through a model-free
+      // path, the HTTP history of a real-tools engine is in engines.test;
+      // here the permission request shows where the write would land.
+      await c.request("session/prompt", textPrompt(sid, script([write])));
+      const asked = c.permissionRequests.at(-1).toolCall;
+      assert.deepEqual(asked.locations, [{ path: path.join(realLib, "made.txt") }]);
+      // Outside every root nothing is located (the tools refuse it).
+      await c.request("session/prompt", textPrompt(sid, script([read(path.join(outside, "secret.txt"))])));
+      const announced = c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "tool_call").at(-1);
+      assert.deepEqual(announced.update.locations ?? [], []);
+      // Bad roots are refused with the field named, and no session is left.
+      const before = (await c.request("session/list", {})).sessions.length;
+      for (const bad of ["relative/dir", path.join(outside, "secret.txt"), "/nonexistent/dir"]) {
+        await assert.rejects(
+          c.request("session/new", { cwd, mcpServers: [], additionalDirectories: [bad] }),
+          (e) => e.code === -32602 && e.data?.field === "additionalDirectories",
+          bad,
+        );
+      }
+      assert.equal((await c.request("session/list", {})).sessions.length, before);
+    } finally {
+      c.close();
+    }
+  });
+});

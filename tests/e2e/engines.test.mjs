@@ -196,6 +196,36 @@ describe("OpenAI-compatible engine", () => {
     assert.deepEqual([plain.used, plain.size, plain.cost ?? null], [18, 128000, null]);
   });
 
+  test("additionalDirectories: real tools read an additional root by absolute path, and nothing outside it", async () => {
+    const lib = tempDir();
+    const outside = tempDir();
+    writeFileSync(path.join(lib, "lib.txt"), "from the lib root\n");
+    writeFileSync(path.join(outside, "secret.txt"), "secret\n");
+    const cwd = tempDir();
+    const res = await c.request("session/new", {
+      cwd,
+      mcpServers: [],
+      additionalDirectories: [lib],
+      _meta: { tiller: { engine: "mock-openai" } },
+    });
+    const sid = res.sessionId;
+    const n = mock.requests.length;
+    mock.reply(
+      {
+        events: openai.tools([
+          { id: "call_1", name: "read_file", args: { path: path.join(lib, "lib.txt") } },
+          { id: "call_2", name: "read_file", args: { path: path.join(outside, "secret.txt") } },
+        ]),
+      },
+      { events: openai.text("Read.") },
+    );
+    await c.request("session/prompt", textPrompt(sid, "read them"));
+    const results = toolResults(since(n)[1]);
+    assert.equal(results[0].text, "from the lib root\n");
+    assert.match(results[1].text, /outside/);
+    assert.doesNotMatch(results[1].text, /secret\n/);
+  });
+
   test("the conversation carries over to the next prompt", async () => {
     const { sid } = await session("mock-openai");
     const n = mock.requests.length;

@@ -25,7 +25,8 @@ use agent_client_protocol_schema::v1::{
     InitializeResponse, ListSessionsRequest, ListSessionsResponse, LoadSessionRequest,
     LoadSessionResponse, McpCapabilities, NewSessionRequest, NewSessionResponse,
     PromptCapabilities, PromptRequest, ResumeSessionRequest, ResumeSessionResponse,
-    SessionCapabilities, SessionCloseCapabilities, SessionDeleteCapabilities, SessionInfo,
+    SessionAdditionalDirectoriesCapabilities, SessionCapabilities, SessionCloseCapabilities,
+    SessionDeleteCapabilities, SessionInfo,
     SessionListCapabilities, SessionResumeCapabilities, SetSessionConfigOptionRequest,
     SetSessionConfigOptionResponse, SetSessionModeRequest, SetSessionModeResponse,
 };
@@ -1219,6 +1220,25 @@ impl Shared {
         }
     }
 
+    /// Widens the session's file tools to the `additionalDirectories` a
+    /// request passed (none: keeps what it has).
+    async fn set_roots(&self, handle: &SessionHandle, dirs: &[PathBuf]) -> Result<(), Reply> {
+        if dirs.is_empty() {
+            return Ok(());
+        }
+        let roots = dirs.iter().map(|d| d.display().to_string()).collect();
+        handle
+            .set_roots(roots)
+            .await
+            .map_err(session_error)?
+            .map_err(|why| {
+                Reply::Error(
+                    RpcError::invalid_params(why)
+                        .with_data(json!({ "field": "additionalDirectories" })),
+                )
+            })
+    }
+
     /// Gives the session the MCP servers a request passed (none: keeps
     /// what it has).
     async fn connect_mcp(
@@ -1265,6 +1285,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
                         .list(SessionListCapabilities::new())
                         .resume(SessionResumeCapabilities::new())
                         .close(SessionCloseCapabilities::new())
+                        .additional_directories(SessionAdditionalDirectoriesCapabilities::new())
                         .delete(SessionDeleteCapabilities::new()),
                 )
                 .meta(
@@ -1308,6 +1329,11 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
                 .await
                 .map_err(session_error)?;
             shared.connect_mcp(&handle, mcp).await?;
+            if let Err(e) = shared.set_roots(&handle, &req.additional_directories).await {
+                // Refused: the session it was made for does not stay.
+                let _ = shared.sessions.delete(handle.id()).await;
+                return Err(e);
+            }
             shared.attach(&handle).await?;
             let options = handle.options().await.map_err(session_error)?;
             Ok(to_value(
@@ -1361,6 +1387,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
             shared.connect_mcp(&handle, mcp).await?;
+            shared.set_roots(&handle, &req.additional_directories).await?;
             // The writer replays the log page by page from the store, then
             // answers; live events that arrive meanwhile are in the store too.
             let options = handle.options().await.map_err(session_error)?;
@@ -1383,6 +1410,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
             shared.connect_mcp(&handle, mcp).await?;
+            shared.set_roots(&handle, &req.additional_directories).await?;
             shared.attach(&handle).await?;
             let options = handle.options().await.map_err(session_error)?;
             Ok(to_value(

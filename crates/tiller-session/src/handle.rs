@@ -110,6 +110,15 @@ impl SessionHandle {
         self.send(SessionMsg::Cancel)
     }
 
+    /// Widens the file tools to these additional roots (ACP
+    /// `additionalDirectories`, replacing earlier ones); `Ok(Err)` names a
+    /// root that is refused.
+    pub async fn set_roots(&self, roots: Vec<String>) -> Result<Result<(), String>, SessionError> {
+        let (tx, rx) = oneshot::channel();
+        self.send(SessionMsg::SetRoots { roots, reply: tx })?;
+        rx.await.map_err(|_| SessionError::Stopped)
+    }
+
     /// Forgets the model conversation (`/clear`); `Ok(Err)` while a turn
     /// runs.
     pub async fn clear_conversation(&self) -> Result<Result<(), String>, SessionError> {

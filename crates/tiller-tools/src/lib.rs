@@ -182,6 +182,9 @@ pub struct FileDiff {
 #[derive(Clone)]
 pub struct Toolbox {
     root: PathBuf,
+    /// More roots the file tools may use (ACP `additionalDirectories`),
+    /// canonical; a path names one by being absolute and inside it.
+    roots: Arc<[PathBuf]>,
     config: Arc<ToolsConfig>,
     mcp: Vec<Arc<McpServer>>,
 }
@@ -191,9 +194,40 @@ impl Toolbox {
     pub fn new(root: PathBuf, config: Arc<ToolsConfig>) -> Self {
         Self {
             root,
+            roots: Arc::new([]),
             config,
             mcp: Vec::new(),
         }
+    }
+
+    /// Widens the file tools to `roots` besides the session's directory
+    /// (each is confined like it). Relative paths stay in the directory.
+    pub fn with_roots(mut self, roots: Vec<PathBuf>) -> Self {
+        self.roots = roots.into();
+        self
+    }
+
+    /// The additional roots.
+    pub fn roots(&self) -> &[PathBuf] {
+        &self.roots
+    }
+
+    /// The root a call works in: the additional root an absolute `path`
+    /// lies in, else the session's directory.
+    fn root_for(&self, input: &serde_json::Value) -> &PathBuf {
+        let Some(p) = input.get("path").and_then(serde_json::Value::as_str) else {
+            return &self.root;
+        };
+        if self.roots.is_empty()
+            || !std::path::Path::new(p).is_absolute()
+            || resolve(&self.root, p).is_ok()
+        {
+            return &self.root;
+        }
+        self.roots
+            .iter()
+            .find(|r| resolve(r, p).is_ok())
+            .unwrap_or(&self.root)
     }
 
     /// Adds the tools of connected MCP servers.
@@ -224,7 +258,7 @@ impl Toolbox {
             "read_file" | "write_file" | "edit" | "list_dir" | "glob" | "grep"
         );
         match input.get("path").and_then(serde_json::Value::as_str) {
-            Some(p) if is_builtin => resolve(&self.root, p)
+            Some(p) if is_builtin => resolve(self.root_for(input), p)
                 .map(|p| vec![p.display().to_string()])
                 .unwrap_or_default(),
             _ => Vec::new(),
@@ -237,7 +271,8 @@ impl Toolbox {
     pub fn diff(&self, name: &str, input: &serde_json::Value) -> Option<FileDiff> {
         let arg = |k: &str| input.get(k).and_then(serde_json::Value::as_str);
         let path = arg("path")?;
-        let shown = resolve(&self.root, path).ok()?.display().to_string();
+        let root = self.root_for(input);
+        let shown = resolve(root, path).ok()?.display().to_string();
         match name {
             "edit" => Some(FileDiff {
                 path: shown,
@@ -251,7 +286,7 @@ impl Toolbox {
                 }
                 Some(FileDiff {
                     path: shown,
-                    old_text: local::current_text(&self.root, path, MAX_DIFF_BYTES),
+                    old_text: local::current_text(root, path, MAX_DIFF_BYTES),
                     new_text: new_text.to_owned(),
                 })
             }
@@ -265,7 +300,7 @@ impl Toolbox {
         if let Some(server) = self.mcp.iter().find(|m| m.owns(&call.name)) {
             return server.call(&call.name, &call.input, &self.config).await;
         }
-        local::run(&self.root, &self.config, call, client).await
+        local::run(self.root_for(&call.input), &self.config, call, client).await
     }
 }
 

@@ -32,7 +32,12 @@ impl SessionState {
                 }
                 self.feed(myself, Input::Cancel, None).await;
             }
-            SessionMsg::SaveSettings => self.save_settings().await,
+            SessionMsg::SaveSettings => {
+                let _ = self.save_settings().await; // logged; retried at the next change
+            }
+            SessionMsg::SetRoots { roots, reply } => {
+                let _ = reply.send(self.set_roots(roots).await);
+            }
             SessionMsg::ClearConversation(reply) => {
                 let r = if self.core.active().is_some() {
                     Err("a turn is running: /cancel it first, or wait for it to end".into())
@@ -146,7 +151,7 @@ impl SessionState {
                     Ok(trip) => {
                         let _ = reply.send(Ok(()));
                         if option_id == "allow_always" {
-                            self.save_settings().await;
+                            let _ = self.save_settings().await; // logged
                         }
                         Some(trip)
                     }

@@ -110,6 +110,12 @@ pub enum SessionMsg {
     Cancel,
     /// Store the settings (the usage changed).
     SaveSettings,
+    /// Set the additional roots (ACP `additionalDirectories`); answered
+    /// once stored, or with why a root is refused.
+    SetRoots {
+        roots: Vec<String>,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
     /// `/clear`: forget the model conversation (refused while a turn runs).
     ClearConversation(oneshot::Sender<Result<(), String>>),
     /// Set (or clear) the title; answered once it is stored (the agent's
@@ -236,6 +242,9 @@ struct Settings {
     /// Model usage so far.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     usage: Option<crate::UsageTotals>,
+    /// Additional roots of the file tools (canonical).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    roots: Vec<String>,
 }
 
 /// What the session keeps with a prompt from admission to its terminal
@@ -429,10 +438,10 @@ impl Actor for SessionActor {
             .and_then(PermissionMode::parse)
             .unwrap_or(args.config.permission_mode);
         Ok(SessionState {
-            toolbox: Arc::new(Toolbox::new(
-                args.cwd.clone().into(),
-                args.config.tools.clone(),
-            )),
+            toolbox: Arc::new(
+                Toolbox::new(args.cwd.clone().into(), args.config.tools.clone())
+                    .with_roots(settings.roots.iter().map(Into::into).collect()),
+            ),
             conversation,
             call_ids: None,
             pace: Arc::default(),

@@ -88,7 +88,10 @@ impl SessionState {
                     PermissionMode::parse(value).expect("choices are valid modes");
             }
         }
-        self.save_settings().await;
+        // Acknowledged only once stored.
+        self.save_settings()
+            .await
+            .map_err(|e| format!("the change could not be stored: {e}"))?;
         let options = self.options();
         self.publish(
             None,
@@ -98,6 +101,37 @@ impl SessionState {
             },
         );
         Ok(options)
+    }
+
+    /// Widens the file tools to `roots` (each absolute, an existing
+    /// directory; kept canonical), stored with the settings.
+    pub(super) async fn set_roots(&mut self, roots: Vec<String>) -> Result<(), String> {
+        let mut canonical = Vec::new();
+        for r in roots {
+            let p = std::path::Path::new(&r);
+            if !p.is_absolute() {
+                return Err(format!("additional directory {r}: it must be an absolute path"));
+            }
+            let c = tokio::fs::canonicalize(p)
+                .await
+                .map_err(|e| format!("additional directory {r}: {e}"))?;
+            if !tokio::fs::metadata(&c).await.is_ok_and(|m| m.is_dir()) {
+                return Err(format!("additional directory {r}: not a directory"));
+            }
+            if !canonical.contains(&c) {
+                canonical.push(c);
+            }
+        }
+        if canonical.as_slice() == self.toolbox.roots() {
+            return Ok(());
+        }
+        let before = self.toolbox.clone();
+        self.toolbox = Arc::new((*self.toolbox).clone().with_roots(canonical));
+        if let Err(e) = self.save_settings().await {
+            self.toolbox = before;
+            return Err(format!("the additional directories could not be stored: {e}"));
+        }
+        Ok(())
     }
 
     /// Sets (or clears) the title: stored, then published.
@@ -129,7 +163,7 @@ impl SessionState {
     }
 
     /// Stores the session's options and "always allowed" tools.
-    pub(super) async fn save_settings(&mut self) {
+    pub(super) async fn save_settings(&mut self) -> Result<(), StoreError> {
         let settings = Settings {
             model: self.model.clone(),
             // A session on the configured mode follows the config.
@@ -137,15 +171,22 @@ impl SessionState {
                 .then(|| self.permissions.mode.as_str().into()),
             always: self.permissions.always(),
             usage: self.usage.as_deref().cloned(),
+            roots: self
+                .toolbox
+                .roots()
+                .iter()
+                .map(|r| r.display().to_string())
+                .collect(),
         };
         let json = serde_json::to_string(&settings).expect("settings serialize");
-        if let Err(e) = self
+        let r = self
             .store
             .save_state(self.id, tiller_store::StateColumn::Settings, json)
-            .await
-        {
+            .await;
+        if let Err(e) = &r {
             tracing::error!(error = %e, "cannot store the session's settings");
         }
+        r
     }
 
     /// Stores what the turn added to the conversation (only that: the
