@@ -503,3 +503,47 @@ describe("additionalDirectories", () => {
     }
   });
 });
+
+describe("content blocks", () => {
+  const PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg==";
+
+  test("text resources are inlined as context, links named; images, audio and blobs refused where unsupported", async () => {
+    const c = await transports.unix(daemon);
+    try {
+      const init = await initialize(c);
+      // The default daemon has only the scripted engine: no images.
+      assert.deepEqual(
+        { image: init.agentCapabilities.promptCapabilities.image, ctx: init.agentCapabilities.promptCapabilities.embeddedContext },
+        { image: false, ctx: true },
+      );
+      const sid = await newSession(c);
+      const res = await c.request("session/prompt", {
+        sessionId: sid,
+        prompt: [
+          { type: "text", text: "look at this" },
+          { type: "resource", resource: { uri: "file:///w/notes.md", mimeType: "text/markdown", text: "# Notes\nremember" } },
+          { type: "resource_link", uri: "file:///w/big.log", name: "big.log" },
+        ],
+      });
+      assert.equal(res.stopReason, "end_turn");
+      const hist = await api(daemon, "GET", `/api/sessions/${sid}/history`);
+      const user = hist.body.events.find((e) => e.type === "user_message").data.text;
+      assert.equal(user, 'look at this\n<context uri="file:///w/notes.md">\n# Notes\nremember\n</context>\n[big.log](file:///w/big.log)');
+      const refused = async (block, pattern) =>
+        assert.rejects(
+          c.request("session/prompt", { sessionId: sid, prompt: [{ type: "text", text: "x" }, block] }),
+          (e) => e.code === -32602 && pattern.test(e.message),
+        );
+      await refused({ type: "image", mimeType: "image/png", data: PNG }, /does not take images/);
+      await refused({ type: "image", mimeType: "image/tiff", data: PNG }, /prompt\[1\].*image\/tiff/);
+      await refused({ type: "image", mimeType: "image/png", data: "not base64!!" }, /base64/);
+      await refused({ type: "audio", mimeType: "audio/wav", data: PNG }, /audio/);
+      await refused({ type: "resource", resource: { uri: "file:///b", blob: PNG } }, /binary resource/);
+      // Nothing refused reached the log.
+      const after = await api(daemon, "GET", `/api/sessions/${sid}/history`);
+      assert.equal(after.body.events.filter((e) => e.type === "user_message").length, 1);
+    } finally {
+      c.close();
+    }
+  });
+});

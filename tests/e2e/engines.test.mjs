@@ -226,6 +226,40 @@ describe("OpenAI-compatible engine", () => {
     assert.doesNotMatch(results[1].text, /secret\n/);
   });
 
+  test("an image reaches the model (Anthropic and OpenAI shapes) and comes back on session/load", async () => {
+    const init = await c.request("initialize", { protocolVersion: 1, clientCapabilities: {} });
+    assert.equal(init.agentCapabilities.promptCapabilities.image, true);
+    const PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg==";
+    const prompt = (sid) => ({
+      sessionId: sid,
+      prompt: [{ type: "text", text: "what is this?" }, { type: "image", mimeType: "image/png", data: PNG }],
+    });
+    const a = await session("mock-anthropic");
+    let n = mock.requests.length;
+    mock.reply({ events: anthropic.text("A pixel.") });
+    await c.request("session/prompt", prompt(a.sid));
+    const sent = since(n)[0].body.messages.at(-1).content;
+    assert.deepEqual(sent.map((b) => b.type), ["text", "image"]);
+    assert.deepEqual(sent[1].source, { type: "base64", media_type: "image/png", data: PNG });
+    const o = await session("mock-openai");
+    n = mock.requests.length;
+    mock.reply({ events: openai.text("A pixel.") });
+    await c.request("session/prompt", prompt(o.sid));
+    const last = since(n)[0].body.messages.at(-1);
+    assert.equal(last.content[0].image_url.url, `data:image/png;base64,${PNG}`);
+    // The log keeps it: a load replays the image with the text.
+    const d = await transports.unix(daemon);
+    try {
+      await initialize(d);
+      await d.request("session/load", { sessionId: a.sid, cwd: a.cwd, mcpServers: [] });
+      const user = d.updates.filter((u) => u.sessionId === a.sid && u.update.sessionUpdate === "user_message_chunk");
+      assert.deepEqual(user.map((u) => u.update.content.type), ["text", "image"]);
+      assert.equal(user[0].update.messageId, user[1].update.messageId);
+    } finally {
+      d.close();
+    }
+  });
+
   test("the conversation carries over to the next prompt", async () => {
     const { sid } = await session("mock-openai");
     const n = mock.requests.length;

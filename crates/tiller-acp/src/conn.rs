@@ -26,9 +26,9 @@ use agent_client_protocol_schema::v1::{
     LoadSessionResponse, McpCapabilities, NewSessionRequest, NewSessionResponse,
     PromptCapabilities, PromptRequest, ResumeSessionRequest, ResumeSessionResponse,
     SessionAdditionalDirectoriesCapabilities, SessionCapabilities, SessionCloseCapabilities,
-    SessionDeleteCapabilities, SessionInfo,
-    SessionListCapabilities, SessionResumeCapabilities, SetSessionConfigOptionRequest,
-    SetSessionConfigOptionResponse, SetSessionModeRequest, SetSessionModeResponse,
+    SessionDeleteCapabilities, SessionInfo, SessionListCapabilities, SessionResumeCapabilities,
+    SetSessionConfigOptionRequest, SetSessionConfigOptionResponse, SetSessionModeRequest,
+    SetSessionModeResponse,
 };
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -691,7 +691,7 @@ impl Writer {
             let message = self.message_id(rec);
             map::session_update(rec, message.as_deref())
                 .into_iter()
-                .chain(map::mode_update(rec))
+                .chain(map::extra_updates(rec))
                 .map(|n| update_message(&n))
                 .collect()
         } else {
@@ -749,8 +749,8 @@ impl Writer {
         if !echo && let Some(n) = map::session_update(rec, message.as_deref()) {
             msgs.push(update_message(&n));
         }
-        if let Some(n) = map::mode_update(rec) {
-            msgs.push(update_message(&n));
+        if !echo {
+            msgs.extend(map::extra_updates(rec).iter().map(update_message));
         }
         if let Some((method, params)) = map::extension_notification(rec) {
             msgs.push(jsonrpc::notification(method, params));
@@ -1015,6 +1015,19 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
     }
 }
 
+/// What prompts may carry: images when some engine takes them (a session
+/// on one that does not refuses them, saying so), embedded text context.
+fn prompt_capabilities(sessions: &Sessions) -> PromptCapabilities {
+    let engines = sessions.engines();
+    let image = engines
+        .names()
+        .iter()
+        .any(|n| engines.get(Some(n)).is_ok_and(|e| e.accepts_images()));
+    PromptCapabilities::new()
+        .image(image)
+        .embedded_context(true)
+}
+
 /// After a session is opened on this connection: the commands it has.
 async fn commands_for(shared: &Shared, session: &Option<SessionId>) {
     if let Some(s) = session {
@@ -1114,6 +1127,10 @@ fn refused(e: PromptRefused) -> Reply {
         PromptRefused::SessionClosed => {
             Reply::Error(RpcError::new(code::UNKNOWN_SESSION, e.to_string()))
         }
+        PromptRefused::Unsupported(why) => Reply::Error(
+            RpcError::new(code::INVALID_PARAMS, format!("invalid params: {why}"))
+                .with_data(json!({ "field": "prompt" })),
+        ),
         PromptRefused::BadDelivery(why) => Reply::Error(
             RpcError::new(code::INVALID_PARAMS, format!("invalid params: {why}"))
                 .with_data(json!({ "field": "_meta.tiller.delivery.webhook" })),
@@ -1278,7 +1295,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let _req: InitializeRequest = params(raw)?;
             let caps = AgentCapabilities::new()
                 .load_session(true)
-                .prompt_capabilities(PromptCapabilities::new())
+                .prompt_capabilities(prompt_capabilities(&shared.sessions))
                 .mcp_capabilities(McpCapabilities::new().http(true))
                 .session_capabilities(
                     SessionCapabilities::new()
@@ -1387,7 +1404,9 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
             shared.connect_mcp(&handle, mcp).await?;
-            shared.set_roots(&handle, &req.additional_directories).await?;
+            shared
+                .set_roots(&handle, &req.additional_directories)
+                .await?;
             // The writer replays the log page by page from the store, then
             // answers; live events that arrive meanwhile are in the store too.
             let options = handle.options().await.map_err(session_error)?;
@@ -1410,7 +1429,9 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
             shared.connect_mcp(&handle, mcp).await?;
-            shared.set_roots(&handle, &req.additional_directories).await?;
+            shared
+                .set_roots(&handle, &req.additional_directories)
+                .await?;
             shared.attach(&handle).await?;
             let options = handle.options().await.map_err(session_error)?;
             Ok(to_value(
@@ -1507,7 +1528,7 @@ async fn prompt(
         {
             let handle = shared.open(&req.session_id.0).await?;
             shared.attach(&handle).await?;
-            let text = map::prompt_text(&req.prompt);
+            let (text, images) = map::prompt_content(&req.prompt).map_err(Reply::Error)?;
             // Tiller's slash commands are the daemon's, whatever the engine.
             if let Some(cmd) = tiller_session::commands::parse(&text) {
                 let message = match cmd {
@@ -1537,7 +1558,7 @@ async fn prompt(
             let meta = req.meta.clone().map(Value::Object);
             let delivery = tiller_session::delivery::caller_meta(meta.as_ref(), "acp");
             let (prompt, settled) = handle
-                .submit(mine, text, Origin::Interactive, delivery)
+                .submit(mine, text, images, Origin::Interactive, delivery)
                 .await
                 .map_err(session_error)?
                 .map_err(refused)?;

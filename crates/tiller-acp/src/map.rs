@@ -4,13 +4,14 @@ use std::path::PathBuf;
 
 use agent_client_protocol_schema::v1::{
     AvailableCommand, AvailableCommandInput, AvailableCommandsUpdate, ConfigOptionUpdate,
-    ContentBlock, ContentChunk, Cost, CurrentModeUpdate, Diff, McpServer, MessageId,
-    PermissionOption, PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
-    RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
-    SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption, SessionInfoUpdate,
-    SessionMode, SessionModeState, SessionNotification, SessionUpdate, StopReason as AcpStop,
-    ToolCall, ToolCallContent, ToolCallLocation, ToolCallStatus, ToolCallUpdate,
-    ToolCallUpdateFields, ToolKind, UnstructuredCommandInput, UsageUpdate,
+    ContentBlock, ContentChunk, Cost, CurrentModeUpdate, Diff, EmbeddedResourceResource,
+    ImageContent, McpServer, MessageId, PermissionOption, PermissionOptionKind, Plan, PlanEntry,
+    PlanEntryPriority, PlanEntryStatus, RequestPermissionOutcome, RequestPermissionRequest,
+    RequestPermissionResponse, SessionConfigOption, SessionConfigOptionCategory,
+    SessionConfigSelectOption, SessionInfoUpdate, SessionMode, SessionModeState,
+    SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall, ToolCallContent,
+    ToolCallLocation, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
+    UnstructuredCommandInput, UsageUpdate,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
@@ -27,7 +28,7 @@ pub fn session_update(rec: &EventRecord, message: Option<&str>) -> Option<Sessio
         ContentChunk::new(ContentBlock::from(text.clone())).message_id(message.map(MessageId::new))
     };
     let update = match &rec.body {
-        EventBody::UserMessage { text } => {
+        EventBody::UserMessage { text, .. } => {
             let id = rec.prompt.map(|p| MessageId::new(p.to_string()));
             SessionUpdate::UserMessageChunk(
                 ContentChunk::new(ContentBlock::from(text.clone())).message_id(id),
@@ -191,19 +192,35 @@ pub fn modes(options: &[ConfigOption]) -> Option<SessionModeState> {
     Some(SessionModeState::new(o.current.clone(), modes))
 }
 
-/// The `current_mode_update` that goes with a `config_options` event.
-pub fn mode_update(rec: &EventRecord) -> Option<SessionNotification> {
-    let EventBody::ConfigOptions { options } = &rec.body else {
-        return None;
-    };
-    let current = &options.iter().find(|o| o.id == "permission_mode")?.current;
-    Some(
-        SessionNotification::new(
-            rec.session.to_string(),
-            SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(current.clone())),
-        )
-        .meta(turn_meta(rec)),
-    )
+/// The updates that follow an event's own: the `current_mode_update`
+/// of a `config_options`, the images of a user message (chunks of the
+/// same message).
+pub fn extra_updates(rec: &EventRecord) -> Vec<SessionNotification> {
+    let update = |u| SessionNotification::new(rec.session.to_string(), u).meta(turn_meta(rec));
+    match &rec.body {
+        EventBody::ConfigOptions { options } => options
+            .iter()
+            .find(|o| o.id == "permission_mode")
+            .map(|o| {
+                update(SessionUpdate::CurrentModeUpdate(CurrentModeUpdate::new(
+                    o.current.clone(),
+                )))
+            })
+            .into_iter()
+            .collect(),
+        EventBody::UserMessage { images, .. } => images
+            .iter()
+            .map(|i| {
+                let block =
+                    ContentBlock::Image(ImageContent::new(i.data.clone(), i.mime_type.clone()));
+                let id = rec.prompt.map(|p| MessageId::new(p.to_string()));
+                update(SessionUpdate::UserMessageChunk(
+                    ContentChunk::new(block).message_id(id),
+                ))
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// `available_commands_update`: Tiller's slash commands, which the daemon
@@ -445,18 +462,97 @@ pub fn prompt_result(
     }
 }
 
-/// The text of a prompt's content blocks (text and resource text joined).
+/// The text of a prompt's content blocks (see [`prompt_content`]; the
+/// images left out).
 pub fn prompt_text(blocks: &[ContentBlock]) -> String {
-    let mut out = String::new();
-    for b in blocks {
-        if let ContentBlock::Text(t) = b {
-            if !out.is_empty() {
-                out.push('\n');
+    prompt_content(blocks)
+        .map(|(text, _)| text)
+        .unwrap_or_default()
+}
+
+/// [`prompt_content`] of ACP content blocks given as JSON (the HTTP
+/// API's `content`); the error says what is wrong.
+pub fn prompt_content_json(
+    blocks: &[Value],
+) -> Result<(String, Vec<tiller_engine::Image>), String> {
+    let parsed: Vec<ContentBlock> = blocks
+        .iter()
+        .enumerate()
+        .map(|(i, b)| serde_json::from_value(b.clone()).map_err(|e| format!("content[{i}]: {e}")))
+        .collect::<Result<_, _>>()?;
+    prompt_content(&parsed).map_err(|e| e.message.replace("prompt[", "content["))
+}
+
+/// Image types the model providers take.
+const IMAGE_TYPES: &[&str] = &["image/png", "image/jpeg", "image/gif", "image/webp"];
+
+/// A prompt's content blocks as text and images: text blocks joined,
+/// embedded text resources inlined as context (`<context uri="...">`),
+/// resource links named; images kept apart (checked: a known type, valid
+/// base64). Audio and binary resources are refused with a clear error.
+pub fn prompt_content(
+    blocks: &[ContentBlock],
+) -> Result<(String, Vec<tiller_engine::Image>), RpcError> {
+    use base64::Engine as _;
+    let refuse = |i: usize, why: String| {
+        RpcError::invalid_params(format!("prompt[{i}]: {why}"))
+            .with_data(json!({ "field": format!("prompt[{i}]") }))
+    };
+    let mut text = String::new();
+    let mut images = Vec::new();
+    let mut add = |s: &str| {
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        text.push_str(s);
+    };
+    for (i, b) in blocks.iter().enumerate() {
+        match b {
+            ContentBlock::Text(t) => add(&t.text),
+            ContentBlock::Image(img) => {
+                if !IMAGE_TYPES.contains(&img.mime_type.as_str()) {
+                    return Err(refuse(
+                        i,
+                        format!(
+                            "image type `{}` is not supported (use one of {})",
+                            img.mime_type,
+                            IMAGE_TYPES.join(", ")
+                        ),
+                    ));
+                }
+                if base64::engine::general_purpose::STANDARD
+                    .decode(img.data.as_bytes())
+                    .is_err()
+                {
+                    return Err(refuse(i, "the image data is not valid base64".into()));
+                }
+                images.push(tiller_engine::Image {
+                    mime_type: img.mime_type.clone(),
+                    data: img.data.clone(),
+                });
             }
-            out.push_str(&t.text);
+            ContentBlock::Resource(r) => match &r.resource {
+                EmbeddedResourceResource::TextResourceContents(t) => add(&format!(
+                    "<context uri=\"{}\">\n{}\n</context>",
+                    t.uri.replace('"', "%22"),
+                    t.text
+                )),
+                EmbeddedResourceResource::BlobResourceContents(b) => {
+                    return Err(refuse(
+                        i,
+                        format!("binary resource {} is not supported; send text", b.uri),
+                    ));
+                }
+                _ => return Err(refuse(i, "unsupported resource".into())),
+            },
+            ContentBlock::ResourceLink(l) => add(&format!("[{}]({})", l.name, l.uri)),
+            ContentBlock::Audio(_) => {
+                return Err(refuse(i, "audio is not supported".into()));
+            }
+            _ => return Err(refuse(i, "unsupported content block".into())),
         }
     }
-    out
+    Ok((text, images))
 }
 
 /// The answer to a steer, as both `_session/steering` and the HTTP API give

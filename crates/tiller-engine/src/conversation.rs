@@ -33,6 +33,16 @@ pub enum Message {
         ok: bool,
         output: String,
     },
+    /// An image the user attached to the prompt before it (base64).
+    Image(Image),
+}
+
+/// An image in a prompt: its MIME type and its bytes, base64.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Image {
+    pub mime_type: String,
+    pub data: String,
 }
 
 /// The conversation a session shares with its running turn. One turn runs
@@ -224,6 +234,7 @@ fn size(m: &Message) -> usize {
                     .sum::<usize>()
         }
         Message::ToolResult { output, .. } => output.len(),
+        Message::Image(i) => i.data.len(),
     }
 }
 

@@ -13,7 +13,7 @@ use tiller_core::{ErrorKind, SteerId, SteerReceipt, StopReason, TurnId};
 use tokio::sync::mpsc;
 
 pub use conversation::{
-    CallRecord, Conversation, ConversationChange, Message, OMITTED, TurnContext, window,
+    CallRecord, Conversation, ConversationChange, Image, Message, OMITTED, TurnContext, window,
 };
 pub use script::{Script, ScriptError, Step, ToolStep};
 pub use scripted::ScriptedEngine;
@@ -211,6 +211,8 @@ pub struct PreparedPrompt {
     pub text: String,
     /// The script, when the prompt is one.
     pub script: Option<Script>,
+    /// Images attached to the prompt (only for engines that take them).
+    pub images: Vec<Image>,
 }
 
 /// A running engine turn.
@@ -301,6 +303,11 @@ impl Prices {
 pub trait Engine: Send + Sync + 'static {
     /// The engine's name in config and `session/new`.
     fn name(&self) -> &str;
+
+    /// Whether its models see images in prompts.
+    fn accepts_images(&self) -> bool {
+        false
+    }
 
     /// The context window and prices usage is reported against.
     fn usage_basis(&self) -> UsageBasis {

@@ -35,6 +35,7 @@ impl Engine for ScriptedEngine {
 
     fn prepare(&self, text: &str) -> Result<PreparedPrompt, ScriptError> {
         Ok(PreparedPrompt {
+            images: Vec::new(),
             text: text.to_owned(),
             script: Script::from_prompt(text)?,
         })

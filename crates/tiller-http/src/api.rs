@@ -75,7 +75,7 @@ impl From<PromptRefused> for ApiError {
                 StatusCode::TOO_MANY_REQUESTS,
                 json!({ "errorKind": "overloaded", "retryable": true, "message": e.to_string() }),
             ),
-            PromptRefused::BadDelivery(why) => ApiError(
+            PromptRefused::BadDelivery(why) | PromptRefused::Unsupported(why) => ApiError(
                 StatusCode::BAD_REQUEST,
                 json!({ "errorKind": "invalid_params", "message": why }),
             ),
@@ -381,15 +381,11 @@ pub struct PromptBody {
     meta: Option<Value>,
 }
 
-fn prompt_text(body: &PromptBody) -> ApiResult<String> {
+/// The prompt's text and images: `text`, or ACP content blocks.
+fn prompt_content(body: &PromptBody) -> ApiResult<(String, Vec<tiller_session::Image>)> {
     match (&body.text, &body.content) {
-        (Some(t), None) => Ok(t.clone()),
-        (None, Some(blocks)) => Ok(blocks
-            .iter()
-            .filter(|b| b["type"] == "text")
-            .filter_map(|b| b["text"].as_str())
-            .collect::<Vec<_>>()
-            .join("\n")),
+        (Some(t), None) => Ok((t.clone(), Vec::new())),
+        (None, Some(blocks)) => tiller_acp::map::prompt_content_json(blocks).map_err(bad_request),
         _ => Err(bad_request("give exactly one of `text` or `content`")),
     }
 }
@@ -399,7 +395,7 @@ pub async fn post_prompt(
     Path(id): Path<String>,
     ApiJson(body): ApiJson<PromptBody>,
 ) -> ApiResult<(StatusCode, Json<Value>)> {
-    let text = prompt_text(&body)?;
+    let (text, images) = prompt_content(&body)?;
     let handle = open(&st, &id).await?;
     // Tiller's slash commands run at once: 200 with what to show.
     if let Some(cmd) = tiller_session::commands::parse(&text) {
@@ -420,7 +416,7 @@ pub async fn post_prompt(
     let delivery = tiller_session::delivery::caller_meta(body.meta.as_ref(), "http");
     // Answered once the prompt is stored; its terminal arrives on the stream.
     let (prompt, _settled) = handle
-        .prompt_with(text, Origin::Interactive, delivery)
+        .submit(PromptId::new(), text, images, Origin::Interactive, delivery)
         .await??;
     Ok((
         StatusCode::ACCEPTED,

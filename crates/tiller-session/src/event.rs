@@ -69,7 +69,12 @@ pub enum EventBody {
     /// A prompt's turn started.
     PromptStarted { origin: String },
     /// The prompt's text, as the user sent it.
-    UserMessage { text: String },
+    UserMessage {
+        text: String,
+        /// Images it carried.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        images: Vec<tiller_engine::Image>,
+    },
     /// Streamed agent text.
     AgentMessageChunk { text: String },
     /// Streamed agent thought.

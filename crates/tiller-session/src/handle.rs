@@ -51,7 +51,8 @@ impl SessionHandle {
         delivery: Option<String>,
     ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
     {
-        self.submit(PromptId::new(), text, origin, delivery).await
+        self.submit(PromptId::new(), text, Vec::new(), origin, delivery)
+            .await
     }
 
     /// Like [`SessionHandle::prompt_with`], under an id the caller chose
@@ -61,6 +62,7 @@ impl SessionHandle {
         &self,
         id: PromptId,
         text: String,
+        images: Vec<Image>,
         origin: Origin,
         delivery: Option<String>,
     ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
@@ -70,6 +72,7 @@ impl SessionHandle {
         let sent = self.send(SessionMsg::Prompt {
             id,
             text,
+            images,
             origin,
             delivery,
             admitted: Some(atx),

@@ -170,6 +170,10 @@ pub enum PromptRefused {
     SessionClosed,
     #[error("{0}")]
     BadDelivery(String),
+    /// Content the session's engine cannot take (an image for an engine
+    /// without images).
+    #[error("{0}")]
+    Unsupported(String),
     /// The admission could not be stored (disk full, database locked):
     /// nothing was acknowledged; retry later.
     #[error("the daemon cannot store the prompt right now (the disk may be full); retry later")]
@@ -290,3 +294,4 @@ mod title_tests {
         assert_eq!(t.chars().count(), 60);
     }
 }
+pub use tiller_engine::Image;

@@ -180,10 +180,9 @@ async fn a_notification_whose_start_was_never_stored_is_still_queued_and_runs() 
     let mut ran = false;
     for _ in 0..100 {
         let log = s.events_after(h.id(), 0, 1000).await.unwrap();
-        ran = log
-            .iter()
-            .any(|e| matches!(&e.body, EventBody::UserMessage { text } if text.contains("ran t1")))
-            && log.iter().any(|e| e.body.kind() == "turn_complete");
+        ran = log.iter().any(
+            |e| matches!(&e.body, EventBody::UserMessage { text, .. } if text.contains("ran t1")),
+        ) && log.iter().any(|e| e.body.kind() == "turn_complete");
         if ran {
             break;
         }

@@ -23,8 +23,8 @@ async fn absolute_paths_in_an_additional_root_work_there_and_nowhere_else() {
     std::fs::write(lib.join("b.txt"), "in lib\n").unwrap();
     std::fs::write(other.join("c.txt"), "secret\n").unwrap();
     std::os::unix::fs::symlink(&other, lib.join("escape")).unwrap();
-    let tools = Toolbox::new(cwd.clone(), Arc::new(ToolsConfig::default()))
-        .with_roots(vec![lib.clone()]);
+    let tools =
+        Toolbox::new(cwd.clone(), Arc::new(ToolsConfig::default())).with_roots(vec![lib.clone()]);
     let read = |p: String| call("read_file", json!({ "path": p }));
     let run = |c: ToolCall| {
         let t = tools.clone();
@@ -38,16 +38,35 @@ async fn absolute_paths_in_an_additional_root_work_there_and_nowhere_else() {
     // Relative paths stay in the session's directory: `..` cannot reach lib.
     assert!(!run(read("../lib/b.txt".into())).await.ok);
     // Outside every root, and through a link out of a root: refused.
-    assert!(!run(read(other.join("c.txt").display().to_string())).await.ok);
+    assert!(
+        !run(read(other.join("c.txt").display().to_string()))
+            .await
+            .ok
+    );
     let through = run(read(lib.join("escape/c.txt").display().to_string())).await;
-    assert!(!through.ok && !through.output.contains("secret"), "{}", through.output);
+    assert!(
+        !through.ok && !through.output.contains("secret"),
+        "{}",
+        through.output
+    );
     // Writes land in the root they name, and the call shows where.
     let target = lib.join("new.txt");
-    let w = call("write_file", json!({ "path": target.display().to_string(), "content": "x" }));
-    assert_eq!(tools.locations("write_file", &w.input), vec![target.display().to_string()]);
+    let w = call(
+        "write_file",
+        json!({ "path": target.display().to_string(), "content": "x" }),
+    );
+    assert_eq!(
+        tools.locations("write_file", &w.input),
+        vec![target.display().to_string()]
+    );
     assert!(run(w).await.ok);
     assert_eq!(std::fs::read_to_string(&target).unwrap(), "x");
     // Without the root, the same path is refused.
     let plain = Toolbox::new(cwd, Arc::new(ToolsConfig::default()));
-    assert!(!plain.run(&read(lib.join("b.txt").display().to_string()), None).await.ok);
+    assert!(
+        !plain
+            .run(&read(lib.join("b.txt").display().to_string()), None)
+            .await
+            .ok
+    );
 }

@@ -24,6 +24,10 @@ pub(super) fn body(cfg: &ModelConfig, model: &str, msgs: &[Message], tools: &[To
     for m in msgs {
         match m {
             Message::User { text } => user.push(json!({"type": "text", "text": text})),
+            Message::Image(i) => user.push(json!({
+                "type": "image",
+                "source": {"type": "base64", "media_type": i.mime_type, "data": i.data},
+            })),
             Message::ToolResult { id, ok, output } => user.push(json!({
                 "type": "tool_result",
                 "tool_use_id": id,

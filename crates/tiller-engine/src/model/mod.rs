@@ -128,7 +128,12 @@ impl Engine for ModelEngine {
         Ok(PreparedPrompt {
             text: text.to_owned(),
             script: None,
+            images: Vec::new(),
         })
+    }
+
+    fn accepts_images(&self) -> bool {
+        true
     }
 
     fn start(
@@ -155,7 +160,7 @@ impl Engine for ModelEngine {
             steers: VecDeque::new(),
             partial: String::new(),
         };
-        EngineHandle::new(tx, tokio::spawn(run.play(prompt.text)))
+        EngineHandle::new(tx, tokio::spawn(run.play(prompt.text, prompt.images)))
     }
 
     fn uses_directory(&self) -> bool {
@@ -304,12 +309,15 @@ impl Run {
         }
     }
 
-    async fn play(mut self, prompt: String) {
+    async fn play(mut self, prompt: String, images: Vec<crate::Image>) {
         self.ctx.conversation.repair();
         self.ctx
             .conversation
             .trim(self.cfg.context_chars.saturating_mul(4));
         self.ctx.conversation.push(Message::User { text: prompt });
+        for i in images {
+            self.ctx.conversation.push(Message::Image(i));
+        }
         let outcome = self.turn_loop().await;
         if outcome.is_err() && !self.partial.is_empty() {
             self.ctx.conversation.push(Message::Assistant {

@@ -15,6 +15,10 @@ pub(super) fn body(cfg: &ModelConfig, model: &str, msgs: &[Message], tools: &[To
     for m in msgs {
         messages.push(match m {
             Message::User { text } => json!({"role": "user", "content": text}),
+            Message::Image(i) => json!({"role": "user", "content": [{
+                "type": "image_url",
+                "image_url": {"url": format!("data:{};base64,{}", i.mime_type, i.data)},
+            }]}),
             Message::Assistant { text, calls } => {
                 let mut a = json!({"role": "assistant", "content": text});
                 if !calls.is_empty() {

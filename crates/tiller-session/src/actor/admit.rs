@@ -8,21 +8,31 @@ impl SessionState {
         &mut self,
         myself: &ActorRef<SessionMsg>,
         prompt: PromptId,
-        text: String,
+        (text, images): (String, Vec<tiller_engine::Image>),
         origin: Origin,
         delivery: Option<String>,
-        admitted: Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
-        settled: Option<oneshot::Sender<Settlement>>,
+        (admitted, settled): (
+            Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
+            Option<oneshot::Sender<Settlement>>,
+        ),
     ) {
         let refuse = |admitted: Option<oneshot::Sender<_>>, why| {
             if let Some(a) = admitted {
                 let _ = a.send(Err(why));
             }
         };
-        let prepared = match self.engine.prepare(&text) {
+        let mut prepared = match self.engine.prepare(&text) {
             Ok(p) => p,
             Err(e) => return refuse(admitted, PromptRefused::Invalid(e)),
         };
+        if !images.is_empty() && !self.engine.accepts_images() {
+            let why = format!(
+                "engine `{}` does not take images; use a model engine (or send text)",
+                self.engine.name()
+            );
+            return refuse(admitted, PromptRefused::Unsupported(why));
+        }
+        prepared.images = images;
         let delivery = match delivery
             .map(|url| crate::delivery::check_webhook(&url, &self.config.delivery))
             .transpose()

@@ -227,6 +227,7 @@ impl SessionState {
             Some(turn),
             EventBody::UserMessage {
                 text: prepared.text.clone(),
+                images: prepared.images.clone(),
             },
         );
         if self.title.is_none() {

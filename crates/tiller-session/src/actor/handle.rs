@@ -13,12 +13,14 @@ impl SessionState {
             SessionMsg::Prompt {
                 id,
                 text,
+                images,
                 origin,
                 delivery,
                 admitted,
                 settled,
             } => {
-                self.prompt(myself, id, text, origin, delivery, admitted, settled)
+                let ports = (admitted, settled);
+                self.prompt(myself, id, (text, images), origin, delivery, ports)
                     .await;
             }
             SessionMsg::Steer {

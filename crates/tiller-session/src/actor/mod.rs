@@ -94,6 +94,8 @@ pub enum SessionMsg {
         /// Chosen by the caller (fresh).
         id: PromptId,
         text: String,
+        /// Attached images (refused by engines that take none).
+        images: Vec<tiller_engine::Image>,
         origin: Origin,
         /// A webhook to receive the final text on `end_turn`.
         delivery: Option<String>,

@@ -110,7 +110,9 @@ impl SessionState {
         for r in roots {
             let p = std::path::Path::new(&r);
             if !p.is_absolute() {
-                return Err(format!("additional directory {r}: it must be an absolute path"));
+                return Err(format!(
+                    "additional directory {r}: it must be an absolute path"
+                ));
             }
             let c = tokio::fs::canonicalize(p)
                 .await
@@ -129,7 +131,9 @@ impl SessionState {
         self.toolbox = Arc::new((*self.toolbox).clone().with_roots(canonical));
         if let Err(e) = self.save_settings().await {
             self.toolbox = before;
-            return Err(format!("the additional directories could not be stored: {e}"));
+            return Err(format!(
+                "the additional directories could not be stored: {e}"
+            ));
         }
         Ok(())
     }
