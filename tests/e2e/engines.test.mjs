@@ -75,6 +75,7 @@ allowed_hosts = ["127.0.0.1"]
 });
 
 after(async () => {
+  if (process.env.DUMP_LOG) console.log(daemon?.log().split("\n").filter((l) => /panic|ERROR|WARN/.test(l)).join("\n"));
   c?.close();
   await daemon?.stop();
   await mock?.close();
@@ -257,6 +258,56 @@ describe("OpenAI-compatible engine", () => {
       assert.equal(user[0].update.messageId, user[1].update.messageId);
     } finally {
       d.close();
+    }
+  });
+
+  test("boolean options: Anthropic's thinking switch, boolean for clients that take it, off/on for the others", async () => {
+    const b = await transports.unix(daemon);
+    try {
+      await b.request("initialize", {
+        protocolVersion: 1,
+        clientCapabilities: { session: { configOptions: { boolean: {} } } },
+      });
+      const cwd = tempDir();
+      const res = await b.request("session/new", { cwd, mcpServers: [], _meta: { tiller: { engine: "mock-anthropic" } } });
+      const sid = res.sessionId;
+      const thinking = res.configOptions.find((o) => o.id === "thinking");
+      assert.deepEqual({ type: thinking.type, current: thinking.currentValue }, { type: "boolean", current: false });
+      // A client without the capability gets an off/on select.
+      const plain = await session("mock-anthropic");
+      const sel = plain.res.configOptions.find((o) => o.id === "thinking");
+      assert.deepEqual([sel.type, sel.currentValue, sel.options.map((o) => o.value)], ["select", "off", ["off", "on"]]);
+      // OpenAI engines have no such switch.
+      assert.ok(!(await session("mock-openai")).res.configOptions.some((o) => o.id === "thinking"));
+
+      const set = await b.request("session/set_config_option", { sessionId: sid, configId: "thinking", type: "boolean", value: true });
+      assert.equal(set.configOptions.find((o) => o.id === "thinking").currentValue, true);
+      const n = mock.requests.length;
+      mock.reply(
+        { events: anthropic.thinking("Let me look.", "sig-123", anthropic.tools([{ id: "toolu_1", name: "list_dir", args: { path: "." } }])) },
+        { events: anthropic.text("Empty.") },
+      );
+      await b.request("session/prompt", textPrompt(sid, "what is here?"));
+      const [first, second] = since(n);
+      assert.deepEqual(first.body.thinking, { type: "enabled", budget_tokens: 4096 });
+      assert.ok(first.body.max_tokens > 4096);
+      // The thinking block goes back, signed, before the tool call it led to.
+      const assistant = second.body.messages.find((m) => m.role === "assistant");
+      assert.deepEqual(assistant.content.map((c) => c.type), ["thinking", "tool_use"]);
+      assert.deepEqual([assistant.content[0].thinking, assistant.content[0].signature], ["Let me look.", "sig-123"]);
+      // The thought streamed to the client; off again: no thinking asked.
+      assert.ok(b.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "agent_thought_chunk"));
+      await b.request("session/set_config_option", { sessionId: sid, configId: "thinking", type: "boolean", value: false });
+      const m = mock.requests.length;
+      mock.reply({ events: anthropic.text("Ok.") });
+      await b.request("session/prompt", textPrompt(sid, "again"));
+      assert.equal(since(m)[0].body.thinking, undefined);
+      // The select form works too.
+      await c.request("session/set_config_option", { sessionId: plain.sid, configId: "thinking", value: "on" });
+      const snap = await c.request("session/resume", { sessionId: plain.sid, cwd: plain.cwd, mcpServers: [] });
+      assert.equal(snap.configOptions.find((o) => o.id === "thinking").currentValue, "on");
+    } finally {
+      b.close();
     }
   });
 

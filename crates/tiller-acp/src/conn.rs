@@ -219,6 +219,8 @@ struct Shared {
     me: std::sync::Weak<Shared>,
     /// See [`Writer::all_turns`].
     all_turns: Arc<AtomicBool>,
+    /// See [`Writer::booleans`].
+    booleans: Arc<AtomicBool>,
     /// The client's requests that `$/cancel_request` can cancel, by id.
     cancellable: std::sync::Mutex<HashMap<String, Cancellable>>,
 }
@@ -291,8 +293,10 @@ pub async fn serve(
     let lag = Arc::new(Lag::default());
     let asked = Arc::new(std::sync::Mutex::new(HashMap::new()));
     let all_turns = Arc::new(AtomicBool::new(false));
+    let booleans = Arc::new(AtomicBool::new(false));
     let shared = Arc::new_cyclic(|me| Shared {
         all_turns: all_turns.clone(),
+        booleans: booleans.clone(),
         cancellable: std::sync::Mutex::new(HashMap::new()),
         sessions: sessions.clone(),
         config,
@@ -312,6 +316,7 @@ pub async fn serve(
         next_request: 0,
         mine: HashMap::new(),
         all_turns: all_turns.clone(),
+        booleans,
         shared: Arc::downgrade(&shared),
     };
     let mut writing = tokio::spawn(writer.run(rx));
@@ -411,6 +416,8 @@ struct Writer {
     /// `initialize`): it is sent every turn, even while its own prompt
     /// waits or runs.
     all_turns: Arc<AtomicBool>,
+    /// The client takes boolean config options (its `initialize`).
+    booleans: Arc<AtomicBool>,
 }
 
 /// The client stopped reading.
@@ -689,11 +696,15 @@ impl Writer {
     fn messages(&mut self, rec: &EventRecord, live_from: u64) -> Vec<String> {
         if rec.seq <= live_from {
             let message = self.message_id(rec);
-            map::session_update(rec, message.as_deref())
-                .into_iter()
-                .chain(map::extra_updates(rec))
-                .map(|n| update_message(&n))
-                .collect()
+            map::session_update(
+                rec,
+                message.as_deref(),
+                self.booleans.load(Ordering::Relaxed),
+            )
+            .into_iter()
+            .chain(map::extra_updates(rec))
+            .map(|n| update_message(&n))
+            .collect()
         } else {
             self.live(rec)
         }
@@ -746,7 +757,13 @@ impl Writer {
             echo = own && matches!(rec.body, tiller_session::EventBody::UserMessage { .. });
         }
         let mut msgs = Vec::new();
-        if !echo && let Some(n) = map::session_update(rec, message.as_deref()) {
+        if !echo
+            && let Some(n) = map::session_update(
+                rec,
+                message.as_deref(),
+                self.booleans.load(Ordering::Relaxed),
+            )
+        {
             msgs.push(update_message(&n));
         }
         if !echo {
@@ -1292,6 +1309,12 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             shared.calls.set_caps(ClientCaps::from_initialize(&raw));
             let all_turns = raw["clientCapabilities"]["_meta"]["tiller"]["allTurns"] == json!(true);
             shared.all_turns.store(all_turns, Ordering::Relaxed);
+            let booleans =
+                raw["clientCapabilities"]["session"]["configOptions"]["boolean"].is_object();
+            shared.booleans.store(booleans, Ordering::Relaxed);
+            let booleans =
+                raw["clientCapabilities"]["session"]["configOptions"]["boolean"].is_object();
+            shared.booleans.store(booleans, Ordering::Relaxed);
             let _req: InitializeRequest = params(raw)?;
             let caps = AgentCapabilities::new()
                 .load_session(true)
@@ -1355,7 +1378,10 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let options = handle.options().await.map_err(session_error)?;
             Ok(to_value(
                 NewSessionResponse::new(handle.id().to_string())
-                    .config_options(map::config_options(&options))
+                    .config_options(map::config_options(
+                        &options,
+                        shared.booleans.load(Ordering::Relaxed),
+                    ))
                     .modes(map::modes(&options)),
             ))
         }
@@ -1396,7 +1422,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
                     )
                 })?;
             Ok(to_value(SetSessionConfigOptionResponse::new(
-                map::config_options(&options),
+                map::config_options(&options, shared.booleans.load(Ordering::Relaxed)),
             )))
         }
         "session/load" => {
@@ -1419,7 +1445,10 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
                 pending: snap.pending_permission,
                 result: to_value(
                     LoadSessionResponse::new()
-                        .config_options(map::config_options(&options))
+                        .config_options(map::config_options(
+                            &options,
+                            shared.booleans.load(Ordering::Relaxed),
+                        ))
                         .modes(map::modes(&options)),
                 ),
             })
@@ -1436,7 +1465,10 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let options = handle.options().await.map_err(session_error)?;
             Ok(to_value(
                 ResumeSessionResponse::new()
-                    .config_options(map::config_options(&options))
+                    .config_options(map::config_options(
+                        &options,
+                        shared.booleans.load(Ordering::Relaxed),
+                    ))
                     .modes(map::modes(&options)),
             ))
         }

@@ -23,7 +23,12 @@ use crate::jsonrpc::{RpcError, code};
 /// The `session/update` an event shows as, if any. Message chunks carry
 /// `message` as their `messageId` (a user message: its prompt's id), and
 /// every update names its prompt and turn in `_meta.tiller`.
-pub fn session_update(rec: &EventRecord, message: Option<&str>) -> Option<SessionNotification> {
+/// `booleans`: the client takes boolean config options.
+pub fn session_update(
+    rec: &EventRecord,
+    message: Option<&str>,
+    booleans: bool,
+) -> Option<SessionNotification> {
     let chunk = |text: &String| {
         ContentChunk::new(ContentBlock::from(text.clone())).message_id(message.map(MessageId::new))
     };
@@ -96,9 +101,9 @@ pub fn session_update(rec: &EventRecord, message: Option<&str>) -> Option<Sessio
             }
             SessionUpdate::ToolCallUpdate(ToolCallUpdate::new(tool_call_id.clone(), fields))
         }
-        EventBody::ConfigOptions { options } => {
-            SessionUpdate::ConfigOptionUpdate(ConfigOptionUpdate::new(config_options(options)))
-        }
+        EventBody::ConfigOptions { options } => SessionUpdate::ConfigOptionUpdate(
+            ConfigOptionUpdate::new(config_options(options, booleans)),
+        ),
         // Old logs carry no window: nothing to report against.
         EventBody::Usage {
             input_tokens,
@@ -151,10 +156,23 @@ fn tool_kind(name: &str) -> ToolKind {
 }
 
 /// A session's options as ACP config options (selects).
-pub fn config_options(options: &[ConfigOption]) -> Vec<SessionConfigOption> {
+/// Switches are boolean options for clients that take them (`booleans`),
+/// and `off`/`on` selects for the others.
+pub fn config_options(options: &[ConfigOption], booleans: bool) -> Vec<SessionConfigOption> {
     options
         .iter()
         .map(|o| {
+            if o.boolean {
+                let on = o.current == "true";
+                if booleans {
+                    return SessionConfigOption::boolean(o.id.clone(), o.name.clone(), on);
+                }
+                let choices = ["off", "on"]
+                    .map(|c| SessionConfigSelectOption::new(c, c))
+                    .to_vec();
+                let current = if on { "on" } else { "off" };
+                return SessionConfigOption::select(o.id.clone(), o.name.clone(), current, choices);
+            }
             let choices: Vec<SessionConfigSelectOption> = o
                 .choices
                 .iter()

@@ -35,6 +35,10 @@ pub enum Message {
     },
     /// An image the user attached to the prompt before it (base64).
     Image(Image),
+    /// The provider's own reasoning blocks of the model reply that follows
+    /// (Anthropic extended thinking, with their signatures), sent back
+    /// with it as the API requires.
+    Reasoning { blocks: Vec<serde_json::Value> },
 }
 
 /// An image in a prompt: its MIME type and its bytes, base64.
@@ -235,6 +239,7 @@ fn size(m: &Message) -> usize {
         }
         Message::ToolResult { output, .. } => output.len(),
         Message::Image(i) => i.data.len(),
+        Message::Reasoning { blocks } => blocks.iter().map(|b| b.to_string().len()).sum(),
     }
 }
 
@@ -294,6 +299,9 @@ pub struct TurnContext {
     pub tools: Arc<Vec<ToolSpec>>,
     /// The model the session chose, if not the engine's default.
     pub model: Option<String>,
+    /// The session's switches (`session/set_config_option`), by id; an
+    /// engine reads the ones it offers ([`crate::Engine::switches`]).
+    pub switches: Vec<(String, bool)>,
     /// How far the session is behind the engine's signals: engines wait
     /// on it, so a fast engine never floods the session's mailbox (and a
     /// cancel never waits behind a backlog).
@@ -303,6 +311,36 @@ pub struct TurnContext {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_message_kind_is_stored_and_read_back() {
+        let all = vec![
+            Message::User { text: "u".into() },
+            Message::Image(Image {
+                mime_type: "image/png".into(),
+                data: "AAAA".into(),
+            }),
+            Message::Reasoning {
+                blocks: vec![
+                    serde_json::json!({"type": "thinking", "thinking": "t", "signature": "s"}),
+                ],
+            },
+            Message::Assistant {
+                text: "a".into(),
+                calls: Vec::new(),
+            },
+            Message::ToolResult {
+                id: "c".into(),
+                ok: true,
+                output: "o".into(),
+            },
+        ];
+        for m in all {
+            let stored = serde_json::to_string(&m).expect("stored");
+            let back: Message = serde_json::from_str(&stored).expect("read back");
+            assert_eq!(back, m, "{stored}");
+        }
+    }
 
     fn call(id: &str) -> CallRecord {
         CallRecord {
@@ -341,6 +379,8 @@ mod tests {
                 Message::User { text } => format!("u:{text}"),
                 Message::Assistant { calls, .. } => format!("a:{}", calls.len()),
                 Message::ToolResult { id, ok, .. } => format!("r:{id}:{ok}"),
+                Message::Image(_) => "image".into(),
+                Message::Reasoning { .. } => "reasoning".into(),
             })
             .collect();
         assert_eq!(

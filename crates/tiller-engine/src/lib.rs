@@ -304,6 +304,11 @@ pub trait Engine: Send + Sync + 'static {
     /// The engine's name in config and `session/new`.
     fn name(&self) -> &str;
 
+    /// Its on/off settings a session may change: `(id, label, default)`.
+    fn switches(&self) -> Vec<(&'static str, &'static str, bool)> {
+        Vec::new()
+    }
+
     /// Whether its models see images in prompts.
     fn accepts_images(&self) -> bool {
         false

@@ -240,8 +240,11 @@ pub struct ConfigOption {
     pub category: String,
     /// The current value.
     pub current: String,
-    /// The values it may take.
+    /// The values it may take (`false`, `true` for a switch).
     pub choices: Vec<String>,
+    /// An on/off switch (clients that take boolean options see one).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub boolean: bool,
 }
 
 impl EventBody {

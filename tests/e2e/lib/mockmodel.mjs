@@ -148,6 +148,22 @@ export const anthropic = {
       ...anthropic.stop(stop, output),
     ];
   },
+  /** A thinking block (its text in two deltas, then its signature) before `rest`'s blocks. */
+  thinking(thought, signature, rest) {
+    const shift = (e) =>
+      e.data.index === undefined ? e : { ...e, data: { ...e.data, index: e.data.index + 1 } };
+    const [start, ...more] = rest;
+    const half = Math.ceil(thought.length / 2);
+    return [
+      start,
+      { event: "content_block_start", data: { type: "content_block_start", index: 0, content_block: { type: "thinking", thinking: "" } } },
+      { event: "content_block_delta", data: { type: "content_block_delta", index: 0, delta: { type: "thinking_delta", thinking: thought.slice(0, half) } } },
+      { event: "content_block_delta", data: { type: "content_block_delta", index: 0, delta: { type: "thinking_delta", thinking: thought.slice(half) } } },
+      { event: "content_block_delta", data: { type: "content_block_delta", index: 0, delta: { type: "signature_delta", signature } } },
+      { event: "content_block_stop", data: { type: "content_block_stop", index: 0 } },
+      ...more.map(shift),
+    ];
+  },
   tools(calls, { pieces = 3 } = {}) {
     const out = [anthropic.start()];
     calls.forEach((c, index) => {

@@ -11,9 +11,17 @@ const DEFAULT_MAX_TOKENS: u32 = 8192;
 /// The request body for one model call. Consecutive user-side messages
 /// (tool results, prompts, steers) become one user message, results first,
 /// as the API requires.
-pub(super) fn body(cfg: &ModelConfig, model: &str, msgs: &[Message], tools: &[ToolSpec]) -> Value {
+pub(super) fn body(
+    cfg: &ModelConfig,
+    model: &str,
+    msgs: &[Message],
+    tools: &[ToolSpec],
+    thinking: bool,
+) -> Value {
     let mut messages: Vec<Value> = Vec::new();
     let mut user: Vec<Value> = Vec::new();
+    // Reasoning blocks lead the assistant reply they came with.
+    let mut reasoning: Vec<Value> = Vec::new();
     let flush = |user: &mut Vec<Value>, messages: &mut Vec<Value>| {
         if !user.is_empty() {
             // Tool results must lead the message.
@@ -34,9 +42,13 @@ pub(super) fn body(cfg: &ModelConfig, model: &str, msgs: &[Message], tools: &[To
                 "content": output,
                 "is_error": !ok,
             })),
+            Message::Reasoning { blocks } => {
+                flush(&mut user, &mut messages);
+                reasoning = blocks.clone();
+            }
             Message::Assistant { text, calls } => {
                 flush(&mut user, &mut messages);
-                let mut content = Vec::new();
+                let mut content = std::mem::take(&mut reasoning);
                 if !text.is_empty() {
                     content.push(json!({"type": "text", "text": text}));
                 }
@@ -58,12 +70,20 @@ pub(super) fn body(cfg: &ModelConfig, model: &str, msgs: &[Message], tools: &[To
         }
     }
     flush(&mut user, &mut messages);
+    let mut max_tokens = cfg.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
+    if thinking {
+        // The budget must leave room for the answer.
+        max_tokens = max_tokens.max(THINKING_BUDGET + 1024);
+    }
     let mut body = json!({
         "model": model,
-        "max_tokens": cfg.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
+        "max_tokens": max_tokens,
         "messages": messages,
         "stream": true,
     });
+    if thinking {
+        body["thinking"] = json!({"type": "enabled", "budget_tokens": THINKING_BUDGET});
+    }
     if let Some(system) = &cfg.system_prompt {
         body["system"] = json!(system);
     }
@@ -73,17 +93,22 @@ pub(super) fn body(cfg: &ModelConfig, model: &str, msgs: &[Message], tools: &[To
             .map(|t| json!({"name": t.name, "description": t.description, "input_schema": t.input_schema}))
             .collect();
     }
-    if let Some(t) = cfg.temperature {
+    // Extended thinking takes no temperature of its own.
+    if let Some(t) = cfg.temperature.filter(|_| !thinking) {
         body["temperature"] = json!(t);
     }
     body
 }
 
+/// Tokens a reply may spend thinking, with `thinking` on.
+const THINKING_BUDGET: u32 = 4096;
+
 /// What a content block streams into.
 #[derive(Debug)]
 enum Block {
     Text,
-    Thinking,
+    /// Its reasoning block as the API must get it back.
+    Thinking(usize),
     Tool(usize),
     Other,
 }
@@ -93,6 +118,8 @@ enum Block {
 pub(super) struct AnthropicParser {
     blocks: Vec<(u64, Block)>,
     calls: Vec<RawCall>,
+    /// Thinking (and redacted thinking) blocks, with their signatures.
+    reasoning: Vec<Value>,
     stop: Option<Stop>,
     usage: (u64, u64),
     done: bool,
@@ -122,7 +149,15 @@ impl Parser for AnthropicParser {
                         }
                         Block::Text
                     }
-                    Some("thinking") => Block::Thinking,
+                    Some("thinking") | Some("redacted_thinking") => {
+                        let mut b = cb.clone();
+                        if b["type"] == "thinking" {
+                            b["thinking"] = json!(cb["thinking"].as_str().unwrap_or(""));
+                            b["signature"] = json!(cb["signature"].as_str().unwrap_or(""));
+                        }
+                        self.reasoning.push(b);
+                        Block::Thinking(self.reasoning.len() - 1)
+                    }
                     Some("tool_use") => {
                         self.calls.push(RawCall {
                             id: cb["id"].as_str().unwrap_or_default().to_owned(),
@@ -148,10 +183,16 @@ impl Parser for AnthropicParser {
                     (Some(Block::Text), Some("text_delta")) => {
                         out.push(Delta::Text(d["text"].as_str().unwrap_or("").to_owned()));
                     }
-                    (Some(Block::Thinking), Some("thinking_delta")) => {
-                        out.push(Delta::Thought(
-                            d["thinking"].as_str().unwrap_or("").to_owned(),
-                        ));
+                    (Some(Block::Thinking(r)), Some("thinking_delta")) => {
+                        let t = d["thinking"].as_str().unwrap_or("");
+                        let b = &mut self.reasoning[*r]["thinking"];
+                        *b = json!(format!("{}{t}", b.as_str().unwrap_or("")));
+                        out.push(Delta::Thought(t.to_owned()));
+                    }
+                    (Some(Block::Thinking(r)), Some("signature_delta")) => {
+                        let s = d["signature"].as_str().unwrap_or("");
+                        let b = &mut self.reasoning[*r]["signature"];
+                        *b = json!(format!("{}{s}", b.as_str().unwrap_or("")));
                     }
                     (Some(Block::Tool(c)), Some("input_json_delta")) => {
                         let c = *c;
@@ -197,6 +238,7 @@ impl Parser for AnthropicParser {
         Some(Finish {
             stop,
             calls,
+            reasoning: std::mem::take(&mut self.reasoning),
             usage: self.usage,
         })
     }

@@ -136,6 +136,13 @@ impl Engine for ModelEngine {
         true
     }
 
+    fn switches(&self) -> Vec<(&'static str, &'static str, bool)> {
+        match self.cfg.provider {
+            Provider::Anthropic => vec![("thinking", "Extended thinking", false)],
+            Provider::OpenAi => Vec::new(),
+        }
+    }
+
     fn start(
         &self,
         turn: TurnId,
@@ -209,6 +216,8 @@ pub(crate) struct RawCall {
 pub(crate) struct Finish {
     pub stop: Stop,
     pub calls: Vec<RawCall>,
+    /// Reasoning blocks to send back with the reply (Anthropic).
+    pub reasoning: Vec<serde_json::Value>,
     /// Input and output tokens.
     pub usage: (u64, u64),
 }
@@ -244,6 +253,7 @@ struct Response {
     text: String,
     stop: Stop,
     calls: Vec<CallRecord>,
+    reasoning: Vec<serde_json::Value>,
 }
 
 /// Why a model call did not produce a response.
@@ -362,12 +372,22 @@ impl Run {
                 return Ok(StopReason::MaxTurnRequests);
             }
             requests += 1;
-            let Response { text, stop, calls } = self.call_with_retries().await?;
+            let Response {
+                text,
+                stop,
+                calls,
+                reasoning,
+            } = self.call_with_retries().await?;
             let calls: Vec<CallRecord> = match stop {
                 // A cut-off response's calls may be incomplete: none runs.
                 Stop::MaxTokens | Stop::Refusal => Vec::new(),
                 _ => calls,
             };
+            if !reasoning.is_empty() {
+                self.ctx
+                    .conversation
+                    .push(Message::Reasoning { blocks: reasoning });
+            }
             self.ctx.conversation.push(Message::Assistant {
                 text,
                 calls: calls.clone(),
@@ -472,7 +492,14 @@ impl Run {
         let msgs = crate::window(&self.ctx.conversation.snapshot(), self.cfg.context_chars);
         let body = match self.cfg.provider {
             Provider::OpenAi => openai::body(&self.cfg, &self.model, &msgs, &self.ctx.tools),
-            Provider::Anthropic => anthropic::body(&self.cfg, &self.model, &msgs, &self.ctx.tools),
+            Provider::Anthropic => {
+                let thinking = self
+                    .ctx
+                    .switches
+                    .iter()
+                    .any(|(id, on)| id == "thinking" && *on);
+                anthropic::body(&self.cfg, &self.model, &msgs, &self.ctx.tools, thinking)
+            }
         };
         let mut req = self
             .client
@@ -634,6 +661,7 @@ impl Run {
             text,
             stop: done.stop,
             calls,
+            reasoning: done.reasoning,
         }
     }
 }

@@ -15,6 +15,8 @@ pub(super) fn body(cfg: &ModelConfig, model: &str, msgs: &[Message], tools: &[To
     for m in msgs {
         messages.push(match m {
             Message::User { text } => json!({"role": "user", "content": text}),
+            // Anthropic's own; other providers do not take them back.
+            Message::Reasoning { .. } => continue,
             Message::Image(i) => json!({"role": "user", "content": [{
                 "type": "image_url",
                 "image_url": {"url": format!("data:{};base64,{}", i.mime_type, i.data)},
@@ -164,6 +166,7 @@ impl Parser for OpenAiParser {
             None => Stop::EndTurn,
         };
         Some(Finish {
+            reasoning: Vec::new(),
             stop,
             calls,
             usage: self.usage,

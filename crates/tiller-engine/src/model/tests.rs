@@ -275,7 +275,7 @@ fn conversation() -> Vec<Message> {
 
 #[test]
 fn anthropic_body_groups_user_side_blocks_results_first() {
-    let b = anthropic::body(&cfg(Provider::Anthropic), "m", &conversation(), &[]);
+    let b = anthropic::body(&cfg(Provider::Anthropic), "m", &conversation(), &[], false);
     assert_eq!(b["system"], "be brief");
     assert_eq!(b["max_tokens"], 8192);
     let msgs = b["messages"].as_array().unwrap();

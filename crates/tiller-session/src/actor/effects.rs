@@ -243,6 +243,7 @@ impl SessionState {
             conversation: self.conversation.clone(),
             tools: Arc::new(self.toolbox.specs()),
             model: self.model.clone(),
+            switches: self.switch_values(),
             pace: self.pace.clone(),
         };
         let mut handle = {

@@ -247,6 +247,9 @@ struct Settings {
     /// Additional roots of the file tools (canonical).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     roots: Vec<String>,
+    /// The engine switches set away from their defaults.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    switches: std::collections::BTreeMap<String, bool>,
 }
 
 /// What the session keeps with a prompt from admission to its terminal
@@ -381,6 +384,8 @@ pub struct SessionState {
     title: Option<String>,
     /// Model usage so far (none until the first request).
     usage: Option<Box<crate::UsageTotals>>,
+    /// Engine switches set for this session (others take their defaults).
+    switches: std::collections::BTreeMap<String, bool>,
     /// Answered at the next idle (daemon shutdown).
     drained: Vec<oneshot::Sender<()>>,
     /// The session span.
@@ -475,6 +480,7 @@ impl Actor for SessionActor {
             closing: false,
             title: args.title,
             usage: settings.usage.map(Box::new),
+            switches: settings.switches,
             drained: Vec::new(),
             span,
         })

@@ -14,6 +14,7 @@ impl SessionState {
                 category: "engine".into(),
                 current: self.engine.name().to_owned(),
                 choices: engines,
+                boolean: false,
             });
         }
         let models = self.engine.models();
@@ -28,6 +29,18 @@ impl SessionState {
                     .filter(|m| models.contains(m))
                     .unwrap_or_else(|| default.clone()),
                 choices: models.clone(),
+                boolean: false,
+            });
+        }
+        for (id, name, default) in self.engine.switches() {
+            let on = self.switches.get(id).copied().unwrap_or(default);
+            v.push(ConfigOption {
+                id: id.into(),
+                name: name.into(),
+                category: "other".into(),
+                current: on.to_string(),
+                choices: vec!["false".into(), "true".into()],
+                boolean: true,
             });
         }
         v.push(ConfigOption {
@@ -38,6 +51,7 @@ impl SessionState {
             choices: ["ask", "accept-edits", "allow-all"]
                 .map(String::from)
                 .to_vec(),
+            boolean: false,
         });
         v
     }
@@ -53,6 +67,12 @@ impl SessionState {
                 "unknown config option `{id}` (this session has: {})",
                 known.join(", ")
             ));
+        };
+        // A switch takes on/off as well as true/false.
+        let value = match (opt.boolean, value) {
+            (true, "on") => "true",
+            (true, "off") => "false",
+            _ => value,
         };
         if !opt.choices.iter().any(|c| c == value) {
             return Err(format!(
@@ -83,6 +103,9 @@ impl SessionState {
                 self.model = self.model.take().filter(|m| models.contains(m));
             }
             "model" => self.model = Some(value.to_owned()),
+            id if opt.boolean => {
+                self.switches.insert(id.to_owned(), value == "true");
+            }
             _ => {
                 self.permissions.mode =
                     PermissionMode::parse(value).expect("choices are valid modes");
@@ -101,6 +124,20 @@ impl SessionState {
             },
         );
         Ok(options)
+    }
+
+    /// The engine's switches as this session has them.
+    pub(super) fn switch_values(&self) -> Vec<(String, bool)> {
+        self.engine
+            .switches()
+            .into_iter()
+            .map(|(id, _, default)| {
+                (
+                    id.to_owned(),
+                    self.switches.get(id).copied().unwrap_or(default),
+                )
+            })
+            .collect()
     }
 
     /// Widens the file tools to `roots` (each absolute, an existing
@@ -175,6 +212,7 @@ impl SessionState {
                 .then(|| self.permissions.mode.as_str().into()),
             always: self.permissions.always(),
             usage: self.usage.as_deref().cloned(),
+            switches: self.switches.clone(),
             roots: self
                 .toolbox
                 .roots()
