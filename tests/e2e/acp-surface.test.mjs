@@ -92,7 +92,11 @@ describe("which connection is sent what", () => {
       );
       await b.request("session/prompt", textPrompt(sid, script([{ say: "b's" }])));
       await a.until(() => agentText(a, sid) === "one messageanotherb's");
-      const updates = a.updates.filter((u) => u.sessionId === sid);
+      // Everything of a turn names it (session-wide updates, such as the
+      // command list or the title, belong to none).
+      const ofTurns = ["user_message_chunk", "agent_message_chunk", "agent_thought_chunk", "tool_call", "tool_call_update", "plan"];
+      const updates = a.updates.filter((u) => u.sessionId === sid && ofTurns.includes(u.update.sessionUpdate));
+      assert.ok(updates.length >= 6, `${updates.length} updates`);
       for (const u of updates) {
         assert.match(u._meta?.tiller?.promptId ?? "", /.+/, `no promptId on ${u.update.sessionUpdate}`);
         assert.equal(typeof u._meta.tiller.turnId, "number");
@@ -122,6 +126,32 @@ describe("which connection is sent what", () => {
 });
 
 describe("permission requests", () => {
+  test("reach a client whose own prompt waits behind the asking turn (only what is shown is left out)", async () => {
+    const a = await transports.unix(daemon);
+    const b = await transports.unix(daemon);
+    try {
+      await initialize(a);
+      await initialize(b);
+      const sid = await newSession(b);
+      await a.request("session/resume", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+      b.answer = () => new Promise(() => {}); // B never answers
+      a.answer = async () => ({ outcome: { outcome: "selected", optionId: "allow_once" } });
+      const write = { tool: { name: "write_file", input: { path: "w.txt", content: "x" }, output: "ok" } };
+      const asking = b.request("session/prompt", textPrompt(sid, script([{ sleep_ms: 200 }, write, { say: "B done" }])));
+      await turnStarted(b, sid);
+      // A's prompt queues behind B's turn; A still gets B's question.
+      const mine = a.request("session/prompt", textPrompt(sid, script([{ say: "A done" }])));
+      assert.equal((await asking).stopReason, "end_turn");
+      assert.equal((await mine).stopReason, "end_turn");
+      assert.equal(a.permissionRequests.length, 1);
+      // What A was shown meanwhile is its own turn only.
+      assert.equal(agentText(a, sid), "A done");
+    } finally {
+      a.close();
+      b.close();
+    }
+  });
+
   test("carry the whole call: kind, rawInput, locations, a diff for edits, the command for shell", async () => {
     const dir = tempDir();
     fs.writeFileSync(path.join(dir, "old.txt"), "before\n");
@@ -307,8 +337,12 @@ describe("session/delete", () => {
 
       assert.deepEqual(await a.request("session/delete", { sessionId: sid }), {});
       assert.equal((await running).stopReason, "cancelled");
-      await b.until(() => b.ext.some((e) => e.method === "_tiller/session_closed" && e.params.sessionId === sid));
-      assert.equal(b.ext.find((e) => e.method === "_tiller/session_closed").params.deleted, true);
+      // Both attached clients hear it closed, then deleted (once committed).
+      for (const x of [a, b]) {
+        await x.until(() => x.ext.some((e) => e.method === "_tiller/session_deleted" && e.params.sessionId === sid));
+      }
+      const order = b.ext.filter((e) => e.params?.sessionId === sid).map((e) => e.method);
+      assert.ok(order.indexOf("_tiller/session_closed") < order.indexOf("_tiller/session_deleted"), order.join());
 
       assert.equal((await api(daemon, "GET", `/api/sessions/${sid}`)).status, 404);
       assert.equal((await api(daemon, "GET", `/api/sessions/${sid}/history`)).status, 404);
@@ -488,6 +522,18 @@ describe("additionalDirectories", () => {
       await c.request("session/prompt", textPrompt(sid, script([read(path.join(outside, "secret.txt"))])));
       const announced = c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "tool_call").at(-1);
       assert.deepEqual(announced.update.locations ?? [], []);
+      // Another client widening the roots on resume is seen by everyone attached.
+      const other = tempDir();
+      const b = await transports.unix(daemon);
+      try {
+        await initialize(b);
+        await b.request("session/resume", { sessionId: sid, cwd, mcpServers: [], additionalDirectories: [other] });
+        await c.until(() => c.ext.some((e) => e.method === "_tiller/roots_changed" && e.params.sessionId === sid));
+        const changed = c.ext.filter((e) => e.method === "_tiller/roots_changed").at(-1).params;
+        assert.deepEqual(changed.additionalDirectories, [fs.realpathSync(other)]);
+      } finally {
+        b.close();
+      }
       // Bad roots are refused with the field named, and no session is left.
       const before = (await c.request("session/list", {})).sessions.length;
       for (const bad of ["relative/dir", path.join(outside, "secret.txt"), "/nonexistent/dir"]) {

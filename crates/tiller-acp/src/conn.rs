@@ -122,6 +122,9 @@ enum Out {
         session: SessionId,
         prompt: PromptId,
     },
+    /// The session was deleted (committed): a client attached to it is
+    /// told, and it is detached.
+    Deleted(SessionId),
     /// Everything before this is written: end.
     Close,
 }
@@ -249,6 +252,14 @@ impl Shared {
         c.flag.clone()
     }
 
+    /// Whether a cancellable request with this id is under way.
+    fn in_flight(&self, id: &Value) -> bool {
+        self.cancellable
+            .lock()
+            .expect("poisoned")
+            .contains_key(&id.to_string())
+    }
+
     fn settled(&self, id: &Value) {
         self.cancellable
             .lock()
@@ -320,6 +331,7 @@ pub async fn serve(
         shared: Arc::downgrade(&shared),
     };
     let mut writing = tokio::spawn(writer.run(rx));
+    let mut deletions = shared.sessions.deletions();
     // Once the client stops sending, answer what is in flight, then end.
     let mut input_open = true;
     // Requests being handled; at the bound the loop stops reading, so a
@@ -349,6 +361,12 @@ pub async fn serve(
                 if outgoing.send(msg).await.is_err() {
                     break;
                 }
+            }
+            Ok(id) = deletions.recv() => {
+                if let Some((h, sub)) = shared.attached.lock().await.remove(&id) {
+                    h.unsubscribe(sub);
+                }
+                let _ = shared.tx.send(Out::Deleted(id)).await;
             }
             // Wake up to re-check the drain condition.
             () = tokio::time::sleep(std::time::Duration::from_millis(50)), if !input_open => {}
@@ -494,6 +512,15 @@ impl Writer {
                 self.write(msg).await?;
             }
             Out::Close => {}
+            Out::Deleted(session) => {
+                if self.attached.remove(&session).is_some() {
+                    let note = jsonrpc::notification(
+                        "_tiller/session_deleted",
+                        json!({ "sessionId": session.to_string() }),
+                    );
+                    self.write(note).await?;
+                }
+            }
             Out::Attach {
                 session,
                 sub,
@@ -545,6 +572,7 @@ impl Writer {
                 request,
             } => {
                 let mut response = response;
+                let mut loaded = false;
                 if let Some(a) = self.attached.get_mut(&session).filter(|a| a.sub == sub) {
                     a.sent = Some(0);
                     a.live_from = last;
@@ -554,8 +582,11 @@ impl Writer {
                     if cancel.load(Ordering::Acquire) {
                         self.detach(session, sub);
                         response = cancelled;
-                    } else if let Some(msg) = pending.and_then(|rec| self.ask(&rec)) {
-                        self.write(msg).await?;
+                    } else {
+                        loaded = true;
+                        if let Some(msg) = pending.and_then(|rec| self.ask(&rec)) {
+                            self.write(msg).await?;
+                        }
                     }
                 }
                 if let Some(shared) = self.shared.upgrade() {
@@ -563,6 +594,10 @@ impl Writer {
                 }
                 if !response.is_empty() {
                     self.write(response).await?;
+                }
+                if loaded {
+                    let n = map::available_commands(session);
+                    self.write(update_message(&n)).await?;
                 }
             }
             Out::Event(sub, rec) => {
@@ -745,19 +780,22 @@ impl Writer {
     /// itself (`all_turns`). `session/load` replays everything.
     fn live(&mut self, rec: &EventRecord) -> Vec<String> {
         let message = self.message_id(rec);
+        // What is shown (updates, notifications) is left out; what needs an
+        // answer (a permission request, its withdrawal) never is, or a turn
+        // could wait on a question nobody saw.
+        let mut shown = true;
         let mut echo = false;
         if let Some(mine) = self.mine.get(&rec.session)
             && let Some(p) = rec.prompt
         {
             let own = mine.contains(&p);
-            if !own && !self.all_turns.load(Ordering::Relaxed) {
-                return Vec::new();
-            }
+            shown = own || self.all_turns.load(Ordering::Relaxed);
             // The client has its own text.
             echo = own && matches!(rec.body, tiller_session::EventBody::UserMessage { .. });
         }
         let mut msgs = Vec::new();
-        if !echo
+        if shown
+            && !echo
             && let Some(n) = map::session_update(
                 rec,
                 message.as_deref(),
@@ -766,10 +804,10 @@ impl Writer {
         {
             msgs.push(update_message(&n));
         }
-        if !echo {
+        if shown && !echo {
             msgs.extend(map::extra_updates(rec).iter().map(update_message));
         }
-        if let Some((method, params)) = map::extension_notification(rec) {
+        if shown && let Some((method, params)) = map::extension_notification(rec) {
             msgs.push(jsonrpc::notification(method, params));
         }
         msgs.extend(self.ask(rec));
@@ -956,6 +994,15 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
         }
         Incoming::Request { id, method, params } => {
             if matches!(method.as_str(), "session/prompt" | "session/load") {
+                // Ids name requests: one still under way is not reused.
+                if shared.in_flight(&id) {
+                    let e = RpcError::new(
+                        code::INVALID_REQUEST,
+                        format!("request id {id} is already in use by a request under way"),
+                    );
+                    send_raw(shared, jsonrpc::error(&id, &e), inflight);
+                    return;
+                }
                 shared.cancellable(&id, None);
             }
             let shared = shared.clone();
@@ -1018,7 +1065,6 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                                 request: id.clone(),
                             })
                             .await;
-                        commands_for(&shared, &Some(session)).await;
                         return;
                     }
                 };
@@ -1346,6 +1392,18 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
         }
         "session/new" => {
             let req: NewSessionRequest = params(raw)?;
+            // Checked before anything is made for the session.
+            let dirs: Vec<String> = req
+                .additional_directories
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect();
+            tiller_session::check_roots(&dirs).await.map_err(|why| {
+                Reply::Error(
+                    RpcError::invalid_params(why)
+                        .with_data(json!({ "field": "additionalDirectories" })),
+                )
+            })?;
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             // `_meta.tiller.engine` picks an engine other than the default.
             let engine = match req
@@ -1496,11 +1554,9 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
         "session/delete" => {
             let req: DeleteSessionRequest = params(raw)?;
             let id = session_id(&req.session_id.0)?;
-            // Attached clients (this one included) hear `_tiller/session_closed`.
+            // Attached clients (this one included) hear
+            // `_tiller/session_deleted` once it is committed.
             shared.sessions.delete(id).await.map_err(session_error)?;
-            if let Some((h, sub)) = shared.attached.lock().await.remove(&id) {
-                h.unsubscribe(sub);
-            }
             Ok(to_value(DeleteSessionResponse::new()))
         }
         "session/close" => {
@@ -1589,6 +1645,10 @@ async fn prompt(
             // Origin comes from the ingress, never from `_meta`.
             let meta = req.meta.clone().map(Value::Object);
             let delivery = tiller_session::delivery::caller_meta(meta.as_ref(), "acp");
+            // Cancelled before it was submitted: it never runs.
+            if cancel.load(Ordering::Acquire) {
+                return Err(Reply::Error(request_cancelled()));
+            }
             let (prompt, settled) = handle
                 .submit(mine, text, images, Origin::Interactive, delivery)
                 .await
@@ -1649,11 +1709,24 @@ async fn steering(shared: &Shared, raw: Value) -> Result<Value, Reply> {
     let handle = shared.open(&req.session_id).await?;
     shared.attach(&handle).await?;
     let answer = handle
-        .steer(map::prompt_text(&req.prompt), prompt_required)
+        .steer(steer_text(&req.prompt)?, prompt_required)
         .await
         .map_err(session_error)?
         .map_err(refused)?;
     Ok(map::steer_answer(&answer))
+}
+
+/// A steer's text: what a prompt's content gives (refused the same way);
+/// images cannot join a running turn.
+fn steer_text(blocks: &[agent_client_protocol_schema::v1::ContentBlock]) -> Result<String, Reply> {
+    let (text, images) = map::prompt_content(blocks).map_err(Reply::Error)?;
+    if !images.is_empty() {
+        return Err(Reply::Error(
+            RpcError::invalid_params("a steer cannot carry images; send them as a prompt")
+                .with_data(json!({ "field": "prompt" })),
+        ));
+    }
+    Ok(text)
 }
 
 /// The answer to a request the client cancelled (`$/cancel_request`).

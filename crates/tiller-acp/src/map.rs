@@ -401,9 +401,12 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
             "_tiller/turn_started",
             json!({ "sessionId": session, "promptId": prompt, "turnId": rec.turn.map(|t| t.0) }),
         )),
-        EventBody::SessionClosed { deleted } => Some((
-            "_tiller/session_closed",
-            json!({ "sessionId": session, "deleted": deleted }),
+        EventBody::SessionClosed => {
+            Some(("_tiller/session_closed", json!({ "sessionId": session })))
+        }
+        EventBody::Roots { roots } => Some((
+            "_tiller/roots_changed",
+            json!({ "sessionId": session, "additionalDirectories": roots }),
         )),
         EventBody::TurnComplete { stop_reason } => Some((
             "_tiller/turn_settled",
@@ -480,19 +483,11 @@ pub fn prompt_result(
     }
 }
 
-/// The text of a prompt's content blocks (see [`prompt_content`]; the
-/// images left out).
-pub fn prompt_text(blocks: &[ContentBlock]) -> String {
-    prompt_content(blocks)
-        .map(|(text, _)| text)
-        .unwrap_or_default()
-}
-
 /// [`prompt_content`] of ACP content blocks given as JSON (the HTTP
 /// API's `content`); the error says what is wrong.
 pub fn prompt_content_json(
     blocks: &[Value],
-) -> Result<(String, Vec<tiller_engine::Image>), String> {
+) -> Result<(String, Vec<tiller_session::Image>), String> {
     let parsed: Vec<ContentBlock> = blocks
         .iter()
         .enumerate()
@@ -510,7 +505,7 @@ const IMAGE_TYPES: &[&str] = &["image/png", "image/jpeg", "image/gif", "image/we
 /// base64). Audio and binary resources are refused with a clear error.
 pub fn prompt_content(
     blocks: &[ContentBlock],
-) -> Result<(String, Vec<tiller_engine::Image>), RpcError> {
+) -> Result<(String, Vec<tiller_session::Image>), RpcError> {
     use base64::Engine as _;
     let refuse = |i: usize, why: String| {
         RpcError::invalid_params(format!("prompt[{i}]: {why}"))
@@ -544,7 +539,7 @@ pub fn prompt_content(
                 {
                     return Err(refuse(i, "the image data is not valid base64".into()));
                 }
-                images.push(tiller_engine::Image {
+                images.push(tiller_session::Image {
                     mime_type: img.mime_type.clone(),
                     data: img.data.clone(),
                 });

@@ -169,12 +169,8 @@ pub enum EventBody {
     },
     /// Loop protection stopped an automatic turn (which ended `end_turn`).
     LoopStopped { loop_type: String, message: String },
-    /// The session was closed (and, with `deleted`, is being deleted:
-    /// its history goes with it).
-    SessionClosed {
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        deleted: bool,
-    },
+    /// The session was closed.
+    SessionClosed,
     /// Tokens one model request used, against the model's context window,
     /// and what the session cost so far (when prices are configured).
     Usage {
@@ -185,6 +181,8 @@ pub enum EventBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         cost: Option<Cost>,
     },
+    /// The file tools' additional roots changed (ACP `additionalDirectories`).
+    Roots { roots: Vec<String> },
     /// `/clear`: the model conversation was forgotten (the log keeps it).
     ConversationCleared,
     /// The session's title was set (by its first prompt, a person or the
@@ -275,10 +273,11 @@ impl EventBody {
             EventBody::TurnComplete { .. } => "turn_complete",
             EventBody::TurnError { .. } => "turn_error",
             EventBody::LoopStopped { .. } => "loop_stopped",
-            EventBody::SessionClosed { .. } => "session_closed",
+            EventBody::SessionClosed => "session_closed",
             EventBody::Usage { .. } => "usage",
             EventBody::SessionInfo { .. } => "session_info",
             EventBody::ConversationCleared => "conversation_cleared",
+            EventBody::Roots { .. } => "roots",
             EventBody::ConfigOptions { .. } => "config_options",
             EventBody::McpServer { .. } => "mcp_server",
         }
@@ -393,8 +392,7 @@ mod tests {
                 loop_type: "repeated_tool_failure".into(),
                 message: "m".into(),
             },
-            EventBody::SessionClosed { deleted: false },
-            EventBody::SessionClosed { deleted: true },
+            EventBody::SessionClosed,
         ];
         for (i, body) in bodies.into_iter().enumerate() {
             let rec = EventRecord {

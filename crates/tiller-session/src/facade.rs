@@ -17,6 +17,8 @@ pub struct Sessions {
     tools: Arc<tiller_tools::ToolsConfig>,
     /// How long a cancelled turn may take to settle.
     cancel_grace_ms: u64,
+    /// Announces committed deletions.
+    deleted: tokio::sync::broadcast::Sender<SessionId>,
 }
 
 impl Sessions {
@@ -71,6 +73,7 @@ impl Sessions {
             next_subscriber: Arc::new(AtomicU64::new(1)),
             tools,
             cancel_grace_ms,
+            deleted: tokio::sync::broadcast::channel(64).0,
         };
         // Work queued before a restart runs: wake the sessions it is for.
         let (mut waiting, _) = sessions.store.notification_backlog().await?;
@@ -316,28 +319,45 @@ impl Sessions {
     }
 
     /// Deletes a session: it is closed (its running turn cancelled, its
-    /// queued prompts settled `cancelled`, attached clients told by a
-    /// `session_closed` event with `deleted`), then its history, state,
-    /// queued work and cron jobs are removed from the store in one
-    /// transaction. Answered once that committed.
+    /// queued prompts settled `cancelled`, attached clients see
+    /// `session_closed`), then its history, state, queued work and cron
+    /// jobs are removed from the store in one transaction. Answered, and
+    /// announced to attached clients ([`Sessions::deletions`]), once that
+    /// committed. It is not opened again meanwhile.
     pub async fn delete(&self, id: SessionId) -> Result<(), SessionError> {
-        match self.open(id).await {
-            Ok(h) => {
-                let bound = std::time::Duration::from_millis(self.cancel_grace_ms)
-                    + std::time::Duration::from_secs(5);
-                h.close_for_delete(bound).await?;
-            }
-            // Closed already (or never was: the store says which).
-            Err(SessionError::Unknown(_)) => {}
-            Err(e) => return Err(e),
+        let live = self
+            .ask(|reply| RegistryMsg::BeginDelete { id, reply })
+            .await??;
+        let r = self.delete_begun(id, live).await;
+        let _ = self.registry.send_message(RegistryMsg::EndDelete(id));
+        r?;
+        let _ = self.notify.send_message(notify::NotifyMsg::Forget(id));
+        let _ = self.cron.send_message(cron::CronMsg::Forget(id));
+        let _ = self.deleted.send(id);
+        metrics::counter!("tiller_sessions_deleted_total").increment(1);
+        Ok(())
+    }
+
+    async fn delete_begun(
+        &self,
+        id: SessionId,
+        live: Option<ActorRef<SessionMsg>>,
+    ) -> Result<(), SessionError> {
+        if let Some(actor) = live {
+            let bound = std::time::Duration::from_millis(self.cancel_grace_ms)
+                + std::time::Duration::from_secs(5);
+            self.handle(id, actor).close_and_stop(bound).await?;
         }
+        // A session that is not running is deleted without starting it.
         if !self.store.delete_session(id).await? {
             return Err(SessionError::Unknown(id));
         }
-        let _ = self.notify.send_message(notify::NotifyMsg::Forget(id));
-        let _ = self.cron.send_message(cron::CronMsg::Forget(id));
-        metrics::counter!("tiller_sessions_deleted_total").increment(1);
         Ok(())
+    }
+
+    /// Sessions deleted from now on, as they are (each once committed).
+    pub fn deletions(&self) -> tokio::sync::broadcast::Receiver<SessionId> {
+        self.deleted.subscribe()
     }
 
     /// Finds a live session or loads it from the store.

@@ -271,27 +271,19 @@ impl SessionHandle {
     /// Closes the session.
     pub async fn close(&self) -> Result<(), SessionError> {
         let (tx, rx) = oneshot::channel();
-        self.send(SessionMsg::Close {
-            deleted: false,
-            reply: tx,
-        })?;
+        self.send(SessionMsg::Close(tx))?;
         rx.await.map_err(|_| SessionError::Stopped)?
     }
 
-    /// Closes the session for deletion and waits until its actor has
-    /// stopped (its running turn settled), so nothing more is written.
-    pub(crate) async fn close_for_delete(
+    /// Closes the session and waits until its actor has stopped (its
+    /// running turn settled), so nothing more is written: for deletion.
+    pub(crate) async fn close_and_stop(
         &self,
         bound: std::time::Duration,
     ) -> Result<(), SessionError> {
-        let (tx, rx) = oneshot::channel();
-        self.send(SessionMsg::Close {
-            deleted: true,
-            reply: tx,
-        })?;
-        match rx.await {
-            Ok(r) => r?,
-            Err(_) => {} // it stopped on its own meanwhile
+        match self.close().await {
+            Ok(()) | Err(SessionError::Stopped) => {}
+            Err(e) => return Err(e),
         }
         self.actor
             .get_cell()

@@ -295,3 +295,28 @@ mod title_tests {
     }
 }
 pub use tiller_engine::Image;
+
+/// Additional roots as the file tools take them: each absolute and an
+/// existing directory, canonical, without repeats; the error names the one
+/// refused.
+pub async fn check_roots(roots: &[String]) -> Result<Vec<std::path::PathBuf>, String> {
+    let mut canonical = Vec::new();
+    for r in roots {
+        let p = std::path::Path::new(r);
+        if !p.is_absolute() {
+            return Err(format!(
+                "additional directory {r}: it must be an absolute path"
+            ));
+        }
+        let c = tokio::fs::canonicalize(p)
+            .await
+            .map_err(|e| format!("additional directory {r}: {e}"))?;
+        if !tokio::fs::metadata(&c).await.is_ok_and(|m| m.is_dir()) {
+            return Err(format!("additional directory {r}: not a directory"));
+        }
+        if !canonical.contains(&c) {
+            canonical.push(c);
+        }
+    }
+    Ok(canonical)
+}

@@ -28,6 +28,14 @@ pub enum RegistryMsg {
     },
     /// How many sessions are live.
     Live(oneshot::Sender<usize>),
+    /// A delete starts: the session is not opened again until it ends
+    /// (`EndDelete`); the answer is its live actor, if any. Refused while
+    /// another delete of it runs.
+    BeginDelete {
+        id: SessionId,
+        reply: oneshot::Sender<Result<Option<ActorRef<SessionMsg>>, SessionError>>,
+    },
+    EndDelete(SessionId),
     /// Cancel every running turn and wait (bounded) until all are idle.
     Shutdown(oneshot::Sender<()>),
 }
@@ -54,6 +62,8 @@ pub struct RegistryState {
     /// Failed sessions whose prompts could not be settled yet (the store
     /// was down): settled before the session runs again.
     unreconciled: HashMap<SessionId, tiller_core::ErrorKind>,
+    /// Sessions being deleted: not opened meanwhile.
+    deleting: std::collections::HashSet<SessionId>,
 }
 
 /// See the module docs.
@@ -77,6 +87,7 @@ impl Actor for Registry {
             live: HashMap::new(),
             by_actor: HashMap::new(),
             unreconciled: HashMap::new(),
+            deleting: Default::default(),
         })
     }
 
@@ -95,6 +106,17 @@ impl Actor for Registry {
             }
             RegistryMsg::Live(reply) => {
                 let _ = reply.send(st.live.len());
+            }
+            RegistryMsg::BeginDelete { id, reply } => {
+                let r = if st.deleting.insert(id) {
+                    Ok(st.live.get(&id).cloned())
+                } else {
+                    Err(SessionError::Unknown(id))
+                };
+                let _ = reply.send(r);
+            }
+            RegistryMsg::EndDelete(id) => {
+                st.deleting.remove(&id);
             }
             RegistryMsg::Shutdown(reply) => {
                 let mut waits = Vec::new();
@@ -254,6 +276,9 @@ impl RegistryState {
         myself: &ActorRef<RegistryMsg>,
         id: SessionId,
     ) -> Result<ActorRef<SessionMsg>, SessionError> {
+        if self.deleting.contains(&id) {
+            return Err(SessionError::Unknown(id));
+        }
         if let Some(actor) = self.live.get(&id) {
             return Ok(actor.clone());
         }

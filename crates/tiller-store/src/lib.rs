@@ -199,8 +199,9 @@ impl Store {
     /// every append issued before it.
     pub async fn delete_session(&self, id: SessionId) -> Result<bool, StoreError> {
         self.call_writer(move |w| {
+            let deleted = sessions::delete(&mut w.conn, id).map_err(StoreError::from)?;
             w.broken.remove(&id);
-            sessions::delete(&mut w.conn, id).map_err(StoreError::from)
+            Ok(deleted)
         })
         .await
     }

@@ -44,10 +44,16 @@ impl SessionState {
                 let r = if self.core.active().is_some() {
                     Err("a turn is running: /cancel it first, or wait for it to end".into())
                 } else {
+                    // Acknowledged once stored (a failed write is retried
+                    // with the next save, and the caller hears of it).
                     self.conversation.clear();
-                    self.save_conversation().await;
-                    self.publish(None, None, EventBody::ConversationCleared);
-                    Ok(())
+                    match self.save_conversation().await {
+                        Ok(()) => {
+                            self.publish(None, None, EventBody::ConversationCleared);
+                            Ok(())
+                        }
+                        Err(e) => Err(format!("the cleared conversation could not be stored: {e}")),
+                    }
                 };
                 let _ = reply.send(r);
             }
@@ -205,7 +211,7 @@ impl SessionState {
                     self.feed(myself, Input::Close, None).await;
                 }
             }
-            SessionMsg::Close { deleted, reply } => {
+            SessionMsg::Close(reply) => {
                 if !self.closing {
                     self.closing = true;
                     if self.core.active().is_some() {
@@ -214,12 +220,7 @@ impl SessionState {
                     self.feed(myself, Input::Close, None).await;
                     // Answered only once the close is stored.
                     let stored = match self
-                        .publish_durable(
-                            None,
-                            None,
-                            EventBody::SessionClosed { deleted },
-                            Ledger::Plain,
-                        )
+                        .publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
                         .await
                     {
                         Ok(()) => self.store.close_session(self.id).await,

@@ -200,11 +200,7 @@ pub enum SessionMsg {
     /// Detach a subscriber.
     Unsubscribe(SubscriberId),
     /// Close the session: cancel what runs, refuse new prompts, stop when idle.
-    Close {
-        /// The session is being deleted.
-        deleted: bool,
-        reply: oneshot::Sender<Result<(), crate::SessionError>>,
-    },
+    Close(oneshot::Sender<Result<(), crate::SessionError>>),
     /// Daemon shutdown: cancel what runs; answer once idle.
     Drain(oneshot::Sender<()>),
     /// Tests only: fail the actor, as a bug would.

@@ -80,6 +80,12 @@ impl SessionState {
                 opt.choices.join(", ")
             ));
         }
+        // As it was, should storing the change fail.
+        let before = (
+            self.model.clone(),
+            self.permissions.mode,
+            self.switches.clone(),
+        );
         match id {
             "engine" => {
                 let engine = self.engines.get(Some(value)).map_err(|e| e.to_string())?;
@@ -90,15 +96,13 @@ impl SessionState {
                         root.display()
                     ));
                 }
-                // The next turn runs on it, with the whole conversation.
-                self.engine = engine;
-                if let Err(e) = self
-                    .store
+                // Stored first: a change the store lost is not made.
+                self.store
                     .save_state(self.id, tiller_store::StateColumn::Engine, value.to_owned())
                     .await
-                {
-                    tracing::error!(error = %e, "cannot store the session's engine");
-                }
+                    .map_err(|e| format!("the change could not be stored: {e}"))?;
+                // The next turn runs on it, with the whole conversation.
+                self.engine = engine;
                 let models = self.engine.models();
                 self.model = self.model.take().filter(|m| models.contains(m));
             }
@@ -111,10 +115,11 @@ impl SessionState {
                     PermissionMode::parse(value).expect("choices are valid modes");
             }
         }
-        // Acknowledged only once stored.
-        self.save_settings()
-            .await
-            .map_err(|e| format!("the change could not be stored: {e}"))?;
+        // Acknowledged only once stored; not made at all otherwise.
+        if let Err(e) = self.save_settings().await {
+            (self.model, self.permissions.mode, self.switches) = before;
+            return Err(format!("the change could not be stored: {e}"));
+        }
         let options = self.options();
         self.publish(
             None,
@@ -143,24 +148,7 @@ impl SessionState {
     /// Widens the file tools to `roots` (each absolute, an existing
     /// directory; kept canonical), stored with the settings.
     pub(super) async fn set_roots(&mut self, roots: Vec<String>) -> Result<(), String> {
-        let mut canonical = Vec::new();
-        for r in roots {
-            let p = std::path::Path::new(&r);
-            if !p.is_absolute() {
-                return Err(format!(
-                    "additional directory {r}: it must be an absolute path"
-                ));
-            }
-            let c = tokio::fs::canonicalize(p)
-                .await
-                .map_err(|e| format!("additional directory {r}: {e}"))?;
-            if !tokio::fs::metadata(&c).await.is_ok_and(|m| m.is_dir()) {
-                return Err(format!("additional directory {r}: not a directory"));
-            }
-            if !canonical.contains(&c) {
-                canonical.push(c);
-            }
-        }
+        let canonical = crate::check_roots(&roots).await?;
         if canonical.as_slice() == self.toolbox.roots() {
             return Ok(());
         }
@@ -172,6 +160,14 @@ impl SessionState {
                 "the additional directories could not be stored: {e}"
             ));
         }
+        // Everyone attached sees the tools' reach change.
+        let roots = self
+            .toolbox
+            .roots()
+            .iter()
+            .map(|r| r.display().to_string())
+            .collect();
+        self.publish(None, None, EventBody::Roots { roots });
         Ok(())
     }
 
@@ -233,9 +229,9 @@ impl SessionState {
 
     /// Stores what the turn added to the conversation (only that: the
     /// conversation is stored a row per message).
-    pub(super) async fn save_conversation(&mut self) {
+    pub(super) async fn save_conversation(&mut self) -> Result<(), StoreError> {
         let Some(change) = self.conversation.take_changes() else {
-            return;
+            return Ok(());
         };
         let write = tiller_store::ConversationWrite {
             keep_from: change.keep_from,
@@ -246,9 +242,11 @@ impl SessionState {
                 .map(|m| serde_json::to_string(m).expect("messages serialize"))
                 .collect(),
         };
-        if let Err(e) = self.store.save_conversation(self.id, write).await {
+        let r = self.store.save_conversation(self.id, write).await;
+        if let Err(e) = &r {
             tracing::error!(error = %e, "cannot store the conversation");
             self.conversation.unsaved(&change);
         }
+        r
     }
 }

@@ -30,7 +30,7 @@ impl SessionState {
             run.span
                 .in_scope(|| tracing::info!(outcome = terminal.outcome_label(), "turn settled"));
             drop(run); // the engine never outlives its turn
-            self.save_conversation().await;
+            let _ = self.save_conversation().await; // logged; retried at the next save
         }
         if terminal == Terminal::Completed(tiller_core::StopReason::Cancelled)
             && let Some(at) = self.cancel_at.take()
