@@ -528,9 +528,10 @@ describe("additionalDirectories", () => {
       try {
         await initialize(b);
         await b.request("session/resume", { sessionId: sid, cwd, mcpServers: [], additionalDirectories: [other] });
-        await c.until(() => c.ext.some((e) => e.method === "_tiller/roots_changed" && e.params.sessionId === sid));
-        const changed = c.ext.filter((e) => e.method === "_tiller/roots_changed").at(-1).params;
-        assert.deepEqual(changed.additionalDirectories, [fs.realpathSync(other)]);
+        const real = fs.realpathSync(other);
+        await c.until(() =>
+          c.ext.some((e) => e.method === "_tiller/roots_changed" && e.params.additionalDirectories.includes(real)),
+        );
       } finally {
         b.close();
       }

@@ -270,22 +270,12 @@ impl Shared {
     /// `$/cancel_request`: a prompt is withdrawn (answered -32800 once it
     /// settles `cancelled`), a replay stops. Other requests are short and
     /// answered as they are.
-    async fn cancel_request(&self, id: &Value) {
-        let found = self
-            .cancellable
-            .lock()
-            .expect("poisoned")
-            .get(&id.to_string())
-            .map(|c| (c.flag.clone(), c.prompt));
-        let Some((flag, prompt)) = found else {
-            return;
-        };
-        flag.store(true, Ordering::Release);
-        if let Some((session, prompt)) = prompt
-            && let Ok(h) = self.sessions.open(session).await
-        {
-            let _ = h.withdraw(prompt);
-        }
+    /// Returns the prompt to withdraw, if the request submitted one.
+    fn cancel_request(&self, id: &Value) -> Option<(SessionId, PromptId)> {
+        let all = self.cancellable.lock().expect("poisoned");
+        let c = all.get(&id.to_string())?;
+        c.flag.store(true, Ordering::Release);
+        c.prompt
     }
 }
 
@@ -963,8 +953,16 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 let Some(id) = params.get("requestId").cloned() else {
                     return;
                 };
-                let shared = shared.clone();
-                tokio::spawn(async move { shared.cancel_request(&id).await });
+                // Marked at once, in the order the client sent it; only the
+                // prompt's withdrawal waits for its session.
+                if let Some((session, prompt)) = shared.cancel_request(&id) {
+                    let shared = shared.clone();
+                    tokio::spawn(async move {
+                        if let Ok(h) = shared.sessions.open(session).await {
+                            let _ = h.withdraw(prompt);
+                        }
+                    });
+                }
                 return;
             }
             if method == "session/cancel" {
