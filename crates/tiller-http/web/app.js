@@ -347,10 +347,17 @@ function apply(view, box, ev) {
     case "prompt_started":
       turnBox(d.origin);
       break;
-    case "user_message":
-      into().append(el("div", { class: "user", text: d.text }));
+    case "user_message": {
+      const user = el("div", { class: "user", text: d.text });
+      // Images the daemon took (their types are checked at the door).
+      for (const img of d.images ?? []) {
+        if (!/^image\/(png|jpeg|gif|webp)$/.test(img.mimeType)) continue;
+        user.append(el("img", { class: "attachment", alt: img.mimeType, src: `data:${img.mimeType};base64,${img.data}` }));
+      }
+      into().append(user);
       view.agent = null;
       break;
+    }
     case "agent_message_chunk":
       if (!view.agent) {
         view.agent = el("div", { class: "agent" });
