@@ -1027,7 +1027,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                         session,
                         prompt,
                     }) => {
-                        let msg = match result {
+                        let msg = match *result {
                             Ok(v) => jsonrpc::response(&id, v),
                             Err(e) => jsonrpc::error(&id, &e),
                         };
@@ -1110,7 +1110,7 @@ enum Reply {
     Error(RpcError),
     /// The answer to this connection's prompt `prompt`.
     Mine {
-        result: Result<Value, RpcError>,
+        result: Box<Result<Value, RpcError>>,
         session: SessionId,
         prompt: PromptId,
     },
@@ -1590,7 +1590,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
                 Err(_) => Err(RpcError::new(code::INTERNAL_ERROR, "unexpected reply")),
             };
             Err(Reply::Mine {
-                result,
+                result: Box::new(result),
                 session,
                 prompt: mine,
             })

@@ -37,6 +37,7 @@ pub use facade::Sessions;
 pub use handle::SessionHandle;
 pub(crate) use reconcile::reconcile;
 use registry::{Registry, RegistryArgs, RegistryMsg};
+pub use tiller_engine::Image;
 /// Rows edges show (read through the facade; edges never open the store).
 pub use tiller_store::{CronJob, Delivery, Enqueued, GoalRow, SessionPage, SessionRecord};
 pub use tools::Decision;
@@ -268,6 +269,31 @@ pub fn title_of(text: &str) -> Option<String> {
     Some(format!("{}…", cut.trim_end()))
 }
 
+/// Additional roots as the file tools take them: each absolute and an
+/// existing directory, canonical, without repeats; the error names the one
+/// refused.
+pub async fn check_roots(roots: &[String]) -> Result<Vec<std::path::PathBuf>, String> {
+    let mut canonical = Vec::new();
+    for r in roots {
+        let p = std::path::Path::new(r);
+        if !p.is_absolute() {
+            return Err(format!(
+                "additional directory {r}: it must be an absolute path"
+            ));
+        }
+        let c = tokio::fs::canonicalize(p)
+            .await
+            .map_err(|e| format!("additional directory {r}: {e}"))?;
+        if !tokio::fs::metadata(&c).await.is_ok_and(|m| m.is_dir()) {
+            return Err(format!("additional directory {r}: not a directory"));
+        }
+        if !canonical.contains(&c) {
+            canonical.push(c);
+        }
+    }
+    Ok(canonical)
+}
+
 #[cfg(test)]
 mod title_tests {
     use super::title_of;
@@ -293,30 +319,4 @@ mod title_tests {
         let t = title_of(&wide).unwrap();
         assert_eq!(t.chars().count(), 60);
     }
-}
-pub use tiller_engine::Image;
-
-/// Additional roots as the file tools take them: each absolute and an
-/// existing directory, canonical, without repeats; the error names the one
-/// refused.
-pub async fn check_roots(roots: &[String]) -> Result<Vec<std::path::PathBuf>, String> {
-    let mut canonical = Vec::new();
-    for r in roots {
-        let p = std::path::Path::new(r);
-        if !p.is_absolute() {
-            return Err(format!(
-                "additional directory {r}: it must be an absolute path"
-            ));
-        }
-        let c = tokio::fs::canonicalize(p)
-            .await
-            .map_err(|e| format!("additional directory {r}: {e}"))?;
-        if !tokio::fs::metadata(&c).await.is_ok_and(|m| m.is_dir()) {
-            return Err(format!("additional directory {r}: not a directory"));
-        }
-        if !canonical.contains(&c) {
-            canonical.push(c);
-        }
-    }
-    Ok(canonical)
 }

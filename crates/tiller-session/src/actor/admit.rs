@@ -3,6 +3,12 @@
 
 use super::*;
 
+/// Where a prompt's admission and its terminal are told.
+pub(super) type Ports = (
+    Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
+    Option<oneshot::Sender<Settlement>>,
+);
+
 impl SessionState {
     pub(super) async fn prompt(
         &mut self,
@@ -11,10 +17,7 @@ impl SessionState {
         (text, images): (String, Vec<tiller_engine::Image>),
         origin: Origin,
         delivery: Option<String>,
-        (admitted, settled): (
-            Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
-            Option<oneshot::Sender<Settlement>>,
-        ),
+        (admitted, settled): Ports,
     ) {
         let refuse = |admitted: Option<oneshot::Sender<_>>, why| {
             if let Some(a) = admitted {

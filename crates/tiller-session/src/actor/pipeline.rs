@@ -272,6 +272,39 @@ pub(super) async fn run_call(
     }
 }
 
+/// The `usage` event of one model request, with the session's totals
+/// brought up to date.
+fn usage_event(
+    usage: &mut Option<Box<crate::UsageTotals>>,
+    engine: &dyn Engine,
+    input: u64,
+    output: u64,
+) -> EventBody {
+    let basis = engine.usage_basis();
+    let totals = usage.get_or_insert_with(Box::default);
+    totals.input_tokens += input;
+    totals.output_tokens += output;
+    totals.used = input + output;
+    totals.context_window = basis.context_window;
+    if let Some(p) = &basis.prices {
+        let before = totals
+            .cost
+            .as_ref()
+            .filter(|c| c.currency == p.currency)
+            .map_or(0.0, |c| c.amount);
+        totals.cost = Some(crate::Cost {
+            amount: before + p.cost(input, output),
+            currency: p.currency.clone(),
+        });
+    }
+    EventBody::Usage {
+        input_tokens: input,
+        output_tokens: output,
+        context_window: basis.context_window,
+        cost: totals.cost.clone(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;
@@ -332,38 +365,5 @@ mod tests {
         // A tool that works is untouched.
         let out = run_call(&toolbox, &call, None).await;
         assert!(out.ok, "{}", out.output);
-    }
-}
-
-/// The `usage` event of one model request, with the session's totals
-/// brought up to date.
-fn usage_event(
-    usage: &mut Option<Box<crate::UsageTotals>>,
-    engine: &dyn Engine,
-    input: u64,
-    output: u64,
-) -> EventBody {
-    let basis = engine.usage_basis();
-    let totals = usage.get_or_insert_with(Box::default);
-    totals.input_tokens += input;
-    totals.output_tokens += output;
-    totals.used = input + output;
-    totals.context_window = basis.context_window;
-    if let Some(p) = &basis.prices {
-        let before = totals
-            .cost
-            .as_ref()
-            .filter(|c| c.currency == p.currency)
-            .map_or(0.0, |c| c.amount);
-        totals.cost = Some(crate::Cost {
-            amount: before + p.cost(input, output),
-            currency: p.currency.clone(),
-        });
-    }
-    EventBody::Usage {
-        input_tokens: input,
-        output_tokens: output,
-        context_window: basis.context_window,
-        cost: totals.cost.clone(),
     }
 }
