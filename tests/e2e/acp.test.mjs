@@ -37,6 +37,7 @@ for (const [name, connect] of Object.entries(transports)) {
       assert.equal(res.protocolVersion, 1);
       assert.equal(res.agentCapabilities.loadSession, true);
       assert.deepEqual(Object.keys(res.agentCapabilities.sessionCapabilities).sort(), [
+        "additionalDirectories",
         "close",
         "delete",
         "list",
