@@ -318,14 +318,17 @@ pub fn permission_request(rec: &EventRecord) -> Option<(String, Value)> {
         tool_call_id,
         title,
         options,
-        name,
-        input,
-        locations,
-        diff,
+        call,
     } = &rec.body
     else {
         return None;
     };
+    let tiller_session::event::AskedCall {
+        name,
+        input,
+        locations,
+        diff,
+    } = &**call;
     let options = options
         .iter()
         .map(|o| {

@@ -108,16 +108,9 @@ pub enum EventBody {
         title: String,
         options: Vec<PermissionOption>,
         /// The call, as its `tool_call` showed it, so a person sees what
-        /// they decide on.
-        #[serde(default)]
-        name: String,
-        #[serde(default)]
-        input: serde_json::Value,
-        #[serde(default, skip_serializing_if = "Vec::is_empty")]
-        locations: Vec<String>,
-        /// For edits: the change.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        diff: Option<tiller_tools::FileDiff>,
+        /// they decide on (boxed: every event pays for the largest kind).
+        #[serde(flatten)]
+        call: Box<AskedCall>,
     },
     /// The decision (an option id, or `cancelled`).
     PermissionResolved {
@@ -198,6 +191,22 @@ pub enum EventBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error: Option<String>,
     },
+}
+
+/// The call a permission request asks about.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AskedCall {
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub input: serde_json::Value,
+    /// Absolute paths it works on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub locations: Vec<String>,
+    /// For edits: the change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diff: Option<tiller_tools::FileDiff>,
 }
 
 /// An amount of money.

@@ -320,3 +320,17 @@ mod title_tests {
         assert_eq!(t.chars().count(), 60);
     }
 }
+
+#[cfg(test)]
+mod size_tests {
+    /// Every event is as large as its largest kind, and every message to
+    /// a session as its largest: big, rare fields are boxed
+    /// (`PermissionRequested::call`) so common events stay small.
+    #[test]
+    fn events_and_messages_stay_small() {
+        let body = size_of::<crate::EventBody>();
+        let msg = size_of::<crate::actor::SessionMsg>();
+        assert!(body <= 152, "EventBody is {body} bytes");
+        assert!(msg <= 176, "SessionMsg is {msg} bytes");
+    }
+}

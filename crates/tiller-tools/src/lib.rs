@@ -184,7 +184,8 @@ pub struct Toolbox {
     root: PathBuf,
     /// More roots the file tools may use (ACP `additionalDirectories`),
     /// canonical; a path names one by being absolute and inside it.
-    roots: Arc<[PathBuf]>,
+    /// `None` when there are none (most sessions: no allocation).
+    roots: Option<Arc<[PathBuf]>>,
     config: Arc<ToolsConfig>,
     mcp: Vec<Arc<McpServer>>,
 }
@@ -194,7 +195,7 @@ impl Toolbox {
     pub fn new(root: PathBuf, config: Arc<ToolsConfig>) -> Self {
         Self {
             root,
-            roots: Arc::new([]),
+            roots: None,
             config,
             mcp: Vec::new(),
         }
@@ -203,13 +204,13 @@ impl Toolbox {
     /// Widens the file tools to `roots` besides the session's directory
     /// (each is confined like it). Relative paths stay in the directory.
     pub fn with_roots(mut self, roots: Vec<PathBuf>) -> Self {
-        self.roots = roots.into();
+        self.roots = (!roots.is_empty()).then(|| roots.into());
         self
     }
 
     /// The additional roots.
     pub fn roots(&self) -> &[PathBuf] {
-        &self.roots
+        self.roots.as_deref().unwrap_or_default()
     }
 
     /// The root a call works in: the additional root an absolute `path`
@@ -218,13 +219,13 @@ impl Toolbox {
         let Some(p) = input.get("path").and_then(serde_json::Value::as_str) else {
             return &self.root;
         };
-        if self.roots.is_empty()
+        if self.roots().is_empty()
             || !std::path::Path::new(p).is_absolute()
             || resolve(&self.root, p).is_ok()
         {
             return &self.root;
         }
-        self.roots
+        self.roots()
             .iter()
             .find(|r| resolve(r, p).is_ok())
             .unwrap_or(&self.root)

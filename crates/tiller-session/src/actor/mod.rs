@@ -377,7 +377,7 @@ pub struct SessionState {
     /// Set by `Close`: refuse prompts, stop when idle.
     closing: bool,
     /// The session's title (set from the first prompt unless given).
-    title: Option<String>,
+    title: Option<Box<str>>,
     /// Model usage so far (none until the first request).
     usage: Option<Box<crate::UsageTotals>>,
     /// Engine switches set for this session (others take their defaults).
@@ -474,7 +474,7 @@ impl Actor for SessionActor {
             input_at: crate::clock::instant(),
             cancel_at: None,
             closing: false,
-            title: args.title,
+            title: args.title.map(String::into_boxed_str),
             usage: settings.usage.map(Box::new),
             switches: settings.switches,
             drained: Vec::new(),

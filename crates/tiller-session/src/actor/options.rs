@@ -177,11 +177,11 @@ impl SessionState {
         title: Option<String>,
     ) -> Result<(), crate::SessionError> {
         let title = title.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty());
-        if title == self.title {
+        if title.as_deref() == self.title.as_deref() {
             return Ok(());
         }
         self.store.set_title(self.id, title.clone()).await?;
-        self.title = title.clone();
+        self.title = title.clone().map(String::into_boxed_str);
         self.publish(None, None, EventBody::SessionInfo { title });
         Ok(())
     }

@@ -176,15 +176,9 @@ impl SessionState {
                 locations,
                 ..
             } => *locations = self.toolbox.locations(name, input),
-            EventBody::PermissionRequested {
-                name,
-                input,
-                locations,
-                diff,
-                ..
-            } => {
-                *locations = self.toolbox.locations(name, input);
-                *diff = self.toolbox.diff(name, input);
+            EventBody::PermissionRequested { call, .. } => {
+                call.locations = self.toolbox.locations(&call.name, &call.input);
+                call.diff = self.toolbox.diff(&call.name, &call.input);
             }
             _ => {}
         }

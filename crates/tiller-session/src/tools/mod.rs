@@ -247,11 +247,13 @@ impl Batch {
                         tool_call_id: self.wire_id(id),
                         title: call.name.clone(),
                         options: options(call),
-                        name: call.name.clone(),
-                        input: call.input.clone(),
-                        // Filled in from the toolbox as it is published.
-                        locations: Vec::new(),
-                        diff: None,
+                        // Locations and diff are filled in from the toolbox
+                        // as it is published.
+                        call: Box::new(crate::event::AskedCall {
+                            name: call.name.clone(),
+                            input: call.input.clone(),
+                            ..Default::default()
+                        }),
                     });
                     self.waiting = Some(Waiting {
                         request_id,
