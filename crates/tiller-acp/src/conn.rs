@@ -1610,67 +1610,63 @@ async fn prompt(
     mine: PromptId,
     cancel: &AtomicBool,
 ) -> Result<Value, Reply> {
-    {
-        {
-            let handle = shared.open(&req.session_id.0).await?;
-            shared.attach(&handle).await?;
-            let (text, images) = map::prompt_content(&req.prompt).map_err(Reply::Error)?;
-            // Tiller's slash commands are the daemon's, whatever the engine.
-            if let Some(cmd) = tiller_session::commands::parse(&text) {
-                let message = match cmd {
-                    Ok(cmd) => shared.sessions.run_command(&handle, cmd).await,
-                    Err(why) => Err(tiller_session::commands::CommandError::Refused(why)),
-                };
-                let message = match message {
-                    Ok(m) => m,
-                    Err(tiller_session::commands::CommandError::Refused(why)) => {
-                        return Err(Reply::Error(
-                            RpcError::invalid_params(why).with_data(json!({ "field": "prompt" })),
-                        ));
-                    }
-                    Err(tiller_session::commands::CommandError::Session(e)) => {
-                        return Err(session_error(e));
-                    }
-                };
-                let note = map::agent_text(handle.id(), &message);
-                let _ = shared.tx.send(Out::Raw(update_message(&note))).await;
-                return Ok(to_value(
-                    agent_client_protocol_schema::v1::PromptResponse::new(
-                        agent_client_protocol_schema::v1::StopReason::EndTurn,
-                    ),
+    let handle = shared.open(&req.session_id.0).await?;
+    shared.attach(&handle).await?;
+    let (text, images) = map::prompt_content(&req.prompt).map_err(Reply::Error)?;
+    // Tiller's slash commands are the daemon's, whatever the engine.
+    if let Some(cmd) = tiller_session::commands::parse(&text) {
+        let message = match cmd {
+            Ok(cmd) => shared.sessions.run_command(&handle, cmd).await,
+            Err(why) => Err(tiller_session::commands::CommandError::Refused(why)),
+        };
+        let message = match message {
+            Ok(m) => m,
+            Err(tiller_session::commands::CommandError::Refused(why)) => {
+                return Err(Reply::Error(
+                    RpcError::invalid_params(why).with_data(json!({ "field": "prompt" })),
                 ));
             }
-            // Origin comes from the ingress, never from `_meta`.
-            let meta = req.meta.clone().map(Value::Object);
-            let delivery = tiller_session::delivery::caller_meta(meta.as_ref(), "acp");
-            // Cancelled before it was submitted: it never runs.
-            if cancel.load(Ordering::Acquire) {
-                return Err(Reply::Error(request_cancelled()));
+            Err(tiller_session::commands::CommandError::Session(e)) => {
+                return Err(session_error(e));
             }
-            let (prompt, settled) = handle
-                .submit(mine, text, images, Origin::Interactive, delivery)
-                .await
-                .map_err(session_error)?
-                .map_err(refused)?;
-            // Cancelled while it was being admitted.
-            if cancel.load(Ordering::Acquire) {
-                let _ = handle.withdraw(prompt);
-            }
-            // A dropped terminal port means the session actor failed; the
-            // registry settles the prompt as `session_restarted`.
-            let done = settled.await.map_err(|_| {
-                let kind = tiller_core::ErrorKind::SessionRestarted;
-                Reply::Error(
-                    RpcError::new(code::INTERNAL_ERROR, kind.default_message()).with_data(json!({
-                        "errorKind": kind.as_str(),
-                        "sessionId": handle.id().to_string(),
-                        "promptId": prompt.to_string(),
-                    })),
-                )
-            })?;
-            map::prompt_result(handle.id(), prompt, &done.terminal).map_err(Reply::Error)
-        }
+        };
+        let note = map::agent_text(handle.id(), &message);
+        let _ = shared.tx.send(Out::Raw(update_message(&note))).await;
+        return Ok(to_value(
+            agent_client_protocol_schema::v1::PromptResponse::new(
+                agent_client_protocol_schema::v1::StopReason::EndTurn,
+            ),
+        ));
     }
+    // Origin comes from the ingress, never from `_meta`.
+    let meta = req.meta.clone().map(Value::Object);
+    let delivery = tiller_session::delivery::caller_meta(meta.as_ref(), "acp");
+    // Cancelled before it was submitted: it never runs.
+    if cancel.load(Ordering::Acquire) {
+        return Err(Reply::Error(request_cancelled()));
+    }
+    let (prompt, settled) = handle
+        .submit(mine, text, images, Origin::Interactive, delivery)
+        .await
+        .map_err(session_error)?
+        .map_err(refused)?;
+    // Cancelled while it was being admitted.
+    if cancel.load(Ordering::Acquire) {
+        let _ = handle.withdraw(prompt);
+    }
+    // A dropped terminal port means the session actor failed; the
+    // registry settles the prompt as `session_restarted`.
+    let done = settled.await.map_err(|_| {
+        let kind = tiller_core::ErrorKind::SessionRestarted;
+        Reply::Error(
+            RpcError::new(code::INTERNAL_ERROR, kind.default_message()).with_data(json!({
+                "errorKind": kind.as_str(),
+                "sessionId": handle.id().to_string(),
+                "promptId": prompt.to_string(),
+            })),
+        )
+    })?;
+    map::prompt_result(handle.id(), prompt, &done.terminal).map_err(Reply::Error)
 }
 
 /// `_session/steering` (see `turn-lifecycle.md`, Steering).

@@ -65,12 +65,7 @@ pub fn session_update(
                 .kind(tool_kind(name))
                 .status(tool_status(*status))
                 .raw_input(input.clone())
-                .locations(
-                    locations
-                        .iter()
-                        .map(|p| ToolCallLocation::new(PathBuf::from(p)))
-                        .collect::<Vec<_>>(),
-                ),
+                .locations(acp_locations(locations)),
         ),
         EventBody::ToolCallUpdate {
             tool_call_id,
@@ -142,6 +137,14 @@ fn turn_meta(rec: &EventRecord) -> Option<serde_json::Map<String, Value>> {
     let mut meta = serde_json::Map::new();
     meta.insert("tiller".into(), Value::Object(tiller));
     Some(meta)
+}
+
+/// The paths a call works on, as ACP locations.
+fn acp_locations(paths: &[String]) -> Vec<ToolCallLocation> {
+    paths
+        .iter()
+        .map(|p| ToolCallLocation::new(PathBuf::from(p)))
+        .collect()
 }
 
 /// ACP's kind of a tool, by name (MCP tools are `other`).
@@ -361,12 +364,7 @@ pub fn permission_request(rec: &EventRecord) -> Option<(String, Value)> {
             .kind(tool_kind(name))
             .status(ToolCallStatus::Pending)
             .raw_input(input.clone())
-            .locations(
-                locations
-                    .iter()
-                    .map(|p| ToolCallLocation::new(PathBuf::from(p)))
-                    .collect::<Vec<_>>(),
-            );
+            .locations(acp_locations(locations));
         if !content.is_empty() {
             fields = fields.content(content);
         }
