@@ -111,6 +111,13 @@ pub fn session_update(
                     .map(|c| Cost::new(c.amount, c.currency.clone())),
             ),
         ),
+        EventBody::AgentCommands { commands } => {
+            SessionUpdate::AvailableCommandsUpdate(AvailableCommandsUpdate::new(command_list(
+                commands
+                    .iter()
+                    .map(|c| AvailableCommand::new(c.name.clone(), c.description.clone())),
+            )))
+        }
         EventBody::SessionInfo { title } => SessionUpdate::SessionInfoUpdate(
             SessionInfoUpdate::new()
                 .title(title.clone())
@@ -247,18 +254,26 @@ pub fn extra_updates(rec: &EventRecord) -> Vec<SessionNotification> {
 /// `available_commands_update`: Tiller's slash commands, which the daemon
 /// handles whatever the engine.
 pub fn available_commands(session: SessionId) -> SessionNotification {
-    let commands = tiller_session::commands::COMMANDS
-        .iter()
+    SessionNotification::new(
+        session.to_string(),
+        SessionUpdate::AvailableCommandsUpdate(AvailableCommandsUpdate::new(command_list(
+            std::iter::empty(),
+        ))),
+    )
+}
+
+/// Tiller's commands, then a hosted agent's own (those Tiller does not
+/// answer itself: its prompts reach the agent).
+fn command_list(agent: impl Iterator<Item = AvailableCommand>) -> Vec<AvailableCommand> {
+    let own = tiller_session::commands::COMMANDS;
+    own.iter()
         .map(|(name, description, hint)| {
             AvailableCommand::new(*name, *description).input(
                 hint.map(|h| AvailableCommandInput::Unstructured(UnstructuredCommandInput::new(h))),
             )
         })
-        .collect();
-    SessionNotification::new(
-        session.to_string(),
-        SessionUpdate::AvailableCommandsUpdate(AvailableCommandsUpdate::new(commands)),
-    )
+        .chain(agent.filter(|a| !own.iter().any(|(n, _, _)| *n == a.name)))
+        .collect()
 }
 
 /// A message of the daemon's own (a command's answer), shown as agent text.
@@ -586,6 +601,7 @@ pub fn steer_answer(answer: &tiller_session::SteerAnswer) -> Value {
                 SteerRefusal::NoRunningTurn => "noRunningTurn",
                 SteerRefusal::TurnCancelling => "turnCancelling",
                 SteerRefusal::SessionClosing => "sessionClosing",
+                SteerRefusal::NotSupported => "notSupported",
             },
         }),
     }
@@ -603,5 +619,6 @@ pub fn shown(body: &EventBody) -> bool {
             | EventBody::ToolCallUpdate { .. }
             | EventBody::ConfigOptions { .. }
             | EventBody::SessionInfo { .. }
+            | EventBody::AgentCommands { .. }
     ) || matches!(body, EventBody::Usage { context_window, .. } if *context_window > 0)
 }

@@ -108,6 +108,9 @@ pub enum ErrorKind {
     /// The store could not record the turn (disk full, database locked):
     /// the session stopped rather than report what was never stored.
     StoreUnavailable,
+    /// The engine had no room for the turn (an agent engine at
+    /// `max_processes`); retry later.
+    Overloaded,
 }
 
 impl ErrorKind {
@@ -123,6 +126,7 @@ impl ErrorKind {
             ErrorKind::LoopDetected(_) => "loop_detected",
             ErrorKind::TurnTooLong => "turn_too_long",
             ErrorKind::StoreUnavailable => "store_unavailable",
+            ErrorKind::Overloaded => "overloaded",
         }
     }
 
@@ -149,6 +153,10 @@ impl ErrorKind {
             ErrorKind::StoreUnavailable => {
                 "The daemon could not store this turn (the disk may be full), so it was stopped. \
                  Send the prompt again once storage is available."
+            }
+            ErrorKind::Overloaded => {
+                "The engine is running as many agent processes as it may; send the prompt \
+                 again in a moment."
             }
             ErrorKind::LoopDetected(t) => {
                 return format!(

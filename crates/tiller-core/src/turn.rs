@@ -249,6 +249,9 @@ pub enum SteerRefusal {
     TurnCancelling,
     /// The session is closing: a steer cannot start a turn.
     SessionClosing,
+    /// The running turn's engine takes no steers (an ACP agent that does
+    /// not advertise steering): send a prompt, which queues.
+    NotSupported,
 }
 
 /// The answer to a steer request.

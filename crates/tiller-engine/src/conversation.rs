@@ -306,6 +306,21 @@ pub struct TurnContext {
     /// on it, so a fast engine never floods the session's mailbox (and a
     /// cancel never waits behind a backlog).
     pub pace: Arc<crate::Pace>,
+    /// The session the turn belongs to, for engines that host an agent.
+    pub host: HostInfo,
+}
+
+/// What an engine hosting an agent needs to know of its session.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HostInfo {
+    /// Tiller's session id.
+    pub session: String,
+    /// The session's working directory.
+    pub cwd: std::path::PathBuf,
+    /// Its additional roots.
+    pub roots: Vec<std::path::PathBuf>,
+    /// The agent's session id from an earlier turn, if any.
+    pub upstream: Option<String>,
 }
 
 #[cfg(test)]

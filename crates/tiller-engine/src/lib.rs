@@ -2,6 +2,7 @@
 //! signals to their session. They never execute tools: a tool batch goes to
 //! the session's pipeline and the results come back as [`EngineInput`].
 
+pub mod acp;
 mod conversation;
 pub mod model;
 mod script;
@@ -13,7 +14,8 @@ use tiller_core::{ErrorKind, SteerId, SteerReceipt, StopReason, TurnId};
 use tokio::sync::mpsc;
 
 pub use conversation::{
-    CallRecord, Conversation, ConversationChange, Image, Message, OMITTED, TurnContext, window,
+    CallRecord, Conversation, ConversationChange, HostInfo, Image, Message, OMITTED, TurnContext,
+    window,
 };
 pub use script::{Script, ScriptError, Step, ToolStep};
 pub use scripted::ScriptedEngine;
@@ -32,6 +34,94 @@ pub enum Update {
     Usage { input: u64, output: u64 },
     /// The agent names the session.
     Title(String),
+    /// An agent's own account of its context: tokens in use, the window's
+    /// size, and what the session cost so far (ACP `usage_update`).
+    Context {
+        used: u64,
+        size: u64,
+        cost: Option<(f64, String)>,
+    },
+}
+
+/// Content from an engine that hosts an agent running its own tools (an
+/// ACP agent): the session shows its calls, answers its permission
+/// requests and serves its file reads and writes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Hosted {
+    /// A tool call was announced or changed (ACP `tool_call`,
+    /// `tool_call_update`).
+    Call(HostedCall),
+    /// The agent asks permission for a call; answer with
+    /// [`EngineInput::Permission`] and the same `request`.
+    Permission { request: u64, call: HostedCall },
+    /// The agent reads or writes a file through the host; answer with
+    /// [`EngineInput::File`] and the same `request`.
+    File { request: u64, op: FileOp },
+    /// The agent's session for this turn: its id (kept durably), and how
+    /// it was reached.
+    Session {
+        upstream: String,
+        start: UpstreamStart,
+    },
+    /// The agent's own slash commands: `(name, description)`.
+    Commands(Vec<(String, String)>),
+}
+
+/// How a turn reached its agent session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UpstreamStart {
+    /// A new session on the agent.
+    New,
+    /// The agent reloaded the session (after a restart of the agent or the
+    /// daemon), with why it had to.
+    Loaded(String),
+    /// The agent could not reload it: a fresh session, and why.
+    Fresh(String),
+}
+
+/// A tool call an agent runs itself, as far as it has told: fields it
+/// did not send are `None`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HostedCall {
+    /// The agent's id for the call.
+    pub id: String,
+    /// Its name (the agent's tool name, else its title).
+    pub name: Option<String>,
+    pub title: Option<String>,
+    pub kind: Option<ToolKind>,
+    /// `pending`, `in_progress`, `completed`, `failed`.
+    pub status: Option<String>,
+    pub input: Option<serde_json::Value>,
+    /// Text of its output.
+    pub output: Option<String>,
+    /// Absolute paths it touches.
+    pub locations: Vec<String>,
+}
+
+/// A file operation an agent asks its host for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FileOp {
+    /// Read lines from `line` (1-based), at most `limit`.
+    Read {
+        path: String,
+        line: Option<u64>,
+        limit: Option<u64>,
+    },
+    Write {
+        path: String,
+        content: String,
+    },
+}
+
+/// A person's (or the host's) answer to a hosted agent's permission
+/// request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PermissionAnswer {
+    AllowOnce,
+    AllowAlways,
+    Reject,
+    /// The turn ended before anyone answered.
+    Cancelled,
 }
 
 /// What a tool does, which decides whether it needs permission.
@@ -130,6 +220,8 @@ pub enum SignalKind {
     Idle,
     SteerReceipt(SteerId, SteerReceipt),
     Failed(ErrorKind, String),
+    /// A hosted agent's calls, requests and session.
+    Hosted(Hosted),
     /// The engine's task ended by itself (sent by its [`EngineHandle`]'s
     /// watcher, not by the engine): normally, or by a panic, with its
     /// message.
@@ -145,6 +237,17 @@ pub enum EngineInput {
     Steer { id: SteerId, text: String },
     /// Stop: emit `Result(cancelled)` and `Idle` and end.
     Abort,
+    /// The answer to [`Hosted::Permission`].
+    Permission {
+        request: u64,
+        answer: PermissionAnswer,
+    },
+    /// The answer to [`Hosted::File`]: the text read (empty for a write),
+    /// or why it failed.
+    File {
+        request: u64,
+        result: Result<String, String>,
+    },
 }
 
 /// Where an engine sends its signals (the session's mailbox).
@@ -235,6 +338,11 @@ impl EngineHandle {
 
     pub fn send(&self, input: EngineInput) {
         let _ = self.tx.send(input);
+    }
+
+    /// A sender of inputs, for answers produced off the session actor.
+    pub fn sender(&self) -> mpsc::UnboundedSender<EngineInput> {
+        self.tx.clone()
     }
 
     pub fn teardown(&self) {
@@ -346,4 +454,13 @@ pub trait Engine: Send + Sync + 'static {
     fn models(&self) -> Vec<String> {
         Vec::new()
     }
+
+    /// Whether a running turn takes steers. An engine that cannot is
+    /// never handed one: the steer is answered `promptRequired`.
+    fn steering(&self) -> bool {
+        true
+    }
+
+    /// The daemon stops: end every process the engine runs.
+    fn shutdown(&self) {}
 }

@@ -141,7 +141,7 @@ impl Run {
                 input = self.rx.recv() => match input {
                     Some(EngineInput::Steer { id, text }) => self.steers.push_back((id, text)),
                     // Results outside a batch wait are ignored.
-                    Some(EngineInput::ToolResults(_)) => {}
+                    Some(EngineInput::ToolResults(_) | EngineInput::Permission { .. } | EngineInput::File { .. }) => {}
                     Some(EngineInput::Abort) | None => return Err(Aborted),
                 },
             }
@@ -153,7 +153,9 @@ impl Run {
         while let Ok(input) = self.rx.try_recv() {
             match input {
                 EngineInput::Steer { id, text } => self.steers.push_back((id, text)),
-                EngineInput::ToolResults(_) => {}
+                EngineInput::ToolResults(_)
+                | EngineInput::Permission { .. }
+                | EngineInput::File { .. } => {}
                 EngineInput::Abort => return Err(Aborted),
             }
         }
@@ -228,7 +230,7 @@ impl Run {
                         () = tokio::time::sleep_until(deadline) => break, // MS passed
                         input = self.rx.recv() => match input {
                             Some(EngineInput::Steer { id, text }) => self.steers.push_back((id, text)),
-                            Some(EngineInput::ToolResults(_)) => {}
+                            Some(EngineInput::ToolResults(_) | EngineInput::Permission { .. } | EngineInput::File { .. }) => {}
                             Some(EngineInput::Abort) | None => return Err(Aborted),
                         },
                     }
@@ -276,6 +278,7 @@ impl Run {
             match self.rx.recv().await {
                 Some(EngineInput::ToolResults(_)) => return Ok(()),
                 Some(EngineInput::Steer { id, text }) => self.steers.push_back((id, text)),
+                Some(EngineInput::Permission { .. } | EngineInput::File { .. }) => {}
                 Some(EngineInput::Abort) | None => return Err(Aborted),
             }
         }

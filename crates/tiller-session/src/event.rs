@@ -42,6 +42,13 @@ pub struct PlanEntry {
     pub status: String,
 }
 
+/// A slash command of a hosted agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentCommand {
+    pub name: String,
+    pub description: String,
+}
+
 /// One choice of a permission request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -183,6 +190,18 @@ pub enum EventBody {
     SessionInfo { title: Option<String> },
     /// The session's options changed (model, permission mode).
     ConfigOptions { options: Vec<ConfigOption> },
+    /// A hosted agent's session for a turn: `new`, `loaded` (the agent
+    /// or the daemon restarted and the agent reloaded it) or `fresh` (it
+    /// could not: the agent starts without the earlier conversation), with
+    /// why.
+    AgentSession {
+        upstream: String,
+        start: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    /// A hosted agent's own slash commands.
+    AgentCommands { commands: Vec<AgentCommand> },
     /// An MCP server connected (with its tools) or failed to.
     McpServer {
         name: String,
@@ -289,6 +308,8 @@ impl EventBody {
             EventBody::Roots { .. } => "roots",
             EventBody::ConfigOptions { .. } => "config_options",
             EventBody::McpServer { .. } => "mcp_server",
+            EventBody::AgentSession { .. } => "agent_session",
+            EventBody::AgentCommands { .. } => "agent_commands",
         }
     }
 }

@@ -116,6 +116,13 @@ impl Engines {
         }
     }
 
+    /// The daemon stops: every engine ends the processes it runs.
+    pub fn shutdown(&self) {
+        for e in self.by_name.values() {
+            e.shutdown();
+        }
+    }
+
     /// One engine, the default.
     pub fn single(engine: Arc<dyn Engine>) -> Engines {
         let name = engine.name().to_owned();

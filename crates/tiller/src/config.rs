@@ -57,11 +57,152 @@ pub struct StoreCfg {
 /// `[engine]`: the default engine and the model engines, one table each
 /// (`[engine.NAME]`).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(default)]
+#[serde(default, from = "RawEngineCfg")]
 pub struct EngineCfg {
     pub default: String,
-    #[serde(flatten)]
+    /// Model engines (`kind = "openai"` or `"anthropic"`).
     pub models: std::collections::BTreeMap<String, ModelEngineCfg>,
+    /// ACP agents as engines (`kind = "acp"`).
+    pub agents: std::collections::BTreeMap<String, AcpEngineCfg>,
+}
+
+/// `[engine]` as written: each table is a model engine or an agent, by
+/// its `kind` (checked table by table with precise errors at load).
+#[derive(Deserialize)]
+struct RawEngineCfg {
+    #[serde(default = "default_engine")]
+    default: String,
+    #[serde(flatten)]
+    tables: std::collections::BTreeMap<String, EngineTable>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum EngineTable {
+    Agent(AcpEngineCfg),
+    Model(ModelEngineCfg),
+}
+
+fn default_engine() -> String {
+    SCRIPTED.into()
+}
+
+impl From<RawEngineCfg> for EngineCfg {
+    fn from(raw: RawEngineCfg) -> Self {
+        let mut c = EngineCfg {
+            default: raw.default,
+            models: Default::default(),
+            agents: Default::default(),
+        };
+        for (name, t) in raw.tables {
+            match t {
+                EngineTable::Agent(a) => {
+                    c.agents.insert(name, a);
+                }
+                EngineTable::Model(m) => {
+                    c.models.insert(name, m);
+                }
+            }
+        }
+        c
+    }
+}
+
+/// `kind = "acp"`, the only value an agent table takes.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum AcpKind {
+    Acp,
+}
+
+/// `[engine.NAME] kind = "acp"`: an external ACP agent as an engine.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AcpEngineCfg {
+    pub kind: AcpKind,
+    /// The program: a bare name (looked up on the child's `PATH`) or an
+    /// absolute path.
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// Variables added to the scrubbed environment.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+    /// Variables passed through from the daemon's environment, by name.
+    #[serde(default)]
+    pub pass_env: Vec<String>,
+    /// Sessions one process serves (over one connection).
+    #[serde(default = "default_sessions_per_process")]
+    pub sessions_per_process: usize,
+    /// An idle process is stopped after this long; the next prompt revives
+    /// it (and the agent reloads the session).
+    #[serde(default = "default_idle_timeout", with = "humantime_serde")]
+    pub idle_timeout: Duration,
+    /// The most processes the engine runs; a prompt over it fails
+    /// `overloaded` (retryable).
+    #[serde(default = "default_max_processes")]
+    pub max_processes: usize,
+    /// Bound on starting a process and opening its session.
+    #[serde(default = "default_start_timeout", with = "humantime_serde")]
+    pub start_timeout: Duration,
+}
+
+fn default_sessions_per_process() -> usize {
+    1
+}
+fn default_idle_timeout() -> Duration {
+    Duration::from_secs(600)
+}
+fn default_max_processes() -> usize {
+    50
+}
+fn default_start_timeout() -> Duration {
+    Duration::from_secs(60)
+}
+
+impl AcpEngineCfg {
+    /// The engine's settings: `env` is the daemon's environment (the
+    /// child gets the scrubbed base, `pass_env` and `env`).
+    pub fn to_acp(
+        &self,
+        name: &str,
+        vars: impl IntoIterator<Item = (String, String)>,
+        cancel_grace: Duration,
+    ) -> Result<tiller_engine::acp::AcpConfig, String> {
+        if self.command.trim().is_empty() {
+            return Err(format!(
+                "key `engine.{name}.command`: give the agent's program"
+            ));
+        }
+        if self.sessions_per_process == 0 || self.max_processes == 0 {
+            return Err(format!(
+                "key `engine.{name}`: sessions_per_process and max_processes are at least 1"
+            ));
+        }
+        if let Some(v) = self.pass_env.iter().find(|v| v.starts_with("TILLER_")) {
+            return Err(format!(
+                "key `engine.{name}.pass_env`: {v} is never passed to agents (TILLER_* variables hold the daemon's secrets)"
+            ));
+        }
+        let mut env = tiller_tools::child_env(vars, &self.pass_env, &[]);
+        for (k, v) in &self.env {
+            env.retain(|(e, _)| e != k);
+            env.push((k.clone(), v.clone()));
+        }
+        Ok(tiller_engine::acp::AcpConfig {
+            name: name.into(),
+            command: self.command.clone().into(),
+            args: self.args.clone(),
+            env,
+            sessions_per_process: self.sessions_per_process,
+            idle_timeout: self.idle_timeout,
+            max_processes: self.max_processes,
+            cancel_grace,
+            start_timeout: self.start_timeout,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            dir: std::env::var_os("HOME").map_or_else(|| "/".into(), PathBuf::from),
+        })
+    }
 }
 
 /// `[engine.NAME]`: a model engine.
@@ -400,8 +541,9 @@ impl Default for Server {
 impl Default for EngineCfg {
     fn default() -> Self {
         Self {
-            default: "scripted".into(),
+            default: SCRIPTED.into(),
             models: Default::default(),
+            agents: Default::default(),
         }
     }
 }
@@ -501,20 +643,24 @@ impl Config {
                         "{origin}: key `engine.{name}`: unknown key (expected `default` or an [engine.NAME] table)"
                     )));
                 }
-                if let toml::Value::Table(_) = v {
-                    serde_path_to_error::deserialize::<_, ModelEngineCfg>(v.clone()).map_err(
-                        |e| {
-                            let at = e.path().to_string();
-                            let at = if at == "." || at.is_empty() {
-                                format!("engine.{name}")
-                            } else {
-                                format!("engine.{name}.{at}")
-                            };
-                            let inner = e.into_inner().to_string();
-                            let inner = inner.lines().next().unwrap_or_default().trim().to_owned();
-                            ConfigError(format!("{origin}: key `{at}`: {inner}"))
-                        },
-                    )?;
+                if let toml::Value::Table(t) = v {
+                    let agent = t.get("kind").and_then(toml::Value::as_str) == Some("acp");
+                    let checked = if agent {
+                        serde_path_to_error::deserialize::<_, AcpEngineCfg>(v.clone()).map(drop)
+                    } else {
+                        serde_path_to_error::deserialize::<_, ModelEngineCfg>(v.clone()).map(drop)
+                    };
+                    checked.map_err(|e| {
+                        let at = e.path().to_string();
+                        let at = if at == "." || at.is_empty() {
+                            format!("engine.{name}")
+                        } else {
+                            format!("engine.{name}.{at}")
+                        };
+                        let inner = e.into_inner().to_string();
+                        let inner = inner.lines().next().unwrap_or_default().trim().to_owned();
+                        ConfigError(format!("{origin}: key `{at}`: {inner}"))
+                    })?;
                 }
             }
         }
@@ -564,13 +710,16 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        if self.engine.models.contains_key(SCRIPTED) {
+        if self.engine.models.contains_key(SCRIPTED) || self.engine.agents.contains_key(SCRIPTED) {
             return Err(ConfigError(format!(
                 "key `engine.{SCRIPTED}`: the name is reserved for the built-in scripted engine"
             )));
         }
         for (name, m) in &self.engine.models {
             m.to_model(name).map_err(ConfigError)?;
+        }
+        for (name, a) in &self.engine.agents {
+            a.to_acp(name, [], Duration::ZERO).map_err(ConfigError)?;
         }
         let names = self.engine_names();
         if !names.contains(&self.engine.default) {
@@ -761,6 +910,7 @@ impl Config {
     pub fn engine_names(&self) -> Vec<String> {
         std::iter::once(SCRIPTED.to_owned())
             .chain(self.engine.models.keys().cloned())
+            .chain(self.engine.agents.keys().cloned())
             .collect()
     }
 
@@ -773,6 +923,13 @@ impl Config {
             .iter()
             .filter_map(|(name, m)| m.to_model(name).ok()?.api_key_env)
             .collect();
+        // What an agent is given stays the agent's.
+        v.extend(
+            self.engine
+                .agents
+                .values()
+                .flat_map(|a| a.pass_env.iter().cloned()),
+        );
         v.extend(
             self.channels
                 .values()

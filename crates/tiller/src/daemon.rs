@@ -81,6 +81,12 @@ fn engines(cfg: &Config) -> Engines {
         }
         all.push(Arc::new(ModelEngine::new(model)));
     }
+    for (name, a) in &cfg.engine.agents {
+        let acp = a
+            .to_acp(name, std::env::vars(), cfg.turn.cancel_grace)
+            .expect("validated by Config::load");
+        all.push(Arc::new(tiller_engine::acp::AcpEngine::new(acp)));
+    }
     Engines::new(&cfg.engine.default, all)
 }
 

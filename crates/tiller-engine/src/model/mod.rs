@@ -303,6 +303,7 @@ impl Run {
                 Ok(None)
             }
             Some(EngineInput::ToolResults(r)) => Ok(Some(r)),
+            Some(EngineInput::Permission { .. } | EngineInput::File { .. }) => Ok(None),
             Some(EngineInput::Abort) | None => Err(Aborted),
         }
     }

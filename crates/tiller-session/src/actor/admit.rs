@@ -144,6 +144,12 @@ impl SessionState {
             return;
         }
         let steer = SteerId::new();
+        if self.running.is_some() && !self.core.is_cancelling() && !self.engine.steering() {
+            metrics::counter!("tiller_steers_total", "outcome" => "prompt_required").increment(1);
+            let outcome = SteerOutcome::PromptRequired(tiller_core::SteerRefusal::NotSupported);
+            let _ = reply.send(Ok(SteerAnswer { steer, outcome }));
+            return;
+        }
         let idle_behavior = if prompt_required {
             IdleBehavior::PromptRequired
         } else {

@@ -245,6 +245,12 @@ impl SessionState {
             model: self.model.clone(),
             switches: self.switch_values(),
             pace: self.pace.clone(),
+            host: tiller_engine::HostInfo {
+                session: self.id.to_string(),
+                cwd: self.toolbox.root().clone(),
+                roots: self.toolbox.roots().to_vec(),
+                upstream: self.upstream.clone(),
+            },
         };
         let mut handle = {
             let _g = span.enter();
@@ -267,6 +273,7 @@ impl SessionState {
             text: String::new(),
             batch: None,
             exec: None,
+            hosted: None,
             stopping: false,
             span,
         });
@@ -285,7 +292,8 @@ impl SessionState {
 
 pub(super) fn core_signal(kind: &SignalKind) -> Signal {
     match kind {
-        SignalKind::Update(_) => Signal::Update,
+        // A hosted agent's calls and requests are the turn's content.
+        SignalKind::Update(_) | SignalKind::Hosted(_) => Signal::Update,
         SignalKind::ToolBatch(_) => Signal::ToolBatch,
         SignalKind::Result(r) => Signal::Result(*r),
         SignalKind::Idle => Signal::Idle,

@@ -23,6 +23,7 @@ use tracing::{Instrument, Span};
 mod admit;
 mod effects;
 mod handle;
+mod hosted;
 mod options;
 mod pipeline;
 mod publish;
@@ -246,6 +247,9 @@ struct Settings {
     /// The engine switches set away from their defaults.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     switches: std::collections::BTreeMap<String, bool>,
+    /// A hosted agent's session id (ACP engines).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    upstream: Option<String>,
 }
 
 /// What the session keeps with a prompt from admission to its terminal
@@ -307,6 +311,8 @@ struct RunningEngine {
     batch: Option<Batch>,
     /// The call running off the actor.
     exec: Option<tokio::task::JoinHandle<()>>,
+    /// A hosted agent's calls and open question (ACP engines).
+    hosted: Option<Box<hosted::HostedTurn>>,
     /// The turn is ending (cancel, settle): results no longer go to the
     /// engine.
     stopping: bool,
@@ -382,6 +388,8 @@ pub struct SessionState {
     usage: Option<Box<crate::UsageTotals>>,
     /// Engine switches set for this session (others take their defaults).
     switches: std::collections::BTreeMap<String, bool>,
+    /// A hosted agent's session id (ACP engines), kept in the settings.
+    upstream: Option<String>,
     /// Answered at the next idle (daemon shutdown).
     drained: Vec<oneshot::Sender<()>>,
     /// The session span.
@@ -477,6 +485,7 @@ impl Actor for SessionActor {
             title: args.title.map(String::into_boxed_str),
             usage: settings.usage.map(Box::new),
             switches: settings.switches,
+            upstream: settings.upstream,
             drained: Vec::new(),
             span,
         })

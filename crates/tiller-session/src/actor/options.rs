@@ -209,6 +209,7 @@ impl SessionState {
             always: self.permissions.always(),
             usage: self.usage.as_deref().cloned(),
             switches: self.switches.clone(),
+            upstream: self.upstream.clone(),
             roots: self
                 .toolbox
                 .roots()

@@ -8,6 +8,13 @@ impl SessionState {
     /// tool pipeline's guard found one.
     pub(super) fn deliver(&mut self, turn: TurnId, kind: SignalKind) -> Option<LoopType> {
         let prompt = self.core.active().map(|(p, _)| p);
+        if let SignalKind::Hosted(h) = kind {
+            let (events, trip) = self.hosted(turn, h);
+            for body in events {
+                self.publish(prompt, Some(turn), body);
+            }
+            return self.tripped(trip);
+        }
         // Only a tool batch needs what running calls takes.
         let exec = matches!(kind, SignalKind::ToolBatch(_)).then(|| Exec::of(self));
         let run = self.running.as_mut().filter(|r| r.turn == turn)?;
@@ -24,6 +31,26 @@ impl SessionState {
                 vec![usage_event(&mut self.usage, &*self.engine, input, output)],
                 None,
             ),
+            SignalKind::Update(Update::Context { used, size, cost }) => {
+                // The agent's own account replaces Tiller's (it counts its
+                // background calls too).
+                let totals = self.usage.get_or_insert_with(Box::default);
+                totals.used = used;
+                totals.context_window = size;
+                let cost = cost.map(|(amount, currency)| crate::Cost { amount, currency });
+                if cost.is_some() {
+                    totals.cost = cost.clone();
+                }
+                (
+                    vec![EventBody::Usage {
+                        input_tokens: used,
+                        output_tokens: 0,
+                        context_window: size,
+                        cost: totals.cost.clone(),
+                    }],
+                    None,
+                )
+            }
             SignalKind::Update(Update::Title(title)) => {
                 // Stored first, in order with everything else the actor does.
                 let _ = self.myself.send_message(SessionMsg::SetTitle {
@@ -55,6 +82,18 @@ impl SessionState {
             }
             _ => (Vec::new(), None),
         };
+        if events.iter().any(|e| matches!(e, EventBody::Usage { .. })) {
+            self.usage_changed();
+        }
+        for body in events {
+            self.publish(prompt, Some(turn), body);
+        }
+        self.tripped(trip)
+    }
+
+    /// Logs and counts a loop trip.
+    fn tripped(&self, trip: Option<LoopType>) -> Option<LoopType> {
+        let run = self.running.as_ref()?;
         if let Some(loop_type) = trip {
             run.span.in_scope(|| {
                 tracing::warn!(loop_type = loop_type.as_str(), "loop protection tripped");
@@ -65,12 +104,6 @@ impl SessionState {
                 "origin" => run.origin.as_str()
             )
             .increment(1);
-        }
-        if events.iter().any(|e| matches!(e, EventBody::Usage { .. })) {
-            self.usage_changed();
-        }
-        for body in events {
-            self.publish(prompt, Some(turn), body);
         }
         trip
     }
@@ -90,6 +123,22 @@ impl SessionState {
     ) -> Result<Option<LoopType>, PermissionRefused> {
         let unknown = || PermissionRefused::Unknown(request_id.to_owned());
         let prompt = self.core.active().map(|(p, _)| p);
+        let turn = self.core.active().map(|(_, t)| t);
+        let asked_hosted = self
+            .running
+            .as_ref()
+            .is_some_and(|r| r.hosted.is_some() && r.batch.is_none());
+        if asked_hosted {
+            let decision = Decision::from_option(option_id)
+                .ok_or_else(|| PermissionRefused::BadOption(option_id.to_owned()))?;
+            let events = self
+                .hosted_answer(request_id, decision)
+                .ok_or_else(unknown)?;
+            for body in events {
+                self.publish(prompt, turn, body);
+            }
+            return Ok(None);
+        }
         let exec = Exec::of(self);
         let run = self.running.as_mut().ok_or_else(unknown)?;
         let batch = run.batch.as_mut().ok_or_else(unknown)?;
@@ -112,6 +161,10 @@ impl SessionState {
     /// or runs resolves it as cancelled (a running call is stopped), so no
     /// call stays pending.
     pub(super) fn abandon_permission(&mut self, turn: TurnId) {
+        let prompt = self.core.active().map(|(p, _)| p);
+        for body in self.hosted_abandon(turn) {
+            self.publish(prompt, Some(turn), body);
+        }
         let exec = Exec::of(self);
         let Some(run) = self.running.as_mut().filter(|r| r.turn == turn) else {
             return;
@@ -170,6 +223,10 @@ pub(super) struct Exec {
 }
 
 impl Exec {
+    /// Runs one call with the session's tools (or the attached editor).
+    pub(super) async fn run(&self, call: &tiller_engine::ToolCall) -> ToolOutput {
+        run_call(&self.toolbox, call, self.client.clone()).await
+    }
     /// Adds a batch's results to the conversation (for an engine that will
     /// not see them).
     pub(super) fn record(&self, results: Vec<tiller_engine::ToolResult>) {

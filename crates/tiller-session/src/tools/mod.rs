@@ -73,6 +73,14 @@ impl CallIds {
     /// How many published ids are remembered.
     pub const REMEMBERED: usize = 4096;
 
+    /// The id a hosted agent's call `model` is published under (numbered
+    /// like any other call).
+    pub(crate) fn hosted(&mut self, model: &str) -> String {
+        let n = self.next;
+        self.next += 1;
+        self.publish(model, n)
+    }
+
     /// The id call `n` with the model's id `model` is published under: the
     /// model's own unless it was published recently.
     fn publish(&mut self, model: &str, n: u64) -> String {

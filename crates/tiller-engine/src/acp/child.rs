@@ -1,0 +1,501 @@
+//! One ACP agent process and Tiller's JSON-RPC connection to it. Tiller is
+//! its only client. Nothing the child writes is trusted: malformed JSON, an
+//! answer to a request Tiller never sent (or answered twice), an exit or a
+//! closed stdout kill the child, and every turn on it fails at once.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::codec::{FramedRead, LinesCodec};
+
+use super::AcpConfig;
+
+/// Longest line a child may write (a file's text travels in one).
+const MAX_LINE: usize = 64 * 1024 * 1024;
+
+/// What the agent sent for one of its sessions.
+#[derive(Debug)]
+pub(super) enum Inbound {
+    /// `session/update`'s `update`.
+    Update(Value),
+    /// A request: its JSON-RPC id, method and params.
+    Request {
+        id: Value,
+        method: String,
+        params: Value,
+    },
+}
+
+/// Why a request got no result.
+#[derive(Clone, Debug)]
+pub(super) enum RpcError {
+    /// The agent answered with an error.
+    Agent { code: i64, message: String },
+    /// The child died first.
+    Dead(String),
+}
+
+impl std::fmt::Display for RpcError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RpcError::Agent { code, message } => write!(f, "{message} (code {code})"),
+            RpcError::Dead(why) => f.write_str(why),
+        }
+    }
+}
+
+/// What the agent said it can do (`initialize`).
+#[derive(Clone, Debug, Default)]
+pub(super) struct Caps {
+    pub load: bool,
+    pub resume: bool,
+    pub steering: bool,
+    pub images: bool,
+}
+
+/// Why a child ended, as `tiller_engine_restarts_total{reason}` counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Death {
+    /// It exited or closed its output by itself.
+    Exited,
+    /// It broke the protocol (malformed JSON, an unknown answer).
+    Protocol,
+    /// Tiller killed it (a cancel it did not answer, shutdown).
+    Killed,
+    /// Stopped after `idle_timeout`.
+    Idle,
+}
+
+impl Death {
+    pub(super) fn as_str(self) -> &'static str {
+        match self {
+            Death::Exited => "exited",
+            Death::Protocol => "protocol",
+            Death::Killed => "killed",
+            Death::Idle => "idle",
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    next_id: u64,
+    pending: HashMap<u64, oneshot::Sender<Result<Value, RpcError>>>,
+    /// Upstream session id -> the turn listening.
+    routes: HashMap<String, mpsc::UnboundedSender<Inbound>>,
+    /// Upstream sessions this process knows (created or loaded on it).
+    known: HashSet<String>,
+    /// Sessions whose updates are dropped silently (a load replays them).
+    muted: HashSet<String>,
+    /// Turns running on it.
+    busy: usize,
+    /// Bumped at each turn's end: an idle stop checks it did not change.
+    generation: u64,
+    /// When its last turn ended (or it started).
+    last_used: Option<std::time::Instant>,
+    dead: Option<(Death, String)>,
+}
+
+/// A running agent process.
+pub(super) struct Child {
+    engine: Arc<str>,
+    pid: Option<u32>,
+    out: mpsc::UnboundedSender<String>,
+    state: Mutex<State>,
+    caps: Mutex<Caps>,
+}
+
+impl Child {
+    /// Starts the process in its own process group with the configured
+    /// environment only, and its reader, writer and exit watcher.
+    pub(super) fn spawn(cfg: &AcpConfig) -> Result<Arc<Child>, String> {
+        let mut cmd = tokio::process::Command::new(&cfg.command);
+        cmd.args(&cfg.args)
+            .env_clear()
+            .envs(cfg.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(&cfg.dir)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let mut proc = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start `{}`: {e}", cfg.command.display()))?;
+        let (tx, mut rx) = mpsc::unbounded_channel::<String>();
+        let child = Arc::new(Child {
+            engine: cfg.name.clone(),
+            pid: proc.id(),
+            out: tx,
+            state: Mutex::new(State::default()),
+            caps: Mutex::new(Caps::default()),
+        });
+        let mut stdin = proc.stdin.take().expect("piped");
+        let stdout = proc.stdout.take().expect("piped");
+        let stderr = proc.stderr.take().expect("piped");
+        let w = Arc::downgrade(&child);
+        tokio::spawn(async move {
+            while let Some(line) = rx.recv().await {
+                let ok = stdin.write_all(line.as_bytes()).await.is_ok()
+                    && stdin.write_all(b"\n").await.is_ok()
+                    && stdin.flush().await.is_ok();
+                if !ok {
+                    if let Some(c) = w.upgrade() {
+                        c.die(Death::Exited, "the agent stopped reading its input".into());
+                    }
+                    return;
+                }
+            }
+            // Every sender is gone: closing stdin asks the agent to exit.
+        });
+        let r = Arc::downgrade(&child);
+        tokio::spawn(async move {
+            let mut lines = FramedRead::new(stdout, LinesCodec::new_with_max_length(MAX_LINE));
+            loop {
+                let item = lines.next().await;
+                let Some(c) = r.upgrade() else { return };
+                match item {
+                    Some(Ok(line)) => c.read(&line),
+                    Some(Err(e)) => {
+                        c.die(
+                            Death::Protocol,
+                            format!("the agent's output is unreadable: {e}"),
+                        );
+                        return;
+                    }
+                    None => {
+                        c.die(Death::Exited, "the agent closed its output".into());
+                        return;
+                    }
+                }
+            }
+        });
+        let engine = cfg.name.clone();
+        tokio::spawn(async move {
+            // The agent's diagnostics go to the daemon's log at debug
+            // level only (they may quote the user's files).
+            let mut lines = FramedRead::new(stderr, LinesCodec::new_with_max_length(8192));
+            while let Some(line) = lines.next().await {
+                match line {
+                    Ok(l) => tracing::debug!(engine = %engine, "agent stderr: {l}"),
+                    Err(_) => continue,
+                }
+            }
+        });
+        let e = Arc::downgrade(&child);
+        tokio::spawn(async move {
+            let status = proc.wait().await;
+            if let Some(c) = e.upgrade() {
+                let why = match status {
+                    Ok(s) => format!("the agent exited ({s})"),
+                    Err(e) => format!("the agent's process failed: {e}"),
+                };
+                c.die(Death::Exited, why);
+            }
+        });
+        Ok(child)
+    }
+
+    pub(super) fn pid(&self) -> Option<u32> {
+        self.pid
+    }
+
+    pub(super) fn caps(&self) -> Caps {
+        self.caps.lock().unwrap().clone()
+    }
+
+    pub(super) fn set_caps(&self, caps: Caps) {
+        *self.caps.lock().unwrap() = caps;
+    }
+
+    /// Why it died, if it did.
+    pub(super) fn death(&self) -> Option<(Death, String)> {
+        self.state.lock().unwrap().dead.clone()
+    }
+
+    pub(super) fn alive(&self) -> bool {
+        self.death().is_none()
+    }
+
+    /// Sends a request; the answer comes on the receiver.
+    pub(super) fn request(
+        &self,
+        method: &str,
+        params: Value,
+    ) -> oneshot::Receiver<Result<Value, RpcError>> {
+        let (tx, rx) = oneshot::channel();
+        let mut st = self.state.lock().unwrap();
+        if let Some((_, why)) = &st.dead {
+            let _ = tx.send(Err(RpcError::Dead(why.clone())));
+            return rx;
+        }
+        st.next_id += 1;
+        let id = st.next_id;
+        st.pending.insert(id, tx);
+        drop(st);
+        self.send(json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
+        rx
+    }
+
+    /// Sends a request and waits for its answer, at most `bound`.
+    pub(super) async fn call(
+        &self,
+        method: &str,
+        params: Value,
+        bound: Duration,
+    ) -> Result<Value, RpcError> {
+        match tokio::time::timeout(bound, self.request(method, params)).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(RpcError::Dead(
+                self.death().map(|d| d.1).unwrap_or_default(),
+            )),
+            Err(_) => Err(RpcError::Agent {
+                code: -32603,
+                message: format!("the agent did not answer `{method}` within {bound:?}"),
+            }),
+        }
+    }
+
+    pub(super) fn notify(&self, method: &str, params: Value) {
+        self.send(json!({"jsonrpc": "2.0", "method": method, "params": params}));
+    }
+
+    /// Answers one of the agent's requests.
+    pub(super) fn respond(&self, id: Value, result: Result<Value, (i64, String)>) {
+        let msg = match result {
+            Ok(r) => json!({"jsonrpc": "2.0", "id": id, "result": r}),
+            Err((code, message)) => {
+                json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": message}})
+            }
+        };
+        self.send(msg);
+    }
+
+    fn send(&self, msg: Value) {
+        let _ = self.out.send(msg.to_string());
+    }
+
+    /// Routes the agent's messages for `upstream` to the returned receiver
+    /// (replacing any earlier route).
+    pub(super) fn route(&self, upstream: &str) -> mpsc::UnboundedReceiver<Inbound> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut st = self.state.lock().unwrap();
+        if st.dead.is_none() {
+            st.routes.insert(upstream.to_owned(), tx);
+        }
+        rx
+    }
+
+    pub(super) fn unroute(&self, upstream: &str) {
+        self.state.lock().unwrap().routes.remove(upstream);
+    }
+
+    pub(super) fn knows(&self, upstream: &str) -> bool {
+        self.state.lock().unwrap().known.contains(upstream)
+    }
+
+    pub(super) fn learn(&self, upstream: &str) {
+        self.state.lock().unwrap().known.insert(upstream.to_owned());
+    }
+
+    /// Drops the session's updates silently while it is reloaded (the
+    /// agent replays history Tiller already holds).
+    pub(super) fn mute(&self, upstream: &str, on: bool) {
+        let mut st = self.state.lock().unwrap();
+        if on {
+            st.muted.insert(upstream.to_owned());
+        } else {
+            st.muted.remove(upstream);
+        }
+    }
+
+    /// A turn starts on it.
+    pub(super) fn enter(&self) {
+        self.state.lock().unwrap().busy += 1;
+    }
+
+    /// A turn ended; returns the generation an idle stop must still see.
+    pub(super) fn leave(&self) -> Option<u64> {
+        let mut st = self.state.lock().unwrap();
+        st.busy = st.busy.saturating_sub(1);
+        st.generation += 1;
+        st.last_used = Some(std::time::Instant::now());
+        (st.busy == 0).then_some(st.generation)
+    }
+
+    /// Stops it if it has stayed idle since `generation`.
+    pub(super) fn stop_if_idle(&self, generation: u64) -> bool {
+        let idle = {
+            let st = self.state.lock().unwrap();
+            st.busy == 0 && st.generation == generation && st.dead.is_none()
+        };
+        if idle {
+            self.die(Death::Idle, "stopped after its idle timeout".into());
+        }
+        idle
+    }
+
+    /// When it last finished a turn, if no turn runs on it now.
+    pub(super) fn idle_since(&self) -> Option<std::time::Instant> {
+        let st = self.state.lock().unwrap();
+        (st.busy == 0 && st.dead.is_none())
+            .then(|| st.last_used.unwrap_or_else(std::time::Instant::now))
+    }
+
+    /// Stops it to make room (its sessions reload on their next turn).
+    pub(super) fn evict(&self) {
+        self.die(
+            Death::Idle,
+            "stopped to make room for another session".into(),
+        );
+    }
+
+    /// Kills it: every turn on it fails with `why`.
+    pub(super) fn kill(&self, why: String) {
+        self.die(Death::Killed, why);
+    }
+
+    fn die(&self, death: Death, why: String) {
+        let (pending, routes) = {
+            let mut st = self.state.lock().unwrap();
+            if st.dead.is_some() {
+                return;
+            }
+            st.dead = Some((death, why.clone()));
+            (
+                std::mem::take(&mut st.pending),
+                std::mem::take(&mut st.routes),
+            )
+        };
+        if death != Death::Idle {
+            tracing::warn!(engine = %self.engine, pid = ?self.pid, reason = %why, "an ACP agent process ended");
+        }
+        for (_, tx) in pending {
+            let _ = tx.send(Err(RpcError::Dead(why.clone())));
+        }
+        drop(routes);
+        self.signal_group();
+    }
+
+    /// Kills the whole process group (the agent and what it started).
+    fn signal_group(&self) {
+        if let Some(pid) = self
+            .pid
+            .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+        {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        }
+    }
+
+    /// Handles one line the agent wrote.
+    fn read(&self, line: &str) {
+        if line.trim().is_empty() {
+            return;
+        }
+        let msg: Value = match serde_json::from_str(line) {
+            Ok(v @ Value::Object(_)) => v,
+            _ => {
+                let shown: String = line.chars().take(80).collect();
+                self.die(
+                    Death::Protocol,
+                    format!("the agent wrote something that is not JSON-RPC: {shown:?}"),
+                );
+                return;
+            }
+        };
+        let method = msg.get("method").and_then(Value::as_str);
+        let id = msg.get("id").filter(|v| !v.is_null());
+        match (method, id) {
+            (Some(method), Some(id)) => {
+                let params = msg.get("params").cloned().unwrap_or(Value::Null);
+                self.inbound(
+                    &params,
+                    Inbound::Request {
+                        id: id.clone(),
+                        method: method.to_owned(),
+                        params: params.clone(),
+                    },
+                );
+            }
+            (Some("session/update"), None) => {
+                let params = msg.get("params").cloned().unwrap_or(Value::Null);
+                let update = params.get("update").cloned().unwrap_or(Value::Null);
+                self.inbound(&params, Inbound::Update(update));
+            }
+            (Some(_), None) => {} // other notifications (auth status, ...)
+            (None, Some(id)) => {
+                let tx = id
+                    .as_u64()
+                    .and_then(|n| self.state.lock().unwrap().pending.remove(&n));
+                let Some(tx) = tx else {
+                    self.die(
+                        Death::Protocol,
+                        format!("the agent answered a request Tiller did not send or had answered (id {id})"),
+                    );
+                    return;
+                };
+                let result = match msg.get("error") {
+                    Some(e) => Err(RpcError::Agent {
+                        code: e.get("code").and_then(Value::as_i64).unwrap_or(0),
+                        message: e
+                            .get("message")
+                            .and_then(Value::as_str)
+                            .unwrap_or("error")
+                            .chars()
+                            .take(500)
+                            .collect(),
+                    }),
+                    None => Ok(msg.get("result").cloned().unwrap_or(Value::Null)),
+                };
+                let _ = tx.send(result);
+            }
+            (None, None) => self.die(
+                Death::Protocol,
+                "the agent wrote a message with neither method nor id".into(),
+            ),
+        }
+    }
+
+    /// Hands a message to the turn of its session; a message for no
+    /// running turn is stale (counted; a request is refused).
+    fn inbound(&self, params: &Value, msg: Inbound) {
+        let session = params.get("sessionId").and_then(Value::as_str);
+        let st = self.state.lock().unwrap();
+        if let Some(s) = session
+            && st.muted.contains(s)
+            && matches!(msg, Inbound::Update(_))
+        {
+            return;
+        }
+        let route = session.and_then(|s| st.routes.get(s)).cloned();
+        drop(st);
+        let msg = match route {
+            Some(tx) => match tx.send(msg) {
+                Ok(()) => return,
+                Err(e) => e.0,
+            },
+            None => msg,
+        };
+        metrics::counter!("tiller_engine_stale_messages_total", "engine" => self.engine.to_string())
+            .increment(1);
+        if let Inbound::Request { id, method, .. } = msg {
+            let answer = if method == "session/request_permission" {
+                Ok(json!({"outcome": {"outcome": "cancelled"}}))
+            } else {
+                Err((-32002, "no turn of this session is running".to_owned()))
+            };
+            self.respond(id, answer);
+        }
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        self.signal_group();
+    }
+}

@@ -1,0 +1,807 @@
+//! An external ACP agent (Claude Code's adapter, Qwen Code, codex-acp, ...)
+//! as an engine. Tiller is the agent's only client and stays the host: the
+//! agent's updates become the session's signals, its permission requests
+//! and file reads and writes go to the session, and its turn settles by
+//! Tiller's rules, never by trusting the agent:
+//!
+//! - the `session/prompt` answer is the turn's result;
+//! - the child exiting, closing its output, writing malformed JSON or
+//!   answering a request Tiller never sent is `engine_crashed`;
+//! - silence is the session's stall bound (the engine sends nothing);
+//! - a cancel is forwarded, answered pending requests `cancelled`, and the
+//!   child is killed when it has not answered within `cancel_grace`;
+//! - updates for another session or after the turn ended are stale.
+//!
+//! The JSON of the wire is read here, as the model engines read their
+//! providers' wires; only the ACP edge crate holds ACP's types.
+
+mod child;
+mod map;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tiller_core::{ErrorKind, StopReason, TurnId};
+use tokio::sync::mpsc;
+
+use crate::{
+    Engine, EngineHandle, EngineInput, EngineSignal, Hosted, PreparedPrompt, ScriptError,
+    SignalKind, SignalSink, SteerReceipt, TurnContext, UpstreamStart,
+};
+use child::{Caps, Child, Death, Inbound, RpcError};
+
+/// One configured ACP agent engine (`[engine.NAME] kind = "acp"`).
+#[derive(Clone)]
+pub struct AcpConfig {
+    pub name: Arc<str>,
+    /// The program (a bare name is looked up on the child's `PATH`).
+    pub command: PathBuf,
+    pub args: Vec<String>,
+    /// The child's whole environment (scrubbed, with `env` and `pass_env`).
+    pub env: Vec<(String, String)>,
+    /// Sessions one process serves (over one connection).
+    pub sessions_per_process: usize,
+    /// An idle process is stopped after this long.
+    pub idle_timeout: Duration,
+    pub max_processes: usize,
+    /// How long a cancelled turn's agent has to answer before it is killed.
+    pub cancel_grace: Duration,
+    /// Bound on starting a process and opening its session.
+    pub start_timeout: Duration,
+    /// Tiller's version, for `clientInfo`.
+    pub version: String,
+    /// Where a process starts when no session directory is known.
+    pub dir: PathBuf,
+}
+
+impl std::fmt::Debug for AcpConfig {
+    /// Variable names only: values may be secrets.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AcpConfig")
+            .field("name", &self.name)
+            .field("command", &self.command)
+            .field("args", &self.args)
+            .field("env", &self.env.iter().map(|(k, _)| k).collect::<Vec<_>>())
+            .field("sessions_per_process", &self.sessions_per_process)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("max_processes", &self.max_processes)
+            .finish()
+    }
+}
+
+/// The engine: a pool of agent processes.
+pub struct AcpEngine {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    cfg: AcpConfig,
+    pool: tokio::sync::Mutex<Pool>,
+    /// Per Tiller session: one turn (or its wind-down) at a time.
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// What the last process said it can do.
+    caps: Mutex<Caps>,
+}
+
+#[derive(Default)]
+struct Pool {
+    children: Vec<Arc<Child>>,
+    /// Tiller session id -> the process serving it.
+    assigned: HashMap<String, Arc<Child>>,
+    /// When processes died by themselves (crash-loop back-off).
+    crashes: std::collections::VecDeque<Instant>,
+}
+
+impl AcpEngine {
+    pub fn new(cfg: AcpConfig) -> Self {
+        let engine = cfg.name.to_string();
+        metrics::gauge!("tiller_engine_processes", "engine" => engine).set(0.0);
+        let shared = Arc::new(Shared {
+            cfg,
+            pool: Default::default(),
+            locks: Default::default(),
+            caps: Default::default(),
+        });
+        let weak = Arc::downgrade(&shared);
+        // Child memory, for operators (a hosted agent is hundreds of MB).
+        if tokio::runtime::Handle::try_current().is_ok() {
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    let Some(s) = weak.upgrade() else { return };
+                    s.measure().await;
+                }
+            });
+        }
+        AcpEngine { shared }
+    }
+
+    /// Live processes (for tests and figures).
+    pub async fn processes(&self) -> Vec<u32> {
+        let pool = self.shared.pool.lock().await;
+        pool.children
+            .iter()
+            .filter(|c| c.alive())
+            .filter_map(|c| c.pid())
+            .collect()
+    }
+}
+
+impl Engine for AcpEngine {
+    fn name(&self) -> &str {
+        &self.shared.cfg.name
+    }
+
+    fn prepare(&self, text: &str) -> Result<PreparedPrompt, ScriptError> {
+        Ok(PreparedPrompt {
+            text: text.to_owned(),
+            script: None,
+            images: Vec::new(),
+        })
+    }
+
+    fn accepts_images(&self) -> bool {
+        self.shared.caps.lock().unwrap().images
+    }
+
+    fn uses_directory(&self) -> bool {
+        true
+    }
+
+    fn steering(&self) -> bool {
+        self.shared.caps.lock().unwrap().steering
+    }
+
+    fn shutdown(&self) {
+        if let Ok(pool) = self.shared.pool.try_lock() {
+            for c in &pool.children {
+                c.kill("the daemon is shutting down".into());
+            }
+        } else {
+            // A spawn holds the pool: kill what can be reached.
+            let shared = self.shared.clone();
+            tokio::spawn(async move {
+                for c in &shared.pool.lock().await.children {
+                    c.kill("the daemon is shutting down".into());
+                }
+            });
+        }
+    }
+
+    fn start(
+        &self,
+        turn: TurnId,
+        prompt: PreparedPrompt,
+        ctx: TurnContext,
+        sink: SignalSink,
+    ) -> EngineHandle {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let shared = self.shared.clone();
+        let task = tokio::spawn(async move {
+            let emit: Emit = Arc::new(move |kind| sink(EngineSignal { turn, kind }));
+            run_turn(shared, prompt, ctx, &emit, rx).await;
+        });
+        EngineHandle::new(tx, task)
+    }
+}
+
+/// Sends one of the turn's signals.
+type Emit = Arc<dyn Fn(SignalKind) + Send + Sync>;
+
+impl Shared {
+    fn lock_for(&self, session: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.locks.lock().unwrap();
+        if locks.len() > 4096 {
+            locks.retain(|_, l| Arc::strong_count(l) > 1);
+        }
+        locks.entry(session.to_owned()).or_default().clone()
+    }
+
+    /// The process serving `session`: its own, one with room, or a new
+    /// one. Also says why an earlier process of the session ended.
+    async fn acquire(
+        &self,
+        session: &str,
+        dir: &std::path::Path,
+    ) -> Result<(Arc<Child>, Option<String>), (ErrorKind, String)> {
+        let cfg = &self.cfg;
+        let mut pool = self.pool.lock().await;
+        let now = Instant::now();
+        let mut gone = Vec::new();
+        pool.children.retain(|c| match c.death() {
+            Some((d, _)) => {
+                gone.push(d);
+                false
+            }
+            None => true,
+        });
+        for d in gone {
+            if matches!(d, Death::Exited | Death::Protocol | Death::Killed) {
+                pool.crashes.push_back(now);
+            }
+        }
+        while pool
+            .crashes
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > Duration::from_secs(60))
+        {
+            pool.crashes.pop_front();
+        }
+        if let Some(c) = pool.assigned.get(session)
+            && c.alive()
+        {
+            return Ok((c.clone(), None));
+        }
+        let previous = pool
+            .assigned
+            .remove(session)
+            .and_then(|c| c.death())
+            .map(|(d, why)| {
+                metrics::counter!(
+                    "tiller_engine_restarts_total",
+                    "engine" => cfg.name.to_string(),
+                    "reason" => d.as_str()
+                )
+                .increment(1);
+                why
+            });
+        pool.assigned.retain(|_, c| c.alive());
+        if cfg.sessions_per_process > 1 {
+            let room = pool.children.iter().find(|c| {
+                pool.assigned.values().filter(|a| Arc::ptr_eq(a, c)).count()
+                    < cfg.sessions_per_process
+            });
+            if let Some(c) = room.cloned() {
+                pool.assigned.insert(session.to_owned(), c.clone());
+                return Ok((c, previous));
+            }
+        }
+        if pool.children.len() >= cfg.max_processes {
+            // The process idle the longest makes room (its sessions reload
+            // on their next turn); with every one busy, the prompt waits
+            // for nobody: it is refused, retryably.
+            let idle = pool
+                .children
+                .iter()
+                .filter_map(|c| Some((c.idle_since()?, c.clone())))
+                .min_by_key(|(t, _)| *t);
+            if let Some((_, c)) = idle {
+                c.evict();
+                pool.children.retain(|x| !Arc::ptr_eq(x, &c));
+            }
+        }
+        if pool.children.len() >= cfg.max_processes {
+            return Err((
+                ErrorKind::Overloaded,
+                format!(
+                    "The `{}` engine already runs {} agent processes (max_processes); send the \
+                     prompt again once one is free.",
+                    cfg.name, cfg.max_processes
+                ),
+            ));
+        }
+        // A process that keeps dying is restarted ever more slowly.
+        if let Some(n) = pool.crashes.len().checked_sub(1) {
+            let wait = Duration::from_millis(100 << n.min(7)).min(Duration::from_secs(10));
+            tokio::time::sleep(wait).await;
+        }
+        let dir = if dir.is_dir() { dir } else { &cfg.dir };
+        let mut c = cfg.clone();
+        c.dir = dir.to_owned();
+        let child = Child::spawn(&c).map_err(|e| (ErrorKind::EngineCrashed, e))?;
+        let init = json!({
+            "protocolVersion": 1,
+            "clientCapabilities": {
+                "fs": { "readTextFile": true, "writeTextFile": true },
+                "terminal": false,
+            },
+            "clientInfo": { "name": "tiller", "version": cfg.version },
+        });
+        let r = child
+            .call("initialize", init, cfg.start_timeout)
+            .await
+            .map_err(|e| {
+                child.kill("it did not initialize".into());
+                (
+                    ErrorKind::EngineCrashed,
+                    format!("The agent `{}` did not start: {e}", cfg.name),
+                )
+            })?;
+        let caps = map::caps(&r);
+        *self.caps.lock().unwrap() = caps.clone();
+        child.set_caps(caps);
+        pool.children.push(child.clone());
+        pool.assigned.insert(session.to_owned(), child.clone());
+        metrics::gauge!("tiller_engine_processes", "engine" => cfg.name.to_string())
+            .set(pool.children.len() as f64);
+        Ok((child, previous))
+    }
+
+    /// Opens the session's agent session on `child`: the known one (loaded
+    /// or resumed when this process has not seen it), else a new one.
+    async fn open(
+        &self,
+        child: &Child,
+        ctx: &TurnContext,
+        previous: Option<String>,
+        emit: &Emit,
+    ) -> Result<String, (ErrorKind, String)> {
+        let cfg = &self.cfg;
+        let host = &ctx.host;
+        let cwd = host.cwd.display().to_string();
+        let dirs: Vec<String> = host.roots.iter().map(|r| r.display().to_string()).collect();
+        let mut fresh_reason = None;
+        if let Some(up) = &host.upstream {
+            if child.knows(up) {
+                return Ok(up.clone());
+            }
+            let caps = child.caps();
+            let why = previous.unwrap_or_else(|| "the daemon restarted".to_owned());
+            let method = if caps.resume {
+                Some("session/resume")
+            } else if caps.load {
+                Some("session/load")
+            } else {
+                None
+            };
+            match method {
+                Some(m) => {
+                    let mut params = json!({"sessionId": up, "cwd": cwd, "mcpServers": []});
+                    if !dirs.is_empty() {
+                        params["additionalDirectories"] = json!(dirs);
+                    }
+                    child.mute(up, true);
+                    let r = child.call(m, params, cfg.start_timeout).await;
+                    child.mute(up, false);
+                    match r {
+                        Ok(_) => {
+                            child.learn(up);
+                            emit(SignalKind::Hosted(Hosted::Session {
+                                upstream: up.clone(),
+                                start: UpstreamStart::Loaded(why),
+                            }));
+                            return Ok(up.clone());
+                        }
+                        Err(RpcError::Dead(d)) => {
+                            return Err((ErrorKind::EngineCrashed, d));
+                        }
+                        Err(e) => fresh_reason = Some(format!("{why}; it could not reload: {e}")),
+                    }
+                }
+                None => {
+                    fresh_reason = Some(format!("{why}; the agent cannot reload sessions"));
+                }
+            }
+        }
+        let mut params = json!({"cwd": cwd, "mcpServers": []});
+        if !dirs.is_empty() {
+            params["additionalDirectories"] = json!(dirs);
+        }
+        let r = child
+            .call("session/new", params, cfg.start_timeout)
+            .await
+            .map_err(|e| {
+                (
+                    ErrorKind::EngineCrashed,
+                    format!("The agent `{}` could not open a session: {e}", cfg.name),
+                )
+            })?;
+        let Some(up) = r.get("sessionId").and_then(Value::as_str) else {
+            child.kill("it answered session/new without a session id".into());
+            return Err((
+                ErrorKind::EngineCrashed,
+                "The agent answered session/new without a session id.".into(),
+            ));
+        };
+        child.learn(up);
+        emit(SignalKind::Hosted(Hosted::Session {
+            upstream: up.to_owned(),
+            start: match fresh_reason {
+                Some(why) => UpstreamStart::Fresh(why),
+                None => UpstreamStart::New,
+            },
+        }));
+        if let Some(cmds) = r.pointer("/_meta/availableCommands") {
+            emit(SignalKind::Hosted(Hosted::Commands(map::commands(cmds))));
+        }
+        Ok(up.to_owned())
+    }
+
+    /// Updates the child memory gauge.
+    async fn measure(&self) {
+        let pids: Vec<u32> = {
+            let pool = self.pool.lock().await;
+            pool.children
+                .iter()
+                .filter(|c| c.alive())
+                .filter_map(|c| c.pid())
+                .collect()
+        };
+        let rss: u64 = pids.iter().filter_map(|p| rss_bytes(*p)).sum();
+        metrics::gauge!("tiller_engine_resident_memory_bytes", "engine" => self.cfg.name.to_string())
+            .set(rss as f64);
+    }
+}
+
+/// A process's resident memory, from `/proc`.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+/// One turn: reach the process and the agent session, send the prompt,
+/// relay until the answer.
+async fn run_turn(
+    shared: Arc<Shared>,
+    prompt: PreparedPrompt,
+    ctx: TurnContext,
+    emit: &Emit,
+    mut rx: mpsc::UnboundedReceiver<EngineInput>,
+) {
+    let session = ctx.host.session.clone();
+    let lock = shared.lock_for(&session);
+    let pool = shared.clone();
+    // Setup is cancellable: an abort before the prompt reached the agent
+    // ends the turn at once.
+    let setup = async {
+        let guard = lock.lock_owned().await;
+        let (child, previous) = pool.acquire(&session, &ctx.host.cwd).await?;
+        let upstream = pool.open(&child, &ctx, previous, emit).await?;
+        Ok::<_, (ErrorKind, String)>((guard, child, upstream))
+    };
+    tokio::pin!(setup);
+    let (guard, child, upstream) = loop {
+        tokio::select! {
+            r = &mut setup => match r {
+                Ok(v) => break v,
+                Err((kind, message)) => {
+                    emit(SignalKind::Failed(kind, message));
+                    return;
+                }
+            },
+            input = rx.recv() => match input {
+                Some(EngineInput::Abort) | None => {
+                    emit(SignalKind::Result(StopReason::Cancelled));
+                    emit(SignalKind::Idle);
+                    return;
+                }
+                Some(EngineInput::Steer { id, .. }) => {
+                    emit(SignalKind::SteerReceipt(id, SteerReceipt::Dropped));
+                }
+                Some(_) => {}
+            },
+        }
+    };
+    let inbound = child.route(&upstream);
+    child.enter();
+    let mut blocks = vec![json!({"type": "text", "text": prompt.text})];
+    if child.caps().images {
+        for i in &prompt.images {
+            blocks.push(json!({"type": "image", "mimeType": i.mime_type, "data": i.data}));
+        }
+    }
+    let answer = child.request(
+        "session/prompt",
+        json!({"sessionId": upstream, "prompt": blocks}),
+    );
+    let mut live = Live {
+        shared,
+        child,
+        upstream,
+        answer: Some(answer),
+        inbound: Some(inbound),
+        asked: HashMap::new(),
+        next_request: 0,
+        cancelled_at: None,
+        steers: Default::default(),
+        guard: Some(guard),
+    };
+    live.relay(&ctx, emit, &mut rx).await;
+}
+
+type Answer = tokio::sync::oneshot::Receiver<Result<Value, RpcError>>;
+
+/// A turn whose prompt the agent holds. Dropped before the answer came
+/// (the session tore the engine down), it winds down off the session:
+/// forwards the cancel, answers what the agent asked, and kills the
+/// process if it does not answer within `cancel_grace`.
+struct Live {
+    shared: Arc<Shared>,
+    child: Arc<Child>,
+    upstream: String,
+    /// The `session/prompt` answer, until it came.
+    answer: Option<Answer>,
+    inbound: Option<mpsc::UnboundedReceiver<Inbound>>,
+    /// Tiller's request number -> the agent's request (its JSON-RPC id and,
+    /// for a permission, its options).
+    asked: HashMap<u64, (Value, Option<Value>)>,
+    next_request: u64,
+    cancelled_at: Option<tokio::time::Instant>,
+    /// Steers forwarded, until the agent answers them.
+    steers: futures::stream::FuturesUnordered<
+        futures::future::BoxFuture<'static, (tiller_core::SteerId, SteerReceipt)>,
+    >,
+    /// The session's turn lock, held until the agent answered (or died).
+    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Live {
+    async fn relay(
+        &mut self,
+        ctx: &TurnContext,
+        emit: &Emit,
+        rx: &mut mpsc::UnboundedReceiver<EngineInput>,
+    ) {
+        use futures::{FutureExt as _, StreamExt as _};
+        loop {
+            let answer = self.answer.as_mut().expect("until the answer");
+            let inbound = self.inbound.as_mut().expect("until the answer");
+            let steers = &mut self.steers;
+            tokio::select! {
+                biased;
+                input = rx.recv() => match input {
+                    None => return, // torn down: dropping winds down
+                    Some(input) => self.input(input, emit),
+                },
+                // A steer's answer came before what the agent sent next.
+                Some((id, receipt)) = steers.next(), if !steers.is_empty() => {
+                    emit(SignalKind::SteerReceipt(id, receipt));
+                }
+                r = answer => {
+                    while let Some(Some((id, receipt))) = self.steers.next().now_or_never() {
+                        emit(SignalKind::SteerReceipt(id, receipt));
+                    }
+                    // What the agent sent before its answer is the turn's.
+                    while let Ok(msg) = inbound.try_recv() {
+                        match msg {
+                            Inbound::Update(u) if self.cancelled_at.is_none() => {
+                                for kind in map::update(&u) {
+                                    ctx.pace.room().await;
+                                    emit(kind);
+                                }
+                            }
+                            Inbound::Update(_) => stale(&self.shared.cfg.name),
+                            Inbound::Request { id, method, .. } => {
+                                self.child.respond(id, refusal(&method));
+                            }
+                        }
+                    }
+                    self.answer = None;
+                    self.finish();
+                    match r {
+                        Ok(Ok(v)) => {
+                            let stop = if self.cancelled_at.is_some() {
+                                StopReason::Cancelled
+                            } else {
+                                map::stop_reason(&v)
+                            };
+                            emit(SignalKind::Result(stop));
+                            emit(SignalKind::Idle);
+                        }
+                        Ok(Err(RpcError::Agent { code, message })) => emit(SignalKind::Failed(
+                            ErrorKind::EngineCrashed,
+                            format!("The agent failed the turn: {message} (code {code})"),
+                        )),
+                        Ok(Err(RpcError::Dead(why))) => emit(SignalKind::Failed(
+                            ErrorKind::EngineCrashed,
+                            format!("The agent process ended during the turn: {why}."),
+                        )),
+                        Err(_) => emit(SignalKind::Failed(
+                            ErrorKind::EngineCrashed,
+                            "The agent process ended during the turn.".into(),
+                        )),
+                    }
+                    return;
+                }
+                msg = inbound.recv() => match msg {
+                    // The child died: its answer fails next.
+                    None => self.inbound = Some(mpsc::unbounded_channel().1),
+                    Some(Inbound::Update(u)) => {
+                        if self.cancelled_at.is_some() {
+                            stale(&self.shared.cfg.name);
+                            continue;
+                        }
+                        for kind in map::update(&u) {
+                            ctx.pace.room().await;
+                            emit(kind);
+                        }
+                    }
+                    Some(Inbound::Request { id, method, params }) => {
+                        self.request(id, &method, &params, emit);
+                    }
+                },
+            }
+        }
+    }
+
+    /// A message from the session.
+    fn input(&mut self, input: EngineInput, emit: &Emit) {
+        match input {
+            EngineInput::Abort => self.cancel(),
+            EngineInput::Permission { request, answer } => {
+                if let Some((id, options)) = self.asked.remove(&request) {
+                    let outcome = map::permission_outcome(answer, options.as_ref());
+                    self.child.respond(id, Ok(outcome));
+                }
+            }
+            EngineInput::File { request, result } => {
+                if let Some((id, _)) = self.asked.remove(&request) {
+                    self.child
+                        .respond(id, result.map(map::file_result).map_err(|e| (-32603, e)));
+                }
+            }
+            EngineInput::Steer { id, text } => {
+                if !self.child.caps().steering || self.cancelled_at.is_some() {
+                    emit(SignalKind::SteerReceipt(id, SteerReceipt::Dropped));
+                    return;
+                }
+                let answer = self.child.request(
+                    "_session/steering",
+                    json!({
+                        "sessionId": self.upstream,
+                        "prompt": [{"type": "text", "text": text}],
+                        "_meta": {"steering": {"idleBehavior": "promptRequired"}},
+                    }),
+                );
+                // The receipt comes when the agent answers, in order with
+                // what it streams (the session bounds the wait with
+                // `steer_receipt_timeout`).
+                self.steers.push(Box::pin(async move {
+                    let receipt = match answer.await {
+                        Ok(Ok(v))
+                            if v.get("outcome").and_then(Value::as_str) == Some("injected") =>
+                        {
+                            SteerReceipt::Consumed
+                        }
+                        _ => SteerReceipt::Dropped,
+                    };
+                    (id, receipt)
+                }));
+            }
+            EngineInput::ToolResults(_) => {}
+        }
+    }
+
+    /// A request from the agent.
+    fn request(&mut self, id: Value, method: &str, params: &Value, emit: &Emit) {
+        if self.cancelled_at.is_some() {
+            self.child.respond(id, refusal(method));
+            return;
+        }
+        self.next_request += 1;
+        let n = self.next_request;
+        match method {
+            "session/request_permission" => {
+                let call = map::call(params.get("toolCall").unwrap_or(&Value::Null));
+                self.asked.insert(n, (id, params.get("options").cloned()));
+                emit(SignalKind::Hosted(Hosted::Permission { request: n, call }));
+            }
+            "fs/read_text_file" | "fs/write_text_file" => match map::file_op(method, params) {
+                Some(op) => {
+                    self.asked.insert(n, (id, None));
+                    emit(SignalKind::Hosted(Hosted::File { request: n, op }));
+                }
+                None => self
+                    .child
+                    .respond(id, Err((-32602, format!("invalid params for {method}")))),
+            },
+            _ => self
+                .child
+                .respond(id, Err((-32601, format!("method not found: {method}")))),
+        }
+    }
+
+    /// Forwards a cancel (once) and answers what the agent asked.
+    fn cancel(&mut self) {
+        if self.cancelled_at.is_some() {
+            return;
+        }
+        self.cancelled_at = Some(tokio::time::Instant::now());
+        self.child
+            .notify("session/cancel", json!({"sessionId": self.upstream}));
+        for (_, (id, options)) in self.asked.drain() {
+            let method = if options.is_some() {
+                "session/request_permission"
+            } else {
+                "fs"
+            };
+            self.child.respond(id, refusal(method));
+        }
+    }
+
+    /// The agent answered (or died): the session's next turn may start,
+    /// and an idle process is stopped after `idle_timeout`.
+    fn finish(&mut self) {
+        self.guard = None;
+        self.child.unroute(&self.upstream);
+        if let Some(generation) = self.child.leave() {
+            let child = Arc::downgrade(&self.child);
+            let idle = self.shared.cfg.idle_timeout;
+            tokio::spawn(async move {
+                tokio::time::sleep(idle).await;
+                if let Some(c) = child.upgrade() {
+                    c.stop_if_idle(generation);
+                }
+            });
+        }
+    }
+
+    /// The turn was torn down with the prompt still at the agent.
+    async fn wind_down(mut self) {
+        self.cancel();
+        let deadline = self.cancelled_at.expect("just cancelled") + self.shared.cfg.cancel_grace;
+        loop {
+            let answer = self.answer.as_mut().expect("until the answer");
+            let inbound = self.inbound.as_mut().expect("until the answer");
+            tokio::select! {
+                _ = answer => break,
+                msg = inbound.recv() => match msg {
+                    None => break,
+                    Some(Inbound::Update(_)) => stale(&self.shared.cfg.name),
+                    Some(Inbound::Request { id, method, .. }) => {
+                        self.child.respond(id, refusal(&method));
+                    }
+                },
+                _ = tokio::time::sleep_until(deadline) => {
+                    self.child.kill(format!(
+                        "it did not answer a cancel within {:?}",
+                        self.shared.cfg.cancel_grace
+                    ));
+                    break;
+                }
+            }
+        }
+        self.answer = None;
+        self.finish();
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        if self.answer.is_none() {
+            return;
+        }
+        let rest = Live {
+            shared: self.shared.clone(),
+            child: self.child.clone(),
+            upstream: std::mem::take(&mut self.upstream),
+            answer: self.answer.take(),
+            inbound: self.inbound.take(),
+            asked: std::mem::take(&mut self.asked),
+            next_request: self.next_request,
+            cancelled_at: self.cancelled_at,
+            steers: Default::default(),
+            guard: self.guard.take(),
+        };
+        if tokio::runtime::Handle::try_current().is_ok() {
+            tokio::spawn(rest.wind_down());
+        } else {
+            rest.child.kill("the runtime stopped".into());
+        }
+    }
+}
+
+/// What an agent's request is answered once its turn is over.
+fn refusal(method: &str) -> Result<Value, (i64, String)> {
+    if method == "session/request_permission" {
+        Ok(json!({"outcome": {"outcome": "cancelled"}}))
+    } else {
+        Err((-32603, "the turn was cancelled".to_owned()))
+    }
+}
+
+fn stale(engine: &str) {
+    metrics::counter!("tiller_engine_stale_messages_total", "engine" => engine.to_owned())
+        .increment(1);
+}

@@ -1,0 +1,429 @@
+//! The shell for engines that host an agent running its own tools (ACP
+//! agents): the agent's calls are shown and watched by the turn's loop
+//! guard, its permission requests go through the session's permission
+//! flow, and its file reads and writes run through the session's confined
+//! tools (or the attached editor). Every call the session announced ends
+//! exactly once: by the agent's own terminal update, with the skip details
+//! when loop protection trips, or stopped when the turn ends first.
+
+use super::*;
+use crate::event::{AgentCommand, AskedCall, ToolError, ToolStatus};
+use tiller_core::CallKey;
+use tiller_engine::{FileOp, Hosted, HostedCall, PermissionAnswer, ToolKind, UpstreamStart};
+
+/// What the session knows of a hosted turn's calls.
+#[derive(Default)]
+pub(super) struct HostedTurn {
+    calls: Vec<CallState>,
+    /// The permission request a person is asked, if any.
+    waiting: Option<Wait>,
+}
+
+struct CallState {
+    /// The agent's id.
+    id: String,
+    /// The id it is published under (unique in the session).
+    wire: String,
+    name: String,
+    kind: ToolKind,
+    input: Option<serde_json::Value>,
+    locations: Vec<String>,
+    /// Its loop-guard key, once checked.
+    key: Option<CallKey>,
+    ended: bool,
+}
+
+struct Wait {
+    request_id: String,
+    /// The engine's number for the request.
+    request: u64,
+    call: usize,
+}
+
+impl CallState {
+    /// The call as the permission rules see it.
+    fn as_tool_call(&self) -> tiller_engine::ToolCall {
+        tiller_engine::ToolCall {
+            id: self.id.clone(),
+            name: self.name.clone(),
+            kind: self.kind,
+            input: self.input.clone().unwrap_or(serde_json::Value::Null),
+            simulated: None,
+        }
+    }
+}
+
+fn status(s: Option<&str>) -> Option<ToolStatus> {
+    Some(match s? {
+        "pending" => ToolStatus::Pending,
+        "in_progress" => ToolStatus::InProgress,
+        "completed" => ToolStatus::Completed,
+        "failed" => ToolStatus::Failed,
+        _ => return None,
+    })
+}
+
+impl SessionState {
+    /// Handles a hosted agent's content. Returns the events to publish and
+    /// a loop trip, if the guard found one.
+    pub(super) fn hosted(&mut self, turn: TurnId, h: Hosted) -> (Vec<EventBody>, Option<LoopType>) {
+        let mut events = Vec::new();
+        let trip = match h {
+            Hosted::Call(c) => self.hosted_call(turn, c, &mut events).and_then(|(_, t)| t),
+            Hosted::Permission { request, call } => {
+                self.hosted_permission(turn, request, call, &mut events)
+            }
+            Hosted::File { request, op } => {
+                self.hosted_file(turn, request, op);
+                None
+            }
+            Hosted::Session { upstream, start } => {
+                let (start, reason) = match start {
+                    UpstreamStart::New => ("new", None),
+                    UpstreamStart::Loaded(why) => ("loaded", Some(why)),
+                    UpstreamStart::Fresh(why) => ("fresh", Some(why)),
+                };
+                if self.upstream.as_deref() != Some(upstream.as_str()) {
+                    self.upstream = Some(upstream.clone());
+                    let _ = self.myself.send_message(SessionMsg::SaveSettings);
+                }
+                events.push(EventBody::AgentSession {
+                    upstream,
+                    start: start.into(),
+                    reason,
+                });
+                None
+            }
+            Hosted::Commands(list) => {
+                events.push(EventBody::AgentCommands {
+                    commands: list
+                        .into_iter()
+                        .map(|(name, description)| AgentCommand { name, description })
+                        .collect(),
+                });
+                None
+            }
+        };
+        (events, trip)
+    }
+
+    /// Takes in what the agent said of a call: announces a new one, checks
+    /// it with the loop guard once its input is known, ends it at its
+    /// terminal status. Returns the call's index and a trip.
+    fn hosted_call(
+        &mut self,
+        turn: TurnId,
+        c: HostedCall,
+        events: &mut Vec<EventBody>,
+    ) -> Option<(usize, Option<LoopType>)> {
+        let ids = self.call_ids.get_or_insert_with(Box::default);
+        let run = self.running.as_mut().filter(|r| r.turn == turn)?;
+        let hosted = run.hosted.get_or_insert_with(Box::default);
+        let i = match hosted.calls.iter().position(|s| s.id == c.id) {
+            Some(i) => {
+                let s = &mut hosted.calls[i];
+                if let Some(input) = c.input.clone() {
+                    s.input = Some(input);
+                }
+                if let Some(k) = c.kind {
+                    s.kind = k;
+                }
+                if !c.locations.is_empty() {
+                    s.locations = c.locations.clone();
+                }
+                i
+            }
+            None => {
+                let name = c
+                    .name
+                    .clone()
+                    .or(c.title.clone())
+                    .unwrap_or_else(|| "tool".into());
+                let wire = ids.hosted(&c.id);
+                events.push(EventBody::ToolCall {
+                    tool_call_id: wire.clone(),
+                    name: name.clone(),
+                    input: c.input.clone().unwrap_or(serde_json::json!({})),
+                    status: ToolStatus::Pending,
+                    locations: c.locations.clone(),
+                });
+                hosted.calls.push(CallState {
+                    id: c.id.clone(),
+                    wire,
+                    name,
+                    kind: c.kind.unwrap_or(ToolKind::Other),
+                    input: c.input.clone(),
+                    locations: c.locations.clone(),
+                    key: None,
+                    ended: false,
+                });
+                hosted.calls.len() - 1
+            }
+        };
+        let s = &mut hosted.calls[i];
+        if s.ended {
+            return Some((i, None));
+        }
+        let st = status(c.status.as_deref());
+        let terminal = matches!(st, Some(ToolStatus::Completed | ToolStatus::Failed));
+        // Checked once, when its arguments are known (or when it ends
+        // without ever showing them).
+        if s.key.is_none() && (s.input.is_some() || terminal) {
+            let key = CallKey {
+                tool: s.name.clone(),
+                args: crate::tools::canonical_json(
+                    s.input.as_ref().unwrap_or(&serde_json::Value::Null),
+                ),
+            };
+            let checked = run.guard.check(&key);
+            s.key = Some(key);
+            if let Err(loop_type) = checked {
+                fail_unfinished(hosted, run.handle.sender(), loop_type, events);
+                return Some((i, Some(loop_type)));
+            }
+        }
+        match st {
+            Some(ToolStatus::InProgress) => events.push(EventBody::ToolCallUpdate {
+                tool_call_id: s.wire.clone(),
+                status: ToolStatus::InProgress,
+                output: None,
+                error: None,
+            }),
+            Some(done @ (ToolStatus::Completed | ToolStatus::Failed)) => {
+                s.ended = true;
+                let ok = done == ToolStatus::Completed;
+                let output = c.output.unwrap_or_default();
+                if let Some(key) = &s.key {
+                    let mut h = std::hash::DefaultHasher::new();
+                    std::hash::Hash::hash(&(ok, &output), &mut h);
+                    let outcome = tiller_core::CallOutcome {
+                        ok,
+                        signature: std::hash::Hasher::finish(&h),
+                    };
+                    run.guard.finished(key, outcome);
+                }
+                metrics::counter!(
+                    "tiller_tool_calls_total",
+                    "status" => if ok { "completed" } else { "failed" }
+                )
+                .increment(1);
+                events.push(EventBody::ToolCallUpdate {
+                    tool_call_id: s.wire.clone(),
+                    status: done,
+                    output: Some(output),
+                    error: None,
+                });
+            }
+            _ => {}
+        }
+        Some((i, None))
+    }
+
+    /// The agent asks permission for a call.
+    fn hosted_permission(
+        &mut self,
+        turn: TurnId,
+        request: u64,
+        call: HostedCall,
+        events: &mut Vec<EventBody>,
+    ) -> Option<LoopType> {
+        let (i, trip) = self.hosted_call(turn, call.clone(), events)?;
+        let run = self.running.as_mut().filter(|r| r.turn == turn)?;
+        let answer = |a| {
+            run.handle
+                .send(EngineInput::Permission { request, answer: a });
+        };
+        if trip.is_some() {
+            // Loop protection refuses the tripping call.
+            answer(PermissionAnswer::Reject);
+            return trip;
+        }
+        let hosted = run.hosted.as_mut()?;
+        let s = &hosted.calls[i];
+        let tool = s.as_tool_call();
+        // Nobody answers for an automatic turn; the session's rules may
+        // allow the call without asking.
+        if run.origin != Origin::Interactive {
+            answer(PermissionAnswer::Reject);
+            return None;
+        }
+        if !self.permissions.needs(&tool) {
+            answer(PermissionAnswer::AllowOnce);
+            return None;
+        }
+        let request_id = format!("perm-{}", tiller_core::RequestId::new());
+        events.push(EventBody::PermissionRequested {
+            request_id: request_id.clone(),
+            tool_call_id: s.wire.clone(),
+            title: call.title.clone().unwrap_or_else(|| s.name.clone()),
+            options: crate::tools::options(&tool),
+            call: Box::new(AskedCall {
+                name: s.name.clone(),
+                input: tool.input.clone(),
+                locations: s.locations.clone(),
+                ..Default::default()
+            }),
+        });
+        if let Some(old) = hosted.waiting.replace(Wait {
+            request_id,
+            request,
+            call: i,
+        }) {
+            // One question at a time: an older one is withdrawn.
+            run.handle.send(EngineInput::Permission {
+                request: old.request,
+                answer: PermissionAnswer::Cancelled,
+            });
+        }
+        None
+    }
+
+    /// A person's answer to a hosted agent's request; `None` when the
+    /// request is not the hosted turn's.
+    pub(super) fn hosted_answer(
+        &mut self,
+        request_id: &str,
+        decision: Decision,
+    ) -> Option<Vec<EventBody>> {
+        let run = self.running.as_mut()?;
+        let hosted = run.hosted.as_mut()?;
+        if hosted.waiting.as_ref()?.request_id != request_id {
+            return None;
+        }
+        let w = hosted.waiting.take()?;
+        let s = &hosted.calls[w.call];
+        let answer = match decision {
+            Decision::AllowOnce => PermissionAnswer::AllowOnce,
+            Decision::AllowAlways => {
+                self.permissions.allow_always(&s.as_tool_call());
+                PermissionAnswer::AllowAlways
+            }
+            Decision::Reject => PermissionAnswer::Reject,
+            Decision::Cancelled => PermissionAnswer::Cancelled,
+        };
+        run.handle.send(EngineInput::Permission {
+            request: w.request,
+            answer,
+        });
+        Some(vec![EventBody::PermissionResolved {
+            request_id: w.request_id,
+            tool_call_id: s.wire.clone(),
+            outcome: decision.as_str().into(),
+        }])
+    }
+
+    /// The turn ends: a question still open is withdrawn and every call
+    /// the agent did not end is stopped.
+    pub(super) fn hosted_abandon(&mut self, turn: TurnId) -> Vec<EventBody> {
+        let mut events = Vec::new();
+        let Some(run) = self.running.as_mut().filter(|r| r.turn == turn) else {
+            return events;
+        };
+        let Some(hosted) = run.hosted.as_mut() else {
+            return events;
+        };
+        if let Some(w) = hosted.waiting.take() {
+            run.handle.send(EngineInput::Permission {
+                request: w.request,
+                answer: PermissionAnswer::Cancelled,
+            });
+            events.push(EventBody::PermissionResolved {
+                request_id: w.request_id,
+                tool_call_id: hosted.calls[w.call].wire.clone(),
+                outcome: Decision::Cancelled.as_str().into(),
+            });
+        }
+        for s in hosted.calls.iter_mut().filter(|s| !s.ended) {
+            s.ended = true;
+            metrics::counter!("tiller_tool_calls_total", "status" => "failed").increment(1);
+            events.push(EventBody::ToolCallUpdate {
+                tool_call_id: s.wire.clone(),
+                status: ToolStatus::Failed,
+                output: Some("The turn ended before this call finished; it was stopped.".into()),
+                error: None,
+            });
+        }
+        events
+    }
+
+    /// Serves a file request off the actor: the attached editor when it
+    /// offers files, else the session's confined tools.
+    fn hosted_file(&mut self, turn: TurnId, request: u64, op: FileOp) {
+        let exec = pipeline::Exec::of(self);
+        let Some(run) = self.running.as_ref().filter(|r| r.turn == turn) else {
+            return;
+        };
+        let engine = run.handle.sender();
+        let (name, input) = match &op {
+            FileOp::Read { path, line, limit } => {
+                let mut input = serde_json::json!({ "path": path });
+                if let Some(l) = line {
+                    input["offset"] = (*l).into();
+                }
+                if let Some(l) = limit {
+                    input["limit"] = (*l).into();
+                }
+                ("read_file", input)
+            }
+            FileOp::Write { path, content } => (
+                "write_file",
+                serde_json::json!({ "path": path, "content": content }),
+            ),
+        };
+        let call = tiller_engine::ToolCall {
+            id: format!("fs-{request}"),
+            name: name.into(),
+            kind: ToolKind::of(name),
+            input,
+            simulated: None,
+        };
+        let write = matches!(op, FileOp::Write { .. });
+        let task = async move {
+            let out = exec.run(&call).await;
+            let result = match (out.ok, write) {
+                (true, true) => Ok(String::new()),
+                (true, false) => Ok(out.output),
+                (false, _) => Err(out.output),
+            };
+            let _ = engine.send(EngineInput::File { request, result });
+        };
+        tokio::spawn(task.instrument(run.span.clone()));
+    }
+}
+
+/// Loop protection tripped: every call the agent has not ended fails with
+/// the skip details, and a question still open is refused.
+fn fail_unfinished(
+    hosted: &mut HostedTurn,
+    engine: tokio::sync::mpsc::UnboundedSender<EngineInput>,
+    loop_type: LoopType,
+    events: &mut Vec<EventBody>,
+) {
+    let message = crate::tools::skip_message(loop_type);
+    if let Some(w) = hosted.waiting.take() {
+        let _ = engine.send(EngineInput::Permission {
+            request: w.request,
+            answer: PermissionAnswer::Reject,
+        });
+        events.push(EventBody::PermissionResolved {
+            request_id: w.request_id,
+            tool_call_id: hosted.calls[w.call].wire.clone(),
+            outcome: Decision::Cancelled.as_str().into(),
+        });
+    }
+    for s in hosted.calls.iter_mut().filter(|s| !s.ended) {
+        s.ended = true;
+        metrics::counter!("tiller_tool_calls_total", "status" => "failed").increment(1);
+        events.push(EventBody::ToolCallUpdate {
+            tool_call_id: s.wire.clone(),
+            status: ToolStatus::Failed,
+            output: Some(message.clone()),
+            error: Some(ToolError {
+                error_kind: "loop_detected".into(),
+                loop_type: Some(loop_type.as_str().into()),
+                code: "LOOP_DETECTED".into(),
+                message: message.clone(),
+            }),
+        });
+    }
+}
