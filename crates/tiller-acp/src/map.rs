@@ -60,9 +60,10 @@ pub fn session_update(
             input,
             status,
             locations,
+            kind,
         } => SessionUpdate::ToolCall(
             ToolCall::new(tool_call_id.clone(), name.clone())
-                .kind(tool_kind(name))
+                .kind(kind.as_deref().map_or_else(|| tool_kind(name), acp_kind))
                 .status(tool_status(*status))
                 .raw_input(input.clone())
                 .locations(acp_locations(locations)),
@@ -155,6 +156,22 @@ fn acp_locations(paths: &[String]) -> Vec<ToolCallLocation> {
 }
 
 /// ACP's kind of a tool, by name (MCP tools are `other`).
+/// A hosted agent's own kind, as ACP names them.
+fn acp_kind(kind: &str) -> ToolKind {
+    match kind {
+        "read" => ToolKind::Read,
+        "edit" => ToolKind::Edit,
+        "delete" => ToolKind::Delete,
+        "move" => ToolKind::Move,
+        "search" => ToolKind::Search,
+        "execute" => ToolKind::Execute,
+        "think" => ToolKind::Think,
+        "fetch" => ToolKind::Fetch,
+        "switch_mode" => ToolKind::SwitchMode,
+        _ => ToolKind::Other,
+    }
+}
+
 fn tool_kind(name: &str) -> ToolKind {
     match name {
         "read_file" => ToolKind::Read,
@@ -346,6 +363,7 @@ pub fn permission_request(rec: &EventRecord) -> Option<(String, Value)> {
         input,
         locations,
         diff,
+        kind,
     } = &**call;
     let options = options
         .iter()
@@ -376,7 +394,7 @@ pub fn permission_request(rec: &EventRecord) -> Option<(String, Value)> {
             ))));
         }
         fields = fields
-            .kind(tool_kind(name))
+            .kind(kind.as_deref().map_or_else(|| tool_kind(name), acp_kind))
             .status(ToolCallStatus::Pending)
             .raw_input(input.clone())
             .locations(acp_locations(locations));

@@ -89,6 +89,8 @@ pub struct HostedCall {
     pub name: Option<String>,
     pub title: Option<String>,
     pub kind: Option<ToolKind>,
+    /// The ACP kind as the agent named it (`read`, `edit`, `search`, ...).
+    pub acp_kind: Option<String>,
     /// `pending`, `in_progress`, `completed`, `failed`.
     pub status: Option<String>,
     pub input: Option<serde_json::Value>,
@@ -96,6 +98,8 @@ pub struct HostedCall {
     pub output: Option<String>,
     /// Absolute paths it touches.
     pub locations: Vec<String>,
+    /// For an edit: `(path, old text, new text)` (no old text: a new file).
+    pub diff: Option<(String, Option<String>, String)>,
 }
 
 /// A file operation an agent asks its host for.

@@ -97,6 +97,10 @@ pub enum EventBody {
         /// Absolute paths the call works on (editors follow along).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         locations: Vec<String>,
+        /// The ACP tool kind a hosted agent gave it (Tiller's own calls
+        /// take theirs from the tool's name).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        kind: Option<Box<str>>,
     },
     /// A tool call changed status.
     ToolCallUpdate {
@@ -226,6 +230,9 @@ pub struct AskedCall {
     /// For edits: the change.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub diff: Option<tiller_tools::FileDiff>,
+    /// The ACP tool kind a hosted agent gave it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
 }
 
 /// An amount of money.
@@ -400,6 +407,7 @@ mod tests {
                 input: serde_json::json!({"x": 1}),
                 status: ToolStatus::Pending,
                 locations: vec!["/w/a.rs".into()],
+                kind: None,
             },
             EventBody::ToolCallUpdate {
                 tool_call_id: "a".into(),

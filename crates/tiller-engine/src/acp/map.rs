@@ -124,7 +124,16 @@ pub(super) fn call(c: &Value) -> HostedCall {
         Value::String(s) => Some(s.clone()),
         v => Some(v.to_string()),
     });
+    let diff = c["content"].as_array().and_then(|blocks| {
+        let d = blocks.iter().find(|b| b["type"] == "diff")?;
+        Some((
+            d["path"].as_str()?.to_owned(),
+            d["oldText"].as_str().map(str::to_owned),
+            d["newText"].as_str()?.to_owned(),
+        ))
+    });
     HostedCall {
+        diff,
         id: s("toolCallId").unwrap_or_default(),
         name,
         title: s("title"),
@@ -134,8 +143,13 @@ pub(super) fn call(c: &Value) -> HostedCall {
             "execute" => ToolKind::Execute,
             _ => ToolKind::Other,
         }),
+        acp_kind: s("kind"),
         status: s("status"),
-        input: c.get("rawInput").filter(|v| !v.is_null()).cloned(),
+        // Agents announce a call with `{}` before its arguments stream in.
+        input: c
+            .get("rawInput")
+            .filter(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()))
+            .cloned(),
         output,
         locations: c["locations"]
             .as_array()

@@ -26,6 +26,8 @@ struct CallState {
     wire: String,
     name: String,
     kind: ToolKind,
+    /// The ACP kind the agent named.
+    acp_kind: Option<String>,
     input: Option<serde_json::Value>,
     locations: Vec<String>,
     /// Its loop-guard key, once checked.
@@ -128,6 +130,9 @@ impl SessionState {
                 if let Some(k) = c.kind {
                     s.kind = k;
                 }
+                if c.acp_kind.is_some() {
+                    s.acp_kind = c.acp_kind.clone();
+                }
                 if !c.locations.is_empty() {
                     s.locations = c.locations.clone();
                 }
@@ -146,12 +151,14 @@ impl SessionState {
                     input: c.input.clone().unwrap_or(serde_json::json!({})),
                     status: ToolStatus::Pending,
                     locations: c.locations.clone(),
+                    kind: Some(c.acp_kind.clone().unwrap_or_else(|| "other".into()).into()),
                 });
                 hosted.calls.push(CallState {
                     id: c.id.clone(),
                     wire,
                     name,
                     kind: c.kind.unwrap_or(ToolKind::Other),
+                    acp_kind: c.acp_kind.clone(),
                     input: c.input.clone(),
                     locations: c.locations.clone(),
                     key: None,
@@ -261,7 +268,15 @@ impl SessionState {
                 name: s.name.clone(),
                 input: tool.input.clone(),
                 locations: s.locations.clone(),
-                ..Default::default()
+                kind: Some(s.acp_kind.clone().unwrap_or_else(|| "other".into())),
+                diff: call
+                    .diff
+                    .clone()
+                    .map(|(path, old_text, new_text)| tiller_tools::FileDiff {
+                        path,
+                        old_text,
+                        new_text,
+                    }),
             }),
         });
         if let Some(old) = hosted.waiting.replace(Wait {

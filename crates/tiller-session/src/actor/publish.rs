@@ -170,13 +170,15 @@ impl SessionState {
         mut body: EventBody,
     ) {
         match &mut body {
+            // A hosted agent's calls carry their own locations and diff.
             EventBody::ToolCall {
                 name,
                 input,
                 locations,
+                kind: None,
                 ..
             } => *locations = self.toolbox.locations(name, input),
-            EventBody::PermissionRequested { call, .. } => {
+            EventBody::PermissionRequested { call, .. } if call.kind.is_none() => {
                 call.locations = self.toolbox.locations(&call.name, &call.input);
                 call.diff = self.toolbox.diff(&call.name, &call.input);
             }

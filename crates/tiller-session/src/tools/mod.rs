@@ -350,6 +350,7 @@ impl Batch {
             input: call.input.clone(),
             status: ToolStatus::Pending,
             locations: Vec::new(),
+            kind: None,
         }
     }
 }
