@@ -167,10 +167,7 @@ fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Va
     let end = |reason: &str| answer(id, json!({"stopReason": reason}));
     // Waits for a cancel (answering it) for at most `d`; true when one came.
     let cancelled = |d: Duration| -> bool {
-        match rx.recv_timeout(d) {
-            Ok(m) if m["method"] == "session/cancel" => true,
-            _ => false,
-        }
+        matches!(rx.recv_timeout(d), Ok(m) if m["method"] == "session/cancel")
     };
     match word {
         "silent" => {}
@@ -189,8 +186,9 @@ fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Va
             end("end_turn");
         }
         "garbage" => {
-            println!("this is not json");
-            let _ = std::io::stdout().flush();
+            let mut o = std::io::stdout().lock();
+            let _ = writeln!(o, "this is not json");
+            let _ = o.flush();
         }
         "slow" => {
             for i in 0..200 {
