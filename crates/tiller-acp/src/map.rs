@@ -63,7 +63,7 @@ pub fn session_update(
             kind,
         } => SessionUpdate::ToolCall(
             ToolCall::new(tool_call_id.clone(), name.clone())
-                .kind(kind.as_deref().map_or_else(|| tool_kind(name), acp_kind))
+                .kind(kind.map_or_else(|| tool_kind(name), acp_kind))
                 .status(tool_status(*status))
                 .raw_input(input.clone())
                 .locations(acp_locations(locations)),
@@ -157,18 +157,19 @@ fn acp_locations(paths: &[String]) -> Vec<ToolCallLocation> {
 
 /// ACP's kind of a tool, by name (MCP tools are `other`).
 /// A hosted agent's own kind, as ACP names them.
-fn acp_kind(kind: &str) -> ToolKind {
+fn acp_kind(kind: tiller_session::event::CallKind) -> ToolKind {
+    use tiller_session::event::CallKind as K;
     match kind {
-        "read" => ToolKind::Read,
-        "edit" => ToolKind::Edit,
-        "delete" => ToolKind::Delete,
-        "move" => ToolKind::Move,
-        "search" => ToolKind::Search,
-        "execute" => ToolKind::Execute,
-        "think" => ToolKind::Think,
-        "fetch" => ToolKind::Fetch,
-        "switch_mode" => ToolKind::SwitchMode,
-        _ => ToolKind::Other,
+        K::Read => ToolKind::Read,
+        K::Edit => ToolKind::Edit,
+        K::Delete => ToolKind::Delete,
+        K::Move => ToolKind::Move,
+        K::Search => ToolKind::Search,
+        K::Execute => ToolKind::Execute,
+        K::Think => ToolKind::Think,
+        K::Fetch => ToolKind::Fetch,
+        K::SwitchMode => ToolKind::SwitchMode,
+        K::Other => ToolKind::Other,
     }
 }
 
@@ -394,7 +395,7 @@ pub fn permission_request(rec: &EventRecord) -> Option<(String, Value)> {
             ))));
         }
         fields = fields
-            .kind(kind.as_deref().map_or_else(|| tool_kind(name), acp_kind))
+            .kind(kind.map_or_else(|| tool_kind(name), acp_kind))
             .status(ToolCallStatus::Pending)
             .raw_input(input.clone())
             .locations(acp_locations(locations));

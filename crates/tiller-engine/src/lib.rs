@@ -49,11 +49,12 @@ pub enum Update {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Hosted {
     /// A tool call was announced or changed (ACP `tool_call`,
-    /// `tool_call_update`).
-    Call(HostedCall),
+    /// `tool_call_update`). Boxed, as below: every signal is as large as
+    /// its largest kind.
+    Call(Box<HostedCall>),
     /// The agent asks permission for a call; answer with
     /// [`EngineInput::Permission`] and the same `request`.
-    Permission { request: u64, call: HostedCall },
+    Permission { request: u64, call: Box<HostedCall> },
     /// The agent reads or writes a file through the host; answer with
     /// [`EngineInput::File`] and the same `request`.
     File { request: u64, op: FileOp },

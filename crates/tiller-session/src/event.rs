@@ -100,7 +100,7 @@ pub enum EventBody {
         /// The ACP tool kind a hosted agent gave it (Tiller's own calls
         /// take theirs from the tool's name).
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        kind: Option<Box<str>>,
+        kind: Option<CallKind>,
     },
     /// A tool call changed status.
     ToolCallUpdate {
@@ -232,7 +232,31 @@ pub struct AskedCall {
     pub diff: Option<tiller_tools::FileDiff>,
     /// The ACP tool kind a hosted agent gave it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<String>,
+    pub kind: Option<CallKind>,
+}
+
+/// The kinds of tool call ACP names (a hosted agent's own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallKind {
+    Read,
+    Edit,
+    Delete,
+    Move,
+    Search,
+    Execute,
+    Think,
+    Fetch,
+    SwitchMode,
+    #[serde(other)]
+    Other,
+}
+
+impl CallKind {
+    /// Reads an agent's kind; anything unknown is `other`.
+    pub fn parse(s: &str) -> CallKind {
+        serde_json::from_value(serde_json::Value::String(s.to_owned())).unwrap_or(CallKind::Other)
+    }
 }
 
 /// An amount of money.

@@ -292,7 +292,7 @@ impl ModelEngineCfg {
         let kind = self.kind.as_deref().unwrap_or(name);
         let provider = Provider::parse(kind).ok_or_else(|| {
             format!(
-                "key `engine.{name}.kind`: unknown kind `{kind}` (expected openai or anthropic)"
+                "key `engine.{name}.kind`: unknown kind `{kind}` (expected openai, anthropic or acp)"
             )
         })?;
         if self.model.trim().is_empty() {
@@ -644,7 +644,13 @@ impl Config {
                     )));
                 }
                 if let toml::Value::Table(t) = v {
-                    let agent = t.get("kind").and_then(toml::Value::as_str) == Some("acp");
+                    let kind = t.get("kind").and_then(toml::Value::as_str);
+                    if let Some(k) = kind.filter(|k| !["openai", "anthropic", "acp"].contains(k)) {
+                        return Err(ConfigError(format!(
+                            "{origin}: key `engine.{name}.kind`: unknown kind `{k}` (expected openai, anthropic or acp)"
+                        )));
+                    }
+                    let agent = kind == Some("acp");
                     let checked = if agent {
                         serde_path_to_error::deserialize::<_, AcpEngineCfg>(v.clone()).map(drop)
                     } else {
@@ -1081,6 +1087,48 @@ mod tests {
     }
 
     #[test]
+    fn an_acp_agent_engine_gets_the_scrubbed_environment_with_pass_env_and_env() {
+        let c = load_str(
+            "[engine]\ndefault = \"claude\"\n[engine.claude]\nkind = \"acp\"\ncommand = \"claude-agent-acp\"\npass_env = [\"ANTHROPIC_API_KEY\"]\nenv = { IS_SANDBOX = \"1\", HOME = \"/srv/claude\" }\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.engine_names(), ["scripted", "claude"]);
+        let vars = [
+            ("PATH", "/usr/bin"),
+            ("HOME", "/root"),
+            ("ANTHROPIC_API_KEY", "sk-secret"),
+            ("OPENAI_API_KEY", "sk-other"),
+            ("TILLER_SERVER__TOKEN", "tok"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let a = c.engine.agents["claude"]
+            .to_acp("claude", vars, Duration::from_secs(2))
+            .unwrap();
+        let mut env = a.env.clone();
+        env.sort();
+        let want: Vec<(String, String)> = [
+            ("ANTHROPIC_API_KEY", "sk-secret"),
+            ("HOME", "/srv/claude"),
+            ("IS_SANDBOX", "1"),
+            ("PATH", "/usr/bin"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .into();
+        assert_eq!(env, want);
+        assert_eq!(a.sessions_per_process, 1);
+        assert_eq!(a.max_processes, 50);
+        assert_eq!(a.idle_timeout, Duration::from_secs(600));
+        // Its Debug never shows a value.
+        assert!(!format!("{a:?}").contains("sk-secret"));
+        // And no tool command gets what the agent was given.
+        assert!(
+            c.secret_variables()
+                .contains(&"ANTHROPIC_API_KEY".to_owned())
+        );
+    }
+
+    #[test]
     fn model_engines_take_their_defaults() {
         let c = load_str(
             "[engine]\ndefault = \"anthropic\"\n[engine.anthropic]\nmodel = \"c\"\n[engine.local]\nkind = \"openai\"\nbase_url = \"http://127.0.0.1:11434/v1\"\nmodel = \"q\"\n",
@@ -1228,6 +1276,46 @@ mod tests {
                 "engine.scripted",
             ),
             ("[engine]\ndefualt = \"openai\"\n", &[], "engine.defualt"),
+            (
+                "[engine.a]\nkind = \"acp\"\n",
+                &[],
+                "engine.a`: missing field `command`",
+            ),
+            (
+                "[engine.a]\nkind = \"acpx\"\ncommand = \"c\"\n",
+                &[],
+                "engine.a.kind`: unknown kind `acpx`",
+            ),
+            (
+                "[engine.a]\nkind = \"acp\"\ncommand = \"c\"\nmodel = \"m\"\n",
+                &[],
+                "engine.a.model",
+            ),
+            (
+                "[engine.a]\nkind = \"acp\"\ncommand = \" \"\n",
+                &[],
+                "engine.a.command",
+            ),
+            (
+                "[engine.a]\nkind = \"acp\"\ncommand = \"c\"\nsessions_per_process = 0\n",
+                &[],
+                "engine.a",
+            ),
+            (
+                "[engine.a]\nkind = \"acp\"\ncommand = \"c\"\npass_env = [\"TILLER_SERVER__TOKEN\"]\n",
+                &[],
+                "engine.a.pass_env",
+            ),
+            (
+                "[engine.a]\nkind = \"acp\"\ncommand = \"c\"\nidle_timeout = \"soon\"\n",
+                &[],
+                "engine.a.idle_timeout",
+            ),
+            (
+                "[engine.scripted]\nkind = \"acp\"\ncommand = \"c\"\n",
+                &[],
+                "engine.scripted",
+            ),
         ];
         for (text, env, want) in cases {
             let e = load_str(text, env).unwrap_err().0;

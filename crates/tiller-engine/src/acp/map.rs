@@ -62,7 +62,9 @@ pub(super) fn update(u: &Value) -> Vec<SignalKind> {
     let kind = match u["sessionUpdate"].as_str().unwrap_or_default() {
         "agent_message_chunk" => text().map(|t| SignalKind::Update(Update::Text(t.to_owned()))),
         "agent_thought_chunk" => text().map(|t| SignalKind::Update(Update::Thought(t.to_owned()))),
-        "tool_call" | "tool_call_update" => Some(SignalKind::Hosted(Hosted::Call(call(u)))),
+        "tool_call" | "tool_call_update" => {
+            Some(SignalKind::Hosted(Hosted::Call(Box::new(call(u)))))
+        }
         "plan" => Some(SignalKind::Update(Update::Plan(
             u["entries"]
                 .as_array()

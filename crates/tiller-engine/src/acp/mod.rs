@@ -683,7 +683,7 @@ impl Live {
         let n = self.next_request;
         match method {
             "session/request_permission" => {
-                let call = map::call(params.get("toolCall").unwrap_or(&Value::Null));
+                let call = Box::new(map::call(params.get("toolCall").unwrap_or(&Value::Null)));
                 self.asked.insert(n, (id, params.get("options").cloned()));
                 emit(SignalKind::Hosted(Hosted::Permission { request: n, call }));
             }

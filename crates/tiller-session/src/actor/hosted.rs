@@ -7,7 +7,7 @@
 //! when loop protection trips, or stopped when the turn ends first.
 
 use super::*;
-use crate::event::{AgentCommand, AskedCall, ToolError, ToolStatus};
+use crate::event::{AgentCommand, AskedCall, CallKind, ToolError, ToolStatus};
 use tiller_core::CallKey;
 use tiller_engine::{FileOp, Hosted, HostedCall, PermissionAnswer, ToolKind, UpstreamStart};
 
@@ -71,9 +71,9 @@ impl SessionState {
     pub(super) fn hosted(&mut self, turn: TurnId, h: Hosted) -> (Vec<EventBody>, Option<LoopType>) {
         let mut events = Vec::new();
         let trip = match h {
-            Hosted::Call(c) => self.hosted_call(turn, c, &mut events).and_then(|(_, t)| t),
+            Hosted::Call(c) => self.hosted_call(turn, *c, &mut events).and_then(|(_, t)| t),
             Hosted::Permission { request, call } => {
-                self.hosted_permission(turn, request, call, &mut events)
+                self.hosted_permission(turn, request, *call, &mut events)
             }
             Hosted::File { request, op } => {
                 self.hosted_file(turn, request, op);
@@ -151,7 +151,11 @@ impl SessionState {
                     input: c.input.clone().unwrap_or(serde_json::json!({})),
                     status: ToolStatus::Pending,
                     locations: c.locations.clone(),
-                    kind: Some(c.acp_kind.clone().unwrap_or_else(|| "other".into()).into()),
+                    kind: Some(
+                        c.acp_kind
+                            .as_deref()
+                            .map_or(CallKind::Other, CallKind::parse),
+                    ),
                 });
                 hosted.calls.push(CallState {
                     id: c.id.clone(),
@@ -268,7 +272,11 @@ impl SessionState {
                 name: s.name.clone(),
                 input: tool.input.clone(),
                 locations: s.locations.clone(),
-                kind: Some(s.acp_kind.clone().unwrap_or_else(|| "other".into())),
+                kind: Some(
+                    s.acp_kind
+                        .as_deref()
+                        .map_or(CallKind::Other, CallKind::parse),
+                ),
                 diff: call
                     .diff
                     .clone()
