@@ -1,3 +1,4 @@
+#![allow(clippy::print_stdout)] // a load generator prints its figures
 //! Figures for hosted ACP agents: N sessions on the misbehaving agent in
 //! its well-behaved mode, each prompted once; prints the memory of each
 //! child and what each session costs the daemon.
