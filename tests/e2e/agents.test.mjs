@@ -207,7 +207,12 @@ for (const engine of ["claude", "qwen"]) {
         assert.ok(kinds.includes("agent_session"), kinds.join());
         const said = events.filter((e) => e.type === "agent_message_chunk").map((e) => e.text).join("");
         assert.match(said, new RegExp(`Hello from ${engine}`));
-        assert.equal(kinds.at(-1) === "turn_complete" || kinds.includes("turn_complete"), true);
+        assert.ok(kinds.includes("turn_complete"), kinds.join());
+        // The agent's own options (its modes) are offered next to Tiller's.
+        const offered = c.updates
+          .filter((u) => u.sessionId === sid && u.update.sessionUpdate === "config_option_update")
+          .flatMap((u) => u.update.configOptions.map((o) => o.id));
+        assert.ok(offered.includes("agent.mode"), offered.join());
       } finally {
         c.close();
       }

@@ -321,6 +321,9 @@ pub struct HostInfo {
     pub roots: Vec<std::path::PathBuf>,
     /// The agent's session id from an earlier turn, if any.
     pub upstream: Option<String>,
+    /// The values the session chose for the agent's own options (set on
+    /// the agent before the prompt when it has others).
+    pub agent_options: Vec<(String, String)>,
 }
 
 #[cfg(test)]

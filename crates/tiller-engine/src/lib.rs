@@ -66,6 +66,22 @@ pub enum Hosted {
     },
     /// The agent's own slash commands: `(name, description)`.
     Commands(Vec<(String, String)>),
+    /// The agent's own options (its modes, models, ...), as it has them now.
+    Options(Vec<AgentOption>),
+}
+
+/// One of a hosted agent's options (ACP `configOptions`, or its modes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AgentOption {
+    /// The agent's id.
+    pub id: String,
+    pub name: String,
+    /// ACP's category (`mode`, `model`, ...), `other` when it gave none.
+    pub category: String,
+    /// Its current value.
+    pub current: String,
+    /// The values it takes.
+    pub choices: Vec<String>,
 }
 
 /// How a turn reached its agent session.

@@ -507,3 +507,62 @@ async fn over_max_processes_a_prompt_fails_overloaded_and_idle_processes_stop() 
         Terminal::Completed(StopReason::EndTurn)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_options_surface_and_a_change_is_forwarded_before_the_next_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let (sessions, _engine) = start(&dir, agent("fake", &[])).await;
+    let h = sessions
+        .create(work.path().display().to_string(), None)
+        .await
+        .unwrap();
+    let seen = Collect::default();
+    h.subscribe(SubscriberId(1), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        run(&h, "options", None).await,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let opts = h.options().await.unwrap();
+    let mode = opts
+        .iter()
+        .find(|o| o.id == "agent.mode")
+        .expect("the agent's option is offered");
+    assert_eq!(
+        (mode.current.as_str(), mode.choices.clone()),
+        ("ask", vec!["ask".into(), "auto".into()])
+    );
+    // A value the agent does not take is refused by Tiller.
+    assert!(
+        h.set_option("agent.mode".into(), "yolo".into())
+            .await
+            .unwrap()
+            .is_err()
+    );
+    let after = h
+        .set_option("agent.mode".into(), "auto".into())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        after.iter().find(|o| o.id == "agent.mode").unwrap().current,
+        "auto"
+    );
+    assert_eq!(
+        run(&h, "options", None).await,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let said: Vec<String> = seen
+        .events()
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::AgentMessageChunk { text } if text.starts_with("mode=") => {
+                Some(text.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(said, ["mode=ask", "mode=auto"]);
+}

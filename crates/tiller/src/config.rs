@@ -1081,9 +1081,12 @@ mod tests {
             for (name, m) in &c.engine.models {
                 m.to_model(name).unwrap();
             }
+            for (name, a) in &c.engine.agents {
+                a.to_acp(name, [], Duration::from_secs(2)).unwrap();
+            }
             seen += 1;
         }
-        assert_eq!(seen, 3);
+        assert_eq!(seen, 4);
     }
 
     #[test]

@@ -92,6 +92,9 @@ struct State {
     known: HashSet<String>,
     /// Sessions whose updates are dropped silently (a load replays them).
     muted: HashSet<String>,
+    /// Each session's options as the agent last told them, and whether
+    /// they are `configOptions` (else its modes).
+    options: HashMap<String, (Vec<crate::AgentOption>, bool)>,
     /// Turns running on it.
     busy: usize,
     /// Bumped at each turn's end: an idle stop checks it did not change.
@@ -297,6 +300,23 @@ impl Child {
 
     pub(super) fn knows(&self, upstream: &str) -> bool {
         self.state.lock().unwrap().known.contains(upstream)
+    }
+
+    pub(super) fn options(&self, upstream: &str) -> Option<(Vec<crate::AgentOption>, bool)> {
+        self.state.lock().unwrap().options.get(upstream).cloned()
+    }
+
+    pub(super) fn set_options(
+        &self,
+        upstream: &str,
+        options: Vec<crate::AgentOption>,
+        config: bool,
+    ) {
+        self.state
+            .lock()
+            .unwrap()
+            .options
+            .insert(upstream.to_owned(), (options, config));
     }
 
     pub(super) fn learn(&self, upstream: &str) {

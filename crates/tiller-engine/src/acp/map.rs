@@ -6,7 +6,9 @@ use serde_json::{Value, json};
 use tiller_core::StopReason;
 
 use super::child::Caps;
-use crate::{FileOp, Hosted, HostedCall, PermissionAnswer, SignalKind, ToolKind, Update};
+use crate::{
+    AgentOption, FileOp, Hosted, HostedCall, PermissionAnswer, SignalKind, ToolKind, Update,
+};
 
 /// What `initialize` says the agent can do.
 pub(super) fn caps(init: &Value) -> Caps {
@@ -36,6 +38,52 @@ pub(super) fn stop_reason(answer: &Value) -> StopReason {
         Some("cancelled") => StopReason::Cancelled,
         _ => StopReason::EndTurn,
     }
+}
+
+/// The agent's options in a `session/new` (load, resume,
+/// `set_config_option`) answer: its select `configOptions`, else its
+/// `modes` as an option `mode`.
+pub(super) fn options(answer: &Value) -> Option<Vec<AgentOption>> {
+    if let Some(list) = answer["configOptions"].as_array() {
+        return Some(
+            list.iter()
+                .filter_map(|o| {
+                    let choices: Vec<String> = o["options"]
+                        .as_array()?
+                        .iter()
+                        .flat_map(|c| {
+                            // Grouped options hold their own lists.
+                            match c["options"].as_array() {
+                                Some(group) => group.iter().collect::<Vec<_>>(),
+                                None => vec![c],
+                            }
+                        })
+                        .filter_map(|c| c["value"].as_str().map(str::to_owned))
+                        .collect();
+                    Some(AgentOption {
+                        id: o["id"].as_str()?.to_owned(),
+                        name: o["name"].as_str().unwrap_or_default().to_owned(),
+                        category: o["category"].as_str().unwrap_or("other").to_owned(),
+                        current: o["currentValue"].as_str()?.to_owned(),
+                        choices,
+                    })
+                })
+                .take(32)
+                .collect(),
+        );
+    }
+    let modes = answer.get("modes").filter(|m| m.is_object())?;
+    Some(vec![AgentOption {
+        id: "mode".into(),
+        name: "Mode".into(),
+        category: "mode".into(),
+        current: modes["currentModeId"].as_str()?.to_owned(),
+        choices: modes["availableModes"]
+            .as_array()?
+            .iter()
+            .filter_map(|m| m["id"].as_str().map(str::to_owned))
+            .collect(),
+    }])
 }
 
 /// An `available_commands` list as `(name, description)`.
@@ -95,6 +143,7 @@ pub(super) fn update(u: &Value) -> Vec<SignalKind> {
         "available_commands_update" => Some(SignalKind::Hosted(Hosted::Commands(commands(
             &u["availableCommands"],
         )))),
+        "config_option_update" => options(u).map(|o| SignalKind::Hosted(Hosted::Options(o))),
         // The user's own words (Tiller has them), modes and options Tiller
         // does not relay yet.
         _ => None,

@@ -357,8 +357,9 @@ impl Shared {
                     let r = child.call(m, params, cfg.start_timeout).await;
                     child.mute(up, false);
                     match r {
-                        Ok(_) => {
+                        Ok(r) => {
                             child.learn(up);
+                            self.took_options(child, up, &r, emit);
                             emit(SignalKind::Hosted(Hosted::Session {
                                 upstream: up.clone(),
                                 start: UpstreamStart::Loaded(why),
@@ -397,6 +398,7 @@ impl Shared {
             ));
         };
         child.learn(up);
+        self.took_options(child, up, &r, emit);
         emit(SignalKind::Hosted(Hosted::Session {
             upstream: up.to_owned(),
             start: match fresh_reason {
@@ -408,6 +410,69 @@ impl Shared {
             emit(SignalKind::Hosted(Hosted::Commands(map::commands(cmds))));
         }
         Ok(up.to_owned())
+    }
+
+    /// Keeps and reports the options an answer carries.
+    fn took_options(&self, child: &Child, up: &str, answer: &Value, emit: &Emit) {
+        if let Some(opts) = map::options(answer) {
+            let config = answer["configOptions"].is_array();
+            child.set_options(up, opts.clone(), config);
+            emit(SignalKind::Hosted(Hosted::Options(opts)));
+        }
+    }
+
+    /// Sets the values the session chose on the agent where it has others
+    /// (forwarded `session/set_config_option`; `session/set_mode` for an
+    /// agent with modes only). A refused value is logged; the turn goes on.
+    async fn apply_options(
+        &self,
+        child: &Child,
+        up: &str,
+        chosen: &[(String, String)],
+        emit: &Emit,
+    ) {
+        for (id, value) in chosen {
+            let Some((opts, config)) = child.options(up) else {
+                return;
+            };
+            let Some(o) = opts.iter().find(|o| &o.id == id) else {
+                continue;
+            };
+            if &o.current == value || !o.choices.contains(value) {
+                continue;
+            }
+            let r = if config {
+                child
+                    .call(
+                        "session/set_config_option",
+                        json!({"sessionId": up, "configId": id, "value": value}),
+                        self.cfg.start_timeout,
+                    )
+                    .await
+            } else {
+                child
+                    .call(
+                        "session/set_mode",
+                        json!({"sessionId": up, "modeId": value}),
+                        self.cfg.start_timeout,
+                    )
+                    .await
+            };
+            match r {
+                Ok(answer) if config => self.took_options(child, up, &answer, emit),
+                Ok(_) => {
+                    let mut opts = opts.clone();
+                    if let Some(m) = opts.iter_mut().find(|o| &o.id == id) {
+                        m.current = value.clone();
+                    }
+                    child.set_options(up, opts.clone(), false);
+                    emit(SignalKind::Hosted(Hosted::Options(opts)));
+                }
+                Err(e) => {
+                    tracing::warn!(engine = %self.cfg.name, option = %id, error = %e, "the agent refused an option");
+                }
+            }
+        }
     }
 
     /// Updates the child memory gauge.
@@ -458,6 +523,8 @@ async fn run_turn(
         let guard = lock.lock_owned().await;
         let (child, previous) = pool.acquire(&session, &ctx.host.cwd).await?;
         let upstream = pool.open(&child, &ctx, previous, emit).await?;
+        pool.apply_options(&child, &upstream, &ctx.host.agent_options, emit)
+            .await;
         Ok::<_, (ErrorKind, String)>((guard, child, upstream))
     };
     tokio::pin!(setup);

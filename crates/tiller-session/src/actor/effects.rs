@@ -250,6 +250,7 @@ impl SessionState {
                 cwd: self.toolbox.root().clone(),
                 roots: self.toolbox.roots().to_vec(),
                 upstream: self.upstream.clone(),
+                agent_options: self.agent_choices(),
             },
         };
         let mut handle = {

@@ -96,6 +96,10 @@ impl SessionState {
                 });
                 None
             }
+            Hosted::Options(offered) => {
+                self.agent_offers(offered);
+                None
+            }
             Hosted::Commands(list) => {
                 events.push(EventBody::AgentCommands {
                     commands: list

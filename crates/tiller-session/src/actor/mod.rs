@@ -250,7 +250,20 @@ struct Settings {
     /// A hosted agent's session id (ACP engines).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     upstream: Option<String>,
+    /// Values chosen for a hosted agent's own options, by the agent's id.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    agent_options: std::collections::BTreeMap<String, String>,
 }
+
+/// A hosted agent's options: what it offers, what the session chose.
+#[derive(Default)]
+pub(super) struct AgentOptions {
+    offered: Vec<tiller_engine::AgentOption>,
+    chosen: std::collections::BTreeMap<String, String>,
+}
+
+/// The prefix of a hosted agent's option ids among the session's.
+pub(super) const AGENT_OPTION: &str = "agent.";
 
 /// What the session keeps with a prompt from admission to its terminal
 /// (the core carries it: `SessionCore<Pending, String>`).
@@ -390,6 +403,10 @@ pub struct SessionState {
     switches: std::collections::BTreeMap<String, bool>,
     /// A hosted agent's session id (ACP engines), kept in the settings.
     upstream: Option<String>,
+    /// A hosted agent's options as it last reported them (none until its
+    /// first turn), and the values chosen for them (kept in the settings,
+    /// set on the agent at each turn's start).
+    agent: Option<Box<AgentOptions>>,
     /// Answered at the next idle (daemon shutdown).
     drained: Vec<oneshot::Sender<()>>,
     /// The session span.
@@ -486,6 +503,12 @@ impl Actor for SessionActor {
             usage: settings.usage.map(Box::new),
             switches: settings.switches,
             upstream: settings.upstream,
+            agent: (!settings.agent_options.is_empty()).then(|| {
+                Box::new(AgentOptions {
+                    offered: Vec::new(),
+                    chosen: settings.agent_options,
+                })
+            }),
             drained: Vec::new(),
             span,
         })

@@ -53,7 +53,44 @@ impl SessionState {
                 .to_vec(),
             boolean: false,
         });
+        // A hosted agent's own, after Tiller's.
+        if let Some(a) = &self.agent {
+            for o in &a.offered {
+                v.push(ConfigOption {
+                    id: format!("{AGENT_OPTION}{}", o.id),
+                    name: o.name.clone(),
+                    category: o.category.clone(),
+                    current: a
+                        .chosen
+                        .get(&o.id)
+                        .filter(|c| o.choices.contains(c))
+                        .unwrap_or(&o.current)
+                        .clone(),
+                    choices: o.choices.clone(),
+                    boolean: false,
+                });
+            }
+        }
         v
+    }
+
+    /// The agent reported its options.
+    pub(super) fn agent_offers(&mut self, offered: Vec<tiller_engine::AgentOption>) {
+        let a = self.agent.get_or_insert_with(Box::default);
+        if a.offered == offered {
+            return;
+        }
+        a.offered = offered;
+        let options = self.options();
+        self.publish(None, None, EventBody::ConfigOptions { options });
+    }
+
+    /// The values chosen for the agent's options.
+    pub(super) fn agent_choices(&self) -> Vec<(String, String)> {
+        self.agent
+            .as_ref()
+            .map(|a| a.chosen.clone().into_iter().collect())
+            .unwrap_or_default()
     }
 
     pub(super) async fn set_option(
@@ -86,6 +123,7 @@ impl SessionState {
             self.permissions.mode,
             self.switches.clone(),
         );
+        let agent_before = self.agent.as_ref().map(|a| a.chosen.clone());
         match id {
             "engine" => {
                 let engine = self.engines.get(Some(value)).map_err(|e| e.to_string())?;
@@ -107,6 +145,12 @@ impl SessionState {
                 self.model = self.model.take().filter(|m| models.contains(m));
             }
             "model" => self.model = Some(value.to_owned()),
+            // Set on the agent when its next turn starts.
+            id if id.starts_with(AGENT_OPTION) => {
+                let a = self.agent.get_or_insert_with(Box::default);
+                a.chosen
+                    .insert(id[AGENT_OPTION.len()..].to_owned(), value.to_owned());
+            }
             id if opt.boolean => {
                 self.switches.insert(id.to_owned(), value == "true");
             }
@@ -118,6 +162,9 @@ impl SessionState {
         // Acknowledged only once stored; not made at all otherwise.
         if let Err(e) = self.save_settings().await {
             (self.model, self.permissions.mode, self.switches) = before;
+            if let Some(a) = self.agent.as_mut() {
+                a.chosen = agent_before.unwrap_or_default();
+            }
             return Err(format!("the change could not be stored: {e}"));
         }
         let options = self.options();
@@ -210,6 +257,11 @@ impl SessionState {
             usage: self.usage.as_deref().cloned(),
             switches: self.switches.clone(),
             upstream: self.upstream.clone(),
+            agent_options: self
+                .agent
+                .as_ref()
+                .map(|a| a.chosen.clone())
+                .unwrap_or_default(),
             roots: self
                 .toolbox
                 .roots()

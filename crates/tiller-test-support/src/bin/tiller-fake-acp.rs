@@ -17,6 +17,7 @@
 //! | `read PATH` | reads PATH through the client and streams its text |
 //! | `steer` | waits up to 10 s for a steer and streams what it said |
 //! | `steer-hang` | takes a steer, then never answers (seed 003) |
+//! | `options` | streams `mode=` and its option `mode` (`ask` or `auto`) |
 //!
 //! `FAKE_ACP_NO_STEER=1` hides steering; `FAKE_ACP_NO_LOAD=1` fails every
 //! `session/load`; `FAKE_ACP_PADDING=N` allocates N MiB at start (memory
@@ -37,6 +38,8 @@ struct Shared {
     answers: Mutex<HashMap<u64, Sender<Value>>>,
     /// Per session: where its running prompt hears of cancels and steers.
     turns: Mutex<HashMap<String, Sender<Value>>>,
+    /// Per session: its `mode` option.
+    modes: Mutex<HashMap<String, String>>,
     next: AtomicU64,
 }
 
@@ -118,7 +121,15 @@ fn main() {
             ("session/new", Some(id)) => {
                 sessions += 1;
                 let sid = format!("fake-{}-{sessions}", std::process::id());
-                answer(&id, json!({"sessionId": sid}));
+                shared
+                    .modes
+                    .lock()
+                    .unwrap()
+                    .insert(sid.clone(), "ask".into());
+                answer(
+                    &id,
+                    json!({"sessionId": sid, "configOptions": options("ask")}),
+                );
             }
             ("session/load", Some(id)) => {
                 if load {
@@ -128,6 +139,21 @@ fn main() {
                 } else {
                     out(
                         json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32002, "message": "no such session"}}),
+                    );
+                }
+            }
+            ("session/set_config_option", Some(id)) => {
+                let value = params["value"].as_str().unwrap_or_default().to_owned();
+                if params["configId"] == "mode" && ["ask", "auto"].contains(&value.as_str()) {
+                    shared
+                        .modes
+                        .lock()
+                        .unwrap()
+                        .insert(session.clone(), value.clone());
+                    answer(&id, json!({"configOptions": options(&value)}));
+                } else {
+                    out(
+                        json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32602, "message": "no such option or value"}}),
                     );
                 }
             }
@@ -159,6 +185,12 @@ fn main() {
     }
 }
 
+/// The agent's one option.
+fn options(mode: &str) -> Value {
+    json!([{"id": "mode", "name": "Mode", "category": "mode", "type": "select", "currentValue": mode,
+            "options": [{"value": "ask", "name": "Ask"}, {"value": "auto", "name": "Auto"}]}])
+}
+
 /// One prompt's behaviour.
 fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Value>) {
     let mut words = text.split_whitespace();
@@ -171,6 +203,11 @@ fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Va
     };
     match word {
         "silent" => {}
+        "options" => {
+            let mode = shared.modes.lock().unwrap().get(session).cloned();
+            chunk(session, &format!("mode={}", mode.unwrap_or_default()));
+            end("end_turn");
+        }
         "twice" => {
             chunk(session, "once");
             end("end_turn");
