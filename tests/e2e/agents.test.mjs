@@ -154,8 +154,8 @@ env = { ANTHROPIC_BASE_URL = "${mock.url}", ANTHROPIC_API_KEY = "sk-test-not-a-k
 [engine.qwen]
 kind = "acp"
 command = ${JSON.stringify(npmBin("qwen"))}
-args = ["--acp", "--auth-type", "openai", "--openai-base-url", "${mock.url}/v1", "--openai-api-key", "sk-test-not-a-key", "--model", "mock", "--approval-mode", "default"]
-env = { HOME = ${JSON.stringify(homes.qwen)} }
+args = ["--acp", "--auth-type", "openai", "--openai-base-url", "${mock.url}/v1", "--model", "mock", "--approval-mode", "default"]
+env = { HOME = ${JSON.stringify(homes.qwen)}, OPENAI_API_KEY = "sk-test-not-a-key" }
 `,
   );
   await start();
@@ -373,10 +373,19 @@ describe("a daemon restart", () => {
       assert.equal((await c.request("session/prompt", textPrompt(s.sid, "hi before"))).stopReason, "end_turn");
     }
     c.close();
-    const old = daemon.child.pid;
+    const kids = childrenOf(daemon.child.pid);
+    assert.ok(kids.length >= 2, `the agents' processes: ${kids}`);
     await daemon.stop();
-    // The agents stopped with the daemon.
-    assert.deepEqual(childrenOf(old), []);
+    // The agents stopped with the daemon (their process groups killed).
+    const alive = (pid) => {
+      try {
+        return !readFileSync(`/proc/${pid}/stat`, "utf8").split(") ")[1].startsWith("Z");
+      } catch {
+        return false;
+      }
+    };
+    for (let i = 0; i < 60 && kids.some(alive); i++) await sleep(50);
+    assert.deepEqual(kids.filter(alive), []);
     await start();
     const d = await client();
     try {

@@ -466,8 +466,6 @@ impl Sessions {
     pub async fn crash(&self) {
         self.registry.stop_children(None);
         self.registry.stop(None);
-        // Turns have settled: the agents' processes end.
-        self.engines.shutdown();
         self.notify.stop(None);
         self.cron.stop(None);
         self.goal.stop(None);
@@ -482,6 +480,8 @@ impl Sessions {
         let _ = self.ask(RegistryMsg::Shutdown).await;
         self.registry.stop_children(None);
         self.registry.stop(None);
+        // Turns have settled: the agents' processes end.
+        self.engines.shutdown();
         self.notify.stop(None);
         self.cron.stop(None);
         self.goal.stop(None);

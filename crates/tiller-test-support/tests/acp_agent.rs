@@ -566,3 +566,65 @@ async fn the_agents_options_surface_and_a_change_is_forwarded_before_the_next_pr
         .collect();
     assert_eq!(said, ["mode=ask", "mode=auto"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_reads_a_large_file_whole_and_unattended_writes_follow_the_permission_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let (sessions, _engine) = start(&dir, agent("fake", &[])).await;
+    let h = sessions
+        .create(work.path().display().to_string(), None)
+        .await
+        .unwrap();
+    let seen = Collect::default();
+    h.subscribe(SubscriberId(1), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    // Far past the tools' output bound: an agent that edits a file must
+    // get all of it, or it writes back a cut file.
+    let big: String = (0..20_000).map(|i| format!("line {i}\n")).collect();
+    let path = work.path().join("big.txt");
+    std::fs::write(&path, &big).unwrap();
+    assert_eq!(
+        run(&h, &format!("read {}", path.display()), None).await,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let said: String = seen
+        .events()
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::AgentMessageChunk { text } if text.starts_with("line 0") => {
+                Some(text.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(said.len(), big.len());
+    // A write the agent makes without asking: fine for a person's turn,
+    // refused for an automatic one (in the default `ask` mode edits ask).
+    let chunks = |seen: &Collect| -> Vec<String> {
+        seen.events()
+            .iter()
+            .filter_map(|e| match &e.body {
+                EventBody::AgentMessageChunk { text } if text == "wrote" || text == "refused" => {
+                    Some(text.clone())
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let target = work.path().join("unasked.txt");
+    let (_, settled) = h
+        .prompt(format!("write {}", target.display()), Origin::Notification)
+        .await
+        .unwrap()
+        .unwrap();
+    let _ = settled.await.unwrap();
+    assert!(!target.exists());
+    assert_eq!(
+        run(&h, &format!("write {}", target.display()), None).await,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    assert!(target.exists());
+    assert_eq!(chunks(&seen), ["refused", "wrote"]);
+}

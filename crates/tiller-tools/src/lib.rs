@@ -295,6 +295,20 @@ impl Toolbox {
         }
     }
 
+    /// A file's whole text for an agent that edits it (ACP
+    /// `fs/read_text_file`): confined to the roots like every file tool,
+    /// through the editor when it offers reads, never cut (refused past
+    /// `max` bytes).
+    pub async fn read_whole(
+        &self,
+        path: &str,
+        max: u64,
+        client: Option<Arc<dyn ClientTools>>,
+    ) -> Result<String, String> {
+        let root = self.root_for(&serde_json::json!({ "path": path }));
+        local::whole_text(root, path, max, client).await
+    }
+
     /// Runs one call. Never panics on bad input: every failure is an
     /// output with `ok: false` the model can read.
     pub async fn run(&self, call: &ToolCall, client: Option<Arc<dyn ClientTools>>) -> ToolOutput {

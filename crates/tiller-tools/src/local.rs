@@ -364,6 +364,46 @@ async fn read_file(
     .await
 }
 
+/// A file's whole text, read confined (through the editor when it offers
+/// reads), for an agent that edits it: never cut, refused past `max`
+/// bytes or when it is not text.
+pub(crate) async fn whole_text(
+    root: &Path,
+    path: &str,
+    max: u64,
+    client: Option<Arc<dyn ClientTools>>,
+) -> Result<String, String> {
+    if let Some(c) = client.filter(|c| c.can_read()) {
+        let p = editor_path(root, path).await?;
+        let text = c.read_text_file(p).await?;
+        if text.len() as u64 > max {
+            return Err(format!("{} is larger than {max} bytes", Shown(path)));
+        }
+        return Ok(text);
+    }
+    let (root, path) = (root.to_owned(), path.to_owned());
+    blocking(move || {
+        let r = Root::open(&root)?;
+        let rel = r.relative(&path)?;
+        let (file, len) = r.open_read(&rel, &path)?;
+        if len > max {
+            return Err(format!("{} is larger than {max} bytes", Shown(&path)));
+        }
+        let mut bytes = Vec::with_capacity(len as usize);
+        file.take(max + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| r.error("read", &path, &e))?;
+        if bytes.len() as u64 > max {
+            return Err(format!("{} is larger than {max} bytes", Shown(&path)));
+        }
+        String::from_utf8(bytes)
+            .ok()
+            .filter(|t| !t.contains('\0'))
+            .ok_or_else(|| format!("{} is not a text file", Shown(&path)))
+    })
+    .await
+}
+
 /// The current text of a file inside `root`, read confined, for showing
 /// a change before it is made: `None` when it does not exist, is not a
 /// regular text file, or is larger than `max` bytes.

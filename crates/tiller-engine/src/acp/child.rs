@@ -16,7 +16,11 @@ use tokio_util::codec::{FramedRead, LinesCodec};
 use super::AcpConfig;
 
 /// Longest line a child may write (a file's text travels in one).
-const MAX_LINE: usize = 64 * 1024 * 1024;
+const MAX_LINE: usize = 16 * 1024 * 1024;
+
+/// Messages waiting for a turn: past this the reader waits, so an agent
+/// that floods is held back by its own output pipe.
+const ROUTE_QUEUE: usize = 1024;
 
 /// What the agent sent for one of its sessions.
 #[derive(Debug)]
@@ -87,7 +91,7 @@ struct State {
     next_id: u64,
     pending: HashMap<u64, oneshot::Sender<Result<Value, RpcError>>>,
     /// Upstream session id -> the turn listening.
-    routes: HashMap<String, mpsc::UnboundedSender<Inbound>>,
+    routes: HashMap<String, mpsc::Sender<Inbound>>,
     /// Upstream sessions this process knows (created or loaded on it).
     known: HashSet<String>,
     /// Sessions whose updates are dropped silently (a load replays them).
@@ -163,7 +167,15 @@ impl Child {
                 let item = lines.next().await;
                 let Some(c) = r.upgrade() else { return };
                 match item {
-                    Some(Ok(line)) => c.read(&line),
+                    Some(Ok(line)) => {
+                        if let Some((tx, msg)) = c.read(&line) {
+                            // Bounded: the agent waits while its turn is
+                            // behind (the turn waits for its session).
+                            if let Err(e) = tx.send(msg).await {
+                                c.stale(e.0);
+                            }
+                        }
+                    }
                     Some(Err(e)) => {
                         c.die(
                             Death::Protocol,
@@ -181,12 +193,21 @@ impl Child {
         let engine = cfg.name.clone();
         tokio::spawn(async move {
             // The agent's diagnostics go to the daemon's log at debug
-            // level only (they may quote the user's files).
-            let mut lines = FramedRead::new(stderr, LinesCodec::new_with_max_length(8192));
-            while let Some(line) = lines.next().await {
-                match line {
-                    Ok(l) => tracing::debug!(engine = %engine, "agent stderr: {l}"),
-                    Err(_) => continue,
+            // level only (they may quote the user's files), cut to 2 KiB a
+            // piece; the pipe is always drained, so the agent never blocks
+            // on it.
+            use tokio::io::AsyncReadExt as _;
+            let mut stderr = stderr;
+            let mut buf = vec![0u8; 8192];
+            loop {
+                match stderr.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => {
+                        for line in String::from_utf8_lossy(&buf[..n]).lines() {
+                            let l: String = line.chars().take(2048).collect();
+                            tracing::debug!(engine = %engine, "agent stderr: {l}");
+                        }
+                    }
                 }
             }
         });
@@ -285,8 +306,8 @@ impl Child {
 
     /// Routes the agent's messages for `upstream` to the returned receiver
     /// (replacing any earlier route).
-    pub(super) fn route(&self, upstream: &str) -> mpsc::UnboundedReceiver<Inbound> {
-        let (tx, rx) = mpsc::unbounded_channel();
+    pub(super) fn route(&self, upstream: &str) -> mpsc::Receiver<Inbound> {
+        let (tx, rx) = mpsc::channel(ROUTE_QUEUE);
         let mut st = self.state.lock().unwrap();
         if st.dead.is_none() {
             st.routes.insert(upstream.to_owned(), tx);
@@ -412,20 +433,20 @@ impl Child {
         }
     }
 
-    /// Handles one line the agent wrote.
-    fn read(&self, line: &str) {
+    /// Handles one line the agent wrote; returns a message for a turn
+    /// and where it goes.
+    fn read(&self, line: &str) -> Option<(mpsc::Sender<Inbound>, Inbound)> {
         if line.trim().is_empty() {
-            return;
+            return None;
         }
         let msg: Value = match serde_json::from_str(line) {
             Ok(v @ Value::Object(_)) => v,
             _ => {
-                let shown: String = line.chars().take(80).collect();
                 self.die(
                     Death::Protocol,
-                    format!("the agent wrote something that is not JSON-RPC: {shown:?}"),
+                    "the agent wrote something that is not JSON-RPC".into(),
                 );
-                return;
+                return None;
             }
         };
         let method = msg.get("method").and_then(Value::as_str);
@@ -433,31 +454,36 @@ impl Child {
         match (method, id) {
             (Some(method), Some(id)) => {
                 let params = msg.get("params").cloned().unwrap_or(Value::Null);
+                let session = params["sessionId"].as_str().map(str::to_owned);
                 self.inbound(
-                    &params,
+                    session.as_deref(),
                     Inbound::Request {
                         id: id.clone(),
                         method: method.to_owned(),
-                        params: params.clone(),
+                        params,
                     },
-                );
+                )
             }
             (Some("session/update"), None) => {
-                let params = msg.get("params").cloned().unwrap_or(Value::Null);
-                let update = params.get("update").cloned().unwrap_or(Value::Null);
-                self.inbound(&params, Inbound::Update(update));
+                let mut params = msg.get("params").cloned().unwrap_or(Value::Null);
+                let update = params
+                    .get_mut("update")
+                    .map(Value::take)
+                    .unwrap_or(Value::Null);
+                self.inbound(params["sessionId"].as_str(), Inbound::Update(update))
             }
-            (Some(_), None) => {} // other notifications (auth status, ...)
+            (Some(_), None) => None, // other notifications (auth status, ...)
             (None, Some(id)) => {
                 let tx = id
                     .as_u64()
                     .and_then(|n| self.state.lock().unwrap().pending.remove(&n));
                 let Some(tx) = tx else {
+                    let shown: String = id.to_string().chars().take(40).collect();
                     self.die(
                         Death::Protocol,
-                        format!("the agent answered a request Tiller did not send or had answered (id {id})"),
+                        format!("the agent answered a request Tiller did not send or had answered (id {shown})"),
                     );
-                    return;
+                    return None;
                 };
                 let result = match msg.get("error") {
                     Some(e) => Err(RpcError::Agent {
@@ -473,34 +499,45 @@ impl Child {
                     None => Ok(msg.get("result").cloned().unwrap_or(Value::Null)),
                 };
                 let _ = tx.send(result);
+                None
             }
-            (None, None) => self.die(
-                Death::Protocol,
-                "the agent wrote a message with neither method nor id".into(),
-            ),
+            (None, None) => {
+                self.die(
+                    Death::Protocol,
+                    "the agent wrote a message with neither method nor id".into(),
+                );
+                None
+            }
         }
     }
 
-    /// Hands a message to the turn of its session; a message for no
-    /// running turn is stale (counted; a request is refused).
-    fn inbound(&self, params: &Value, msg: Inbound) {
-        let session = params.get("sessionId").and_then(Value::as_str);
+    /// Where a message for `session` goes: its turn, if one listens; a
+    /// message for no running turn is stale.
+    fn inbound(
+        &self,
+        session: Option<&str>,
+        msg: Inbound,
+    ) -> Option<(mpsc::Sender<Inbound>, Inbound)> {
         let st = self.state.lock().unwrap();
         if let Some(s) = session
             && st.muted.contains(s)
             && matches!(msg, Inbound::Update(_))
         {
-            return;
+            return None;
         }
         let route = session.and_then(|s| st.routes.get(s)).cloned();
         drop(st);
-        let msg = match route {
-            Some(tx) => match tx.send(msg) {
-                Ok(()) => return,
-                Err(e) => e.0,
-            },
-            None => msg,
-        };
+        match route {
+            Some(tx) => Some((tx, msg)),
+            None => {
+                self.stale(msg);
+                None
+            }
+        }
+    }
+
+    /// Counts a message no turn takes; a request is refused.
+    fn stale(&self, msg: Inbound) {
         metrics::counter!("tiller_engine_stale_messages_total", "engine" => self.engine.to_string())
             .increment(1);
         if let Inbound::Request { id, method, .. } = msg {

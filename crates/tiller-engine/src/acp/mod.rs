@@ -63,7 +63,8 @@ impl std::fmt::Debug for AcpConfig {
         f.debug_struct("AcpConfig")
             .field("name", &self.name)
             .field("command", &self.command)
-            .field("args", &self.args)
+            // Arguments may carry a key too (`--api-key ...`): counted only.
+            .field("args", &self.args.len())
             .field("env", &self.env.iter().map(|(k, _)| k).collect::<Vec<_>>())
             .field("sessions_per_process", &self.sessions_per_process)
             .field("idle_timeout", &self.idle_timeout)
@@ -79,7 +80,8 @@ pub struct AcpEngine {
 
 struct Shared {
     cfg: AcpConfig,
-    pool: tokio::sync::Mutex<Pool>,
+    /// Never held across an await: starting a process happens outside it.
+    pool: Mutex<Pool>,
     /// Per Tiller session: one turn (or its wind-down) at a time.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// What the last process said it can do.
@@ -93,6 +95,52 @@ struct Pool {
     assigned: HashMap<String, Arc<Child>>,
     /// When processes died by themselves (crash-loop back-off).
     crashes: std::collections::VecDeque<Instant>,
+    /// Processes being started (they count against `max_processes`).
+    starting: usize,
+}
+
+/// A turn's hold on its process: while held, the process is busy (never
+/// stopped idle, never evicted); dropped, its idle timer starts.
+struct Busy {
+    child: Arc<Child>,
+    idle: Duration,
+}
+
+impl Busy {
+    fn new(child: Arc<Child>, idle: Duration) -> Busy {
+        child.enter();
+        Busy { child, idle }
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        let Some(generation) = self.child.leave() else {
+            return;
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let child = Arc::downgrade(&self.child);
+        let idle = self.idle;
+        tokio::spawn(async move {
+            tokio::time::sleep(idle).await;
+            if let Some(c) = child.upgrade() {
+                c.stop_if_idle(generation);
+            }
+        });
+    }
+}
+
+/// A process being started: it holds its place under `max_processes`
+/// until it is in the pool (or failed, or the turn gave up).
+struct Starting<'a>(&'a Mutex<Pool>);
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        let mut p = self.0.lock().unwrap();
+        p.starting = p.starting.saturating_sub(1);
+    }
 }
 
 impl AcpEngine {
@@ -112,7 +160,7 @@ impl AcpEngine {
                 loop {
                     tokio::time::sleep(Duration::from_secs(5)).await;
                     let Some(s) = weak.upgrade() else { return };
-                    s.measure().await;
+                    s.measure();
                 }
             });
         }
@@ -121,7 +169,7 @@ impl AcpEngine {
 
     /// Live processes (for tests and figures).
     pub async fn processes(&self) -> Vec<u32> {
-        let pool = self.shared.pool.lock().await;
+        let pool = self.shared.pool.lock().unwrap();
         pool.children
             .iter()
             .filter(|c| c.alive())
@@ -156,18 +204,9 @@ impl Engine for AcpEngine {
     }
 
     fn shutdown(&self) {
-        if let Ok(pool) = self.shared.pool.try_lock() {
-            for c in &pool.children {
-                c.kill("the daemon is shutting down".into());
-            }
-        } else {
-            // A spawn holds the pool: kill what can be reached.
-            let shared = self.shared.clone();
-            tokio::spawn(async move {
-                for c in &shared.pool.lock().await.children {
-                    c.kill("the daemon is shutting down".into());
-                }
-            });
+        let children = self.shared.pool.lock().unwrap().children.clone();
+        for c in children {
+            c.kill("the daemon is shutting down".into());
         }
     }
 
@@ -200,98 +239,113 @@ impl Shared {
         locks.entry(session.to_owned()).or_default().clone()
     }
 
-    /// The process serving `session`: its own, one with room, or a new
-    /// one. Also says why an earlier process of the session ended.
+    /// The process serving `session` (its own, one with room, or a new
+    /// one), held busy for the turn. Also says why an earlier process of
+    /// the session ended.
     async fn acquire(
         &self,
         session: &str,
         dir: &std::path::Path,
-    ) -> Result<(Arc<Child>, Option<String>), (ErrorKind, String)> {
+    ) -> Result<(Busy, Option<String>), (ErrorKind, String)> {
         let cfg = &self.cfg;
-        let mut pool = self.pool.lock().await;
-        let now = Instant::now();
-        let mut gone = Vec::new();
-        pool.children.retain(|c| match c.death() {
-            Some((d, _)) => {
-                gone.push(d);
-                false
-            }
-            None => true,
-        });
-        for d in gone {
-            if matches!(d, Death::Exited | Death::Protocol | Death::Killed) {
-                pool.crashes.push_back(now);
-            }
-        }
-        while pool
-            .crashes
-            .front()
-            .is_some_and(|t| now.duration_since(*t) > Duration::from_secs(60))
-        {
-            pool.crashes.pop_front();
-        }
-        if let Some(c) = pool.assigned.get(session)
-            && c.alive()
-        {
-            return Ok((c.clone(), None));
-        }
-        let previous = pool
-            .assigned
-            .remove(session)
-            .and_then(|c| c.death())
-            .map(|(d, why)| {
-                metrics::counter!(
-                    "tiller_engine_restarts_total",
-                    "engine" => cfg.name.to_string(),
-                    "reason" => d.as_str()
-                )
-                .increment(1);
-                why
+        let idle = cfg.idle_timeout;
+        let (previous, backoff, starting) = {
+            let mut pool = self.pool.lock().unwrap();
+            let now = Instant::now();
+            let mut gone = Vec::new();
+            pool.children.retain(|c| match c.death() {
+                Some((d, _)) => {
+                    gone.push(d);
+                    false
+                }
+                None => true,
             });
-        pool.assigned.retain(|_, c| c.alive());
-        if cfg.sessions_per_process > 1 {
-            let room = pool.children.iter().find(|c| {
-                pool.assigned.values().filter(|a| Arc::ptr_eq(a, c)).count()
-                    < cfg.sessions_per_process
-            });
-            if let Some(c) = room.cloned() {
-                pool.assigned.insert(session.to_owned(), c.clone());
-                return Ok((c, previous));
+            for d in gone {
+                if matches!(d, Death::Exited | Death::Protocol | Death::Killed) {
+                    pool.crashes.push_back(now);
+                }
             }
-        }
-        if pool.children.len() >= cfg.max_processes {
-            // The process idle the longest makes room (its sessions reload
-            // on their next turn); with every one busy, the prompt waits
-            // for nobody: it is refused, retryably.
-            let idle = pool
-                .children
-                .iter()
-                .filter_map(|c| Some((c.idle_since()?, c.clone())))
-                .min_by_key(|(t, _)| *t);
-            if let Some((_, c)) = idle {
-                c.evict();
-                pool.children.retain(|x| !Arc::ptr_eq(x, &c));
+            while pool
+                .crashes
+                .front()
+                .is_some_and(|t| now.duration_since(*t) > Duration::from_secs(60))
+            {
+                pool.crashes.pop_front();
             }
-        }
-        if pool.children.len() >= cfg.max_processes {
-            return Err((
-                ErrorKind::Overloaded,
-                format!(
-                    "The `{}` engine already runs {} agent processes (max_processes); send the \
-                     prompt again once one is free.",
-                    cfg.name, cfg.max_processes
-                ),
-            ));
-        }
-        // A process that keeps dying is restarted ever more slowly.
-        if let Some(n) = pool.crashes.len().checked_sub(1) {
-            let wait = Duration::from_millis(100 << n.min(7)).min(Duration::from_secs(10));
+            if let Some(c) = pool.assigned.get(session)
+                && c.alive()
+            {
+                return Ok((Busy::new(c.clone(), idle), None));
+            }
+            // Why the session's process ended (other sessions' dead
+            // entries stay until their own next turn reads them).
+            let previous = pool
+                .assigned
+                .remove(session)
+                .and_then(|c| c.death())
+                .map(|(d, why)| {
+                    metrics::counter!(
+                        "tiller_engine_restarts_total",
+                        "engine" => cfg.name.to_string(),
+                        "reason" => d.as_str()
+                    )
+                    .increment(1);
+                    why
+                });
+            if pool.assigned.len() > 4 * cfg.max_processes * cfg.sessions_per_process + 1024 {
+                pool.assigned.retain(|_, c| c.alive());
+            }
+            if cfg.sessions_per_process > 1 {
+                let room = pool.children.iter().find(|c| {
+                    pool.assigned.values().filter(|a| Arc::ptr_eq(a, c)).count()
+                        < cfg.sessions_per_process
+                });
+                if let Some(c) = room.cloned() {
+                    pool.assigned.insert(session.to_owned(), c.clone());
+                    return Ok((Busy::new(c, idle), previous));
+                }
+            }
+            if pool.children.len() + pool.starting >= cfg.max_processes {
+                // The process idle the longest makes room (its sessions
+                // reload on their next turn); with every one busy, the
+                // prompt waits for nobody: it is refused, retryably.
+                let idle = pool
+                    .children
+                    .iter()
+                    .filter_map(|c| Some((c.idle_since()?, c.clone())))
+                    .min_by_key(|(t, _)| *t);
+                if let Some((_, c)) = idle {
+                    c.evict();
+                    pool.children.retain(|x| !Arc::ptr_eq(x, &c));
+                }
+            }
+            if pool.children.len() + pool.starting >= cfg.max_processes {
+                return Err((
+                    ErrorKind::Overloaded,
+                    format!(
+                        "The `{}` engine already runs {} agent processes (max_processes); send \
+                         the prompt again once one is free.",
+                        cfg.name, cfg.max_processes
+                    ),
+                ));
+            }
+            pool.starting += 1;
+            // A process that keeps dying is restarted ever more slowly.
+            let backoff = pool
+                .crashes
+                .len()
+                .checked_sub(1)
+                .map(|n| Duration::from_millis(100 << n.min(7)).min(Duration::from_secs(10)));
+            (previous, backoff, Starting(&self.pool))
+        };
+        if let Some(wait) = backoff {
             tokio::time::sleep(wait).await;
         }
         let dir = if dir.is_dir() { dir } else { &cfg.dir };
         let mut c = cfg.clone();
         c.dir = dir.to_owned();
         let child = Child::spawn(&c).map_err(|e| (ErrorKind::EngineCrashed, e))?;
+        let busy = Busy::new(child.clone(), idle);
         let init = json!({
             "protocolVersion": 1,
             "clientCapabilities": {
@@ -313,11 +367,15 @@ impl Shared {
         let caps = map::caps(&r);
         *self.caps.lock().unwrap() = caps.clone();
         child.set_caps(caps);
+        let mut pool = self.pool.lock().unwrap();
+        // Its place becomes the process's, under one lock.
+        std::mem::forget(starting);
+        pool.starting = pool.starting.saturating_sub(1);
         pool.children.push(child.clone());
-        pool.assigned.insert(session.to_owned(), child.clone());
+        pool.assigned.insert(session.to_owned(), child);
         metrics::gauge!("tiller_engine_processes", "engine" => cfg.name.to_string())
             .set(pool.children.len() as f64);
-        Ok((child, previous))
+        Ok((busy, previous))
     }
 
     /// Opens the session's agent session on `child`: the known one (loaded
@@ -475,16 +533,18 @@ impl Shared {
         }
     }
 
-    /// Updates the child memory gauge.
-    async fn measure(&self) {
+    /// Updates the process count and memory gauges.
+    fn measure(&self) {
         let pids: Vec<u32> = {
-            let pool = self.pool.lock().await;
+            let pool = self.pool.lock().unwrap();
             pool.children
                 .iter()
                 .filter(|c| c.alive())
                 .filter_map(|c| c.pid())
                 .collect()
         };
+        metrics::gauge!("tiller_engine_processes", "engine" => self.cfg.name.to_string())
+            .set(pids.len() as f64);
         let rss: u64 = pids.iter().filter_map(|p| rss_bytes(*p)).sum();
         metrics::gauge!("tiller_engine_resident_memory_bytes", "engine" => self.cfg.name.to_string())
             .set(rss as f64);
@@ -521,14 +581,15 @@ async fn run_turn(
     // ends the turn at once.
     let setup = async {
         let guard = lock.lock_owned().await;
-        let (child, previous) = pool.acquire(&session, &ctx.host.cwd).await?;
+        let (busy, previous) = pool.acquire(&session, &ctx.host.cwd).await?;
+        let child = busy.child.clone();
         let upstream = pool.open(&child, &ctx, previous, emit).await?;
         pool.apply_options(&child, &upstream, &ctx.host.agent_options, emit)
             .await;
-        Ok::<_, (ErrorKind, String)>((guard, child, upstream))
+        Ok::<_, (ErrorKind, String)>((guard, busy, upstream))
     };
     tokio::pin!(setup);
-    let (guard, child, upstream) = loop {
+    let (guard, busy, upstream) = loop {
         tokio::select! {
             r = &mut setup => match r {
                 Ok(v) => break v,
@@ -550,8 +611,8 @@ async fn run_turn(
             },
         }
     };
+    let child = busy.child.clone();
     let inbound = child.route(&upstream);
-    child.enter();
     let mut blocks = vec![json!({"type": "text", "text": prompt.text})];
     if child.caps().images {
         for i in &prompt.images {
@@ -573,8 +634,11 @@ async fn run_turn(
         cancelled_at: None,
         steers: Default::default(),
         guard: Some(guard),
+        busy: Some(busy),
+        rx: Some(rx),
+        closed: false,
     };
-    live.relay(&ctx, emit, &mut rx).await;
+    live.relay(&ctx, emit).await;
 }
 
 type Answer = tokio::sync::oneshot::Receiver<Result<Value, RpcError>>;
@@ -589,7 +653,7 @@ struct Live {
     upstream: String,
     /// The `session/prompt` answer, until it came.
     answer: Option<Answer>,
-    inbound: Option<mpsc::UnboundedReceiver<Inbound>>,
+    inbound: Option<mpsc::Receiver<Inbound>>,
     /// Tiller's request number -> the agent's request (its JSON-RPC id and,
     /// for a permission, its options).
     asked: HashMap<u64, (Value, Option<Value>)>,
@@ -601,20 +665,24 @@ struct Live {
     >,
     /// The session's turn lock, held until the agent answered (or died).
     guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+    /// The process is busy until then too.
+    busy: Option<Busy>,
+    /// The session's inputs (a teardown's wind-down still reads the answers
+    /// the session sent last, such as the refusal of a loop trip).
+    rx: Option<mpsc::UnboundedReceiver<EngineInput>>,
+    /// The agent's messages stopped (it died; its answer fails next).
+    closed: bool,
 }
 
 impl Live {
-    async fn relay(
-        &mut self,
-        ctx: &TurnContext,
-        emit: &Emit,
-        rx: &mut mpsc::UnboundedReceiver<EngineInput>,
-    ) {
+    async fn relay(&mut self, ctx: &TurnContext, emit: &Emit) {
         use futures::{FutureExt as _, StreamExt as _};
         loop {
             let answer = self.answer.as_mut().expect("until the answer");
             let inbound = self.inbound.as_mut().expect("until the answer");
+            let rx = self.rx.as_mut().expect("until the answer");
             let steers = &mut self.steers;
+            let closed = self.closed;
             tokio::select! {
                 biased;
                 input = rx.recv() => match input {
@@ -626,6 +694,8 @@ impl Live {
                     emit(SignalKind::SteerReceipt(id, receipt));
                 }
                 r = answer => {
+                    // Answered: nothing may poll it again, whatever follows.
+                    self.answer = None;
                     while let Some(Some((id, receipt))) = self.steers.next().now_or_never() {
                         emit(SignalKind::SteerReceipt(id, receipt));
                     }
@@ -644,7 +714,6 @@ impl Live {
                             }
                         }
                     }
-                    self.answer = None;
                     self.finish();
                     match r {
                         Ok(Ok(v)) => {
@@ -671,9 +740,9 @@ impl Live {
                     }
                     return;
                 }
-                msg = inbound.recv() => match msg {
+                msg = inbound.recv(), if !closed => match msg {
                     // The child died: its answer fails next.
-                    None => self.inbound = Some(mpsc::unbounded_channel().1),
+                    None => self.closed = true,
                     Some(Inbound::Update(u)) => {
                         if self.cancelled_at.is_some() {
                             stale(&self.shared.cfg.name);
@@ -787,25 +856,34 @@ impl Live {
         }
     }
 
-    /// The agent answered (or died): the session's next turn may start,
+    /// The agent answered (or died): the session's next turn may start
+    /// (its route is removed first, so it never removes the next turn's),
     /// and an idle process is stopped after `idle_timeout`.
     fn finish(&mut self) {
-        self.guard = None;
         self.child.unroute(&self.upstream);
-        if let Some(generation) = self.child.leave() {
-            let child = Arc::downgrade(&self.child);
-            let idle = self.shared.cfg.idle_timeout;
-            tokio::spawn(async move {
-                tokio::time::sleep(idle).await;
-                if let Some(c) = child.upgrade() {
-                    c.stop_if_idle(generation);
-                }
-            });
-        }
+        self.guard = None;
+        self.busy = None;
     }
 
     /// The turn was torn down with the prompt still at the agent.
     async fn wind_down(mut self) {
+        // What the session answered last (a loop trip's refusal) goes
+        // first; the cancel refuses whatever is left.
+        if let Some(rx) = self.rx.as_mut() {
+            let mut answers = Vec::new();
+            while let Ok(input) = rx.try_recv() {
+                answers.push(input);
+            }
+            for input in answers {
+                if matches!(
+                    input,
+                    EngineInput::Permission { .. } | EngineInput::File { .. }
+                ) {
+                    let noop: Emit = Arc::new(|_| {});
+                    self.input(input, &noop);
+                }
+            }
+        }
         self.cancel();
         let deadline = self.cancelled_at.expect("just cancelled") + self.shared.cfg.cancel_grace;
         loop {
@@ -821,10 +899,15 @@ impl Live {
                     }
                 },
                 _ = tokio::time::sleep_until(deadline) => {
-                    self.child.kill(format!(
-                        "it did not answer a cancel within {:?}",
-                        self.shared.cfg.cancel_grace
-                    ));
+                    // A process of its own is killed; a shared one keeps
+                    // serving its other sessions (this one's late answer
+                    // is dropped).
+                    if self.shared.cfg.sessions_per_process <= 1 {
+                        self.child.kill(format!(
+                            "it did not answer a cancel within {:?}",
+                            self.shared.cfg.cancel_grace
+                        ));
+                    }
                     break;
                 }
             }
@@ -850,6 +933,9 @@ impl Drop for Live {
             cancelled_at: self.cancelled_at,
             steers: Default::default(),
             guard: self.guard.take(),
+            busy: self.busy.take(),
+            rx: self.rx.take(),
+            closed: self.closed,
         };
         if tokio::runtime::Handle::try_current().is_ok() {
             tokio::spawn(rest.wind_down());

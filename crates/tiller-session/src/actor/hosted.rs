@@ -15,6 +15,8 @@ use tiller_engine::{FileOp, Hosted, HostedCall, PermissionAnswer, ToolKind, Upst
 #[derive(Default)]
 pub(super) struct HostedTurn {
     calls: Vec<CallState>,
+    /// The agent's id -> its place in `calls`.
+    index: std::collections::HashMap<String, usize>,
     /// The permission request a person is asked, if any.
     waiting: Option<Wait>,
 }
@@ -125,7 +127,7 @@ impl SessionState {
         let ids = self.call_ids.get_or_insert_with(Box::default);
         let run = self.running.as_mut().filter(|r| r.turn == turn)?;
         let hosted = run.hosted.get_or_insert_with(Box::default);
-        let i = match hosted.calls.iter().position(|s| s.id == c.id) {
+        let i = match hosted.index.get(&c.id).copied() {
             Some(i) => {
                 let s = &mut hosted.calls[i];
                 if let Some(input) = c.input.clone() {
@@ -172,6 +174,7 @@ impl SessionState {
                     key: None,
                     ended: false,
                 });
+                hosted.index.insert(c.id.clone(), hosted.calls.len() - 1);
                 hosted.calls.len() - 1
             }
         };
@@ -256,14 +259,14 @@ impl SessionState {
         let hosted = run.hosted.as_mut()?;
         let s = &hosted.calls[i];
         let tool = s.as_tool_call();
-        // Nobody answers for an automatic turn; the session's rules may
-        // allow the call without asking.
-        if run.origin != Origin::Interactive {
-            answer(PermissionAnswer::Reject);
-            return None;
-        }
+        // The session's rules may allow the call without asking; else
+        // nobody answers for an automatic turn.
         if !self.permissions.needs(&tool) {
             answer(PermissionAnswer::AllowOnce);
+            return None;
+        }
+        if run.origin != Origin::Interactive {
+            answer(PermissionAnswer::Reject);
             return None;
         }
         let request_id = format!("perm-{}", tiller_core::RequestId::new());
@@ -296,11 +299,20 @@ impl SessionState {
             request,
             call: i,
         }) {
-            // One question at a time: an older one is withdrawn.
+            // One question at a time: an older one is withdrawn, and
+            // everyone is told.
             run.handle.send(EngineInput::Permission {
                 request: old.request,
                 answer: PermissionAnswer::Cancelled,
             });
+            events.insert(
+                events.len() - 1,
+                EventBody::PermissionResolved {
+                    request_id: old.request_id,
+                    tool_call_id: hosted.calls[old.call].wire.clone(),
+                    outcome: Decision::Cancelled.as_str().into(),
+                },
+            );
         }
         None
     }
@@ -381,41 +393,64 @@ impl SessionState {
             return;
         };
         let engine = run.handle.sender();
-        let (name, input) = match &op {
-            FileOp::Read { path, line, limit } => {
-                let mut input = serde_json::json!({ "path": path });
-                if let Some(l) = line {
-                    input["offset"] = (*l).into();
+        let task: futures::future::BoxFuture<'static, Result<String, String>> = match op {
+            // Whole text, never cut: an agent writes back what it read.
+            FileOp::Read { path, line, limit } => Box::pin(async move {
+                let text = exec.read_whole(&path, MAX_AGENT_READ).await?;
+                Ok(lines(&text, line, limit))
+            }),
+            FileOp::Write { path, content } => {
+                let call = tiller_engine::ToolCall {
+                    id: format!("fs-{request}"),
+                    name: "write_file".into(),
+                    kind: ToolKind::Edit,
+                    input: serde_json::json!({ "path": path, "content": content }),
+                    simulated: None,
+                };
+                // The agent's own permission flow covered an interactive
+                // write; nobody is there for an automatic one, which the
+                // session's rules must allow by themselves.
+                if run.origin != Origin::Interactive && self.permissions.needs(&call) {
+                    let mode = self.permissions.mode.as_str();
+                    let _ = engine.send(EngineInput::File {
+                        request,
+                        result: Err(format!(
+                            "Refused: writing {path} needs a person's permission (permission \
+                             mode `{mode}`), and this turn runs unattended."
+                        )),
+                    });
+                    return;
                 }
-                if let Some(l) = limit {
-                    input["limit"] = (*l).into();
-                }
-                ("read_file", input)
+                Box::pin(async move {
+                    let out = exec.run(&call).await;
+                    if out.ok {
+                        Ok(String::new())
+                    } else {
+                        Err(out.output)
+                    }
+                })
             }
-            FileOp::Write { path, content } => (
-                "write_file",
-                serde_json::json!({ "path": path, "content": content }),
-            ),
         };
-        let call = tiller_engine::ToolCall {
-            id: format!("fs-{request}"),
-            name: name.into(),
-            kind: ToolKind::of(name),
-            input,
-            simulated: None,
-        };
-        let write = matches!(op, FileOp::Write { .. });
         let task = async move {
-            let out = exec.run(&call).await;
-            let result = match (out.ok, write) {
-                (true, true) => Ok(String::new()),
-                (true, false) => Ok(out.output),
-                (false, _) => Err(out.output),
-            };
+            let result = task.await;
             let _ = engine.send(EngineInput::File { request, result });
         };
         tokio::spawn(task.instrument(run.span.clone()));
     }
+}
+
+/// Largest file an agent reads through Tiller.
+const MAX_AGENT_READ: u64 = 16 * 1024 * 1024;
+
+/// Lines `line..line+limit` (1-based) of `text`, as ACP's
+/// `fs/read_text_file` takes them.
+fn lines(text: &str, line: Option<u64>, limit: Option<u64>) -> String {
+    if line.is_none() && limit.is_none() {
+        return text.to_owned();
+    }
+    let skip = line.unwrap_or(1).max(1) as usize - 1;
+    let take = limit.map_or(usize::MAX, |l| l as usize);
+    text.split_inclusive('\n').skip(skip).take(take).collect()
 }
 
 /// Loop protection tripped: every call the agent has not ended fails with
@@ -452,5 +487,25 @@ fn fail_unfinished(
                 message: message.clone(),
             }),
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_agents_read_takes_the_lines_it_asked_for() {
+        let text = "a\nb\nc\n";
+        // (line, limit, text)
+        let cases = [
+            (None, None, "a\nb\nc\n"),
+            (Some(2), None, "b\nc\n"),
+            (Some(2), Some(1), "b\n"),
+            (None, Some(2), "a\nb\n"),
+            (Some(0), Some(1), "a\n"),
+            (Some(9), None, ""),
+        ];
+        for (line, limit, want) in cases {
+            assert_eq!(super::lines(text, line, limit), want, "{line:?} {limit:?}");
+        }
     }
 }

@@ -227,6 +227,13 @@ impl Exec {
     pub(super) async fn run(&self, call: &tiller_engine::ToolCall) -> ToolOutput {
         run_call(&self.toolbox, call, self.client.clone()).await
     }
+
+    /// A file's whole text, confined (or from the attached editor).
+    pub(super) async fn read_whole(&self, path: &str, max: u64) -> Result<String, String> {
+        self.toolbox
+            .read_whole(path, max, self.client.clone())
+            .await
+    }
     /// Adds a batch's results to the conversation (for an engine that will
     /// not see them).
     pub(super) fn record(&self, results: Vec<tiller_engine::ToolResult>) {

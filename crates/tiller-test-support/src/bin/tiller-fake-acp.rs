@@ -15,6 +15,7 @@
 //! | `ask-vanish` | asks permission, then exits |
 //! | `loop` | makes the same tool call (read, completed, same output) 12 times |
 //! | `read PATH` | reads PATH through the client and streams its text |
+//! | `write PATH` | writes PATH through the client without asking; streams `wrote` or why not |
 //! | `steer` | waits up to 10 s for a steer and streams what it said |
 //! | `steer-hang` | takes a steer, then never answers (seed 003) |
 //! | `options` | streams `mode=` and its option `mode` (`ask` or `auto`) |
@@ -306,6 +307,18 @@ fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Va
                     return;
                 }
             }
+            end("end_turn");
+        }
+        "write" => {
+            let n = 1_000_000 + shared.next.fetch_add(1, Ordering::Relaxed);
+            let (tx, rx2) = channel();
+            shared.answers.lock().unwrap().insert(n, tx);
+            out(
+                json!({"jsonrpc": "2.0", "id": n, "method": "fs/write_text_file",
+                       "params": {"sessionId": session, "path": arg, "content": "unasked"}}),
+            );
+            let r = rx2.recv().unwrap_or(Value::Null);
+            chunk(session, if r.is_null() { "refused" } else { "wrote" });
             end("end_turn");
         }
         "read" => {
