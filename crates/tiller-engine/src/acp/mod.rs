@@ -84,8 +84,8 @@ struct Shared {
     pool: Mutex<Pool>,
     /// Per Tiller session: one turn (or its wind-down) at a time.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// What the last process said it can do.
-    caps: Mutex<Caps>,
+    /// What the last process said it can do (none started yet: unknown).
+    caps: Mutex<Option<Caps>>,
 }
 
 #[derive(Default)]
@@ -191,16 +191,30 @@ impl Engine for AcpEngine {
         })
     }
 
+    /// Until a process said, images are taken (and refused at the turn
+    /// if the agent turns out not to take them).
     fn accepts_images(&self) -> bool {
-        self.shared.caps.lock().unwrap().images
+        self.shared
+            .caps
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_none_or(|c| c.images)
     }
 
     fn uses_directory(&self) -> bool {
         true
     }
 
+    /// Until a process said, steers are taken (dropped, with their text
+    /// handed back, if the agent turns out not to steer).
     fn steering(&self) -> bool {
-        self.shared.caps.lock().unwrap().steering
+        self.shared
+            .caps
+            .lock()
+            .unwrap()
+            .as_ref()
+            .is_none_or(|c| c.steering)
     }
 
     fn shutdown(&self) {
@@ -365,7 +379,7 @@ impl Shared {
                 )
             })?;
         let caps = map::caps(&r);
-        *self.caps.lock().unwrap() = caps.clone();
+        *self.caps.lock().unwrap() = Some(caps.clone());
         child.set_caps(caps);
         let mut pool = self.pool.lock().unwrap();
         // Its place becomes the process's, under one lock.
@@ -613,11 +627,19 @@ async fn run_turn(
     };
     let child = busy.child.clone();
     let inbound = child.route(&upstream);
+    if !prompt.images.is_empty() && !child.caps().images {
+        emit(SignalKind::Failed(
+            ErrorKind::EngineCrashed,
+            format!(
+                "The agent `{}` does not take images; send the prompt without them.",
+                shared.cfg.name
+            ),
+        ));
+        return;
+    }
     let mut blocks = vec![json!({"type": "text", "text": prompt.text})];
-    if child.caps().images {
-        for i in &prompt.images {
-            blocks.push(json!({"type": "image", "mimeType": i.mime_type, "data": i.data}));
-        }
+    for i in &prompt.images {
+        blocks.push(json!({"type": "image", "mimeType": i.mime_type, "data": i.data}));
     }
     let answer = child.request(
         "session/prompt",
@@ -748,6 +770,9 @@ impl Live {
                             stale(&self.shared.cfg.name);
                             continue;
                         }
+                        if u["sessionUpdate"] == "current_mode_update" {
+                            self.mode_changed(&u, emit);
+                        }
                         for kind in map::update(&u) {
                             ctx.pace.room().await;
                             emit(kind);
@@ -759,6 +784,29 @@ impl Live {
                 },
             }
         }
+    }
+
+    /// The agent switched its mode itself (its option `mode`, for an agent
+    /// whose options are its modes).
+    fn mode_changed(&self, u: &Value, emit: &Emit) {
+        let Some(mode) = u["currentModeId"].as_str() else {
+            return;
+        };
+        let Some((mut opts, config)) = self.child.options(&self.upstream) else {
+            return;
+        };
+        if config {
+            return; // its config options say it (`config_option_update`)
+        }
+        let Some(o) = opts.iter_mut().find(|o| o.id == "mode") else {
+            return;
+        };
+        if o.current == mode {
+            return;
+        }
+        o.current = mode.to_owned();
+        self.child.set_options(&self.upstream, opts.clone(), false);
+        emit(SignalKind::Hosted(Hosted::Options(opts)));
     }
 
     /// A message from the session.
