@@ -513,6 +513,13 @@ pub fn prompt_result(
                 data["loopType"] = json!(t.as_str());
                 data["code"] = json!("LOOP_DETECTED");
             }
+            // Sending the same prompt again later may work.
+            if matches!(
+                kind,
+                tiller_core::ErrorKind::Overloaded | tiller_core::ErrorKind::StoreUnavailable
+            ) {
+                data["retryable"] = json!(true);
+            }
             Err(RpcError::new(code::INTERNAL_ERROR, message.clone()).with_data(data))
         }
     }
@@ -640,4 +647,26 @@ pub fn shown(body: &EventBody) -> bool {
             | EventBody::SessionInfo { .. }
             | EventBody::AgentCommands { .. }
     ) || matches!(body, EventBody::Usage { context_window, .. } if *context_window > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tiller_core::ErrorKind;
+
+    #[test]
+    fn a_failed_prompt_says_whether_sending_it_again_may_work() {
+        let (s, p) = (SessionId::new(), PromptId::new());
+        for (kind, retryable) in [
+            (ErrorKind::Overloaded, true),
+            (ErrorKind::StoreUnavailable, true),
+            (ErrorKind::EngineCrashed, false),
+            (ErrorKind::Stalled, false),
+        ] {
+            let e = prompt_result(s, p, &Terminal::failed(kind)).unwrap_err();
+            let data = e.data.unwrap();
+            assert_eq!(data["errorKind"], kind.as_str());
+            assert_eq!(data["retryable"] == json!(true), retryable, "{kind}");
+        }
+    }
 }

@@ -15,8 +15,10 @@ use tokio_util::codec::{FramedRead, LinesCodec};
 
 use super::AcpConfig;
 
-/// Longest line a child may write (a file's text travels in one).
-const MAX_LINE: usize = 16 * 1024 * 1024;
+/// Longest line a child may write: a file's text travels in one, twice in
+/// a diff, escaped (files an agent reads through Tiller are at most
+/// 16 MiB).
+const MAX_LINE: usize = 80 * 1024 * 1024;
 
 /// Messages waiting for a turn: past this the reader waits, so an agent
 /// that floods is held back by its own output pipe.
@@ -356,8 +358,16 @@ impl Child {
     }
 
     /// A turn starts on it.
-    pub(super) fn enter(&self) {
-        self.state.lock().unwrap().busy += 1;
+    /// A turn starts on it; false when it is dead (checked under the same
+    /// lock an idle stop takes, so a turn never holds a process stopped
+    /// under it).
+    pub(super) fn enter(&self) -> bool {
+        let mut st = self.state.lock().unwrap();
+        if st.dead.is_some() {
+            return false;
+        }
+        st.busy += 1;
+        true
     }
 
     /// A turn ended; returns the generation an idle stop must still see.

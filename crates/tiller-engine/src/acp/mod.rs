@@ -107,9 +107,9 @@ struct Busy {
 }
 
 impl Busy {
-    fn new(child: Arc<Child>, idle: Duration) -> Busy {
-        child.enter();
-        Busy { child, idle }
+    /// `None` when the process died meanwhile (an idle stop that won).
+    fn new(child: Arc<Child>, idle: Duration) -> Option<Busy> {
+        child.enter().then_some(Busy { child, idle })
     }
 }
 
@@ -286,10 +286,12 @@ impl Shared {
             {
                 pool.crashes.pop_front();
             }
-            if let Some(c) = pool.assigned.get(session)
-                && c.alive()
+            if let Some(busy) = pool
+                .assigned
+                .get(session)
+                .and_then(|c| Busy::new(c.clone(), idle))
             {
-                return Ok((Busy::new(c.clone(), idle), None));
+                return Ok((busy, None));
             }
             // Why the session's process ended (other sessions' dead
             // entries stay until their own next turn reads them).
@@ -311,12 +313,13 @@ impl Shared {
             }
             if cfg.sessions_per_process > 1 {
                 let room = pool.children.iter().find(|c| {
-                    pool.assigned.values().filter(|a| Arc::ptr_eq(a, c)).count()
-                        < cfg.sessions_per_process
+                    c.alive()
+                        && pool.assigned.values().filter(|a| Arc::ptr_eq(a, c)).count()
+                            < cfg.sessions_per_process
                 });
-                if let Some(c) = room.cloned() {
-                    pool.assigned.insert(session.to_owned(), c.clone());
-                    return Ok((Busy::new(c, idle), previous));
+                if let Some(busy) = room.cloned().and_then(|c| Busy::new(c, idle)) {
+                    pool.assigned.insert(session.to_owned(), busy.child.clone());
+                    return Ok((busy, previous));
                 }
             }
             if pool.children.len() + pool.starting >= cfg.max_processes {
@@ -359,7 +362,12 @@ impl Shared {
         let mut c = cfg.clone();
         c.dir = dir.to_owned();
         let child = Child::spawn(&c).map_err(|e| (ErrorKind::EngineCrashed, e))?;
-        let busy = Busy::new(child.clone(), idle);
+        let busy = Busy::new(child.clone(), idle).ok_or_else(|| {
+            (
+                ErrorKind::EngineCrashed,
+                format!("The agent `{}` exited as it started.", cfg.name),
+            )
+        })?;
         let init = json!({
             "protocolVersion": 1,
             "clientCapabilities": {
@@ -597,6 +605,15 @@ async fn run_turn(
         let guard = lock.lock_owned().await;
         let (busy, previous) = pool.acquire(&session, &ctx.host.cwd).await?;
         let child = busy.child.clone();
+        if !prompt.images.is_empty() && !child.caps().images {
+            return Err((
+                ErrorKind::EngineCrashed,
+                format!(
+                    "The agent `{}` does not take images; send the prompt without them.",
+                    pool.cfg.name
+                ),
+            ));
+        }
         let upstream = pool.open(&child, &ctx, previous, emit).await?;
         pool.apply_options(&child, &upstream, &ctx.host.agent_options, emit)
             .await;
@@ -627,16 +644,6 @@ async fn run_turn(
     };
     let child = busy.child.clone();
     let inbound = child.route(&upstream);
-    if !prompt.images.is_empty() && !child.caps().images {
-        emit(SignalKind::Failed(
-            ErrorKind::EngineCrashed,
-            format!(
-                "The agent `{}` does not take images; send the prompt without them.",
-                shared.cfg.name
-            ),
-        ));
-        return;
-    }
     let mut blocks = vec![json!({"type": "text", "text": prompt.text})];
     for i in &prompt.images {
         blocks.push(json!({"type": "image", "mimeType": i.mime_type, "data": i.data}));
@@ -659,6 +666,7 @@ async fn run_turn(
         busy: Some(busy),
         rx: Some(rx),
         closed: false,
+        winding: false,
     };
     live.relay(&ctx, emit).await;
 }
@@ -694,6 +702,8 @@ struct Live {
     rx: Option<mpsc::UnboundedReceiver<EngineInput>>,
     /// The agent's messages stopped (it died; its answer fails next).
     closed: bool,
+    /// This is a torn-down turn's wind-down.
+    winding: bool,
 }
 
 impl Live {
@@ -722,9 +732,16 @@ impl Live {
                         emit(SignalKind::SteerReceipt(id, receipt));
                     }
                     // What the agent sent before its answer is the turn's.
+                    let mut before = Vec::new();
                     while let Ok(msg) = inbound.try_recv() {
+                        before.push(msg);
+                    }
+                    for msg in before {
                         match msg {
                             Inbound::Update(u) if self.cancelled_at.is_none() => {
+                                if u["sessionUpdate"] == "current_mode_update" {
+                                    self.mode_changed(&u, emit);
+                                }
                                 for kind in map::update(&u) {
                                     ctx.pace.room().await;
                                     emit(kind);
@@ -947,15 +964,13 @@ impl Live {
                     }
                 },
                 _ = tokio::time::sleep_until(deadline) => {
-                    // A process of its own is killed; a shared one keeps
-                    // serving its other sessions (this one's late answer
-                    // is dropped).
-                    if self.shared.cfg.sessions_per_process <= 1 {
-                        self.child.kill(format!(
-                            "it did not answer a cancel within {:?}",
-                            self.shared.cfg.cancel_grace
-                        ));
-                    }
+                    // Its session cannot go on while the agent still runs
+                    // the old prompt: killed (a shared process's other
+                    // sessions reload on their next turn).
+                    self.child.kill(format!(
+                        "it did not answer a cancel within {:?}",
+                        self.shared.cfg.cancel_grace
+                    ));
                     break;
                 }
             }
@@ -970,7 +985,14 @@ impl Drop for Live {
         if self.answer.is_none() {
             return;
         }
-        let rest = Live {
+        if self.winding {
+            // The wind-down itself was dropped (the runtime is stopping):
+            // nothing may wait any more; the agent goes with it.
+            self.answer = None;
+            self.child.kill("the daemon stopped during a cancel".into());
+            return;
+        }
+        let mut rest = Live {
             shared: self.shared.clone(),
             child: self.child.clone(),
             upstream: std::mem::take(&mut self.upstream),
@@ -984,10 +1006,12 @@ impl Drop for Live {
             busy: self.busy.take(),
             rx: self.rx.take(),
             closed: self.closed,
+            winding: true,
         };
         if tokio::runtime::Handle::try_current().is_ok() {
             tokio::spawn(rest.wind_down());
         } else {
+            rest.answer = None;
             rest.child.kill("the runtime stopped".into());
         }
     }
