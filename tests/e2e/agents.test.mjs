@@ -12,7 +12,8 @@ import path from "node:path";
 import { fileURLToPath } from "node:url";
 import { after, before, describe, test } from "node:test";
 
-import { api, initialize, startDaemon, tempDir, textPrompt, transports, turnStarted } from "./lib/daemon.mjs";
+import { launch, page as newPage } from "./lib/browser.mjs";
+import { api, initialize, repo, startDaemon, tempDir, textPrompt, transports, turnStarted } from "./lib/daemon.mjs";
 import { anthropic, openai, startMockModel } from "./lib/mockmodel.mjs";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
@@ -150,6 +151,11 @@ before(async () => {
 kind = "acp"
 command = ${JSON.stringify(npmBin("claude-agent-acp"))}
 env = { ANTHROPIC_BASE_URL = "${mock.url}", ANTHROPIC_API_KEY = "sk-test-not-a-key", IS_SANDBOX = "1", HOME = ${JSON.stringify(homes.claude)} }
+
+# The misbehaving test agent (built with the workspace).
+[engine.fake]
+kind = "acp"
+command = ${JSON.stringify(path.join(repo, "target/debug/tiller-fake-acp"))}
 
 [engine.qwen]
 kind = "acp"
@@ -400,6 +406,31 @@ describe("a daemon restart", () => {
       }
     } finally {
       d.close();
+    }
+  });
+});
+
+describe("the Web Shell on a hosted agent", () => {
+  test("a crash is a localized turn error, and the restarted agent's reload is told", async () => {
+    const browser = await launch();
+    try {
+      const cwd = tempDir();
+      const created = await api(daemon, "POST", "/api/sessions", { cwd, engine: "fake", title: "hosted" });
+      assert.equal(created.status, 201, JSON.stringify(created.body));
+      const sid = created.body.id;
+      const p = await newPage(browser, { locale: "de-DE" });
+      await p.goto(`${daemon.http}/?token=${daemon.token}#${sid}`);
+      await p.waitForSelector("#state[data-state]");
+      await p.fill("#prompt-text", "exit now");
+      await p.click("#send");
+      await p.waitForSelector("#last-error[data-error-kind=engine_crashed]", { timeout: 20000 });
+      await p.fill("#prompt-text", "hello again");
+      await p.click("#send");
+      await p.waitForFunction(() => [...document.querySelectorAll(".notice")].some((n) => n.textContent.includes("neu geladen")), null, { timeout: 20000 });
+      await p.waitForFunction(() => document.querySelector(".agent:last-of-type")?.textContent.includes("chunk3") || [...document.querySelectorAll(".agent")].some((a) => a.textContent.includes("chunk3")), null, { timeout: 20000 });
+      await p.context().close();
+    } finally {
+      await browser.close();
     }
   });
 });

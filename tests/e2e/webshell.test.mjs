@@ -295,8 +295,15 @@ describe("Web Shell", () => {
     for (const lang of ["en", "zh-CN", "ja", "de", "es"]) {
       const t = translator(lang);
       assert.equal(errorText(t, { errorKind: "brand_new_kind", message: "daemon says" }), "daemon says");
-      const known = errorText(t, { errorKind: "loop_detected", message: "ENGLISH DAEMON TEXT" });
-      assert.ok(!known.includes("ENGLISH DAEMON TEXT") && known.length > 20, lang);
+      for (const kind of ["loop_detected", "overloaded", "engine_crashed", "stalled"]) {
+        const known = errorText(t, { errorKind: kind, message: "ENGLISH DAEMON TEXT" });
+        assert.ok(!known.includes("ENGLISH DAEMON TEXT") && known.length > 5, `${lang} ${kind}`);
+      }
+      // A hosted agent's restart is told in the language too, with its reason.
+      for (const key of ["agentReloaded", "agentFresh"]) {
+        const text = t(key, { reason: "REASON" });
+        assert.ok(text !== key && text.includes("REASON"), `${lang} ${key}`);
+      }
     }
   });
 });

@@ -417,6 +417,11 @@ function apply(view, box, ev) {
     case "mcp_server":
       if (d.error) into().append(el("div", { class: "notice", "data-mcp": d.name, text: t("mcpFailed", { name: d.name, error: d.error }) }));
       break;
+    case "agent_session":
+      // A hosted agent restarted: reloaded, or started over.
+      if (d.start === "loaded") into().append(el("div", { class: "notice", text: t("agentReloaded", { reason: d.reason ?? "" }) }));
+      if (d.start === "fresh") into().append(el("div", { class: "notice", text: t("agentFresh", { reason: d.reason ?? "" }) }));
+      break;
     case "goal_paused":
       into().append(el("div", { class: "notice", text: d.reason === "loop_detected" ? t("goalPaused") : t("goalPausedUser") }));
       break;
