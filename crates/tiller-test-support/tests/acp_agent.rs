@@ -43,6 +43,19 @@ async fn start(dir: &tempfile::TempDir, cfg: AcpConfig) -> (Sessions, Arc<AcpEng
     (sessions, engine)
 }
 
+/// A session in `work` with a subscriber collecting its events.
+async fn attached(sessions: &Sessions, work: &tempfile::TempDir) -> (SessionHandle, Collect) {
+    let h = sessions
+        .create(work.path().display().to_string(), None)
+        .await
+        .unwrap();
+    let seen = Collect::default();
+    h.subscribe(SubscriberId(1), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    (h, seen)
+}
+
 /// Sends `text`, cancels after `cancel_after` if given, and returns the
 /// terminal (bounded: a missing terminal fails the test).
 async fn run(h: &SessionHandle, text: &str, cancel_after: Option<u64>) -> Terminal {
@@ -108,14 +121,7 @@ async fn every_misbehaviour_settles_by_tillers_rules_and_the_next_prompt_works()
         }),
     ];
     for (text, cancel, check) in cases {
-        let h = sessions
-            .create(work.path().display().to_string(), None)
-            .await
-            .unwrap();
-        let seen = Collect::default();
-        h.subscribe(SubscriberId(1), Box::new(seen.clone()))
-            .await
-            .unwrap();
+        let (h, seen) = attached(&sessions, &work).await;
         let t = run(&h, text, *cancel).await;
         assert!(check(&t), "`{text}` settled {t:?}");
         // Whatever happened, the session goes on.
@@ -159,14 +165,7 @@ async fn a_cancel_the_agent_ignores_kills_it_after_the_grace_and_the_session_rel
     let dir = tempfile::tempdir().unwrap();
     let work = tempfile::tempdir().unwrap();
     let (sessions, engine) = start(&dir, agent("fake", &[])).await;
-    let h = sessions
-        .create(work.path().display().to_string(), None)
-        .await
-        .unwrap();
-    let seen = Collect::default();
-    h.subscribe(SubscriberId(1), Box::new(seen.clone()))
-        .await
-        .unwrap();
+    let (h, seen) = attached(&sessions, &work).await;
     assert_eq!(
         run(&h, "hello", None).await,
         Terminal::Completed(StopReason::EndTurn)
@@ -210,14 +209,7 @@ async fn an_agent_that_cannot_reload_gets_a_fresh_session_and_an_event_says_so()
     let dir = tempfile::tempdir().unwrap();
     let work = tempfile::tempdir().unwrap();
     let (sessions, _engine) = start(&dir, agent("fake", &[("FAKE_ACP_NO_LOAD", "1")])).await;
-    let h = sessions
-        .create(work.path().display().to_string(), None)
-        .await
-        .unwrap();
-    let seen = Collect::default();
-    h.subscribe(SubscriberId(1), Box::new(seen.clone()))
-        .await
-        .unwrap();
+    let (h, seen) = attached(&sessions, &work).await;
     assert!(crashed(
         &run(&h, "exit", None).await,
         "ended during the turn"
@@ -238,14 +230,7 @@ async fn permission_goes_through_tiller_and_the_file_is_written_confined_only_af
     let dir = tempfile::tempdir().unwrap();
     let work = tempfile::tempdir().unwrap();
     let (sessions, _engine) = start(&dir, agent("fake", &[])).await;
-    let h = sessions
-        .create(work.path().display().to_string(), None)
-        .await
-        .unwrap();
-    let seen = Collect::default();
-    h.subscribe(SubscriberId(1), Box::new(seen.clone()))
-        .await
-        .unwrap();
+    let (h, seen) = attached(&sessions, &work).await;
     let target = work.path().join("out.txt");
     for (answer, written) in [("reject_once", false), ("allow_once", true)] {
         let before = seen.events().len();
@@ -313,14 +298,7 @@ async fn repeated_identical_calls_of_the_agent_trip_loop_protection() {
     let dir = tempfile::tempdir().unwrap();
     let work = tempfile::tempdir().unwrap();
     let (sessions, _engine) = start(&dir, agent("fake", &[])).await;
-    let h = sessions
-        .create(work.path().display().to_string(), None)
-        .await
-        .unwrap();
-    let seen = Collect::default();
-    h.subscribe(SubscriberId(1), Box::new(seen.clone()))
-        .await
-        .unwrap();
+    let (h, seen) = attached(&sessions, &work).await;
     let t = run(&h, "loop", None).await;
     assert!(
         matches!(
@@ -368,14 +346,7 @@ async fn steers_are_forwarded_when_the_agent_steers_and_refused_when_it_does_not
             &[("FAKE_ACP_NO_STEER", "1")]
         };
         let (sessions, _engine) = start(&dir, agent("fake", env)).await;
-        let h = sessions
-            .create(work.path().display().to_string(), None)
-            .await
-            .unwrap();
-        let seen = Collect::default();
-        h.subscribe(SubscriberId(1), Box::new(seen.clone()))
-            .await
-            .unwrap();
+        let (h, seen) = attached(&sessions, &work).await;
         let (_, settled) = h
             .prompt("steer".into(), Origin::Interactive)
             .await
@@ -513,14 +484,7 @@ async fn the_agents_options_surface_and_a_change_is_forwarded_before_the_next_pr
     let dir = tempfile::tempdir().unwrap();
     let work = tempfile::tempdir().unwrap();
     let (sessions, _engine) = start(&dir, agent("fake", &[])).await;
-    let h = sessions
-        .create(work.path().display().to_string(), None)
-        .await
-        .unwrap();
-    let seen = Collect::default();
-    h.subscribe(SubscriberId(1), Box::new(seen.clone()))
-        .await
-        .unwrap();
+    let (h, seen) = attached(&sessions, &work).await;
     assert_eq!(
         run(&h, "options", None).await,
         Terminal::Completed(StopReason::EndTurn)
@@ -572,14 +536,7 @@ async fn an_agent_reads_a_large_file_whole_and_unattended_writes_follow_the_perm
     let dir = tempfile::tempdir().unwrap();
     let work = tempfile::tempdir().unwrap();
     let (sessions, _engine) = start(&dir, agent("fake", &[])).await;
-    let h = sessions
-        .create(work.path().display().to_string(), None)
-        .await
-        .unwrap();
-    let seen = Collect::default();
-    h.subscribe(SubscriberId(1), Box::new(seen.clone()))
-        .await
-        .unwrap();
+    let (h, seen) = attached(&sessions, &work).await;
     // Far past the tools' output bound: an agent that edits a file must
     // get all of it, or it writes back a cut file.
     let big: String = (0..20_000).map(|i| format!("line {i}\n")).collect();

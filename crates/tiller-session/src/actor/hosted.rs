@@ -7,8 +7,9 @@
 //! when loop protection trips, or stopped when the turn ends first.
 
 use super::*;
-use crate::event::{AgentCommand, AskedCall, CallKind, ToolError, ToolStatus};
+use crate::event::{AgentCommand, AskedCall, CallKind, ToolStatus};
 use tiller_core::CallKey;
+use tiller_core::pipeline::Failure;
 use tiller_engine::{FileOp, Hosted, HostedCall, PermissionAnswer, ToolKind, UpstreamStart};
 
 /// What the session knows of a hosted turn's calls.
@@ -196,7 +197,15 @@ impl SessionState {
             let checked = run.guard.check(&key);
             s.key = Some(key);
             if let Err(loop_type) = checked {
-                fail_unfinished(hosted, run.handle.sender(), loop_type, events);
+                // A question still open is refused.
+                end_unfinished(
+                    hosted,
+                    &run.handle.sender(),
+                    PermissionAnswer::Reject,
+                    Failure::Skipped(loop_type),
+                    self.permissions.mode,
+                    events,
+                );
                 return Some((i, Some(loop_type)));
             }
         }
@@ -361,27 +370,14 @@ impl SessionState {
         let Some(hosted) = run.hosted.as_mut() else {
             return events;
         };
-        if let Some(w) = hosted.waiting.take() {
-            run.handle.send(EngineInput::Permission {
-                request: w.request,
-                answer: PermissionAnswer::Cancelled,
-            });
-            events.push(EventBody::PermissionResolved {
-                request_id: w.request_id,
-                tool_call_id: hosted.calls[w.call].wire.clone(),
-                outcome: Decision::Cancelled.as_str().into(),
-            });
-        }
-        for s in hosted.calls.iter_mut().filter(|s| !s.ended) {
-            s.ended = true;
-            metrics::counter!("tiller_tool_calls_total", "status" => "failed").increment(1);
-            events.push(EventBody::ToolCallUpdate {
-                tool_call_id: s.wire.clone(),
-                status: ToolStatus::Failed,
-                output: Some("The turn ended before this call finished; it was stopped.".into()),
-                error: None,
-            });
-        }
+        end_unfinished(
+            hosted,
+            &run.handle.sender(),
+            PermissionAnswer::Cancelled,
+            Failure::Stopped,
+            self.permissions.mode,
+            &mut events,
+        );
         events
     }
 
@@ -453,19 +449,21 @@ fn lines(text: &str, line: Option<u64>, limit: Option<u64>) -> String {
     text.split_inclusive('\n').skip(skip).take(take).collect()
 }
 
-/// Loop protection tripped: every call the agent has not ended fails with
-/// the skip details, and a question still open is refused.
-fn fail_unfinished(
+/// The turn ends (or loop protection stopped it): a question still open
+/// gets `answer`, and every call the agent has not ended fails `why`, as
+/// the pipeline fails its own calls.
+fn end_unfinished(
     hosted: &mut HostedTurn,
-    engine: tokio::sync::mpsc::UnboundedSender<EngineInput>,
-    loop_type: LoopType,
+    engine: &tokio::sync::mpsc::UnboundedSender<EngineInput>,
+    answer: PermissionAnswer,
+    why: Failure,
+    mode: PermissionMode,
     events: &mut Vec<EventBody>,
 ) {
-    let message = crate::tools::skip_message(loop_type);
     if let Some(w) = hosted.waiting.take() {
         let _ = engine.send(EngineInput::Permission {
             request: w.request,
-            answer: PermissionAnswer::Reject,
+            answer,
         });
         events.push(EventBody::PermissionResolved {
             request_id: w.request_id,
@@ -475,17 +473,13 @@ fn fail_unfinished(
     }
     for s in hosted.calls.iter_mut().filter(|s| !s.ended) {
         s.ended = true;
+        let (output, error) = crate::tools::failure(&s.as_tool_call(), why, mode);
         metrics::counter!("tiller_tool_calls_total", "status" => "failed").increment(1);
         events.push(EventBody::ToolCallUpdate {
             tool_call_id: s.wire.clone(),
             status: ToolStatus::Failed,
-            output: Some(message.clone()),
-            error: Some(ToolError {
-                error_kind: "loop_detected".into(),
-                loop_type: Some(loop_type.as_str().into()),
-                code: "LOOP_DETECTED".into(),
-                message: message.clone(),
-            }),
+            output: Some(output),
+            error,
         });
     }
 }

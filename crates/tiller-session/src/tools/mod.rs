@@ -366,7 +366,11 @@ fn needs<'a>(
 
 /// What a call that failed without its own output tells the model, and
 /// the structured error clients get, if any.
-fn failure(call: &ToolCall, why: Failure, mode: PermissionMode) -> (String, Option<ToolError>) {
+pub(crate) fn failure(
+    call: &ToolCall,
+    why: Failure,
+    mode: PermissionMode,
+) -> (String, Option<ToolError>) {
     match why {
         Failure::Skipped(loop_type) => {
             let message = skip_message(loop_type);
