@@ -887,10 +887,7 @@ fn merge(into: &mut EventRecord, next: &EventRecord) -> bool {
 }
 
 fn update_message(n: &agent_client_protocol_schema::v1::SessionNotification) -> String {
-    jsonrpc::notification(
-        "session/update",
-        serde_json::to_value(n).expect("serialize"),
-    )
+    jsonrpc::notification_of("session/update", n)
 }
 
 /// Requests of one connection handled at once.

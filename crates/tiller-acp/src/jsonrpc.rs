@@ -167,7 +167,24 @@ pub fn request(id: &str, method: &str, params: Value) -> String {
 
 /// A notification.
 pub fn notification(method: &str, params: Value) -> String {
-    json!({ "jsonrpc": "2.0", "method": method, "params": params }).to_string()
+    notification_of(method, &params)
+}
+
+/// A notification serialized straight from its params' type (no
+/// intermediate `Value`: this is the path of every streamed update).
+pub fn notification_of<T: serde::Serialize>(method: &str, params: &T) -> String {
+    #[derive(serde::Serialize)]
+    struct Notification<'a, T> {
+        jsonrpc: &'static str,
+        method: &'a str,
+        params: &'a T,
+    }
+    serde_json::to_string(&Notification {
+        jsonrpc: "2.0",
+        method,
+        params,
+    })
+    .expect("serialize")
 }
 
 #[cfg(test)]

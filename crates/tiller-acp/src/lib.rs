@@ -65,15 +65,29 @@ pub async fn read_lines<R: AsyncRead + Unpin>(reader: R, max: usize, tx: mpsc::S
 
 /// Writes one message per line.
 pub async fn write_lines<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Receiver<String>) {
+    let mut buf: Vec<u8> = Vec::new();
     while let Some(msg) = rx.recv().await {
-        if writer.write_all(msg.as_bytes()).await.is_err()
-            || writer.write_all(b"\n").await.is_err()
-            || writer.flush().await.is_err()
-        {
+        // What is already queued goes out in the same write: one system
+        // call (and one wake-up of the reader) per burst, not per message.
+        buf.clear();
+        buf.extend_from_slice(msg.as_bytes());
+        buf.push(b'\n');
+        while buf.len() < WRITE_BATCH {
+            let Ok(more) = rx.try_recv() else { break };
+            buf.extend_from_slice(more.as_bytes());
+            buf.push(b'\n');
+        }
+        if writer.write_all(&buf).await.is_err() || writer.flush().await.is_err() {
             return;
+        }
+        if buf.capacity() > 4 * WRITE_BATCH {
+            buf = Vec::new(); // one huge message does not stay allocated
         }
     }
 }
+
+/// Bytes gathered into one write, at most (one message may be larger).
+const WRITE_BATCH: usize = 64 * 1024;
 
 /// Serves ACP over a newline-delimited byte stream (stdio, unix socket).
 pub async fn serve_stream<R, W>(

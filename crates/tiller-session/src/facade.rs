@@ -471,7 +471,9 @@ impl Sessions {
         self.goal.stop(None);
         // Let the stop signals land before the last flush.
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        let _ = self.store.flush().await;
+        // What the store was given is on disk, and the database is free
+        // for the next start, as after a killed process.
+        self.store.close().await;
     }
 
     /// Graceful shutdown: cancel running turns, wait (bounded) for them to
@@ -488,6 +490,8 @@ impl Sessions {
         if let Err(e) = self.store.flush().await {
             tracing::error!(error = %e, "store flush at shutdown failed");
         }
+        // The database's lock is released (the next daemon may open it).
+        self.store.close().await;
     }
 }
 

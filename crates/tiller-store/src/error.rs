@@ -5,6 +5,14 @@ use std::path::PathBuf;
 /// Store failures. Messages say what happened and what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    #[error(
+        "the store at {path} is in use by another Tiller process (one daemon, or one `tiller acp --embedded`, per data directory)"
+    )]
+    /// Another process holds the database.
+    InUse {
+        /// The database file.
+        path: PathBuf,
+    },
     #[error("cannot open the store at {path}: {source} (check the path and its permissions)")]
     /// The database could not be opened or migrated.
     Open {
@@ -56,7 +64,7 @@ impl StoreError {
                     | C::ReadOnly
                     | C::OutOfMemory
             ),
-            StoreError::Sql(_) | StoreError::Open { .. } => false,
+            StoreError::Sql(_) | StoreError::Open { .. } | StoreError::InUse { .. } => false,
             StoreError::Append(e) => e.is_unavailable(),
             StoreError::Io { .. }
             | StoreError::LogBroken

@@ -34,7 +34,7 @@ use tokio::sync::oneshot;
 
 pub use error::StoreError;
 
-/// Called on the store thread once appends of a session committed, with
+/// Called on the store thread (the caller's, inline) once appends of a session committed, with
 /// the highest sequence number among them (what the session may now show).
 pub type OnCommit = Arc<dyn Fn(u64) + Send + Sync>;
 pub use rows::*;
@@ -43,33 +43,52 @@ use writer::{Cmd, Pending, Writer};
 /// A handle to the store thread. Cheap to clone.
 #[derive(Clone)]
 pub struct Store {
-    /// Commands to the thread; the thread ends when every handle is dropped.
-    tx: std_mpsc::Sender<Cmd>,
+    /// Where commands go.
+    tx: Route,
     /// Shared with the thread: a test sets it to make appends fail.
     #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     fail_appends: Arc<AtomicBool>,
 }
 
+/// The store thread's channel, or the connection itself (inline).
+#[derive(Clone)]
+enum Route {
+    /// Commands to the thread; the thread ends when every handle is dropped.
+    Thread(std_mpsc::Sender<Cmd>),
+    /// Commands run on the caller's thread, under the lock.
+    Inline(Arc<std::sync::Mutex<Option<Writer>>>),
+}
+
+impl Route {
+    fn send(&self, cmd: Cmd) -> Result<(), Cmd> {
+        match self {
+            Route::Thread(tx) => tx.send(cmd).map_err(|e| e.0),
+            Route::Inline(w) => {
+                writer::execute(&mut w.lock().unwrap_or_else(|e| e.into_inner()), cmd)
+            }
+        }
+    }
+}
+
 impl Store {
+    /// Opens the store for a process with one client on a current-thread
+    /// runtime (`tiller acp --embedded`): every command runs at once on
+    /// the caller's thread (an append commits before `append` returns), so
+    /// no message crosses a thread. The cost: the caller's thread blocks
+    /// for each write (page-cache writes; a checkpoint's fsync now and
+    /// then), which in that process only its one client waits for anyway.
+    pub fn open_inline(path: &Path) -> Result<Store, StoreError> {
+        let (writer, fail_appends) = Self::connect(path)?;
+        Ok(Store {
+            tx: Route::Inline(Arc::new(std::sync::Mutex::new(Some(writer)))),
+            fail_appends,
+        })
+    }
+
     /// Opens (creating if needed) the database at `path` and starts its thread.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
-        let open_err = |source| StoreError::Open {
-            path: path.to_owned(),
-            source,
-        };
-        schema::restrict(path).map_err(|e| StoreError::Io {
-            path: path.to_owned(),
-            source: e,
-        })?;
-        let conn = Connection::open(path).map_err(open_err)?;
-        schema::migrate(&conn).map_err(open_err)?;
+        let (writer, fail_appends) = Self::connect(path)?;
         let (tx, rx) = std_mpsc::channel();
-        let fail_appends = Arc::new(AtomicBool::new(false));
-        let writer = Writer {
-            conn,
-            broken: Default::default(),
-            fail_appends: fail_appends.clone(),
-        };
         std::thread::Builder::new()
             .name("tiller-store".into())
             .spawn(move || writer::run(writer, rx))
@@ -77,7 +96,37 @@ impl Store {
                 path: path.to_owned(),
                 source: e,
             })?;
-        Ok(Store { tx, fail_appends })
+        Ok(Store {
+            tx: Route::Thread(tx),
+            fail_appends,
+        })
+    }
+
+    fn connect(path: &Path) -> Result<(Writer, Arc<AtomicBool>), StoreError> {
+        let open_err = |source: rusqlite::Error| match source.sqlite_error_code() {
+            Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
+                StoreError::InUse {
+                    path: path.to_owned(),
+                }
+            }
+            _ => StoreError::Open {
+                path: path.to_owned(),
+                source,
+            },
+        };
+        schema::restrict(path).map_err(|e| StoreError::Io {
+            path: path.to_owned(),
+            source: e,
+        })?;
+        let conn = Connection::open(path).map_err(open_err)?;
+        schema::migrate(&conn).map_err(open_err)?;
+        let fail_appends = Arc::new(AtomicBool::new(false));
+        let writer = Writer {
+            conn,
+            broken: Default::default(),
+            fail_appends: fail_appends.clone(),
+        };
+        Ok((writer, fail_appends))
     }
 
     /// The one command path: runs `f` on the store thread, in order.
@@ -216,12 +265,22 @@ impl Store {
         ledger: Option<LedgerOp>,
         on_commit: Option<OnCommit>,
     ) {
-        let _ = self.tx.send(Cmd::Append(Pending {
+        let _ = self.tx.send(Cmd::Append(vec![Pending {
             event,
             ledger,
             reply: None,
             on_commit,
-        }));
+        }]));
+    }
+
+    /// Appends several events in order (not awaited), committed together
+    /// unless the store is already holding more; `on_commit` hears the
+    /// highest sequence number committed.
+    pub fn append_many(&self, events: Vec<(StoredEvent, Option<LedgerOp>)>, on_commit: OnCommit) {
+        if events.is_empty() {
+            return;
+        }
+        let _ = self.tx.send(Cmd::Append(pending(events, Some(on_commit))));
     }
 
     /// Appends and waits for the commit (durable before acknowledged). An
@@ -232,14 +291,31 @@ impl Store {
         event: StoredEvent,
         ledger: Option<LedgerOp>,
     ) -> Result<(), StoreError> {
+        self.append_durable_after(Vec::new(), None, event, ledger)
+            .await
+    }
+
+    /// [`Store::append_durable`] after `before` (appended in order first,
+    /// in the same transaction, with `on_commit` told as for
+    /// [`Store::append_many`]): one commit for what a session had not yet
+    /// sent and the event it must wait for.
+    pub async fn append_durable_after(
+        &self,
+        before: Vec<(StoredEvent, Option<LedgerOp>)>,
+        on_commit: Option<OnCommit>,
+        event: StoredEvent,
+        ledger: Option<LedgerOp>,
+    ) -> Result<(), StoreError> {
         let (reply, rx) = oneshot::channel();
+        let mut batch = pending(before, on_commit);
+        batch.push(Pending {
+            event,
+            ledger,
+            reply: Some(reply),
+            on_commit: None,
+        });
         self.tx
-            .send(Cmd::Append(Pending {
-                event,
-                ledger,
-                reply: Some(reply),
-                on_commit: None,
-            }))
+            .send(Cmd::Append(batch))
             .map_err(|_| StoreError::Closed)?;
         rx.await.map_err(|_| StoreError::Closed)?
     }
@@ -299,6 +375,16 @@ impl Store {
     /// Waits until every command sent before it is committed.
     pub async fn flush(&self) -> Result<(), StoreError> {
         self.call(|_| Ok(())).await
+    }
+
+    /// Runs what was sent before, then closes the database (its lock is
+    /// released: another process, or a test's next `open`, may take it).
+    /// Every later command of any handle fails with `Closed`.
+    pub async fn close(&self) {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Cmd::Close(reply)).is_ok() {
+            let _ = rx.await;
+        }
     }
 
     /// Stores what the notification core decided (durable when this
@@ -400,3 +486,17 @@ impl Store {
 
 #[cfg(test)]
 mod tests;
+
+fn pending(
+    events: Vec<(StoredEvent, Option<LedgerOp>)>,
+    on_commit: Option<OnCommit>,
+) -> Vec<Pending> {
+    let mut out = Vec::with_capacity(events.len() + 1);
+    out.extend(events.into_iter().map(|(event, ledger)| Pending {
+        event,
+        ledger,
+        reply: None,
+        on_commit: on_commit.clone(),
+    }));
+    out
+}

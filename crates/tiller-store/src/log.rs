@@ -8,21 +8,27 @@ use crate::{Claim, HistoryPage, LedgerOp, LogHead, StoredEvent, Unsettled};
 
 /// Commits a batch of appends and everything they imply, in one transaction.
 pub(crate) fn append_batch(conn: &mut Connection, batch: &[Pending]) -> rusqlite::Result<()> {
-    let tx = conn.transaction()?;
+    // BEGIN and COMMIT as cached statements: parsed once, not per batch.
+    conn.prepare_cached("BEGIN")?.execute([])?;
+    let done = insert_batch(conn, batch)
+        .and_then(|()| conn.prepare_cached("COMMIT")?.execute([]).map(drop));
+    if done.is_err() && !conn.is_autocommit() {
+        let _ = conn.execute_batch("ROLLBACK");
+    }
+    done
+}
+
+fn insert_batch(tx: &Connection, batch: &[Pending]) -> rusqlite::Result<()> {
     {
         let mut insert = tx.prepare_cached(
             "INSERT INTO events (session_id, seq, ts_ms, kind, prompt_id, turn_id, data)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
         )?;
-        let mut touch = tx.prepare_cached("UPDATE sessions SET updated_ms = ?2 WHERE id = ?1")?;
         let mut admit = tx.prepare_cached(
             "INSERT OR IGNORE INTO prompts (prompt_id, session_id, origin, admitted_ms)
              VALUES (?1, ?2, ?3, ?4)",
         )?;
-        let mut settle = tx.prepare_cached(
-            "UPDATE prompts SET settled_ms = ?2 WHERE prompt_id = ?1 AND settled_ms IS NULL",
-        )?;
-        let mut last: Option<(SessionId, i64)> = None;
+        let mut settle = tx.prepare_cached("DELETE FROM prompts WHERE prompt_id = ?1")?;
         for Pending {
             event: e, ledger, ..
         } in batch
@@ -50,9 +56,9 @@ pub(crate) fn append_batch(conn: &mut Connection, batch: &[Pending]) -> rusqlite
                     }
                 }
                 Some(LedgerOp::Settle { prompt, delivery }) => {
-                    settle.execute(params![prompt.to_string(), e.ts_ms])?;
+                    settle.execute(params![prompt.to_string()])?;
                     if let Some(d) = delivery {
-                        crate::deliveries::add(&tx, d)?;
+                        crate::deliveries::add(tx, d)?;
                     }
                 }
                 None => {}
@@ -66,18 +72,9 @@ pub(crate) fn append_batch(conn: &mut Connection, batch: &[Pending]) -> rusqlite
                 e.turn.map(|t| t.0 as i64),
                 e.data,
             ])?;
-            if let Some((s, ts)) = last
-                && s != e.session
-            {
-                touch.execute(params![s.to_string(), ts])?;
-            }
-            last = Some((e.session, e.ts_ms));
-        }
-        if let Some((s, ts)) = last {
-            touch.execute(params![s.to_string(), ts])?;
         }
     }
-    tx.commit()
+    Ok(())
 }
 
 /// The head of a session's log.
@@ -153,10 +150,8 @@ pub(crate) fn last_of_kinds(
 }
 
 pub(crate) fn unsettled(conn: &Connection) -> rusqlite::Result<Vec<Unsettled>> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT session_id, prompt_id, origin FROM prompts
-         WHERE settled_ms IS NULL ORDER BY admitted_ms",
-    )?;
+    let mut stmt = conn
+        .prepare_cached("SELECT session_id, prompt_id, origin FROM prompts ORDER BY admitted_ms")?;
     let rows = stmt.query_map([], |r| {
         let s: String = r.get(0)?;
         let p: String = r.get(1)?;

@@ -133,15 +133,34 @@ pub(crate) const SCHEMA: &[&str] = &[
                             THEN s.conversation ELSE '[]' END) j
         WHERE s.conversation IS NOT NULL AND j.type = 'object';
     UPDATE session_state SET conversation = NULL;",
+    // v11: the prompt ledger keeps only prompts not yet settled (a
+    // settlement deletes its row), so admitting and settling touch one
+    // small table and no partial index.
+    "CREATE TABLE prompts_in_flight (
+        prompt_id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        origin TEXT NOT NULL,
+        admitted_ms INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    INSERT INTO prompts_in_flight (prompt_id, session_id, origin, admitted_ms)
+        SELECT prompt_id, session_id, origin, admitted_ms FROM prompts WHERE settled_ms IS NULL;
+    DROP TABLE prompts;
+    ALTER TABLE prompts_in_flight RENAME TO prompts;",
 ];
 
 pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    // One process owns the store: the lock is taken at open and held (a
+    // second daemon on the same file fails at start instead of settling
+    // the first one's prompts as "restarted"), and no transaction pays for
+    // file locks or a shared-memory index.
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.pragma_update(None, "locking_mode", "EXCLUSIVE")?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     // WAL + NORMAL: a commit survives a process crash (kill -9); the last
     // commits may be lost on power failure. See ARCHITECTURE.md.
     conn.pragma_update(None, "synchronous", "NORMAL")?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
-    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.execute_batch("BEGIN EXCLUSIVE; COMMIT;")?;
     let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
     for (i, sql) in SCHEMA.iter().enumerate().skip(version as usize) {
         let tx = conn.unchecked_transaction()?;

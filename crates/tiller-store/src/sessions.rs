@@ -25,6 +25,11 @@ pub(crate) fn create_session(conn: &Connection, rec: &SessionRecord) -> rusqlite
     .map(drop)
 }
 
+/// A session's last activity: the time of its newest event (one index
+/// seek), or its creation. Appends do not write the session row.
+const UPDATED: &str = "COALESCE((SELECT ts_ms FROM events e WHERE e.session_id = sessions.id
+    ORDER BY e.seq DESC LIMIT 1), updated_ms) AS updated_ms";
+
 fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
     let id: String = r.get("id")?;
     Ok(SessionRecord {
@@ -46,7 +51,7 @@ pub(crate) fn get_session(
 ) -> rusqlite::Result<Option<(SessionRecord, LogHead)>> {
     let Some(rec) = conn
         .query_row(
-            "SELECT id, cwd, title, created_ms, updated_ms, closed, channel FROM sessions WHERE id = ?1",
+            &format!("SELECT id, cwd, title, created_ms, {UPDATED}, closed, channel FROM sessions WHERE id = ?1"),
             params![id.to_string()],
             session_row,
         )
@@ -63,10 +68,10 @@ pub(crate) fn list_sessions(
     limit: usize,
     cwd: Option<&str>,
 ) -> rusqlite::Result<SessionPage> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT n, id, cwd, title, created_ms, updated_ms, closed, channel FROM sessions
-         WHERE closed = 0 AND n < ?1 AND (?3 IS NULL OR cwd = ?3) ORDER BY n DESC LIMIT ?2",
-    )?;
+    let mut stmt = conn.prepare_cached(&format!(
+        "SELECT n, id, cwd, title, created_ms, {UPDATED}, closed, channel FROM sessions
+         WHERE closed = 0 AND n < ?1 AND (?3 IS NULL OR cwd = ?3) ORDER BY n DESC LIMIT ?2"
+    ))?;
     let mut rows = stmt.query(params![cursor.unwrap_or(i64::MAX), limit as i64 + 1, cwd])?;
     let mut sessions = Vec::new();
     let mut last_n = None;

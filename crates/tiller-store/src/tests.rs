@@ -4,6 +4,42 @@ mod basics {
     use crate::*;
     use tiller_core::{PromptId, TurnId};
 
+    /// One process owns a store: a second open is refused with a clear
+    /// error (it would otherwise settle the owner's prompts as restarted),
+    /// and once the owner closes it the file opens again with its data.
+    #[tokio::test]
+    async fn a_store_in_use_is_refused_until_its_owner_closes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let owner = Store::open(&path).unwrap();
+        let r = rec(1);
+        owner.create_session(r.clone()).await.unwrap();
+        let second = {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || Store::open(&path))
+                .await
+                .unwrap()
+        };
+        let Err(e) = second else {
+            panic!("a second open of a store in use succeeded");
+        };
+        assert!(matches!(e, StoreError::InUse { .. }), "{e:?}");
+        assert!(
+            e.to_string().contains("in use by another Tiller process"),
+            "{e}"
+        );
+        owner.close().await;
+        assert!(matches!(
+            owner.get_session(r.id).await,
+            Err(StoreError::Closed)
+        ));
+        let again = Store::open(&path).unwrap();
+        assert_eq!(
+            again.get_session(r.id).await.unwrap().unwrap().0.cwd,
+            "/tmp"
+        );
+    }
+
     fn rec(n: i64) -> SessionRecord {
         SessionRecord {
             id: SessionId::new(),
@@ -105,6 +141,39 @@ mod basics {
                     messages: vec!["2".into(), "3b".into(), "4".into()],
                 },
             }
+        );
+    }
+
+    /// The ledger from before v11 keeps its prompts in flight, not the
+    /// settled ones.
+    #[tokio::test]
+    async fn the_ledger_keeps_only_prompts_in_flight_after_migration() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let (s, open, done) = (SessionId::new(), PromptId::new(), PromptId::new());
+        {
+            let conn = Connection::open(&path).unwrap();
+            for (i, sql) in schema::SCHEMA[..10].iter().enumerate() {
+                conn.execute_batch(sql).unwrap();
+                conn.pragma_update(None, "user_version", i as i64 + 1)
+                    .unwrap();
+            }
+            for (p, settled) in [(open, None), (done, Some(5))] {
+                conn.execute(
+                    "INSERT INTO prompts (prompt_id, session_id, origin, admitted_ms, settled_ms) VALUES (?1, ?2, 'cron', 1, ?3)",
+                    rusqlite::params![p.to_string(), s.to_string(), settled],
+                )
+                .unwrap();
+            }
+        }
+        let store = Store::open(&path).unwrap();
+        assert_eq!(
+            store.unsettled().await.unwrap(),
+            vec![Unsettled {
+                session: s,
+                prompt: open,
+                origin: "cron".into()
+            }]
         );
     }
 
@@ -225,6 +294,78 @@ mod ledger {
             turn: None,
             data: "{}".into(),
         }
+    }
+
+    /// An inline store runs each command on the caller's thread: an
+    /// append has committed (and said so) when `append_many` returns, and
+    /// it keeps the thread store's rules (ledger, order, close).
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_inline_store_commits_before_the_call_returns() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let store = Store::open_inline(&path).unwrap();
+        let s = SessionId::new();
+        let p = PromptId::new();
+        let told = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let tell: OnCommit = {
+            let told = told.clone();
+            Arc::new(move |seq| told.store(seq, std::sync::atomic::Ordering::SeqCst))
+        };
+        let admit = LedgerOp::Admit {
+            prompt: p,
+            origin: "interactive".into(),
+            consumes: None,
+        };
+        store.append_many(
+            vec![
+                (ev(s, 1, "prompt_started"), Some(admit)),
+                (ev(s, 2, "agent_message_chunk"), None),
+            ],
+            tell,
+        );
+        assert_eq!(
+            told.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "told before the call returned"
+        );
+        assert_eq!(store.unsettled().await.unwrap().len(), 1);
+        // A gap is refused as on the thread, and the log stays whole.
+        assert!(store.append_durable(ev(s, 2, "again"), None).await.is_err());
+        store.reopen_log(s).await.unwrap();
+        store
+            .append_durable(
+                ev(s, 3, "turn_complete"),
+                Some(LedgerOp::Settle {
+                    prompt: p,
+                    delivery: None,
+                }),
+            )
+            .await
+            .unwrap();
+        assert!(
+            store.unsettled().await.unwrap().is_empty(),
+            "a settled prompt leaves the ledger"
+        );
+        let seqs: Vec<u64> = store
+            .events_after(s, 0, 10)
+            .await
+            .unwrap()
+            .iter()
+            .map(|e| e.seq)
+            .collect();
+        assert_eq!(seqs, vec![1, 2, 3]);
+        store.close().await;
+        assert!(matches!(store.unsettled().await, Err(StoreError::Closed)));
+        drop(store);
+        assert_eq!(
+            Store::open(&path)
+                .unwrap()
+                .events_after(s, 0, 10)
+                .await
+                .unwrap()
+                .len(),
+            3
+        );
     }
 
     #[tokio::test]

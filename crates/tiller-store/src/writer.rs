@@ -21,8 +21,12 @@ pub(crate) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 pub(crate) enum Cmd {
     /// Every command but appends: one closure each, no per-command enum.
     Call(Box<dyn FnOnce(&mut Writer) + Send>),
-    /// Appends (and updates the ledger); `reply` answers after the commit.
-    Append(Pending),
+    /// Closes the connection (releasing the database's lock) and ends the
+    /// thread; later commands fail with `Closed`.
+    Close(oneshot::Sender<()>),
+    /// Appends, in order (and updates the ledger); each `reply` answers
+    /// after the commit.
+    Append(Vec<Pending>),
 }
 
 /// One event waiting to be appended.
@@ -59,11 +63,16 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
         };
         match cmd {
             Cmd::Call(f) => f(&mut w),
+            Cmd::Close(reply) => {
+                drop(w);
+                let _ = reply.send(());
+                return;
+            }
             Cmd::Append(first) => {
-                let mut batch = vec![first];
+                let mut batch = first;
                 while batch.len() < MAX_BATCH {
                     match rx.try_recv() {
-                        Ok(Cmd::Append(p)) => batch.push(p),
+                        Ok(Cmd::Append(p)) => batch.extend(p),
                         Ok(other) => {
                             next = Some(other);
                             break;
@@ -71,16 +80,36 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
                         Err(_) => break,
                     }
                 }
-                let started = Instant::now();
-                w.append(batch);
-                metrics::histogram!("tiller_store_write_seconds")
-                    .record(started.elapsed().as_secs_f64());
+                w.append_timed(batch);
             }
         }
     }
 }
 
+/// Runs one command on the caller's thread (an inline store); the writer
+/// is gone once it ran `Close`.
+pub(crate) fn execute(slot: &mut Option<Writer>, cmd: Cmd) -> Result<(), Cmd> {
+    let Some(w) = slot.as_mut() else {
+        return Err(cmd);
+    };
+    match cmd {
+        Cmd::Call(f) => f(w),
+        Cmd::Append(batch) => w.append_timed(batch),
+        Cmd::Close(reply) => {
+            *slot = None;
+            let _ = reply.send(());
+        }
+    }
+    Ok(())
+}
+
 impl Writer {
+    fn append_timed(&mut self, batch: Vec<Pending>) {
+        let started = Instant::now();
+        self.append(batch);
+        metrics::histogram!("tiller_store_write_seconds").record(started.elapsed().as_secs_f64());
+    }
+
     fn append(&mut self, batch: Vec<Pending>) {
         // Events of a broken log are refused, not written past the gap.
         let (mut batch, refused): (Vec<_>, Vec<_>) = batch

@@ -242,13 +242,18 @@ impl Toolbox {
         &self.root
     }
 
-    /// Every tool a model may call.
-    pub fn specs(&self) -> Vec<ToolSpec> {
-        let mut specs = builtin_specs();
+    /// Every tool a model may call (the built-ins are built once).
+    pub fn specs(&self) -> Arc<Vec<ToolSpec>> {
+        static BUILTIN: std::sync::LazyLock<Arc<Vec<ToolSpec>>> =
+            std::sync::LazyLock::new(|| Arc::new(builtin_specs()));
+        if self.mcp.is_empty() {
+            return BUILTIN.clone();
+        }
+        let mut specs = BUILTIN.as_ref().clone();
         for s in &self.mcp {
             specs.extend(s.specs());
         }
-        specs
+        Arc::new(specs)
     }
 
     /// The absolute paths a built-in call works on, when it names one

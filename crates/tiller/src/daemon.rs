@@ -151,6 +151,7 @@ async fn start_sessions(
     cfg: &Config,
     db: &std::path::Path,
     delivery_wake: Option<Arc<tokio::sync::Notify>>,
+    inline_store: bool,
 ) -> anyhow::Result<Sessions> {
     prepare_data_dir(&cfg.data_dir())?;
     // No session's file tools may touch the daemon's own data, even when
@@ -166,7 +167,18 @@ async fn start_sessions(
     if let Some(dir) = db.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
-    let store = tokio::task::block_in_place(|| Store::open(db))?;
+    let store = {
+        let db = db.to_owned();
+        tokio::task::spawn_blocking(move || {
+            if inline_store {
+                Store::open_inline(&db)
+            } else {
+                Store::open(&db)
+            }
+        })
+        .await
+        .context("the store's opening task failed")??
+    };
     let sessions = Sessions::start(
         store,
         engines(cfg),
@@ -216,7 +228,7 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
 
     let db = cfg.db_path();
     let delivery_wake = Arc::new(tokio::sync::Notify::new());
-    let sessions = start_sessions(&cfg, &db, Some(delivery_wake.clone())).await?;
+    let sessions = start_sessions(&cfg, &db, Some(delivery_wake.clone()), false).await?;
     let acp = acp_config(&cfg);
     let permits = Arc::new(Semaphore::new(cfg.limits.max_connections));
     let ready = Arc::new(AtomicBool::new(false));
@@ -356,14 +368,15 @@ pub async fn embedded(cfg: Config) -> anyhow::Result<()> {
         cfg.db_path()
     };
     // Embedded: no delivery worker runs, so deliveries wait in the store
-    // for the next `tiller serve` on the same data.
-    let sessions = start_sessions(&cfg, &db, None).await?;
+    // for the next `tiller serve` on the same data. One client on one
+    // thread: the store runs inline on it (no message crosses a thread).
+    let sessions = start_sessions(&cfg, &db, None, true).await?;
     tiller_acp::serve_stream(
         sessions.clone(),
         acp_config(&cfg),
         "stdio",
-        tokio::io::stdin(),
-        tokio::io::stdout(),
+        crate::stdio::stdin(),
+        crate::stdio::stdout(),
     )
     .await;
     sessions.shutdown().await;

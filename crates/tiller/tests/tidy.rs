@@ -76,6 +76,8 @@ fn crates_depend_only_downward() {
                 "tiller-store",
             ][..],
         ),
+        // Load generators: they drive the binary from outside.
+        ("tiller-bench", &[][..]),
         (
             "tiller",
             &[

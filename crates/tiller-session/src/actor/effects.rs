@@ -241,7 +241,7 @@ impl SessionState {
         });
         let ctx = TurnContext {
             conversation: self.conversation.clone(),
-            tools: Arc::new(self.toolbox.specs()),
+            tools: self.toolbox.specs(),
             model: self.model.clone(),
             switches: self.switch_values(),
             pace: self.pace.clone(),

@@ -86,6 +86,15 @@ impl SessionState {
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
             SessionMsg::Committed(seq) => self.committed(seq),
+            SessionMsg::Flush if !self.flush_deferred && self.unsent > 0 => {
+                self.flush_deferred = true;
+                tokio::task::yield_now().await;
+                let _ = myself.send_message(SessionMsg::Flush);
+            }
+            SessionMsg::Flush => {
+                self.flush_deferred = false;
+                self.flush();
+            }
             SessionMsg::ToolDone { turn, id, output } => {
                 let trip = self.tool_done(turn, id, output);
                 // The engine is silent while tools run: a finished call is

@@ -164,6 +164,13 @@ pub enum SessionMsg {
     /// The store committed this session's events up to this sequence
     /// number: they may be shown.
     Committed(u64),
+    /// Send the store what this session published and has not sent yet
+    /// (sent to itself at the first such event: every message already in
+    /// the mailbox is handled first, so a burst commits together). The
+    /// first `Flush` lets the other ready tasks run and goes to the back of
+    /// the mailbox once more: a turn's engine, just started, sends its
+    /// first signals before the flush, and they commit with it.
+    Flush,
     /// A tool call that ran off the actor finished.
     ToolDone {
         turn: TurnId,
@@ -370,6 +377,11 @@ pub struct SessionState {
     /// Events appended and not known committed: shown once they are, and
     /// re-sent with the same sequence numbers if the store lost them.
     unconfirmed: Vec<(Arc<EventRecord>, Option<LedgerOp>)>,
+    /// How many of the newest `unconfirmed` are not sent to the store yet
+    /// (they go at the next `Flush` or with the next durable event).
+    unsent: u32,
+    /// A `Flush` was put back once (see `SessionMsg::Flush`).
+    flush_deferred: bool,
     /// The last sequence number fanned out (committed and shown).
     fanned: u64,
     /// How the store tells this session its appends committed (made at
@@ -488,6 +500,8 @@ impl Actor for SessionActor {
             pending_permission: None,
             seq: args.head.last_seq,
             unconfirmed: Vec::new(),
+            unsent: 0,
+            flush_deferred: false,
             fanned: args.head.last_seq,
             on_commit: None,
             failed: None,
@@ -535,6 +549,7 @@ impl Actor for SessionActor {
         _myself: ActorRef<SessionMsg>,
         st: &mut SessionState,
     ) -> Result<(), ActorProcessingErr> {
+        st.flush();
         if let Some(t) = st.timer.take() {
             t.abort();
         }

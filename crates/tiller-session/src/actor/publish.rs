@@ -186,11 +186,34 @@ impl SessionState {
         }
         let rec = self.record(prompt, turn, body);
         let op = rec.ledger_op();
-        let tell = self.on_commit();
-        self.store.append(rec.to_stored(), op.clone(), Some(tell));
-        // Shown once committed (`committed`): a viewer never sees an event
+        // Sent at the next `Flush` (or with the next durable event), and
+        // shown once committed (`committed`): a viewer never sees an event
         // the log may not keep, nor a number the log may give another.
         self.unconfirmed.push((rec, op));
+        if self.unsent == 0 {
+            let _ = self.myself.send_message(SessionMsg::Flush);
+        }
+        self.unsent += 1;
+    }
+
+    /// What was published and not yet sent to the store, oldest first.
+    fn take_unsent(&mut self) -> Vec<(tiller_store::StoredEvent, Option<LedgerOp>)> {
+        let n = std::mem::take(&mut self.unsent) as usize;
+        let from = self.unconfirmed.len().saturating_sub(n);
+        self.unconfirmed[from..]
+            .iter()
+            .map(|(r, op)| (r.to_stored(), op.clone()))
+            .collect()
+    }
+
+    /// Sends the store what was published and not sent yet, in one batch.
+    pub(super) fn flush(&mut self) {
+        if self.unsent == 0 {
+            return;
+        }
+        let events = self.take_unsent();
+        let tell = self.on_commit();
+        self.store.append_many(events, tell);
     }
 
     /// What the store calls once this session's appends committed.
@@ -251,8 +274,19 @@ impl SessionState {
             Ledger::Plain | Ledger::Deliver(_) => 3,
         };
         let mut attempt = 0;
+        // What was published before it goes first, in the same commit.
+        let mut before = self.take_unsent();
         loop {
-            let r = self.store.append_durable(rec.to_stored(), op.clone()).await;
+            let tell = (!before.is_empty()).then(|| self.on_commit());
+            let r = self
+                .store
+                .append_durable_after(
+                    std::mem::take(&mut before),
+                    tell,
+                    rec.to_stored(),
+                    op.clone(),
+                )
+                .await;
             match r {
                 Ok(()) => {
                     // Everything before it committed too (appends commit

@@ -1,0 +1,456 @@
+//! Load generator for a running `tiller serve` (not a test: it prints
+//! figures and asserts nothing about speed). It starts the daemon itself
+//! (`TILLER_BIN`, default `target/release/tiller`) on a fresh data
+//! directory and speaks ACP over the unix socket as raw JSON lines, so the
+//! client costs little next to the daemon on the same machine.
+//!
+//!   cargo run --release -p tiller-bench --bin tiller-load -- [--sessions 1000] [--connections 50] [--chunks 250] [--cancels 200] [--replay 200000]
+//!
+//! Prints: session creation rate (pipelined over the connections); fan-out
+//! (every session streaming at once: `session/update`s delivered per
+//! second, daemon CPU per update), then the same with one connection that
+//! never reads; `session/load` replay of a long session;
+//! `session/cancel` -> `cancelled` latency while every session streams;
+//! the daemon's graceful stop.
+
+#![allow(clippy::print_stdout)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Mutex, oneshot};
+
+type Waiters = Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<Value>>>>;
+
+/// One ACP connection: requests by id, `session/update`s counted.
+struct Conn {
+    write: Mutex<OwnedWriteHalf>,
+    next: AtomicU64,
+    waiters: Waiters,
+    updates: Arc<AtomicU64>,
+}
+
+impl Conn {
+    async fn open(socket: &Path) -> Arc<Conn> {
+        let (read, write) = UnixStream::connect(socket)
+            .await
+            .expect("connect to the daemon's socket")
+            .into_split();
+        let conn = Arc::new(Conn {
+            write: Mutex::new(write),
+            next: AtomicU64::new(1),
+            waiters: Default::default(),
+            updates: Default::default(),
+        });
+        tokio::spawn(read_loop(read, conn.waiters.clone(), conn.updates.clone()));
+        conn.request(
+            "initialize",
+            json!({ "protocolVersion": 1, "clientCapabilities": {} }),
+        )
+        .await;
+        conn
+    }
+
+    async fn send(&self, msg: &Value) {
+        let mut line = serde_json::to_vec(msg).expect("serialize");
+        line.push(b'\n');
+        let _ = self.write.lock().await.write_all(&line).await;
+    }
+
+    async fn request(&self, method: &str, params: Value) -> Value {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiters.lock().expect("poisoned").insert(id, tx);
+        self.send(&json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params }))
+            .await;
+        rx.await.expect("the daemon answered")
+    }
+
+    async fn new_session(&self) -> String {
+        let res = self
+            .request("session/new", json!({ "cwd": "/tmp", "mcpServers": [] }))
+            .await;
+        res["result"]["sessionId"]
+            .as_str()
+            .unwrap_or_else(|| panic!("session/new failed: {res}"))
+            .to_owned()
+    }
+
+    async fn prompt(&self, session: &str, script: &Value) -> Value {
+        let text = json!({ "script": script }).to_string();
+        self.request(
+            "session/prompt",
+            json!({ "sessionId": session, "prompt": [{ "type": "text", "text": text }] }),
+        )
+        .await
+    }
+}
+
+async fn read_loop(read: OwnedReadHalf, waiters: Waiters, updates: Arc<AtomicU64>) {
+    let mut lines = BufReader::with_capacity(1 << 16, read).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if line.contains("\"session/update\"") {
+            updates.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        let Ok(msg) = serde_json::from_str::<Value>(&line) else {
+            continue;
+        };
+        if msg.get("method").is_some() {
+            continue; // another notification
+        }
+        if let Some(id) = msg["id"].as_u64()
+            && let Some(tx) = waiters.lock().expect("poisoned").remove(&id)
+        {
+            let _ = tx.send(msg);
+        }
+    }
+}
+
+/// Process CPU in seconds (utime + stime of every thread, live or ended).
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks: f64 = [11, 12]
+        .iter()
+        .filter_map(|i| fields.get(*i)?.parse::<f64>().ok())
+        .sum();
+    ticks / 100.0
+}
+
+fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+struct Args {
+    sessions: usize,
+    connections: usize,
+    chunks: usize,
+    cancels: usize,
+    replay: usize,
+}
+
+fn args() -> Args {
+    let mut a = Args {
+        sessions: 1000,
+        connections: 50,
+        chunks: 250,
+        cancels: 200,
+        replay: 200_000,
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    for pair in argv.chunks(2) {
+        let v = || pair.get(1).and_then(|v| v.parse().ok()).expect("a number");
+        match pair[0].as_str() {
+            "--sessions" => a.sessions = v(),
+            "--connections" => a.connections = v(),
+            "--chunks" => a.chunks = v(),
+            "--cancels" => a.cancels = v(),
+            "--replay" => a.replay = v(),
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    a
+}
+
+struct Daemon {
+    child: tokio::process::Child,
+    pid: u32,
+    socket: PathBuf,
+    _dir: PathBuf,
+}
+
+async fn start_daemon() -> Daemon {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let bin = std::env::var_os("TILLER_BIN")
+        .map_or_else(|| repo.join("target/release/tiller"), PathBuf::from);
+    let dir = std::env::temp_dir().join(format!("tiller-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("create the data directory");
+    let mut child = tokio::process::Command::new(&bin)
+        .args(["serve", "--data-dir"])
+        .arg(&dir)
+        .args(["--listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "warn,tiller::daemon=info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+    let mut err = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    loop {
+        match err.next_line().await {
+            Ok(Some(l)) if l.contains("tiller is ready") => break,
+            Ok(Some(_)) => {}
+            _ => panic!("the daemon did not start"),
+        }
+    }
+    tokio::spawn(async move { while let Ok(Some(_)) = err.next_line().await {} });
+    let pid = child.id().expect("pid");
+    Daemon {
+        child,
+        pid,
+        socket: dir.join("tiller.sock"),
+        _dir: dir,
+    }
+}
+
+fn pct(sorted: &[f64], p: usize) -> f64 {
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
+/// Every session prompts at once; waits for every answer.
+async fn stream_all(conns: &[(Arc<Conn>, Vec<String>)], script: &Value) -> (Duration, u64) {
+    let before: u64 = conns
+        .iter()
+        .map(|(c, _)| c.updates.load(Ordering::Relaxed))
+        .sum();
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for (c, sessions) in conns {
+        for s in sessions {
+            let (c, s, script) = (c.clone(), s.clone(), script.clone());
+            tasks.push(tokio::spawn(async move {
+                let res = c.prompt(&s, &script).await;
+                assert_eq!(res["result"]["stopReason"], "end_turn", "{res}");
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("prompt task");
+    }
+    let wall = t0.elapsed();
+    // Updates written before the answers are read by now (same stream).
+    let after: u64 = conns
+        .iter()
+        .map(|(c, _)| c.updates.load(Ordering::Relaxed))
+        .sum();
+    (wall, after - before)
+}
+
+#[tokio::main]
+async fn main() {
+    let a = args();
+    let mut d = start_daemon().await;
+    let rss0 = rss_bytes(d.pid);
+    let mut conns = Vec::new();
+    for _ in 0..a.connections {
+        conns.push(Conn::open(&d.socket).await);
+    }
+
+    // Session creation, pipelined: every connection creates its share at once.
+    let per = a.sessions / a.connections;
+    let t0 = Instant::now();
+    let mut made = Vec::new();
+    for c in &conns {
+        let c = c.clone();
+        made.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            let mut pending = Vec::new();
+            for _ in 0..per {
+                let c = c.clone();
+                pending.push(tokio::spawn(async move { c.new_session().await }));
+            }
+            for p in pending {
+                ids.push(p.await.expect("session/new task"));
+            }
+            (c, ids)
+        }));
+    }
+    let mut groups = Vec::new();
+    for m in made {
+        groups.push(m.await.expect("creation task"));
+    }
+    let created = per * a.connections;
+    let creation = created as f64 / t0.elapsed().as_secs_f64();
+    let rss1 = rss_bytes(d.pid);
+    println!(
+        "session creation: {created} over {} connections, pipelined: {creation:.0} sessions/s (goal >= 5,000); daemon RSS +{:.1} KiB per live session",
+        a.connections,
+        (rss1.saturating_sub(rss0)) as f64 / created as f64 / 1024.0
+    );
+
+    let script = json!([{ "repeat": { "times": a.chunks, "steps": [{ "say": "token " }] } }]);
+    // Warm up once (allocations, SQLite's cache).
+    stream_all(&groups, &json!([{ "say": "warm" }])).await;
+
+    let cpu0 = cpu_seconds(d.pid);
+    let (wall, updates) = stream_all(&groups, &script).await;
+    let cpu = cpu_seconds(d.pid) - cpu0;
+    let chunks = (created * a.chunks) as f64;
+    println!(
+        "fan-out: {created} sessions x {} chunks over {} connections: {:.0} session/update/s delivered ({updates} updates for {chunks:.0} chunks), {:.2} us daemon CPU per update (goal >= 250,000/s, < 4 us); {:.0} chunks/s",
+        a.chunks,
+        a.connections,
+        updates as f64 / wall.as_secs_f64(),
+        cpu * 1e6 / updates as f64,
+        chunks / wall.as_secs_f64(),
+    );
+
+    // The same with a connection that never reads: its sessions stream
+    // into a socket nobody drains.
+    let stalled = {
+        let stream = UnixStream::connect(&d.socket).await.expect("connect");
+        let (read, write) = stream.into_split();
+        let c = Arc::new(Conn {
+            write: Mutex::new(write),
+            next: AtomicU64::new(1),
+            waiters: Default::default(),
+            updates: Default::default(),
+        });
+        // Reads only until its sessions exist, then stops reading.
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let waiters = c.waiters.clone();
+        let updates = c.updates.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = read_loop(read, waiters, updates) => {}
+                // From here on nothing reads the socket (the write half
+                // keeps it open): the daemon's writes to it back up.
+                _ = stop_rx => {}
+            }
+        });
+        c.request(
+            "initialize",
+            json!({ "protocolVersion": 1, "clientCapabilities": {} }),
+        )
+        .await;
+        let mut ids = Vec::new();
+        for _ in 0..20 {
+            ids.push(c.new_session().await);
+        }
+        let _ = stop_tx.send(());
+        for s in &ids {
+            let text = json!({ "script": [{ "repeat": { "times": 100_000, "steps": [{ "say": "never read " }] } }] }).to_string();
+            c.send(&json!({ "jsonrpc": "2.0", "id": 1_000_000, "method": "session/prompt", "params": { "sessionId": s, "prompt": [{ "type": "text", "text": text }] } })).await;
+        }
+        c
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let cpu0 = cpu_seconds(d.pid);
+    let (wall, updates) = stream_all(&groups, &script).await;
+    let cpu = cpu_seconds(d.pid) - cpu0;
+    println!(
+        "fan-out with one connection not reading (20 sessions streaming into it): {:.0} session/update/s delivered to the others, {:.2} us daemon CPU per update",
+        updates as f64 / wall.as_secs_f64(),
+        cpu * 1e6 / updates as f64,
+    );
+    drop(stalled);
+
+    // Replay: a session with a long log, loaded by a new connection.
+    {
+        let (c, _) = &groups[0];
+        let session = c.new_session().await;
+        let events = a.replay;
+        // In turns of 50,000 (under `limits.max_turn_events`).
+        for times in (0..events)
+            .step_by(50_000)
+            .map(|i| (events - i).min(50_000))
+        {
+            let res = c
+                .prompt(
+                    &session,
+                    &json!([{ "repeat": { "times": times, "steps": [{ "say": "replayed " }] } }]),
+                )
+                .await;
+            assert_eq!(res["result"]["stopReason"], "end_turn", "{res}");
+        }
+        let reader = Conn::open(&d.socket).await;
+        let t0 = Instant::now();
+        let res = reader
+            .request(
+                "session/load",
+                json!({ "sessionId": session, "cwd": "/tmp", "mcpServers": [] }),
+            )
+            .await;
+        let took = t0.elapsed();
+        assert!(res.get("result").is_some(), "session/load failed: {res}");
+        println!(
+            "replay (session/load of a {events}-chunk session, {} updates after coalescing): {:.0} events/s (goal >= 500,000)",
+            reader.updates.load(Ordering::Relaxed),
+            events as f64 / took.as_secs_f64()
+        );
+    }
+
+    // Cancel latency while every session streams.
+    let long = json!([{ "repeat": { "times": 1_000_000, "steps": [{ "say": "background " }] } }]);
+    let mut background = Vec::new();
+    for (c, sessions) in &groups {
+        for s in sessions {
+            let (c, s, long) = (c.clone(), s.clone(), long.clone());
+            background.push(tokio::spawn(async move { c.prompt(&s, &long).await }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let probe = Conn::open(&d.socket).await;
+    let session = probe.new_session().await;
+    let mut times = Vec::new();
+    for _ in 0..a.cancels {
+        let p = {
+            let (probe, session) = (probe.clone(), session.clone());
+            tokio::spawn(async move {
+                probe
+                    .prompt(&session, &json!([{ "say": "x" }, { "sleep_ms": 10_000 }]))
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let t0 = Instant::now();
+        probe
+            .send(&json!({ "jsonrpc": "2.0", "method": "session/cancel", "params": { "sessionId": session } }))
+            .await;
+        let res = p.await.expect("prompt task");
+        times.push(t0.elapsed().as_secs_f64() * 1000.0);
+        assert_eq!(res["result"]["stopReason"], "cancelled", "{res}");
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "cancel -> cancelled with {} sessions streaming: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms over {} (goal p99 < 2 ms)",
+        created,
+        pct(&times, 50),
+        pct(&times, 99),
+        times[times.len() - 1],
+        times.len()
+    );
+    for (c, sessions) in &groups {
+        for s in sessions {
+            c.send(&json!({ "jsonrpc": "2.0", "method": "session/cancel", "params": { "sessionId": s } }))
+                .await;
+        }
+    }
+    for b in background {
+        let _ = b.await;
+    }
+    // A graceful stop (SIGTERM), as an operator would.
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &d.pid.to_string()])
+        .status();
+    let t0 = Instant::now();
+    match tokio::time::timeout(Duration::from_secs(30), d.child.wait()).await {
+        Ok(_) => println!(
+            "graceful stop (SIGTERM) with {created} sessions: {:.0} ms",
+            t0.elapsed().as_secs_f64() * 1000.0
+        ),
+        Err(_) => {
+            println!("the daemon did not stop within 30 s of SIGTERM; killed");
+            let _ = d.child.kill().await;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&d._dir);
+}

@@ -1,0 +1,1 @@
+//! Tiller's load generators (`src/bin/`). Nothing here is part of the daemon.

@@ -1,0 +1,126 @@
+// Per-prompt cost, side by side in one run: the official ACP TypeScript
+// client drives three agents over stdio with N sequential prompts, each
+// answered with a 3-chunk reply:
+//   floor:  target/release/tiller-echo-agent (bare Rust JSON-RPC, no storage)
+//   node:   bench/node-agent.mjs (the official SDK's agent side, no storage)
+//   tiller: tiller acp --embedded (scripted engine, history durable in SQLite)
+// Agent-side CPU comes from /proc (every thread's schedstat, checked against
+// the process's utime+stime). Prints a table and, with --json, one JSON line.
+//   cargo build --release -p tiller -p tiller-bench
+//   node bench/prompts.mjs [prompts=3000] [sessions=1000]
+// Asserts nothing about speed.
+
+import { spawn } from "node:child_process";
+import { mkdtempSync, readdirSync, readFileSync } from "node:fs";
+import os from "node:os";
+import path from "node:path";
+import { Readable, Writable } from "node:stream";
+import { fileURLToPath } from "node:url";
+
+import { client, ndJsonStream } from "@agentclientprotocol/sdk";
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const repo = path.resolve(here, "../../..");
+const release = path.join(repo, "target/release");
+const prompts = Number(process.argv[2] ?? 3000);
+const sessions = Number(process.argv[3] ?? 1000);
+const json = process.argv.includes("--json");
+const only = process.env.BENCH_AGENTS?.split(",");
+
+const TICK_NS = 1e7; // USER_HZ = 100
+
+/** CPU the process has used, in ns: every live thread's schedstat, or its
+ * utime+stime (which also counts threads that ended) when that is larger. */
+function cpuNs(pid) {
+  let sched = 0;
+  for (const tid of readdirSync(`/proc/${pid}/task`)) {
+    try {
+      sched += Number(readFileSync(`/proc/${pid}/task/${tid}/schedstat`, "utf8").split(" ")[0]);
+    } catch {}
+  }
+  const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+  const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+  const ticks = Number(fields[11]) + Number(fields[12]);
+  return Math.max(sched, ticks * TICK_NS);
+}
+
+const pct = (sorted, p) => sorted[Math.min(sorted.length - 1, Math.floor((sorted.length * p) / 100))];
+
+async function measure(name, command, args, prompt) {
+  const child = spawn(command, args, { stdio: ["pipe", "pipe", "inherit"], env: { ...process.env, RUST_LOG: "warn" } });
+  let chunks = 0;
+  const conn = client()
+    .onNotification("session/update", () => {
+      chunks++;
+    })
+    .onRequest("session/request_permission", () => ({ outcome: { outcome: "cancelled" } }))
+    .connect(ndJsonStream(Writable.toWeb(child.stdin), Readable.toWeb(child.stdout)));
+  const agent = conn.agent;
+  await agent.request("initialize", { protocolVersion: 1, clientCapabilities: {} });
+  const { sessionId } = await agent.request("session/new", { cwd: "/tmp", mcpServers: [] });
+  // Warm up (allocators, SQLite's page cache, the JIT).
+  for (let i = 0; i < 200; i++) await agent.request("session/prompt", { sessionId, prompt });
+
+  chunks = 0;
+  const cpu0 = cpuNs(child.pid);
+  const t0 = performance.now();
+  const rtt = [];
+  for (let i = 0; i < prompts; i++) {
+    const s = performance.now();
+    const res = await agent.request("session/prompt", { sessionId, prompt });
+    rtt.push((performance.now() - s) * 1000);
+    if (res.stopReason !== "end_turn") throw new Error(`${name}: prompt ${i} ended ${res.stopReason}`);
+  }
+  const wall = performance.now() - t0;
+  const cpu = cpuNs(child.pid) - cpu0;
+  if (chunks !== 3 * prompts) throw new Error(`${name}: ${chunks} chunks for ${prompts} prompts`);
+
+  const s0 = performance.now();
+  for (let i = 0; i < sessions; i++) await agent.request("session/new", { cwd: "/tmp", mcpServers: [] });
+  const perSecond = (sessions / (performance.now() - s0)) * 1000;
+
+  child.stdin.end();
+  await new Promise((resolve) => {
+    const timer = setTimeout(() => child.kill("SIGKILL"), 5000);
+    child.once("exit", () => {
+      clearTimeout(timer);
+      resolve();
+    });
+  });
+  rtt.sort((a, b) => a - b);
+  return {
+    agent: name,
+    cpu_us: cpu / prompts / 1000,
+    p50_us: pct(rtt, 50),
+    p99_us: pct(rtt, 99),
+    prompts_per_s: (prompts / wall) * 1000,
+    sessions_per_s: perSecond,
+  };
+}
+
+const script = JSON.stringify({ script: [{ say: "one " }, { say: "two " }, { say: "three" }] });
+const agents = [
+  ["floor", path.join(release, "tiller-echo-agent"), [], [{ type: "text", text: "hi" }]],
+  ["node", process.execPath, [path.join(here, "node-agent.mjs")], [{ type: "text", text: "hi" }]],
+  ["tiller", process.env.TILLER_BIN ?? path.join(release, "tiller"), ["acp", "--embedded", "--data-dir", mkdtempSync(path.join(os.tmpdir(), "tiller-bench-"))], [{ type: "text", text: script }]],
+].filter(([name]) => !only || only.includes(name));
+
+const rows = [];
+for (const [name, command, args, prompt] of agents) rows.push(await measure(name, command, args, prompt));
+
+const by = Object.fromEntries(rows.map((r) => [r.agent, r]));
+const f = (x, d = 0) => x.toLocaleString("en-US", { maximumFractionDigits: d, minimumFractionDigits: d });
+console.log(`per prompt (${prompts} sequential 3-chunk prompts, official ACP TS client over stdio; ${sessions} session/new for the rate)`);
+console.log("agent   CPU/prompt  p50 round trip  p99 round trip  prompts/s  sessions/s");
+for (const r of rows) {
+  console.log(
+    `${r.agent.padEnd(7)} ${(f(r.cpu_us, 1) + " us").padStart(10)}  ${(f(r.p50_us) + " us").padStart(14)}  ${(f(r.p99_us) + " us").padStart(14)}  ${f(r.prompts_per_s).padStart(9)}  ${f(r.sessions_per_s).padStart(10)}`,
+  );
+}
+if (by.tiller && by.node && by.floor) {
+  console.log(
+    `tiller CPU/prompt = ${f(by.tiller.cpu_us / by.node.cpu_us, 2)} x node (goal <= 0.33), ${f(by.tiller.cpu_us / by.floor.cpu_us, 2)} x floor (goal <= 3)`,
+  );
+}
+if (json) console.log(JSON.stringify({ prompts: rows }));
+process.exit(0);
