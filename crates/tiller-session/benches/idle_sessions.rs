@@ -7,6 +7,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+/// The daemon's allocator (`crates/tiller/src/main.rs`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use tiller_core::TurnConfig;
 use tiller_engine::ScriptedEngine;
 use tiller_session::{SessionConfig, Sessions};

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tiller_core::SessionId;
-use tiller_store::{LogHead, SessionExtras, SessionRecord, StateColumn, Store};
+use tiller_store::{LogHead, SessionExtras, SessionRecord, Store};
 use tokio::sync::oneshot;
 
 use crate::SessionError;
@@ -247,18 +247,18 @@ impl RegistryState {
         let id = SessionId::new();
         let now = crate::clock::unix_ms();
         self.store
-            .create_session(SessionRecord {
-                id,
-                cwd: cwd.clone(),
-                title,
-                created_ms: now,
-                updated_ms: now,
-                closed: false,
-                channel,
-            })
-            .await?;
-        self.store
-            .save_state(id, StateColumn::Engine, engine_name.clone())
+            .create_session_with_engine(
+                SessionRecord {
+                    id,
+                    cwd: cwd.clone(),
+                    title,
+                    created_ms: now,
+                    updated_ms: now,
+                    closed: false,
+                    channel,
+                },
+                engine_name.clone(),
+            )
             .await?;
         metrics::counter!("tiller_sessions_created_total").increment(1);
         let extras = SessionExtras {

@@ -164,6 +164,17 @@ impl Store {
         self.call(move |c| sessions::create_session(c, &rec)).await
     }
 
+    /// Stores a new session and the engine it runs, in one transaction
+    /// (durable when this returns; all or nothing).
+    pub async fn create_session_with_engine(
+        &self,
+        rec: SessionRecord,
+        engine: String,
+    ) -> Result<(), StoreError> {
+        self.call(move |c| sessions::create_with_engine(c, &rec, &engine))
+            .await
+    }
+
     /// A session and the head of its log.
     pub async fn get_session(
         &self,

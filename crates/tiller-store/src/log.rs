@@ -8,10 +8,20 @@ use crate::{Claim, HistoryPage, LedgerOp, LogHead, StoredEvent, Unsettled};
 
 /// Commits a batch of appends and everything they imply, in one transaction.
 pub(crate) fn append_batch(conn: &mut Connection, batch: &[Pending]) -> rusqlite::Result<()> {
-    // BEGIN and COMMIT as cached statements: parsed once, not per batch.
+    in_transaction(conn, |c| insert_batch(c, batch))
+}
+
+/// Runs `f` in a transaction whose BEGIN and COMMIT are cached statements
+/// (parsed once, not per call); rolled back when anything fails.
+pub(crate) fn in_transaction<T>(
+    conn: &Connection,
+    f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
+) -> rusqlite::Result<T> {
     conn.prepare_cached("BEGIN")?.execute([])?;
-    let done = insert_batch(conn, batch)
-        .and_then(|()| conn.prepare_cached("COMMIT")?.execute([]).map(drop));
+    let done = f(conn).and_then(|v| {
+        conn.prepare_cached("COMMIT")?.execute([])?;
+        Ok(v)
+    });
     if done.is_err() && !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
     }

@@ -8,20 +8,32 @@ use crate::{
     StoredConversation,
 };
 
+/// A new session with the engine it runs, in one transaction.
+pub(crate) fn create_with_engine(
+    conn: &mut Connection,
+    rec: &SessionRecord,
+    engine: &str,
+) -> rusqlite::Result<()> {
+    crate::log::in_transaction(conn, |c| {
+        create_session(c, rec)?;
+        save_state(c, rec.id, StateColumn::Engine, engine)
+    })
+}
+
 pub(crate) fn create_session(conn: &Connection, rec: &SessionRecord) -> rusqlite::Result<()> {
-    conn.execute(
+    conn.prepare_cached(
         "INSERT INTO sessions (id, cwd, title, created_ms, updated_ms, closed, channel)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        params![
-            rec.id.to_string(),
-            rec.cwd,
-            rec.title,
-            rec.created_ms,
-            rec.updated_ms,
-            rec.closed,
-            rec.channel
-        ],
-    )
+    )?
+    .execute(params![
+        rec.id.to_string(),
+        rec.cwd,
+        rec.title,
+        rec.created_ms,
+        rec.updated_ms,
+        rec.closed,
+        rec.channel
+    ])
     .map(drop)
 }
 
@@ -149,13 +161,11 @@ pub(crate) fn save_state(
     value: &str,
 ) -> rusqlite::Result<()> {
     let col = column.as_str();
-    conn.execute(
-        &format!(
-            "INSERT INTO session_state (session_id, {col}) VALUES (?1, ?2)
-             ON CONFLICT(session_id) DO UPDATE SET {col} = excluded.{col}"
-        ),
-        params![id.to_string(), value],
-    )
+    conn.prepare_cached(&format!(
+        "INSERT INTO session_state (session_id, {col}) VALUES (?1, ?2)
+         ON CONFLICT(session_id) DO UPDATE SET {col} = excluded.{col}"
+    ))?
+    .execute(params![id.to_string(), value])
     .map(drop)
 }
 

@@ -438,11 +438,15 @@ impl Actor for SessionActor {
         myself: ActorRef<SessionMsg>,
         args: SessionArgs,
     ) -> Result<SessionState, ActorProcessingErr> {
-        let last_turn_error = match args
-            .store
-            .last_of_kinds(args.id, &["prompt_started", "turn_error"])
-            .await?
-        {
+        // A new session's log is empty: nothing to read back.
+        let last = if args.head.last_seq == 0 {
+            None
+        } else {
+            args.store
+                .last_of_kinds(args.id, &["prompt_started", "turn_error"])
+                .await?
+        };
+        let last_turn_error = match last {
             Some(e) if e.kind == "turn_error" => EventRecord::from_stored(&e).map(Arc::new),
             _ => None,
         };
