@@ -252,7 +252,12 @@ export function textPrompt(sessionId, text) {
 
 /** Waits until a turn of `sessionId` started (`_tiller/turn_started`). */
 export function turnStarted(c, sessionId) {
-  return c.until(() => c.ext.some((e) => e.method === "_tiller/turn_started" && e.params.sessionId === sessionId));
+  // A turn that starts after this call: count the ones already seen, so an
+  // earlier turn of the same session never satisfies the wait. Call it right
+  // after sending the prompt (before any await), as every test does.
+  const started = () => c.ext.filter((e) => e.method === "_tiller/turn_started" && e.params.sessionId === sessionId).length;
+  const before = started();
+  return c.until(() => started() > before);
 }
 
 /** The agent text a connection saw for a session, joined. */
