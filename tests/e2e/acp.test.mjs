@@ -125,6 +125,15 @@ for (const [name, connect] of Object.entries(transports)) {
       assert.ok(ms < 1000, `cancel took ${ms} ms`);
     });
 
+    test("a session/cancel sent right after its prompt cancels that prompt: it never overtakes it", async () => {
+      const sid = await newSession(c);
+      for (let i = 0; i < 5; i++) {
+        const pending = c.request("session/prompt", textPrompt(sid, script([{ say: "x" }, { sleep_ms: 5000 }])));
+        await c.notify("session/cancel", { sessionId: sid });
+        assert.equal((await pending).stopReason, "cancelled", `prompt ${i}`);
+      }
+    });
+
     test("a hanging engine is torn down after cancel_grace", async () => {
       const sid = await newSession(c);
       const pending = c.request("session/prompt", textPrompt(sid, script([{ hang: true }])));

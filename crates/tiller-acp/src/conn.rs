@@ -232,8 +232,29 @@ struct Shared {
 struct Cancellable {
     /// Set when it is cancelled.
     flag: Arc<AtomicBool>,
+    /// A prompt: set by a `session/cancel` of its session read after it,
+    /// so the cancel never overtakes a prompt the client sent before it
+    /// (the prompt is answered `cancelled`, submitted or not).
+    stopped: Arc<AtomicBool>,
+    /// A prompt: the session it names, as read.
+    session: Option<SessionId>,
     /// A prompt: withdrawn from its session.
     prompt: Option<(SessionId, PromptId)>,
+}
+
+/// How a prompt under way learns that the client cancelled it.
+#[derive(Clone)]
+struct CancelFlags {
+    /// `$/cancel_request` (answered -32800).
+    request: Arc<AtomicBool>,
+    /// `session/cancel` (answered `cancelled`).
+    session: Arc<AtomicBool>,
+}
+
+impl CancelFlags {
+    fn any(&self) -> bool {
+        self.request.load(Ordering::Acquire) || self.session.load(Ordering::Acquire)
+    }
 }
 
 impl Shared {
@@ -241,15 +262,45 @@ impl Shared {
     /// `$/cancel_request` read after it always finds it); the flag is set
     /// once it is cancelled. `prompt` names the prompt it submits.
     fn cancellable(&self, id: &Value, prompt: Option<(SessionId, PromptId)>) -> Arc<AtomicBool> {
+        self.cancel_flags(id, None, prompt).request
+    }
+
+    /// [`Shared::cancellable`], for a prompt: `session` is the session
+    /// it names (given as it is read).
+    fn cancel_flags(
+        &self,
+        id: &Value,
+        session: Option<SessionId>,
+        prompt: Option<(SessionId, PromptId)>,
+    ) -> CancelFlags {
         let mut all = self.cancellable.lock().expect("poisoned");
         let c = all.entry(id.to_string()).or_insert_with(|| Cancellable {
             flag: Arc::new(AtomicBool::new(false)),
+            stopped: Arc::new(AtomicBool::new(false)),
+            session: None,
             prompt: None,
         });
+        if session.is_some() {
+            c.session = session;
+        }
         if prompt.is_some() {
             c.prompt = prompt;
         }
-        c.flag.clone()
+        CancelFlags {
+            request: c.flag.clone(),
+            session: c.stopped.clone(),
+        }
+    }
+
+    /// `session/cancel`, as it is read: every prompt of this connection
+    /// for the session read before it is cancelled, even one its handler
+    /// has not submitted yet.
+    fn cancel_prompts_of(&self, session: SessionId) {
+        for c in self.cancellable.lock().expect("poisoned").values() {
+            if c.session == Some(session) {
+                c.stopped.store(true, Ordering::Release);
+            }
+        }
     }
 
     /// Whether a cancellable request with this id is under way.
@@ -969,6 +1020,8 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 let Some(id) = SessionId::parse(&p.session_id.0) else {
                     return;
                 };
+                // Prompts read before it, submitted or not, end cancelled.
+                shared.cancel_prompts_of(id);
                 // An attached session is cancelled here, in the order the
                 // client sent it: a request sent after the cancel (a steer)
                 // reaches the session after it.
@@ -998,7 +1051,6 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                     send_raw(shared, jsonrpc::error(&id, &e), inflight);
                     return;
                 }
-                shared.cancellable(&id, None);
             }
             let shared = shared.clone();
             // The session a resume names (a new one's id is in its answer).
@@ -1006,6 +1058,15 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 .get("sessionId")
                 .and_then(Value::as_str)
                 .and_then(SessionId::parse);
+            match method.as_str() {
+                "session/prompt" => {
+                    shared.cancel_flags(&id, params_session, None);
+                }
+                "session/load" => {
+                    shared.cancellable(&id, None);
+                }
+                _ => {}
+            }
             tokio::spawn(async move {
                 let _inflight = inflight;
                 let result = handle(&shared, &id, &method, params).await;
@@ -1576,10 +1637,12 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
                     prompt: mine,
                 })
                 .await;
-            let cancel = shared.cancellable(id, Some((session, mine)));
+            let cancel = shared.cancel_flags(id, Some(session), Some((session, mine)));
             let result = match prompt(shared, req, mine, &cancel).await {
                 // Cancelled by `$/cancel_request`: answered as JSON-RPC says.
-                Ok(v) if cancel.load(Ordering::Acquire) && v["stopReason"] == "cancelled" => {
+                Ok(v)
+                    if cancel.request.load(Ordering::Acquire) && v["stopReason"] == "cancelled" =>
+                {
                     Err(request_cancelled())
                 }
                 Ok(v) => Ok(v),
@@ -1605,7 +1668,7 @@ async fn prompt(
     shared: &Shared,
     req: PromptRequest,
     mine: PromptId,
-    cancel: &AtomicBool,
+    cancel: &CancelFlags,
 ) -> Result<Value, Reply> {
     let handle = shared.open(&req.session_id.0).await?;
     shared.attach(&handle).await?;
@@ -1639,8 +1702,15 @@ async fn prompt(
     let meta = req.meta.clone().map(Value::Object);
     let delivery = tiller_session::delivery::caller_meta(meta.as_ref(), "acp");
     // Cancelled before it was submitted: it never runs.
-    if cancel.load(Ordering::Acquire) {
+    if cancel.request.load(Ordering::Acquire) {
         return Err(Reply::Error(request_cancelled()));
+    }
+    if cancel.session.load(Ordering::Acquire) {
+        return Ok(to_value(
+            agent_client_protocol_schema::v1::PromptResponse::new(
+                agent_client_protocol_schema::v1::StopReason::Cancelled,
+            ),
+        ));
     }
     let (prompt, settled) = handle
         .submit(mine, text, images, Origin::Interactive, delivery)
@@ -1648,7 +1718,7 @@ async fn prompt(
         .map_err(session_error)?
         .map_err(refused)?;
     // Cancelled while it was being admitted.
-    if cancel.load(Ordering::Acquire) {
+    if cancel.any() {
         let _ = handle.withdraw(prompt);
     }
     // A dropped terminal port means the session actor failed; the

@@ -428,6 +428,9 @@ async fn main() {
         let res = p.await.expect("prompt task");
         times.push(t0.elapsed().as_secs_f64() * 1000.0);
         if res["result"]["stopReason"] != "cancelled" {
+            if missed == 0 {
+                println!("a cancel that did not end its turn: the prompt was answered {res}");
+            }
             missed += 1; // reported: a cancel that did not end the turn
         }
     }
