@@ -274,28 +274,90 @@ pub enum EngineInput {
 /// Where an engine sends its signals (the session's mailbox).
 pub type SignalSink = Arc<dyn Fn(EngineSignal) + Send + Sync>;
 
+/// The daemon-wide bound on streamed work in flight: every session's
+/// engine signals not yet handled and events not yet committed, summed.
+/// Engines wait while it is high, so a store that falls behind slows
+/// every stream a little instead of growing the daemon's memory, and an
+/// event waits for the store about `HIGH / commit rate` at most (a
+/// tenth of a second at 150,000 events/s), under any number of sessions.
+/// Durable events (admissions, terminals) are not counted: a cancel is
+/// never held back.
+#[derive(Debug, Default)]
+pub struct Budget {
+    /// Signals and events in flight, every session's.
+    used: std::sync::atomic::AtomicUsize,
+    /// Woken when `used` falls to [`Budget::LOW`].
+    drained: tokio::sync::Notify,
+}
+
+impl Budget {
+    /// In flight at which engines wait.
+    pub const HIGH: usize = 16_384;
+    /// In flight at which they go on.
+    pub const LOW: usize = 8_192;
+
+    fn add(&self, n: usize) {
+        self.used.fetch_add(n, std::sync::atomic::Ordering::AcqRel);
+    }
+
+    fn sub(&self, n: usize) {
+        let before = self.used.fetch_sub(n, std::sync::atomic::Ordering::AcqRel);
+        if before > Self::LOW && before - n <= Self::LOW {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// Signals and events in flight.
+    pub fn used(&self) -> usize {
+        self.used.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
 /// Backpressure from a session to its engine: the signals sent and not yet
-/// handled. The session counts each signal in ([`Pace::sent`]) and out
-/// ([`Pace::handled`]); an engine awaits [`Pace::room`] before producing
-/// more, so at most [`Pace::HIGH`] signals ever wait in the mailbox.
+/// handled, and the events the session published that the store has not
+/// committed yet. The session counts each signal in ([`Pace::sent`]) and
+/// out ([`Pace::handled`]) and reports its uncommitted events
+/// ([`Pace::held`]); an engine awaits [`Pace::room`] before producing more,
+/// so at most [`Pace::HIGH`] signals wait in the mailbox, about
+/// [`Pace::HELD_HIGH`] events wait for the store, and the daemon's
+/// [`Budget`] holds for all sessions together.
 #[derive(Debug, Default)]
 pub struct Pace {
     /// Signals sent and not yet handled.
     waiting: std::sync::atomic::AtomicUsize,
-    /// Woken when the backlog falls to [`Pace::LOW`].
+    /// Events published and not yet committed.
+    uncommitted: std::sync::atomic::AtomicUsize,
+    /// Woken when either backlog falls to its low mark.
     drained: tokio::sync::Notify,
+    /// The daemon's bound (its own, by default).
+    budget: Arc<Budget>,
 }
 
 impl Pace {
-    /// The backlog at which engines wait.
-    pub const HIGH: usize = 1024;
-    /// The backlog at which they go on.
-    pub const LOW: usize = 256;
+    /// The signal backlog at which engines wait.
+    pub const HIGH: usize = 256;
+    /// The signal backlog at which they go on.
+    pub const LOW: usize = 64;
+    /// The uncommitted events at which engines wait.
+    pub const HELD_HIGH: usize = 256;
+    /// The uncommitted events at which they go on.
+    pub const HELD_LOW: usize = 64;
+
+    /// A session's pace within the daemon's `budget`.
+    pub fn new(budget: Arc<Budget>) -> Pace {
+        Pace {
+            waiting: Default::default(),
+            uncommitted: Default::default(),
+            drained: Default::default(),
+            budget,
+        }
+    }
 
     /// A signal went into the mailbox.
     pub fn sent(&self) {
         self.waiting
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.budget.add(1);
     }
 
     /// The session handled one.
@@ -303,8 +365,24 @@ impl Pace {
         let before = self
             .waiting
             .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.budget.sub(1);
         if before <= Self::LOW + 1 {
             self.drained.notify_waiters();
+        }
+    }
+
+    /// The session holds `n` events the store has not committed yet.
+    pub fn held(&self, n: usize) {
+        let before = self
+            .uncommitted
+            .swap(n, std::sync::atomic::Ordering::AcqRel);
+        if n > before {
+            self.budget.add(n - before);
+        } else if before > n {
+            self.budget.sub(before - n);
+            if n <= Self::HELD_LOW {
+                self.drained.notify_waiters();
+            }
         }
     }
 
@@ -313,18 +391,41 @@ impl Pace {
         self.waiting.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    /// Returns once the backlog is below [`Pace::HIGH`].
+    fn waits(&self) -> bool {
+        self.backlog() >= Self::HIGH
+            || self.uncommitted.load(std::sync::atomic::Ordering::Acquire) >= Self::HELD_HIGH
+            || self.budget.used() >= Budget::HIGH
+    }
+
+    /// Returns once the session's backlogs and the daemon's budget are
+    /// below their high marks.
     pub async fn room(&self) {
-        while self.backlog() >= Self::HIGH {
-            let drained = self.drained.notified();
-            tokio::pin!(drained);
-            drained.as_mut().enable();
-            if self.backlog() < Self::HIGH {
+        while self.waits() {
+            let mine = self.drained.notified();
+            let all = self.budget.drained.notified();
+            tokio::pin!(mine, all);
+            mine.as_mut().enable();
+            all.as_mut().enable();
+            if !self.waits() {
                 return;
             }
             // Bounded, in case the session went away without handling.
-            let _ = tokio::time::timeout(std::time::Duration::from_millis(50), drained).await;
+            let _ = tokio::time::timeout(std::time::Duration::from_millis(50), async {
+                tokio::select! {
+                    () = mine => {}
+                    () = all => {}
+                }
+            })
+            .await;
         }
+    }
+}
+
+impl Drop for Pace {
+    /// What a session still counted leaves the daemon's budget with it.
+    fn drop(&mut self) {
+        self.budget
+            .sub(*self.waiting.get_mut() + *self.uncommitted.get_mut());
     }
 }
 

@@ -45,6 +45,7 @@ async fn main() {
             notification_cap: 32,
             delivery: Default::default(),
             delivery_wake: None,
+            budget: Default::default(),
             tools: Default::default(),
         },
     )

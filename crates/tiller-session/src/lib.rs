@@ -62,6 +62,9 @@ pub struct SessionConfig {
     pub delivery_wake: Option<Arc<tokio::sync::Notify>>,
     /// The built-in tools' settings.
     pub tools: Arc<tiller_tools::ToolsConfig>,
+    /// The daemon-wide bound on streamed work in flight (every session's
+    /// engine paces itself within it).
+    pub budget: Arc<tiller_engine::Budget>,
 }
 
 /// What a new session is.

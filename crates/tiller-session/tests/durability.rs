@@ -278,3 +278,50 @@ async fn a_viewer_never_sees_an_event_the_log_does_not_keep() {
         );
     }
 }
+
+/// A store that falls behind slows the engine instead of growing the
+/// daemon's memory: a session holds a bounded number of uncommitted
+/// events, whatever the stream, and nothing is lost once the store
+/// catches up. (Found by `tiller-load`: 1,000 sessions streaming faster
+/// than the store commits grew the daemon to 24 GB.)
+#[tokio::test]
+async fn a_store_that_falls_behind_holds_the_engine_back_not_the_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let say = serde_json::json!([{ "say": "x" }]);
+    let script = serde_json::json!({ "script": [
+        { "repeat": { "times": 2, "steps": [{ "repeat": { "times": 10_000, "steps": say }}] } }
+    ] })
+    .to_string();
+    // The admission commits before the turn starts: submit, then pause.
+    let (_, settled) = h
+        .prompt(script, Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    store.pause_appends(true);
+    let mut most = 0;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        most = most.max(store.backlog());
+    }
+    // Bounded by the session's pace (512 uncommitted events, plus what
+    // one flush carries past it), nowhere near the 20,000 the engine
+    // would have produced.
+    assert!(most > 0, "the stream never reached the store");
+    assert!(most <= 2_048, "{most} events waited for the store");
+    store.pause_appends(false);
+    assert_eq!(
+        settled.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let chunks = s
+        .events_after(h.id(), 0, 30_000)
+        .await
+        .unwrap()
+        .iter()
+        .filter(|e| e.body.kind() == "agent_message_chunk")
+        .count();
+    assert_eq!(chunks, 20_000);
+}

@@ -25,7 +25,7 @@ mod writer;
 
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 
 use rusqlite::Connection;
@@ -45,9 +45,32 @@ use writer::{Cmd, Pending, Writer};
 pub struct Store {
     /// Where commands go.
     tx: Route,
-    /// Shared with the thread: a test sets it to make appends fail.
-    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
-    fail_appends: Arc<AtomicBool>,
+    /// Shared with the thread.
+    shared: Arc<Shared>,
+}
+
+/// What the handles and the thread share.
+#[derive(Default)]
+pub(crate) struct Shared {
+    /// Events sent to be appended and not yet committed (or failed): what
+    /// the store holds in memory, reported as `tiller_store_backlog_events`.
+    pub(crate) backlog: AtomicUsize,
+    /// Set by a test to make every append fail.
+    pub(crate) fail_appends: AtomicBool,
+    /// Set by a test to hold appends back (a store that falls behind).
+    pub(crate) pause_appends: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn queued(&self, n: usize) {
+        let now = self.backlog.fetch_add(n, Ordering::AcqRel) + n;
+        metrics::gauge!("tiller_store_backlog_events").set(now as f64);
+    }
+
+    pub(crate) fn done(&self, n: usize) {
+        let now = self.backlog.fetch_sub(n, Ordering::AcqRel) - n;
+        metrics::gauge!("tiller_store_backlog_events").set(now as f64);
+    }
 }
 
 /// The store thread's channel, or the connection itself (inline).
@@ -78,16 +101,16 @@ impl Store {
     /// for each write (page-cache writes; a checkpoint's fsync now and
     /// then), which in that process only its one client waits for anyway.
     pub fn open_inline(path: &Path) -> Result<Store, StoreError> {
-        let (writer, fail_appends) = Self::connect(path)?;
+        let (writer, shared) = Self::connect(path)?;
         Ok(Store {
             tx: Route::Inline(Arc::new(std::sync::Mutex::new(Some(writer)))),
-            fail_appends,
+            shared,
         })
     }
 
     /// Opens (creating if needed) the database at `path` and starts its thread.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
-        let (writer, fail_appends) = Self::connect(path)?;
+        let (writer, shared) = Self::connect(path)?;
         let (tx, rx) = std_mpsc::channel();
         std::thread::Builder::new()
             .name("tiller-store".into())
@@ -98,11 +121,11 @@ impl Store {
             })?;
         Ok(Store {
             tx: Route::Thread(tx),
-            fail_appends,
+            shared,
         })
     }
 
-    fn connect(path: &Path) -> Result<(Writer, Arc<AtomicBool>), StoreError> {
+    fn connect(path: &Path) -> Result<(Writer, Arc<Shared>), StoreError> {
         let open_err = |source: rusqlite::Error| match source.sqlite_error_code() {
             Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
                 StoreError::InUse {
@@ -120,26 +143,43 @@ impl Store {
         })?;
         let conn = Connection::open(path).map_err(open_err)?;
         schema::migrate(&conn).map_err(open_err)?;
-        let fail_appends = Arc::new(AtomicBool::new(false));
+        let shared = Arc::new(Shared::default());
         let writer = Writer {
             conn,
             broken: Default::default(),
-            fail_appends: fail_appends.clone(),
+            shared: shared.clone(),
         };
-        Ok((writer, fail_appends))
+        Ok((writer, shared))
     }
 
-    /// The one command path: runs `f` on the store thread, in order.
+    /// The one command path: runs `f` on the store thread, in order,
+    /// after every append sent before it.
     async fn call<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<T, StoreError> {
-        self.call_writer(move |w| f(&mut w.conn).map_err(StoreError::from))
+        self.call_writer(None, move |w| f(&mut w.conn).map_err(StoreError::from))
             .await
+    }
+
+    /// [`Store::call`] for a command about one session: it runs after
+    /// every append of that session sent before it, not behind every
+    /// other session's (a catch-up read under load waits for its own log
+    /// only).
+    async fn call_for<T: Send + 'static>(
+        &self,
+        session: SessionId,
+        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        self.call_writer(Some(session), move |w| {
+            f(&mut w.conn).map_err(StoreError::from)
+        })
+        .await
     }
 
     async fn call_writer<T: Send + 'static>(
         &self,
+        scope: Option<SessionId>,
         f: impl FnOnce(&mut Writer) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
         let (reply, rx) = oneshot::channel();
@@ -147,7 +187,7 @@ impl Store {
             let _ = reply.send(f(w));
         });
         self.tx
-            .send(Cmd::Call(job))
+            .send(Cmd::Call(scope, job))
             .map_err(|_| StoreError::Closed)?;
         rx.await.map_err(|_| StoreError::Closed)?
     }
@@ -155,8 +195,30 @@ impl Store {
     /// Makes every append fail (as a full disk would) until turned off.
     #[cfg(feature = "test-hooks")]
     pub fn fail_appends(&self, on: bool) {
-        self.fail_appends
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+        self.shared.fail_appends.store(on, Ordering::Relaxed);
+    }
+
+    /// Holds every append back (as a store that cannot keep up would)
+    /// until turned off; other commands wait behind them, in order.
+    #[cfg(feature = "test-hooks")]
+    pub fn pause_appends(&self, on: bool) {
+        self.shared.pause_appends.store(on, Ordering::Relaxed);
+    }
+
+    /// Events sent to be appended and not yet committed (nor failed).
+    pub fn backlog(&self) -> usize {
+        self.shared.backlog.load(Ordering::Acquire)
+    }
+
+    /// Sends appends, counted in the backlog until the writer is done
+    /// with them.
+    fn send_appends(&self, batch: Vec<Pending>) -> Result<(), StoreError> {
+        let n = batch.len();
+        self.shared.queued(n);
+        self.tx.send(Cmd::Append(batch)).map_err(|_| {
+            self.shared.done(n);
+            StoreError::Closed
+        })
     }
 
     /// Stores a new session (durable when this returns).
@@ -180,7 +242,8 @@ impl Store {
         &self,
         id: SessionId,
     ) -> Result<Option<(SessionRecord, LogHead)>, StoreError> {
-        self.call(move |c| sessions::get_session(c, id)).await
+        self.call_for(id, move |c| sessions::get_session(c, id))
+            .await
     }
 
     /// Open sessions, most recently created first; `cursor` from a previous page.
@@ -212,7 +275,7 @@ impl Store {
         column: StateColumn,
         value: String,
     ) -> Result<(), StoreError> {
-        self.call(move |c| sessions::save_state(c, id, column, &value))
+        self.call_for(id, move |c| sessions::save_state(c, id, column, &value))
             .await
     }
 
@@ -223,13 +286,14 @@ impl Store {
         id: SessionId,
         write: ConversationWrite,
     ) -> Result<(), StoreError> {
-        self.call(move |c| sessions::save_conversation(c, id, &write))
+        self.call_for(id, move |c| sessions::save_conversation(c, id, &write))
             .await
     }
 
     /// A session's stored state (empty when nothing was saved).
     pub async fn load_state(&self, id: SessionId) -> Result<SessionExtras, StoreError> {
-        self.call(move |c| sessions::load_state(c, id)).await
+        self.call_for(id, move |c| sessions::load_state(c, id))
+            .await
     }
 
     /// Durable replay guard for channel requests: true when `key` is new.
@@ -258,7 +322,7 @@ impl Store {
     /// [`sessions::delete`]); false when there was none. Ordered after
     /// every append issued before it.
     pub async fn delete_session(&self, id: SessionId) -> Result<bool, StoreError> {
-        self.call_writer(move |w| {
+        self.call_writer(Some(id), move |w| {
             let deleted = sessions::delete(&mut w.conn, id).map_err(StoreError::from)?;
             w.broken.remove(&id);
             Ok(deleted)
@@ -276,12 +340,12 @@ impl Store {
         ledger: Option<LedgerOp>,
         on_commit: Option<OnCommit>,
     ) {
-        let _ = self.tx.send(Cmd::Append(vec![Pending {
+        let _ = self.send_appends(vec![Pending {
             event,
             ledger,
             reply: None,
             on_commit,
-        }]));
+        }]);
     }
 
     /// Appends several events in order (not awaited), committed together
@@ -291,7 +355,7 @@ impl Store {
         if events.is_empty() {
             return;
         }
-        let _ = self.tx.send(Cmd::Append(pending(events, Some(on_commit))));
+        let _ = self.send_appends(pending(events, Some(on_commit)));
     }
 
     /// Appends and waits for the commit (durable before acknowledged). An
@@ -325,16 +389,14 @@ impl Store {
             reply: Some(reply),
             on_commit: None,
         });
-        self.tx
-            .send(Cmd::Append(batch))
-            .map_err(|_| StoreError::Closed)?;
+        self.send_appends(batch)?;
         rx.await.map_err(|_| StoreError::Closed)?
     }
 
     /// Accepts appends to a session's log again (after a failed one) and
     /// returns the head of what is stored.
     pub async fn reopen_log(&self, session: SessionId) -> Result<LogHead, StoreError> {
-        self.call_writer(move |w| {
+        self.call_writer(Some(session), move |w| {
             let head = log::head(&w.conn, session)?;
             w.broken.remove(&session);
             Ok(head)
@@ -352,7 +414,7 @@ impl Store {
     ) -> Result<HistoryPage, StoreError> {
         let before = before.unwrap_or(u64::MAX >> 1);
         let limit = limit.clamp(1, 10_000);
-        self.call(move |c| log::history(c, session, before, limit))
+        self.call_for(session, move |c| log::history(c, session, before, limit))
             .await
     }
 
@@ -363,7 +425,7 @@ impl Store {
         kinds: &[&'static str],
     ) -> Result<Option<StoredEvent>, StoreError> {
         let kinds = kinds.to_vec();
-        self.call(move |c| log::last_of_kinds(c, session, &kinds))
+        self.call_for(session, move |c| log::last_of_kinds(c, session, &kinds))
             .await
     }
 
@@ -374,8 +436,10 @@ impl Store {
         after: u64,
         limit: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
-        self.call(move |c| log::events_after(c, session, after, limit))
-            .await
+        self.call_for(session, move |c| {
+            log::events_after(c, session, after, limit)
+        })
+        .await
     }
 
     /// Prompts admitted and never settled, oldest first.

@@ -309,7 +309,7 @@ mod ledger {
         let told = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let tell: OnCommit = {
             let told = told.clone();
-            Arc::new(move |seq| told.store(seq, std::sync::atomic::Ordering::SeqCst))
+            Arc::new(move |seq| told.store(seq, Ordering::SeqCst))
         };
         let admit = LedgerOp::Admit {
             prompt: p,
@@ -324,7 +324,7 @@ mod ledger {
             tell,
         );
         assert_eq!(
-            told.load(std::sync::atomic::Ordering::SeqCst),
+            told.load(Ordering::SeqCst),
             2,
             "told before the call returned"
         );

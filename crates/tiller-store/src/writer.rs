@@ -3,9 +3,9 @@
 //! transaction (one per session when a shared one fails, so one session's
 //! failure never costs another its events).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc as std_mpsc;
 use std::time::Instant;
 
@@ -13,14 +13,16 @@ use rusqlite::Connection;
 use tiller_core::SessionId;
 use tokio::sync::oneshot;
 
-use crate::{LedgerOp, OnCommit, StoreError, StoredEvent, log};
+use crate::{LedgerOp, OnCommit, Shared, StoreError, StoredEvent, log};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
 
 /// A command for the thread: a closure over the writer, or an append.
 pub(crate) enum Cmd {
     /// Every command but appends: one closure each, no per-command enum.
-    Call(Box<dyn FnOnce(&mut Writer) + Send>),
+    /// It runs after every append sent before it of the session it names,
+    /// or of every session (`None`).
+    Call(Option<SessionId>, Box<dyn FnOnce(&mut Writer) + Send>),
     /// Closes the connection (releasing the database's lock) and ends the
     /// thread; later commands fail with `Closed`.
     Close(oneshot::Sender<()>),
@@ -44,46 +46,98 @@ pub(crate) struct Writer {
     /// Sessions whose log lost a write: later appends to them are refused
     /// (a gap would break the log) until the session is reopened.
     pub(crate) broken: HashSet<SessionId>,
-    /// Set by a test to make every append fail.
-    pub(crate) fail_appends: Arc<AtomicBool>,
+    /// The backlog count and the test switches.
+    pub(crate) shared: Arc<Shared>,
 }
 
 /// Most appends committed in one transaction.
-const MAX_BATCH: usize = 512;
+const MAX_BATCH: usize = 4096;
 
+/// The thread's loop. Appends are taken off the channel as they come and
+/// written in batches; a batch with an awaited append (a durable event:
+/// an admission, a terminal) goes first, with everything its session sent
+/// before it, ahead of other sessions' streamed events: a session's own
+/// order is kept, and a cancel's terminal never waits behind every other
+/// session's stream. Any other command waits for every append sent before
+/// it (a reader sees them).
 pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
-    let mut next: Option<Cmd> = None;
+    let mut queued: VecDeque<Pending> = VecDeque::new();
     loop {
-        let cmd = match next.take() {
-            Some(c) => c,
-            None => match rx.recv() {
-                Ok(c) => c,
+        let first = if queued.is_empty() {
+            match rx.recv() {
+                Ok(c) => Some(c),
                 Err(_) => return, // every handle dropped
-            },
-        };
-        match cmd {
-            Cmd::Call(f) => f(&mut w),
-            Cmd::Close(reply) => {
-                drop(w);
-                let _ = reply.send(());
-                return;
             }
-            Cmd::Append(first) => {
-                let mut batch = first;
-                while batch.len() < MAX_BATCH {
-                    match rx.try_recv() {
-                        Ok(Cmd::Append(p)) => batch.extend(p),
-                        Ok(other) => {
-                            next = Some(other);
-                            break;
-                        }
-                        Err(_) => break,
-                    }
+        } else {
+            None
+        };
+        let mut gone = false;
+        for cmd in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| match rx.try_recv() {
+                Ok(c) => Some(c),
+                Err(std_mpsc::TryRecvError::Empty) => None,
+                Err(std_mpsc::TryRecvError::Disconnected) => {
+                    gone = true;
+                    None
                 }
-                w.append_timed(batch);
+            }))
+        {
+            match cmd {
+                Cmd::Append(p) => queued.extend(p),
+                Cmd::Call(scope, f) => {
+                    match scope {
+                        Some(session) => w.write_session(&mut queued, session),
+                        None => w.write_all(&mut queued),
+                    }
+                    f(&mut w);
+                }
+                Cmd::Close(reply) => {
+                    w.write_all(&mut queued);
+                    drop(w);
+                    let _ = reply.send(());
+                    return;
+                }
             }
         }
+        if gone {
+            w.write_all(&mut queued);
+            return;
+        }
+        if let Some(batch) = next_batch(&mut queued) {
+            w.append_timed(batch);
+        }
     }
+}
+
+/// The next batch to write: the sessions with an awaited append, each up
+/// to its last awaited one, if any; else the oldest appends.
+fn next_batch(queued: &mut VecDeque<Pending>) -> Option<Vec<Pending>> {
+    if queued.is_empty() {
+        return None;
+    }
+    // Each urgent session's position of its last awaited append.
+    let mut urgent: HashMap<SessionId, usize> = HashMap::new();
+    for (i, p) in queued.iter().enumerate() {
+        if p.reply.is_some() {
+            urgent.insert(p.event.session, i);
+        }
+    }
+    if urgent.values().all(|&last| last < MAX_BATCH) {
+        // The oldest appends (which hold every awaited one, if any).
+        let n = queued.len().min(MAX_BATCH);
+        return Some(queued.drain(..n).collect());
+    }
+    let mut batch = Vec::new();
+    let mut rest = VecDeque::with_capacity(queued.len());
+    for (i, p) in queued.drain(..).enumerate() {
+        match urgent.get(&p.event.session) {
+            Some(&last) if i <= last => batch.push(p),
+            _ => rest.push_back(p),
+        }
+    }
+    *queued = rest;
+    Some(batch)
 }
 
 /// Runs one command on the caller's thread (an inline store); the writer
@@ -93,7 +147,7 @@ pub(crate) fn execute(slot: &mut Option<Writer>, cmd: Cmd) -> Result<(), Cmd> {
         return Err(cmd);
     };
     match cmd {
-        Cmd::Call(f) => f(w),
+        Cmd::Call(_, f) => f(w),
         Cmd::Append(batch) => w.append_timed(batch),
         Cmd::Close(reply) => {
             *slot = None;
@@ -105,9 +159,35 @@ pub(crate) fn execute(slot: &mut Option<Writer>, cmd: Cmd) -> Result<(), Cmd> {
 
 impl Writer {
     fn append_timed(&mut self, batch: Vec<Pending>) {
+        let n = batch.len();
+        while self.shared.pause_appends.load(Ordering::Relaxed) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let started = Instant::now();
         self.append(batch);
         metrics::histogram!("tiller_store_write_seconds").record(started.elapsed().as_secs_f64());
+        self.shared.done(n);
+    }
+
+    /// Writes everything queued, in order.
+    fn write_all(&mut self, queued: &mut VecDeque<Pending>) {
+        while !queued.is_empty() {
+            let n = queued.len().min(MAX_BATCH);
+            let batch = queued.drain(..n).collect();
+            self.append_timed(batch);
+        }
+    }
+
+    /// Writes what is queued for one session, in order (the others wait).
+    fn write_session(&mut self, queued: &mut VecDeque<Pending>, session: SessionId) {
+        if !queued.iter().any(|p| p.event.session == session) {
+            return;
+        }
+        let (mine, rest): (VecDeque<Pending>, VecDeque<Pending>) =
+            queued.drain(..).partition(|p| p.event.session == session);
+        *queued = rest;
+        let mut mine = mine;
+        self.write_all(&mut mine);
     }
 
     fn append(&mut self, batch: Vec<Pending>) {
@@ -119,7 +199,7 @@ impl Writer {
         if batch.is_empty() {
             return;
         }
-        if self.fail_appends.load(Ordering::Relaxed) {
+        if self.shared.fail_appends.load(Ordering::Relaxed) {
             return self.fail(batch, Arc::new(StoreError::Injected));
         }
         let Err(e) = log::append_batch(&mut self.conn, &batch) else {
@@ -173,6 +253,96 @@ fn reply_err(batch: Vec<Pending>, err: impl Fn() -> StoreError) {
     for p in batch {
         if let Some(reply) = p.reply {
             let _ = reply.send(Err(err()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `(session, durable)` per queued append, in the order sent.
+    fn queue(spec: &[(usize, bool)], sessions: &[SessionId]) -> VecDeque<Pending> {
+        let mut seq: HashMap<usize, u64> = HashMap::new();
+        spec.iter()
+            .map(|&(s, durable)| {
+                let n = seq.entry(s).or_default();
+                *n += 1;
+                Pending {
+                    event: StoredEvent {
+                        session: sessions[s],
+                        seq: *n,
+                        ts_ms: 0,
+                        kind: "k".into(),
+                        prompt: None,
+                        turn: None,
+                        data: String::new(),
+                    },
+                    ledger: None,
+                    reply: durable.then(|| oneshot::channel().0),
+                    on_commit: None,
+                }
+            })
+            .collect()
+    }
+
+    fn names(batch: &[Pending], sessions: &[SessionId]) -> Vec<(usize, u64)> {
+        batch
+            .iter()
+            .map(|p| {
+                let s = sessions.iter().position(|s| *s == p.event.session).unwrap();
+                (s, p.event.seq)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn awaited_appends_go_first_with_their_session_s_earlier_ones_in_order() {
+        let sessions = [SessionId::new(), SessionId::new(), SessionId::new()];
+        // (queued appends, expected first batch (session, seq), left behind)
+        let many = |s: usize, n: usize| vec![(s, false); n];
+        type Case = (Vec<(usize, bool)>, Vec<(usize, u64)>, usize);
+        let cases: Vec<Case> = vec![
+            // Nothing awaited: the oldest, up to a batch.
+            (
+                many(0, MAX_BATCH + 88),
+                (1..=MAX_BATCH as u64).map(|q| (0, q)).collect(),
+                88,
+            ),
+            // Awaited within the first batch: plain order.
+            (
+                [vec![(1, false), (0, false), (1, true)], many(0, 3)].concat(),
+                vec![(1, 1), (0, 1), (1, 2), (0, 2), (0, 3), (0, 4)],
+                0,
+            ),
+            // Awaited past a batch of another session's stream: that
+            // session's appends up to its awaited one, first, in order.
+            (
+                [
+                    vec![(2, false)],
+                    many(0, MAX_BATCH + 88),
+                    vec![(2, false), (1, false), (2, true), (2, false)],
+                ]
+                .concat(),
+                vec![(2, 1), (2, 2), (2, 3)],
+                MAX_BATCH + 88 + 2,
+            ),
+        ];
+        for (spec, first, left) in cases {
+            let mut q = queue(&spec, &sessions);
+            let batch = next_batch(&mut q).unwrap();
+            assert_eq!(names(&batch, &sessions), first, "{spec:?}");
+            assert_eq!(q.len(), left, "{spec:?}");
+            // What is left keeps each session's order.
+            let rest = names(q.make_contiguous(), &sessions);
+            for s in 0..sessions.len() {
+                let seqs: Vec<u64> = rest
+                    .iter()
+                    .filter(|(x, _)| *x == s)
+                    .map(|(_, q)| *q)
+                    .collect();
+                assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{spec:?}: {rest:?}");
+            }
         }
     }
 }

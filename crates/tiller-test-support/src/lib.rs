@@ -31,6 +31,7 @@ pub fn session_config() -> SessionConfig {
         notification_cap: 32,
         delivery: Default::default(),
         delivery_wake: None,
+        budget: Default::default(),
         tools: Default::default(),
     }
 }

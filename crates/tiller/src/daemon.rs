@@ -190,6 +190,7 @@ async fn start_sessions(
             notification_cap: cfg.limits.max_queued_notifications,
             delivery: cfg.delivery_policy(),
             delivery_wake,
+            budget: Default::default(),
             tools: Arc::new(cfg.tools_config(
                 crate::utf8_env(),
                 // The running binary, even if it is replaced on disk.

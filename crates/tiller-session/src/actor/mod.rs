@@ -488,7 +488,7 @@ impl Actor for SessionActor {
             ),
             conversation,
             call_ids: None,
-            pace: Arc::default(),
+            pace: Arc::new(tiller_engine::Pace::new(args.config.budget.clone())),
             model: settings.model,
             id: args.id,
             core: SessionCore::new(args.config.turn.clone(), args.head.last_turn)

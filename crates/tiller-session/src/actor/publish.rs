@@ -190,6 +190,7 @@ impl SessionState {
         // shown once committed (`committed`): a viewer never sees an event
         // the log may not keep, nor a number the log may give another.
         self.unconfirmed.push((rec, op));
+        self.pace.held(self.unconfirmed.len());
         if self.unsent == 0 {
             let _ = self.myself.send_message(SessionMsg::Flush);
         }
@@ -243,6 +244,7 @@ impl SessionState {
         }
         self.fanned = self.fanned.max(seq);
         self.unconfirmed.retain(|(r, _)| r.seq > seq);
+        self.pace.held(self.unconfirmed.len());
     }
 
     /// Appends an event, waits for its commit, and only then fans it out
@@ -295,6 +297,7 @@ impl SessionState {
                     self.fan_out(&rec);
                     self.fanned = rec.seq;
                     self.unconfirmed.clear();
+                    self.pace.held(0);
                     return Ok(());
                 }
                 Err(e) if attempt < retries && e.is_unavailable() => {
