@@ -594,8 +594,21 @@ impl Writer {
                 pending,
             } => {
                 if let Some(a) = self.attached.get_mut(&session).filter(|a| a.sub == sub) {
-                    a.sent = Some(a.sent.unwrap_or(0).max(last));
-                    a.live_from = last;
+                    match a.replaced.as_ref().and_then(|r| r.sent) {
+                        // The session's actor was replaced (it failed and
+                        // was rebuilt): the client goes on from what it was
+                        // sent, and what it missed meanwhile is read from
+                        // the log, as live events.
+                        Some(before) if before < last && a.sent.is_none() => {
+                            a.sent = Some(before);
+                            a.live_from = before;
+                            self.lag.mark(session);
+                        }
+                        _ => {
+                            a.sent = Some(a.sent.unwrap_or(0).max(last));
+                            a.live_from = last;
+                        }
+                    }
                     a.replaced = None;
                     if let Some(msg) = pending.and_then(|rec| self.ask(&rec)) {
                         self.write(msg).await?;
@@ -1300,15 +1313,32 @@ impl Shared {
             }
             attached.remove(&session);
         }
-        // The registry may not have noticed the old actor's end yet.
-        for _ in 0..20 {
+        // The registry may not have noticed the old actor's end yet, and
+        // a store that cannot write keeps the session from reopening until
+        // it is back: tried again, less and less often, for as long as the
+        // connection lasts. Only an unknown (deleted, closed) session, or
+        // another attachment made meanwhile, ends it.
+        let mut wait = std::time::Duration::from_millis(25);
+        let mut warned = false;
+        loop {
+            if self.tx.is_closed() {
+                return; // the connection ended
+            }
             match self.sessions.open(session).await {
                 Ok(h) if self.attach(&h).await.is_ok() => return,
-                Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+                Ok(_) | Err(SessionError::Store(_) | SessionError::Stopped) => {}
                 Err(_) => return,
             }
+            if !warned && wait >= std::time::Duration::from_secs(1) {
+                warned = true;
+                tracing::warn!(%session, "cannot attach a connection to its session again yet; retrying");
+            }
+            tokio::time::sleep(wait).await;
+            wait = (wait * 2).min(std::time::Duration::from_secs(2));
+            if self.attached.lock().await.contains_key(&session) {
+                return; // attached again by the connection's own request
+            }
         }
-        tracing::warn!(%session, "could not renew a connection's attachment");
     }
 
     /// Subscribes afresh (replacing any earlier subscription) for a

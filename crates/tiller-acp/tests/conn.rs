@@ -105,3 +105,58 @@ async fn a_cancel_settles_the_prompt_cancelled_and_its_answer_comes_last() {
     assert!(!text_of(&c.updates(&sid), "agent_message_chunk").contains("never"));
     c.hang_up().await;
 }
+
+/// A client that only watches a session (attached by `session/load`)
+/// goes on seeing it after the session's actor failed on a store that
+/// cannot write, even though the store was still failing when the
+/// connection first tried to attach to the session again. (Found by the
+/// e2e full-disk test, which saw it now and then.)
+#[tokio::test]
+async fn a_watcher_stays_attached_across_a_store_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let mut a = AcpClient::connect(&s);
+    let sid = a.new_session("/tmp").await;
+    let mut w = AcpClient::connect(&s);
+    w.request("initialize", json!({ "protocolVersion": 1 }))
+        .await
+        .unwrap();
+    w.request(
+        "session/load",
+        json!({ "sessionId": sid, "cwd": "/tmp", "mcpServers": [] }),
+    )
+    .await
+    .unwrap();
+    // A turn under way when the store starts failing: its actor fails,
+    // and its prompt cannot be settled until the store is back, so the
+    // session cannot be opened meanwhile.
+    let running = a
+        .send_request(
+            "session/prompt",
+            json!({ "sessionId": sid, "prompt": script(json!([{ "say": "x" }, { "sleep_ms": 300 }, { "say": "lost" }])) }),
+        )
+        .await;
+    w.until(|m| m["method"] == "session/update" && m["params"]["update"]["content"]["text"] == "x")
+        .await;
+    store.fail_appends(true);
+    let answer = a
+        .until(|m| m.get("id") == Some(&running) && m.get("method").is_none())
+        .await;
+    assert!(answer.get("error").is_some(), "{answer}");
+    // The failed actor's end makes the watcher re-attach while the store
+    // still fails.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    store.fail_appends(false);
+    a.request(
+        "session/prompt",
+        json!({ "sessionId": sid, "prompt": script(json!([{ "say": "after" }])) }),
+    )
+    .await
+    .unwrap();
+    w.until(|m| {
+        m["method"] == "session/update" && m["params"]["update"]["content"]["text"] == "after"
+    })
+    .await;
+    a.hang_up().await;
+    w.hang_up().await;
+}
