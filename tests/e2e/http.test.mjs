@@ -168,6 +168,25 @@ describe("auth", () => {
   });
 });
 
+describe("keep-alive", () => {
+  test("responses announce the idle timeout, so a client never reuses a connection the daemon is closing", async () => {
+    const d = await startDaemon({ env: { TILLER_LIMITS__HTTP_HEADER_TIMEOUT: "1s" } });
+    try {
+      const res = await fetch(`${d.http}/healthz`);
+      assert.equal(res.headers.get("keep-alive"), "timeout=1");
+      // Idle past the daemon's bound, then a POST (which a client does
+      // not retry): it goes out on a fresh connection and succeeds.
+      for (let i = 0; i < 3; i++) {
+        await new Promise((r) => setTimeout(r, 1000));
+        const made = await api(d, "POST", "/api/sessions", { cwd: "/tmp" });
+        assert.equal(made.status, 201);
+      }
+    } finally {
+      await d.stop();
+    }
+  });
+});
+
 describe("tiller sessions (admin CLI over the HTTP API)", () => {
   test("list, show, history, close", async () => {
     const { execFile } = await import("node:child_process");

@@ -14,6 +14,7 @@ use hyper_util::service::TowerToHyperService;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
+use tower_http::set_header::SetResponseHeaderLayer;
 
 /// The listener's bounds (`[limits]`).
 #[derive(Clone, Debug)]
@@ -36,6 +37,14 @@ pub async fn serve(
     mut stop: watch::Receiver<bool>,
     drain: Duration,
 ) {
+    // The daemon closes a connection idle for `header_timeout`; saying so
+    // lets a client stop reusing it first, instead of sending a request
+    // (a POST it will not retry) into a connection being closed.
+    let idle = format!("timeout={}", limits.header_timeout.as_secs().max(1));
+    let app = app.layer(SetResponseHeaderLayer::if_not_present(
+        axum::http::header::HeaderName::from_static("keep-alive"),
+        axum::http::HeaderValue::from_str(&idle).expect("a valid header value"),
+    ));
     let permits = Arc::new(Semaphore::new(limits.max_connections));
     // Connection tasks hold a receiver; shutdown waits until all dropped.
     let (closing_tx, closing_rx) = watch::channel(false);
