@@ -138,6 +138,15 @@ fn rss_bytes(pid: u32) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+fn peak_rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
 struct Args {
     sessions: usize,
     connections: usize,
@@ -185,7 +194,10 @@ async fn start_daemon() -> Daemon {
     let mut child = tokio::process::Command::new(&bin)
         .args(["serve", "--data-dir"])
         .arg(&dir)
-        .args(["--listen", "127.0.0.1:0"])
+        .args([
+            "--listen",
+            &std::env::var("TILLER_LOAD_LISTEN").unwrap_or_else(|_| "127.0.0.1:0".into()),
+        ])
         .env("RUST_LOG", "warn,tiller::daemon=info")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -452,6 +464,10 @@ async fn main() {
     for b in background {
         let _ = b.await;
     }
+    println!(
+        "daemon peak RSS over the run: {:.0} MiB",
+        peak_rss_bytes(d.pid) as f64 / (1024.0 * 1024.0)
+    );
     // A graceful stop (SIGTERM), as an operator would.
     let _ = std::process::Command::new("kill")
         .args(["-TERM", &d.pid.to_string()])
