@@ -22,6 +22,12 @@ macro_rules! uuid_id {
                 Uuid::try_parse(s).ok().map(Self)
             }
 
+            /// Writes the canonical hyphenated form (what `Display` writes)
+            /// into `buf`, without the formatting machinery.
+            pub fn encode<'b>(&self, buf: &'b mut [u8; 36]) -> &'b str {
+                self.0.hyphenated().encode_lower(buf)
+            }
+
             /// Builds an id from raw bits (tests and property models use this
             /// to get small, readable ids).
             pub const fn from_u128(v: u128) -> Self {

@@ -20,6 +20,7 @@ mod log;
 mod queues;
 mod rows;
 mod schema;
+mod segment;
 mod sessions;
 mod writer;
 
@@ -142,12 +143,16 @@ impl Store {
             source: e,
         })?;
         let conn = Connection::open(path).map_err(open_err)?;
+        // Every statement the store runs stays prepared (the default of 16
+        // is fewer than it has: evicted ones were parsed again per use).
+        conn.set_prepared_statement_cache_capacity(256);
         schema::migrate(&conn).map_err(open_err)?;
         let shared = Arc::new(Shared::default());
         let writer = Writer {
             conn,
             broken: Default::default(),
             shared: shared.clone(),
+            heads: Default::default(),
         };
         Ok((writer, shared))
     }
@@ -325,6 +330,7 @@ impl Store {
         self.call_writer(Some(id), move |w| {
             let deleted = sessions::delete(&mut w.conn, id).map_err(StoreError::from)?;
             w.broken.remove(&id);
+            w.heads.forget([id]);
             Ok(deleted)
         })
         .await
@@ -399,6 +405,7 @@ impl Store {
         self.call_writer(Some(session), move |w| {
             let head = log::head(&w.conn, session)?;
             w.broken.remove(&session);
+            w.heads.forget([session]);
             Ok(head)
         })
         .await

@@ -1,14 +1,59 @@
-//! The per-session event log and the prompt ledger that rides on it.
+//! The per-session event log (in segments, see [`segment`]) and the
+//! prompt ledger that rides on it.
 
 use rusqlite::{Connection, OptionalExtension, params};
-use tiller_core::{PromptId, SessionId, TurnId};
+use tiller_core::{PromptId, SessionId};
 
 use crate::writer::Pending;
-use crate::{Claim, HistoryPage, LedgerOp, LogHead, StoredEvent, Unsettled};
+use crate::{Claim, HistoryPage, LedgerOp, LogHead, StoredEvent, Unsettled, segment};
 
 /// Commits a batch of appends and everything they imply, in one transaction.
-pub(crate) fn append_batch(conn: &mut Connection, batch: &[Pending]) -> rusqlite::Result<()> {
-    in_transaction(conn, |c| insert_batch(c, batch))
+/// `heads` caches each session's last stored sequence number (read from
+/// the log when missing); it is updated once the batch committed, and
+/// forgets the batch's sessions when it did not.
+pub(crate) fn append_batch(
+    conn: &mut Connection,
+    heads: &mut Heads,
+    batch: &[Pending],
+) -> rusqlite::Result<()> {
+    let mut next = Heads::default();
+    let done = in_transaction(conn, |c| insert_batch(c, heads, &mut next, batch));
+    match done {
+        Ok(()) => heads.commit(next),
+        Err(_) => heads.forget(batch.iter().map(|p| p.event.session)),
+    }
+    done
+}
+
+/// The last stored sequence number of recently written sessions, so an
+/// append does not read the log's head first. Bounded: emptied when it
+/// grows past [`Heads::MAX`] (entries are read back as needed).
+#[derive(Default)]
+pub(crate) struct Heads(std::collections::HashMap<SessionId, u64>);
+
+impl Heads {
+    const MAX: usize = 200_000;
+
+    fn get(&mut self, conn: &Connection, session: SessionId) -> rusqlite::Result<u64> {
+        if let Some(&h) = self.0.get(&session) {
+            return Ok(h);
+        }
+        head_seq(conn, session)
+    }
+
+    fn commit(&mut self, next: Heads) {
+        if self.0.len() + next.0.len() > Self::MAX {
+            self.0.clear();
+        }
+        self.0.extend(next.0);
+    }
+
+    /// Forgets sessions (a failed write, a deleted or reopened log).
+    pub(crate) fn forget(&mut self, sessions: impl IntoIterator<Item = SessionId>) {
+        for s in sessions {
+            self.0.remove(&s);
+        }
+    }
 }
 
 /// Runs `f` in a transaction whose BEGIN and COMMIT are cached statements
@@ -28,93 +73,144 @@ pub(crate) fn in_transaction<T>(
     done
 }
 
-fn insert_batch(tx: &Connection, batch: &[Pending]) -> rusqlite::Result<()> {
+fn insert_batch(
+    tx: &Connection,
+    heads: &mut Heads,
+    next: &mut Heads,
+    batch: &[Pending],
+) -> rusqlite::Result<()> {
+    let mut admit = tx.prepare_cached(
+        "INSERT OR IGNORE INTO prompts (prompt_id, session_id, origin, admitted_ms)
+         VALUES (?1, ?2, ?3, ?4)",
+    )?;
+    let mut settle = tx.prepare_cached("DELETE FROM prompts WHERE prompt_id = ?1")?;
+    for Pending {
+        event: e, ledger, ..
+    } in batch
     {
-        let mut insert = tx.prepare_cached(
-            "INSERT INTO events (session_id, seq, ts_ms, kind, prompt_id, turn_id, data)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        )?;
-        let mut admit = tx.prepare_cached(
-            "INSERT OR IGNORE INTO prompts (prompt_id, session_id, origin, admitted_ms)
-             VALUES (?1, ?2, ?3, ?4)",
-        )?;
-        let mut settle = tx.prepare_cached("DELETE FROM prompts WHERE prompt_id = ?1")?;
-        for Pending {
-            event: e, ledger, ..
-        } in batch
-        {
-            match ledger {
-                Some(LedgerOp::Admit {
-                    prompt,
+        match ledger {
+            Some(LedgerOp::Admit {
+                prompt,
+                origin,
+                consumes,
+            }) => {
+                admit.execute(params![
+                    prompt.to_string(),
+                    e.session.to_string(),
                     origin,
-                    consumes,
-                }) => {
-                    admit.execute(params![
-                        prompt.to_string(),
-                        e.session.to_string(),
-                        origin,
-                        e.ts_ms
-                    ])?;
-                    match consumes {
-                        Some(Claim::Notification(n)) => {
-                            tx.execute("DELETE FROM notifications WHERE n = ?1", params![n])?;
-                        }
-                        Some(Claim::CronFire(n)) => {
-                            tx.execute("DELETE FROM cron_fires WHERE n = ?1", params![n])?;
-                        }
-                        None => {}
+                    e.ts_ms
+                ])?;
+                match consumes {
+                    Some(Claim::Notification(n)) => {
+                        tx.execute("DELETE FROM notifications WHERE n = ?1", params![n])?;
                     }
-                }
-                Some(LedgerOp::Settle { prompt, delivery }) => {
-                    settle.execute(params![prompt.to_string()])?;
-                    if let Some(d) = delivery {
-                        crate::deliveries::add(tx, d)?;
+                    Some(Claim::CronFire(n)) => {
+                        tx.execute("DELETE FROM cron_fires WHERE n = ?1", params![n])?;
                     }
+                    None => {}
                 }
-                None => {}
             }
-            insert.execute(params![
-                e.session.to_string(),
-                e.seq as i64,
-                e.ts_ms,
-                e.kind,
-                e.prompt.map(|p| p.to_string()),
-                e.turn.map(|t| t.0 as i64),
-                e.data,
-            ])?;
+            Some(LedgerOp::Settle { prompt, delivery }) => {
+                settle.execute(params![prompt.to_string()])?;
+                if let Some(d) = delivery {
+                    crate::deliveries::add(tx, d)?;
+                }
+            }
+            None => {}
         }
+    }
+    // Each session's events, in order, as segments after what it holds.
+    let mut sessions: Vec<SessionId> = Vec::new();
+    for p in batch {
+        if !sessions.contains(&p.event.session) {
+            sessions.push(p.event.session);
+        }
+    }
+    for s in sessions {
+        let events = batch.iter().map(|p| &p.event).filter(|e| e.session == s);
+        let head = match next.0.get(&s) {
+            Some(&h) => h,
+            None => heads.get(tx, s)?,
+        };
+        let last = insert_events(tx, s, head, events)?;
+        next.0.insert(s, last);
     }
     Ok(())
 }
 
+/// Appends one session's events (in order) as segments after `head`, the
+/// last sequence number its log holds; returns the new last one. An event
+/// that does not come after what the log holds (a sequence number reused)
+/// is refused, as the per-event key used to.
+pub(crate) fn insert_events<'a>(
+    tx: &Connection,
+    session: SessionId,
+    head: u64,
+    events: impl Iterator<Item = &'a StoredEvent>,
+) -> rusqlite::Result<u64> {
+    let mut last = head;
+    let id = session.to_string();
+    let mut insert = tx.prepare_cached(
+        "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    )?;
+    let events: Vec<&StoredEvent> = events.collect();
+    for e in &events {
+        if e.seq <= last {
+            return Err(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CONSTRAINT),
+                Some(format!(
+                    "event {} of session {session} does not follow the log's {last}",
+                    e.seq
+                )),
+            ));
+        }
+        last = e.seq;
+    }
+    for seg in segment::split(events) {
+        insert.execute(params![
+            id,
+            seg.first_seq as i64,
+            seg.last_seq as i64,
+            seg.last_ts_ms,
+            seg.max_turn.map(|t| t as i64),
+            seg.kinds,
+            seg.body,
+        ])?;
+    }
+    Ok(last)
+}
+
+/// The last sequence number of a session's log (0 when empty).
+pub(crate) fn head_seq(conn: &Connection, id: SessionId) -> rusqlite::Result<u64> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT last_seq FROM log WHERE session_id = ?1 ORDER BY first_seq DESC LIMIT 1",
+    )?;
+    let last: Option<i64> = stmt
+        .query_row(params![id.to_string()], |r| r.get(0))
+        .optional()?;
+    Ok(last.unwrap_or(0) as u64)
+}
+
 /// The head of a session's log.
 pub(crate) fn head(conn: &Connection, id: SessionId) -> rusqlite::Result<LogHead> {
-    let (last_seq, last_turn): (i64, i64) = conn.query_row(
-        "SELECT COALESCE(MAX(seq), 0), COALESCE(MAX(turn_id), 0) FROM events WHERE session_id = ?1",
-        params![id.to_string()],
-        |r| Ok((r.get(0)?, r.get(1)?)),
+    // Turn ids grow with sequence numbers: the newest segment with a turn
+    // has the highest.
+    let mut stmt = conn.prepare_cached(
+        "SELECT max_turn FROM log WHERE session_id = ?1 AND max_turn IS NOT NULL
+         ORDER BY first_seq DESC LIMIT 1",
     )?;
+    let last_turn: Option<i64> = stmt
+        .query_row(params![id.to_string()], |r| r.get(0))
+        .optional()?;
     Ok(LogHead {
-        last_seq: last_seq as u64,
-        last_turn: last_turn as u64,
+        last_seq: head_seq(conn, id)?,
+        last_turn: last_turn.unwrap_or(0) as u64,
     })
 }
 
-pub(crate) fn event_row(
-    session: SessionId,
-    r: &rusqlite::Row<'_>,
-) -> rusqlite::Result<StoredEvent> {
-    let prompt: Option<String> = r.get("prompt_id")?;
-    let turn: Option<i64> = r.get("turn_id")?;
-    Ok(StoredEvent {
-        session,
-        seq: r.get::<_, i64>("seq")? as u64,
-        ts_ms: r.get("ts_ms")?,
-        kind: r.get("kind")?,
-        prompt: prompt.as_deref().and_then(PromptId::parse),
-        turn: turn.map(|t| TurnId(t as u64)),
-        data: r.get("data")?,
-    })
+fn corrupt(e: segment::Corrupt) -> rusqlite::Error {
+    rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Blob, Box::new(e))
 }
 
 pub(crate) fn history(
@@ -124,15 +220,18 @@ pub(crate) fn history(
     limit: usize,
 ) -> rusqlite::Result<HistoryPage> {
     let mut stmt = conn.prepare_cached(
-        "SELECT seq, ts_ms, kind, prompt_id, turn_id, data FROM events
-         WHERE session_id = ?1 AND seq < ?2 ORDER BY seq DESC LIMIT ?3",
+        "SELECT body FROM log WHERE session_id = ?1 AND first_seq < ?2 ORDER BY first_seq DESC",
     )?;
-    let mut events = stmt
-        .query_map(
-            params![session.to_string(), before as i64, limit as i64 + 1],
-            |r| event_row(session, r),
-        )?
-        .collect::<rusqlite::Result<Vec<_>>>()?;
+    let mut rows = stmt.query(params![session.to_string(), before as i64])?;
+    // Newest first, one more than asked (to tell whether older ones exist).
+    let mut events = Vec::new();
+    while events.len() <= limit
+        && let Some(row) = rows.next()?
+    {
+        let body = row.get_ref(0)?.as_blob()?;
+        let seg = segment::decode(session, body).map_err(corrupt)?;
+        events.extend(seg.into_iter().rev().filter(|e| e.seq < before));
+    }
     let has_more = events.len() > limit;
     events.truncate(limit);
     events.reverse();
@@ -144,19 +243,23 @@ pub(crate) fn last_of_kinds(
     session: SessionId,
     kinds: &[&str],
 ) -> rusqlite::Result<Option<StoredEvent>> {
-    let marks = vec!["?"; kinds.len()].join(",");
-    let sql = format!(
-        "SELECT seq, ts_ms, kind, prompt_id, turn_id, data FROM events
-         WHERE session_id = ? AND kind IN ({marks}) ORDER BY seq DESC LIMIT 1"
-    );
-    let mut stmt = conn.prepare_cached(&sql)?;
-    let id = session.to_string();
-    let mut args: Vec<&dyn rusqlite::ToSql> = vec![&id];
-    for k in kinds {
-        args.push(k);
+    let mask = kinds.iter().fold(0, |m, k| m | segment::kind_bit(k));
+    let mut stmt = conn.prepare_cached(
+        "SELECT body FROM log WHERE session_id = ?1 AND (kinds & ?2) != 0 ORDER BY first_seq DESC",
+    )?;
+    let mut rows = stmt.query(params![session.to_string(), mask])?;
+    while let Some(row) = rows.next()? {
+        let body = row.get_ref(0)?.as_blob()?;
+        let seg = segment::decode(session, body).map_err(corrupt)?;
+        if let Some(e) = seg
+            .into_iter()
+            .rev()
+            .find(|e| kinds.contains(&e.kind.as_str()))
+        {
+            return Ok(Some(e));
+        }
     }
-    stmt.query_row(args.as_slice(), |r| event_row(session, r))
-        .optional()
+    Ok(None)
 }
 
 pub(crate) fn unsettled(conn: &Connection) -> rusqlite::Result<Vec<Unsettled>> {
@@ -187,13 +290,22 @@ pub(crate) fn events_after(
     after: u64,
     limit: usize,
 ) -> rusqlite::Result<Vec<StoredEvent>> {
+    // From the segment holding `after + 1` (the newest starting at or
+    // before it), then every later one.
     let mut stmt = conn.prepare_cached(
-        "SELECT seq, ts_ms, kind, prompt_id, turn_id, data FROM events
-         WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+        "SELECT body FROM log WHERE session_id = ?1 AND first_seq >= (
+             SELECT COALESCE(MAX(first_seq), 0) FROM log WHERE session_id = ?1 AND first_seq <= ?2
+         ) ORDER BY first_seq",
     )?;
-    let rows = stmt.query_map(
-        params![session.to_string(), after as i64, limit as i64],
-        |r| event_row(session, r),
-    )?;
-    rows.collect()
+    let mut rows = stmt.query(params![session.to_string(), after as i64 + 1])?;
+    let mut events = Vec::new();
+    while events.len() < limit
+        && let Some(row) = rows.next()?
+    {
+        let body = row.get_ref(0)?.as_blob()?;
+        let seg = segment::decode(session, body).map_err(corrupt)?;
+        events.extend(seg.into_iter().filter(|e| e.seq > after));
+    }
+    events.truncate(limit);
+    Ok(events)
 }

@@ -148,6 +148,69 @@ pub(crate) const SCHEMA: &[&str] = &[
     ALTER TABLE prompts_in_flight RENAME TO prompts;",
 ];
 
+/// Migrations after [`SCHEMA`]'s, written in Rust (each runs in its
+/// version's transaction).
+pub(crate) const RUST_MIGRATIONS: &[fn(&Connection) -> rusqlite::Result<()>] = &[log_segments];
+
+/// v12: the event log in segments (one row per commit and session, see
+/// [`crate::segment`]) instead of one row per event. The rows are in
+/// insertion order (an append goes to the end of the table); the index on
+/// `(session_id, first_seq)` finds a session's segments. Every old event
+/// becomes part of a segment, in order.
+fn log_segments(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "CREATE TABLE log (
+            n INTEGER PRIMARY KEY,
+            session_id TEXT NOT NULL,
+            first_seq INTEGER NOT NULL,
+            last_seq INTEGER NOT NULL,
+            last_ts_ms INTEGER NOT NULL,
+            max_turn INTEGER,
+            kinds INTEGER NOT NULL,
+            body BLOB NOT NULL
+        );
+        CREATE UNIQUE INDEX log_session ON log (session_id, first_seq);",
+    )?;
+    {
+        let mut read = conn.prepare(
+            "SELECT session_id, seq, ts_ms, kind, prompt_id, turn_id, data FROM events
+             ORDER BY session_id, seq",
+        )?;
+        let mut rows = read.query([])?;
+        let mut run: Vec<crate::StoredEvent> = Vec::new();
+        let flush = |run: &mut Vec<crate::StoredEvent>| -> rusqlite::Result<()> {
+            if let Some(first) = run.first() {
+                let head = crate::log::head_seq(conn, first.session)?;
+                crate::log::insert_events(conn, first.session, head, run.iter())?;
+            }
+            run.clear();
+            Ok(())
+        };
+        while let Some(r) = rows.next()? {
+            let session: String = r.get(0)?;
+            let Some(session) = tiller_core::SessionId::parse(&session) else {
+                continue; // not a session id this version can name
+            };
+            let prompt: Option<String> = r.get(4)?;
+            let turn: Option<i64> = r.get(5)?;
+            if run.first().is_some_and(|f| f.session != session) || run.len() >= 4096 {
+                flush(&mut run)?;
+            }
+            run.push(crate::StoredEvent {
+                session,
+                seq: r.get::<_, i64>(1)? as u64,
+                ts_ms: r.get(2)?,
+                kind: r.get(3)?,
+                prompt: prompt.as_deref().and_then(tiller_core::PromptId::parse),
+                turn: turn.map(|t| tiller_core::TurnId(t as u64)),
+                data: r.get(6)?,
+            });
+        }
+        flush(&mut run)?;
+    }
+    conn.execute_batch("DROP TABLE events;")
+}
+
 pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     // One process owns the store: the lock is taken at open and held (a
     // second daemon on the same file fails at start instead of settling
@@ -166,6 +229,13 @@ pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
         let tx = conn.unchecked_transaction()?;
         tx.execute_batch(sql)?;
         tx.pragma_update(None, "user_version", i as i64 + 1)?;
+        tx.commit()?;
+    }
+    let done = (version as usize).max(SCHEMA.len());
+    for (i, step) in RUST_MIGRATIONS.iter().enumerate().skip(done - SCHEMA.len()) {
+        let tx = conn.unchecked_transaction()?;
+        step(&tx)?;
+        tx.pragma_update(None, "user_version", (SCHEMA.len() + i) as i64 + 1)?;
         tx.commit()?;
     }
     Ok(())

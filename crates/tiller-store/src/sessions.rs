@@ -39,8 +39,8 @@ pub(crate) fn create_session(conn: &Connection, rec: &SessionRecord) -> rusqlite
 
 /// A session's last activity: the time of its newest event (one index
 /// seek), or its creation. Appends do not write the session row.
-const UPDATED: &str = "COALESCE((SELECT ts_ms FROM events e WHERE e.session_id = sessions.id
-    ORDER BY e.seq DESC LIMIT 1), updated_ms) AS updated_ms";
+const UPDATED: &str = "COALESCE((SELECT last_ts_ms FROM log l WHERE l.session_id = sessions.id
+    ORDER BY l.first_seq DESC LIMIT 1), updated_ms) AS updated_ms";
 
 fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
     let id: String = r.get("id")?;
@@ -134,7 +134,7 @@ pub(crate) fn delete(conn: &mut Connection, id: SessionId) -> rusqlite::Result<b
     let id = id.to_string();
     let tx = conn.transaction()?;
     for table in [
-        "events",
+        "log",
         "prompts",
         "notifications",
         "cron_jobs",

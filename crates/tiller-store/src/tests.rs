@@ -144,6 +144,79 @@ mod basics {
         );
     }
 
+    /// A log stored one row per event (before v12) reads the same from
+    /// segments: history pages, reads after a position, the head, the
+    /// newest event of some kinds; and appends go on after it.
+    #[tokio::test]
+    async fn a_log_stored_per_event_is_migrated_to_segments() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let (s, other, prompt) = (SessionId::new(), SessionId::new(), PromptId::new());
+        let n = 5_000u64;
+        {
+            let conn = Connection::open(&path).unwrap();
+            for (i, sql) in schema::SCHEMA[..11].iter().enumerate() {
+                conn.execute_batch(sql).unwrap();
+                conn.pragma_update(None, "user_version", i as i64 + 1)
+                    .unwrap();
+            }
+            for (session, count) in [(s, n), (other, 3)] {
+                for seq in 1..=count {
+                    let kind = if seq == 10 {
+                        "turn_error"
+                    } else {
+                        "agent_message_chunk"
+                    };
+                    conn.execute(
+                        "INSERT INTO events (session_id, seq, ts_ms, kind, prompt_id, turn_id, data)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                        rusqlite::params![
+                            session.to_string(),
+                            seq as i64,
+                            seq as i64 * 10,
+                            kind,
+                            prompt.to_string(),
+                            (seq / 100) as i64,
+                            format!("{{\"text\":\"line {seq}\\nnext\"}}")
+                        ],
+                    )
+                    .unwrap();
+                }
+            }
+        }
+        let store = Store::open(&path).unwrap();
+        let page = store.history(s, None, 100).await.unwrap();
+        assert!(page.has_more);
+        let seqs: Vec<u64> = page.events.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, (n - 99..=n).collect::<Vec<_>>());
+        let e = &page.events[0];
+        assert_eq!(
+            (e.ts_ms, e.kind.as_str(), e.prompt, e.turn, e.data.as_str()),
+            (
+                (n - 99) as i64 * 10,
+                "agent_message_chunk",
+                Some(prompt),
+                Some(TurnId((n - 99) / 100)),
+                format!("{{\"text\":\"line {}\\nnext\"}}", n - 99).as_str()
+            )
+        );
+        let after = store.events_after(s, 4_321, 10).await.unwrap();
+        assert_eq!(after.first().map(|e| e.seq), Some(4_322));
+        assert_eq!(after.len(), 10);
+        let head = store.reopen_log(s).await.unwrap();
+        assert_eq!((head.last_seq, head.last_turn), (n, n / 100));
+        let last = store.last_of_kinds(s, &["turn_error"]).await.unwrap();
+        assert_eq!(last.map(|e| e.seq), Some(10));
+        assert_eq!(
+            store.history(other, None, 100).await.unwrap().events.len(),
+            3
+        );
+        // Appends continue the log; a reused number is refused.
+        store.append_durable(ev(s, n + 1), None).await.unwrap();
+        assert!(store.append_durable(ev(other, 2), None).await.is_err());
+        assert_eq!(store.reopen_log(s).await.unwrap().last_seq, n + 1);
+    }
+
     /// The ledger from before v11 keeps its prompts in flight, not the
     /// settled ones.
     #[tokio::test]

@@ -48,6 +48,8 @@ pub(crate) struct Writer {
     pub(crate) broken: HashSet<SessionId>,
     /// The backlog count and the test switches.
     pub(crate) shared: Arc<Shared>,
+    /// Recently written sessions' last sequence numbers.
+    pub(crate) heads: log::Heads,
 }
 
 /// Most appends committed in one transaction.
@@ -202,7 +204,7 @@ impl Writer {
         if self.shared.fail_appends.load(Ordering::Relaxed) {
             return self.fail(batch, Arc::new(StoreError::Injected));
         }
-        let Err(e) = log::append_batch(&mut self.conn, &batch) else {
+        let Err(e) = log::append_batch(&mut self.conn, &mut self.heads, &batch) else {
             return reply_ok(batch);
         };
         let sessions: HashSet<SessionId> = batch.iter().map(|p| p.event.session).collect();
@@ -214,7 +216,7 @@ impl Writer {
             let (mine, rest): (Vec<_>, Vec<_>) =
                 batch.into_iter().partition(|p| p.event.session == s);
             batch = rest;
-            match log::append_batch(&mut self.conn, &mine) {
+            match log::append_batch(&mut self.conn, &mut self.heads, &mine) {
                 Ok(()) => reply_ok(mine),
                 Err(e) => self.fail(mine, Arc::new(e.into())),
             }
