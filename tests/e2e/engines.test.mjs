@@ -98,6 +98,8 @@ async function session(engine, files = {}, extra = {}) {
 }
 
 const since = (n) => mock.requests.slice(n);
+/** A request's conversation, without its system message. */
+const chat = (req) => req.body.messages.filter((m) => m.role !== "system");
 const toolResults = (req) => userSide(req).filter((m) => m.role === "tool");
 const statuses = (conn, sid) =>
   conn.updates
@@ -311,13 +313,37 @@ describe("OpenAI-compatible engine", () => {
     }
   });
 
+  test("the model is told the agent's instructions, the environment and AGENTS.md (not CLAUDE.md beside it)", async () => {
+    const { sid, cwd } = await session("mock-openai", {
+      "AGENTS.md": "Project rule: run `make check` after every change.",
+      "CLAUDE.md": "CLAUDE-ONLY RULE",
+    });
+    const n = mock.requests.length;
+    mock.reply({ events: openai.text("ok") });
+    await c.request("session/prompt", textPrompt(sid, "hello"));
+    const [first, ...rest] = since(n)[0].body.messages;
+    assert.equal(first.role, "system");
+    for (const want of [
+      "You are a coding agent",
+      "read_file",
+      `Working directory: ${cwd}`,
+      "Git repository: no",
+      "# Project rules (AGENTS.md)",
+      "Project rule: run `make check` after every change.",
+    ]) {
+      assert.ok(first.content.includes(want), `${want} missing from the system message`);
+    }
+    assert.ok(!first.content.includes("CLAUDE-ONLY RULE"));
+    assert.deepEqual(rest.map((m) => [m.role, m.content]), [["user", "hello"]]);
+  });
+
   test("the conversation carries over to the next prompt", async () => {
     const { sid } = await session("mock-openai");
     const n = mock.requests.length;
     mock.reply({ events: openai.text("First answer.") }, { events: openai.text("Second answer.") });
     await c.request("session/prompt", textPrompt(sid, "one"));
     await c.request("session/prompt", textPrompt(sid, "two"));
-    const msgs = since(n)[1].body.messages.map((m) => [m.role, m.content]);
+    const msgs = chat(since(n)[1]).map((m) => [m.role, m.content]);
     assert.deepEqual(msgs, [
       ["user", "one"],
       ["assistant", "First answer."],
@@ -338,7 +364,7 @@ describe("OpenAI-compatible engine", () => {
     const res = await c.request("session/prompt", textPrompt(sid, "again"));
     assert.equal(res.stopReason, "end_turn");
     assert.deepEqual(
-      since(n)[0].body.messages.map((m) => [m.role, m.content]),
+      chat(since(n)[0]).map((m) => [m.role, m.content]),
       [
         ["user", "go"],
         ["assistant", "Partial answer "],
@@ -508,7 +534,7 @@ describe("OpenAI-compatible engine", () => {
       mock.reply({ events: openai.text(`answer ${i}`) });
       await c.request("session/prompt", textPrompt(sid, long(i)));
     }
-    const last = since(n).at(-1).body.messages;
+    const last = chat(since(n).at(-1));
     assert.match(last[0].content, /left out to fit the model's context window/);
     assert.deepEqual(
       last.slice(1).map((m) => [m.role, m.content.slice(0, 8)]),

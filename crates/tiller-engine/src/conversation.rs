@@ -306,7 +306,8 @@ pub struct TurnContext {
     /// on it, so a fast engine never floods the session's mailbox (and a
     /// cancel never waits behind a backlog).
     pub pace: Arc<crate::Pace>,
-    /// The session the turn belongs to, for engines that host an agent.
+    /// The session the turn belongs to: its directories (a model engine
+    /// describes them to the model) and what an agent host needs.
     pub host: HostInfo,
 }
 

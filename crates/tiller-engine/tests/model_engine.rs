@@ -93,6 +93,7 @@ fn config(base_url: String) -> ModelConfig {
         max_tokens: None,
         temperature: None,
         system_prompt: None,
+        system_prompt_append: None,
         request_timeout: Duration::from_secs(5),
         max_retries: 2,
         retry_base: Duration::from_millis(10),
@@ -113,8 +114,24 @@ fn start(
     mpsc::UnboundedReceiver<SignalKind>,
     tiller_engine::Conversation,
 ) {
+    start_in(engine, prompt, tiller_engine::HostInfo::default())
+}
+
+/// [`start`] in a session with `host`'s directory.
+fn start_in(
+    engine: &ModelEngine,
+    prompt: &str,
+    host: tiller_engine::HostInfo,
+) -> (
+    tiller_engine::EngineHandle,
+    mpsc::UnboundedReceiver<SignalKind>,
+    tiller_engine::Conversation,
+) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let ctx = TurnContext::default();
+    let ctx = TurnContext {
+        host,
+        ..TurnContext::default()
+    };
     let conversation = ctx.conversation.clone();
     let sink: tiller_engine::SignalSink = Arc::new(move |s: tiller_engine::EngineSignal| {
         assert_eq!(s.turn, TurnId(1));
@@ -142,6 +159,72 @@ async fn until_end(rx: &mut mpsc::UnboundedReceiver<SignalKind>) -> Vec<SignalKi
             return out;
         }
     }
+}
+
+#[tokio::test]
+async fn the_model_is_told_the_instructions_the_environment_and_the_project_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("AGENTS.md"), "Always run `make check`.").unwrap();
+    std::fs::write(dir.path().join("CLAUDE.md"), "CLAUDE-ONLY RULE").unwrap();
+    let extra = tempfile::tempdir().unwrap();
+    let mock = Mock::default();
+    mock.replies
+        .lock()
+        .unwrap()
+        .extend([(200, text("ok", "stop")), (200, text("ok", "stop"))]);
+    let url = serve(mock.clone()).await;
+    let host = tiller_engine::HostInfo {
+        cwd: dir.path().to_owned(),
+        roots: vec![extra.path().to_owned()],
+        ..Default::default()
+    };
+    let engine = ModelEngine::new(config(url.clone()));
+    let (_h, mut rx, _) = start_in(&engine, "hi", host.clone());
+    until_end(&mut rx).await;
+    // `system_prompt` replaces the instructions, `system_prompt_append`
+    // adds to them; the environment and the rules stay.
+    let engine = ModelEngine::new(ModelConfig {
+        system_prompt: Some("You are terse.".into()),
+        system_prompt_append: Some("Sign with -- T.".into()),
+        ..config(url)
+    });
+    let (_h, mut rx, _) = start_in(&engine, "hi", host);
+    until_end(&mut rx).await;
+
+    let bodies = mock.bodies.lock().unwrap();
+    let system = |i: usize| {
+        let first = &bodies[i]["messages"][0];
+        assert_eq!(first["role"], "system");
+        first["content"].as_str().unwrap().to_owned()
+    };
+    let default = system(0);
+    for want in [
+        tiller_engine::model::instructions::DEFAULT
+            .lines()
+            .next()
+            .unwrap(),
+        &format!("Working directory: {}", dir.path().display()),
+        &format!("Additional roots: {}", extra.path().display()),
+        "OS: ",
+        "Date: ",
+        "Git repository: no",
+        "# Project rules (AGENTS.md)",
+        "Always run `make check`.",
+    ] {
+        assert!(default.contains(want), "{want:?} missing from:\n{default}");
+    }
+    assert!(!default.contains("CLAUDE-ONLY RULE"));
+    let custom = system(1);
+    assert!(custom.starts_with("You are terse.\n\nSign with -- T."));
+    assert!(
+        !custom.contains(
+            tiller_engine::model::instructions::DEFAULT
+                .lines()
+                .next()
+                .unwrap()
+        )
+    );
+    assert!(custom.contains("Always run `make check`."));
 }
 
 #[tokio::test]

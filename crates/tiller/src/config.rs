@@ -230,8 +230,12 @@ pub struct ModelEngineCfg {
     pub max_tokens: Option<u32>,
     #[serde(default)]
     pub temperature: Option<f64>,
+    /// Replaces the built-in agent's instructions.
     #[serde(default)]
     pub system_prompt: Option<String>,
+    /// Added after the instructions.
+    #[serde(default)]
+    pub system_prompt_append: Option<String>,
     #[serde(default = "default_request_timeout", with = "humantime_serde")]
     pub request_timeout: Duration,
     #[serde(default = "default_max_retries")]
@@ -326,6 +330,7 @@ impl ModelEngineCfg {
             max_tokens: self.max_tokens,
             temperature: self.temperature,
             system_prompt: self.system_prompt.clone(),
+            system_prompt_append: self.system_prompt_append.clone(),
             request_timeout: self.request_timeout,
             max_retries: self.max_retries,
             retry_base: self.retry_base,

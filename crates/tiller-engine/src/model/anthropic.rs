@@ -14,6 +14,7 @@ const DEFAULT_MAX_TOKENS: u32 = 8192;
 pub(super) fn body(
     cfg: &ModelConfig,
     model: &str,
+    system: &str,
     msgs: &[Message],
     tools: &[ToolSpec],
     thinking: bool,
@@ -84,7 +85,7 @@ pub(super) fn body(
     if thinking {
         body["thinking"] = json!({"type": "enabled", "budget_tokens": THINKING_BUDGET});
     }
-    if let Some(system) = &cfg.system_prompt {
+    if !system.is_empty() {
         body["system"] = json!(system);
     }
     if !tools.is_empty() {

@@ -5,6 +5,7 @@
 //! call the model again until it stops.
 
 mod anthropic;
+pub mod instructions;
 mod openai;
 
 use std::collections::VecDeque;
@@ -73,7 +74,10 @@ pub struct ModelConfig {
     /// Most output tokens per model call.
     pub max_tokens: Option<u32>,
     pub temperature: Option<f64>,
+    /// Replaces the default instructions ([`instructions::DEFAULT`]).
     pub system_prompt: Option<String>,
+    /// Added after the instructions (default or replaced).
+    pub system_prompt_append: Option<String>,
     /// Bound on connecting and on waiting for the response headers, and on
     /// each gap between streamed chunks.
     pub request_timeout: Duration,
@@ -166,6 +170,7 @@ impl Engine for ModelEngine {
             ctx,
             steers: VecDeque::new(),
             partial: String::new(),
+            system: String::new(),
         };
         EngineHandle::new(tx, tokio::spawn(run.play(prompt.text, prompt.images)))
     }
@@ -280,6 +285,8 @@ struct Run {
     partial: String,
     /// Steers received and not yet in the conversation.
     steers: VecDeque<(SteerId, String)>,
+    /// The system text of this turn's calls.
+    system: String,
 }
 
 /// The engine was told to abort (or the session went away).
@@ -321,6 +328,12 @@ impl Run {
     }
 
     async fn play(mut self, prompt: String, images: Vec<crate::Image>) {
+        let env = instructions::Environment::gather(&self.ctx.host).await;
+        self.system = instructions::system_text(
+            self.cfg.system_prompt.as_deref(),
+            self.cfg.system_prompt_append.as_deref(),
+            &env,
+        );
         self.ctx.conversation.repair();
         self.ctx
             .conversation
@@ -492,14 +505,23 @@ impl Run {
     async fn call(&mut self) -> Result<Response, CallError> {
         let msgs = crate::window(&self.ctx.conversation.snapshot(), self.cfg.context_chars);
         let body = match self.cfg.provider {
-            Provider::OpenAi => openai::body(&self.cfg, &self.model, &msgs, &self.ctx.tools),
+            Provider::OpenAi => {
+                openai::body(&self.cfg, &self.model, &self.system, &msgs, &self.ctx.tools)
+            }
             Provider::Anthropic => {
                 let thinking = self
                     .ctx
                     .switches
                     .iter()
                     .any(|(id, on)| id == "thinking" && *on);
-                anthropic::body(&self.cfg, &self.model, &msgs, &self.ctx.tools, thinking)
+                anthropic::body(
+                    &self.cfg,
+                    &self.model,
+                    &self.system,
+                    &msgs,
+                    &self.ctx.tools,
+                    thinking,
+                )
             }
         };
         let mut req = self

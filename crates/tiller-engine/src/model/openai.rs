@@ -7,9 +7,15 @@ use super::{Delta, Finish, ModelConfig, Parser, RawCall, Stop};
 use crate::{Message, ToolSpec};
 
 /// The request body for one model call.
-pub(super) fn body(cfg: &ModelConfig, model: &str, msgs: &[Message], tools: &[ToolSpec]) -> Value {
+pub(super) fn body(
+    cfg: &ModelConfig,
+    model: &str,
+    system: &str,
+    msgs: &[Message],
+    tools: &[ToolSpec],
+) -> Value {
     let mut messages = Vec::with_capacity(msgs.len() + 1);
-    if let Some(system) = &cfg.system_prompt {
+    if !system.is_empty() {
         messages.push(json!({"role": "system", "content": system}));
     }
     for m in msgs {

@@ -227,6 +227,7 @@ fn cfg(provider: Provider) -> ModelConfig {
         max_tokens: None,
         temperature: None,
         system_prompt: Some("be brief".into()),
+        system_prompt_append: None,
         request_timeout: Duration::from_secs(5),
         max_retries: 0,
         retry_base: Duration::from_millis(10),
@@ -275,7 +276,14 @@ fn conversation() -> Vec<Message> {
 
 #[test]
 fn anthropic_body_groups_user_side_blocks_results_first() {
-    let b = anthropic::body(&cfg(Provider::Anthropic), "m", &conversation(), &[], false);
+    let b = anthropic::body(
+        &cfg(Provider::Anthropic),
+        "m",
+        "be brief",
+        &conversation(),
+        &[],
+        false,
+    );
     assert_eq!(b["system"], "be brief");
     assert_eq!(b["max_tokens"], 8192);
     let msgs = b["messages"].as_array().unwrap();
@@ -299,7 +307,13 @@ fn openai_body_carries_calls_and_results() {
         input_schema: json!({"type": "object"}),
         kind: ToolKind::Read,
     }];
-    let b = openai::body(&cfg(Provider::OpenAi), "m", &conversation(), &tools);
+    let b = openai::body(
+        &cfg(Provider::OpenAi),
+        "m",
+        "be brief",
+        &conversation(),
+        &tools,
+    );
     let msgs = b["messages"].as_array().unwrap();
     assert_eq!(msgs[0]["role"], "system");
     assert_eq!(

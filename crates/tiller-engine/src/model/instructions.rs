@@ -1,0 +1,348 @@
+//! What a model engine tells the model besides the conversation: the
+//! instructions for a coding agent (`instructions.md`, or the engine's
+//! `system_prompt`), the engine's `system_prompt_append`, the session's
+//! environment and the project's own rules (`AGENTS.md`, else `CLAUDE.md`).
+//!
+//! The project's files are hostile documents: the rules file is opened
+//! without following links and only when it is a regular file (a FIFO
+//! would block, a link could point anywhere), read up to [`RULES_MAX`];
+//! `git` runs with a cleared environment, no system or global config, no
+//! fsmonitor and no optional locks, bounded in time and output.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::HostInfo;
+
+/// The default instructions (the file a reviewer reads).
+pub const DEFAULT: &str = include_str!("instructions.md");
+
+/// Most bytes of the project's rules file sent to the model.
+pub const RULES_MAX: usize = 32 * 1024;
+
+/// Most lines of `git status` shown (the rest counted).
+const GIT_LINES: usize = 30;
+
+/// How long `git status` may take.
+const GIT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The rules files looked for, in order: the first one present is used.
+pub const RULES_FILES: [&str; 2] = ["AGENTS.md", "CLAUDE.md"];
+
+/// The session's environment as the model is told it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Environment {
+    pub cwd: PathBuf,
+    pub roots: Vec<PathBuf>,
+    pub os: String,
+    pub shell: String,
+    /// Today, `YYYY-MM-DD` and the zone.
+    pub date: String,
+    /// `Some` in a git repository: its branch and status summary.
+    pub git: Option<String>,
+    /// The project's rules: the file's name and its text (bounded).
+    pub rules: Option<(String, String)>,
+}
+
+impl Environment {
+    /// Looks at the session's directory (off the async workers: it reads
+    /// a file and runs `git`).
+    pub async fn gather(host: &HostInfo) -> Environment {
+        let cwd = host.cwd.clone();
+        let (rules, git) = if cwd.as_os_str().is_empty() {
+            (None, None)
+        } else {
+            let dir = cwd.clone();
+            let rules = tokio::task::spawn_blocking(move || read_rules(&dir))
+                .await
+                .ok()
+                .flatten();
+            (rules, git_status(&cwd).await)
+        };
+        let now = jiff::Zoned::now();
+        Environment {
+            cwd: host.cwd.clone(),
+            roots: host.roots.clone(),
+            os: format!("{} ({})", std::env::consts::OS, std::env::consts::ARCH),
+            // What the `shell` tool runs.
+            shell: "sh -c".into(),
+            date: format!(
+                "{} {}",
+                now.date(),
+                now.time_zone().iana_name().unwrap_or("UTC")
+            ),
+            git,
+            rules,
+        }
+    }
+}
+
+/// The system text: the instructions (`system_prompt` replaces the
+/// default), `append` after them, then the environment and the rules.
+pub fn system_text(replace: Option<&str>, append: Option<&str>, env: &Environment) -> String {
+    let mut s = String::with_capacity(DEFAULT.len() + 1024);
+    s.push_str(replace.unwrap_or(DEFAULT).trim_end());
+    if let Some(a) = append.filter(|a| !a.trim().is_empty()) {
+        s.push_str("\n\n");
+        s.push_str(a.trim_end());
+    }
+    s.push_str("\n\n# Environment\n");
+    if !env.cwd.as_os_str().is_empty() {
+        s.push_str(&format!("Working directory: {}\n", env.cwd.display()));
+    }
+    if !env.roots.is_empty() {
+        let roots: Vec<String> = env.roots.iter().map(|r| r.display().to_string()).collect();
+        s.push_str(&format!("Additional roots: {}\n", roots.join(", ")));
+    }
+    s.push_str(&format!(
+        "OS: {}\nShell: {}\nDate: {}\n",
+        env.os, env.shell, env.date
+    ));
+    match &env.git {
+        Some(status) => {
+            s.push_str("Git repository: yes\n```\n");
+            s.push_str(status.trim_end());
+            s.push_str("\n```\n");
+        }
+        None => s.push_str("Git repository: no\n"),
+    }
+    if let Some((name, text)) = &env.rules {
+        s.push_str(&format!(
+            "\n# Project rules ({name})\nThe project's own instructions, from {name} in the working directory. Follow them unless the user says otherwise.\n\n"
+        ));
+        s.push_str(text.trim_end());
+        s.push('\n');
+    }
+    s
+}
+
+/// The first rules file present in `dir`, read safely and bounded.
+fn read_rules(dir: &Path) -> Option<(String, String)> {
+    RULES_FILES
+        .iter()
+        .find_map(|name| read_bounded(&dir.join(name)).map(|t| ((*name).to_owned(), t)))
+}
+
+/// A regular file's first [`RULES_MAX`] bytes as text (a note says when it
+/// was cut); `None` when it is missing, a link, or anything but a file.
+fn read_bounded(path: &Path) -> Option<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let flags = rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags.bits() as i32)
+        .open(path)
+        .ok()?;
+    let meta = file.metadata().ok()?;
+    if !meta.is_file() {
+        return None;
+    }
+    let mut buf = Vec::with_capacity(RULES_MAX.min(meta.len() as usize));
+    file.take(RULES_MAX as u64 + 1).read_to_end(&mut buf).ok()?;
+    let cut = buf.len() > RULES_MAX;
+    buf.truncate(RULES_MAX);
+    let mut text = String::from_utf8_lossy(&buf).into_owned();
+    if cut {
+        // A cut through a character shows as a replacement character.
+        text.push_str(&format!(
+            "\n\n(The file is longer; only its first {} KiB are shown.)",
+            RULES_MAX / 1024
+        ));
+    }
+    Some(text)
+}
+
+/// `git status --branch --porcelain` of `dir`, bounded; `None` when it is
+/// not a repository (or git is missing, slow or refuses).
+async fn git_status(dir: &Path) -> Option<String> {
+    let mut cmd = tokio::process::Command::new("git");
+    cmd.args([
+        "-c",
+        "core.fsmonitor=false",
+        "-c",
+        "core.untrackedCache=false",
+        "--no-optional-locks",
+        "status",
+        "--branch",
+        "--porcelain=v1",
+    ])
+    .current_dir(dir)
+    .env_clear()
+    .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+    .env("LC_ALL", "C")
+    .env("GIT_CONFIG_NOSYSTEM", "1")
+    .env("GIT_CONFIG_GLOBAL", "/dev/null")
+    .env("GIT_TERMINAL_PROMPT", "0")
+    .stdin(std::process::Stdio::null())
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::null())
+    .kill_on_drop(true);
+    let out = tokio::time::timeout(GIT_TIMEOUT, cmd.output())
+        .await
+        .ok()?
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut lines = text.lines();
+    let mut summary: Vec<String> = lines
+        .by_ref()
+        .take(GIT_LINES + 1)
+        .map(|l| l.chars().take(300).collect())
+        .collect();
+    let more = lines.count();
+    if more > 0 {
+        summary.push(format!("... and {more} more changed paths"));
+    }
+    if summary.len() == 1 {
+        summary.push("(no changes)".into());
+    }
+    Some(summary.join("\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env() -> Environment {
+        Environment {
+            cwd: "/p".into(),
+            roots: vec!["/extra".into()],
+            os: "linux (x86_64)".into(),
+            shell: "sh -c".into(),
+            date: "2026-12-02 UTC".into(),
+            git: Some("## main\n M src/lib.rs".into()),
+            rules: Some(("AGENTS.md".into(), "Use tabs.".into())),
+        }
+    }
+
+    /// `system_prompt`, `system_prompt_append`, what the text must hold,
+    /// what it must not.
+    type Case<'a> = (
+        Option<&'a str>,
+        Option<&'a str>,
+        &'a [&'a str],
+        &'a [&'a str],
+    );
+
+    #[test]
+    fn the_text_carries_instructions_environment_and_rules() {
+        let table: &[Case<'_>] = &[
+            (
+                None,
+                None,
+                &[
+                    "Understand before you change",
+                    "Working directory: /p",
+                    "Additional roots: /extra",
+                    "Date: 2026-12-02 UTC",
+                    "Git repository: yes",
+                    " M src/lib.rs",
+                    "# Project rules (AGENTS.md)",
+                    "Use tabs.",
+                ],
+                &[],
+            ),
+            (
+                Some("Be a pirate."),
+                Some("Answer in haiku."),
+                &["Be a pirate.\n\nAnswer in haiku.", "Use tabs."],
+                &["Understand before you change"],
+            ),
+            (
+                None,
+                Some("  "),
+                &["Understand before you change"],
+                &["\n\n  \n"],
+            ),
+        ];
+        for (replace, append, has, lacks) in table {
+            let s = system_text(*replace, *append, &env());
+            for h in *has {
+                assert!(s.contains(h), "{h:?} missing from:\n{s}");
+            }
+            for l in *lacks {
+                assert!(!s.contains(l), "{l:?} present in:\n{s}");
+            }
+        }
+        let bare = Environment {
+            git: None,
+            rules: None,
+            ..env()
+        };
+        let s = system_text(None, None, &bare);
+        assert!(s.contains("Git repository: no"));
+        assert!(!s.contains("Project rules"));
+    }
+
+    #[tokio::test]
+    async fn agents_md_wins_and_a_link_or_a_fifo_is_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostInfo {
+            cwd: dir.path().to_owned(),
+            ..Default::default()
+        };
+        assert_eq!(Environment::gather(&host).await.rules, None);
+        std::fs::write(dir.path().join("CLAUDE.md"), "claude rules").unwrap();
+        let got = Environment::gather(&host).await.rules.unwrap();
+        assert_eq!(got, ("CLAUDE.md".into(), "claude rules".into()));
+        std::fs::write(dir.path().join("AGENTS.md"), "agents rules").unwrap();
+        let got = Environment::gather(&host).await.rules.unwrap();
+        assert_eq!(got, ("AGENTS.md".into(), "agents rules".into()));
+
+        // A link to a secret outside is not followed (CLAUDE.md is then
+        // the rules); a FIFO does not block the turn.
+        let secret = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(secret.path(), "TOP SECRET").unwrap();
+        std::fs::remove_file(dir.path().join("AGENTS.md")).unwrap();
+        std::os::unix::fs::symlink(secret.path(), dir.path().join("AGENTS.md")).unwrap();
+        let got = Environment::gather(&host).await.rules.unwrap();
+        assert_eq!(got.0, "CLAUDE.md");
+        std::fs::remove_file(dir.path().join("CLAUDE.md")).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            dir.path().join("CLAUDE.md"),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        assert_eq!(Environment::gather(&host).await.rules, None);
+    }
+
+    #[tokio::test]
+    async fn a_long_rules_file_is_cut_with_a_note() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("AGENTS.md"), "x".repeat(RULES_MAX * 3)).unwrap();
+        let host = HostInfo {
+            cwd: dir.path().to_owned(),
+            ..Default::default()
+        };
+        let (_, text) = Environment::gather(&host).await.rules.unwrap();
+        assert!(text.starts_with(&"x".repeat(RULES_MAX)));
+        assert!(text.len() < RULES_MAX + 200);
+        assert!(text.contains("only its first 32 KiB"));
+    }
+
+    #[tokio::test]
+    async fn a_git_repository_is_described() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = HostInfo {
+            cwd: dir.path().to_owned(),
+            ..Default::default()
+        };
+        assert_eq!(Environment::gather(&host).await.git, None);
+        let ok = std::process::Command::new("git")
+            .args(["init", "-q", "-b", "trunk"])
+            .current_dir(dir.path())
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        std::fs::write(dir.path().join("new.txt"), "x").unwrap();
+        let git = Environment::gather(&host).await.git.unwrap();
+        assert!(git.contains("trunk"), "{git}");
+        assert!(git.contains("?? new.txt"), "{git}");
+    }
+}
