@@ -432,7 +432,8 @@ describe("slash commands", () => {
       const sid = await newSession(c);
       await c.until(() => c.updates.some((u) => u.sessionId === sid && u.update.sessionUpdate === "available_commands_update"));
       const listed = c.updates.find((u) => u.update.sessionUpdate === "available_commands_update").update.availableCommands;
-      assert.deepEqual(listed.map((x) => x.name), ["clear", "model", "mode", "goal", "cancel"]);
+      // `compact` is listed too; its prompt reaches the engine.
+      assert.deepEqual(listed.map((x) => x.name), ["clear", "model", "mode", "goal", "cancel", "compact"]);
       assert.equal(listed.find((x) => x.name === "mode").input.hint, "mode");
 
       const said = () => agentText(c, sid);

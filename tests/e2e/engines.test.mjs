@@ -337,6 +337,76 @@ describe("OpenAI-compatible engine", () => {
     assert.deepEqual(rest.map((m) => [m.role, m.content]), [["user", "hello"]]);
   });
 
+  test("/compact over ACP: compaction_update for a client that takes it, _tiller/compaction for one that does not; the next call carries the summary", async () => {
+    const capable = await transports.unix(daemon);
+    await capable.request("initialize", { protocolVersion: 1, clientCapabilities: { session: { compaction: {} } } });
+    const { sid } = await session("mock-openai", {}, { conn: capable });
+    mock.reply({ events: openai.text("First answer.") });
+    await capable.request("session/prompt", textPrompt(sid, "one"));
+    const n = mock.requests.length;
+    mock.reply({ events: openai.text("## Goal\nSay hello.") });
+    const res = await capable.request("session/prompt", textPrompt(sid, "/compact"));
+    assert.equal(res.stopReason, "end_turn");
+    const summaryCall = since(n)[0].body;
+    assert.match(summaryCall.messages[0].content, /You summarize a coding session/);
+    assert.equal(summaryCall.tools, undefined, "no tools offered to a summary");
+    const updates = capable.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "compaction_update");
+    assert.deepEqual(
+      updates.map((u) => [u.update.status, u.update.summary?.[0]?.text]),
+      [["in_progress", undefined], ["completed", "## Goal\nSay hello."]],
+    );
+    assert.equal(updates[0].update.compactionId, updates[1].update.compactionId);
+    assert.ok(!capable.ext.some((e) => e.method === "_tiller/compaction"));
+    // The summary's text is not shown as agent text.
+    assert.ok(!agentText(capable, sid).includes("Say hello"));
+    mock.reply({ events: openai.text("Hello.") });
+    await capable.request("session/prompt", textPrompt(sid, "two"));
+    const next = chat(mock.requests.at(-1)).map((m) => m.content);
+    assert.equal(next.length, 2);
+    assert.match(next[0], /compacted into this summary[\s\S]*## Goal\nSay hello\.$/);
+    assert.equal(next[1], "two");
+    capable.close();
+
+    // A client without the capability: the extension notification.
+    const other = await session("mock-openai");
+    mock.reply({ events: openai.text("First answer.") }, { events: openai.text("Summary.") });
+    await c.request("session/prompt", textPrompt(other.sid, "one"));
+    await c.request("session/prompt", textPrompt(other.sid, "/compact"));
+    assert.ok(!c.updates.some((u) => u.sessionId === other.sid && u.update.sessionUpdate === "compaction_update"));
+    const ext = c.ext.filter((e) => e.method === "_tiller/compaction" && e.params.sessionId === other.sid);
+    assert.deepEqual(ext.map((e) => [e.params.status, e.params.summary]), [["in_progress", null], ["completed", "Summary."]]);
+  });
+
+  test("/compact over HTTP: 202, the compaction is in the history, a failed one says it fell back", async () => {
+    const { sid } = await session("mock-openai");
+    mock.reply({ events: openai.text("First answer.") });
+    await c.request("session/prompt", textPrompt(sid, "one"));
+    mock.reply({ events: openai.text("HTTP summary.") });
+    const r = await api(daemon, "POST", `/api/sessions/${sid}/compact`);
+    assert.equal(r.status, 202);
+    assert.ok(r.body.promptId);
+    const settled = async () => {
+      for (let i = 0; i < 200; i++) {
+        const h = await api(daemon, "GET", `/api/sessions/${sid}/history?limit=200`);
+        const done = h.body.events.filter((e) => e.type === "compaction" && e.data.status !== "in_progress");
+        if (done.length) return done;
+        await new Promise((res) => setTimeout(res, 25));
+      }
+      throw new Error("no compaction settled");
+    };
+    let done = await settled();
+    assert.deepEqual([done[0].data.status, done[0].data.summary], ["completed", "HTTP summary."]);
+    // A summary call the model refuses: the compaction fails and says the
+    // window applies instead; the prompt fails with the reason.
+    mock.reply({ status: 400, body: { error: { message: "too long to summarize" } } });
+    const again = await api(daemon, "POST", `/api/sessions/${sid}/compact`);
+    assert.equal(again.status, 202);
+    for (let i = 0; i < 200 && (done = await settled()).length < 2; i++) await new Promise((res) => setTimeout(res, 25));
+    assert.equal(done[1].data.status, "failed");
+    assert.match(done[1].data.message, /too long to summarize.*left out of the context window instead/);
+    assert.equal((await api(daemon, "POST", `/api/sessions/nope/compact`)).status, 404);
+  });
+
   test("the conversation carries over to the next prompt", async () => {
     const { sid } = await session("mock-openai");
     const n = mock.requests.length;

@@ -224,6 +224,8 @@ struct Shared {
     all_turns: Arc<AtomicBool>,
     /// See [`Writer::booleans`].
     booleans: Arc<AtomicBool>,
+    /// See [`Writer::compaction`].
+    compaction: Arc<AtomicBool>,
     /// The client's requests that `$/cancel_request` can cancel, by id.
     cancellable: std::sync::Mutex<HashMap<String, Cancellable>>,
 }
@@ -346,9 +348,11 @@ pub async fn serve(
     let asked = Arc::new(std::sync::Mutex::new(HashMap::new()));
     let all_turns = Arc::new(AtomicBool::new(false));
     let booleans = Arc::new(AtomicBool::new(false));
+    let compaction = Arc::new(AtomicBool::new(false));
     let shared = Arc::new_cyclic(|me| Shared {
         all_turns: all_turns.clone(),
         booleans: booleans.clone(),
+        compaction: compaction.clone(),
         cancellable: std::sync::Mutex::new(HashMap::new()),
         sessions: sessions.clone(),
         config,
@@ -369,6 +373,7 @@ pub async fn serve(
         mine: HashMap::new(),
         all_turns: all_turns.clone(),
         booleans,
+        compaction,
         shared: Arc::downgrade(&shared),
     };
     let mut writing = tokio::spawn(writer.run(rx));
@@ -477,6 +482,9 @@ struct Writer {
     all_turns: Arc<AtomicBool>,
     /// The client takes boolean config options (its `initialize`).
     booleans: Arc<AtomicBool>,
+    /// The client takes `compaction_update` (`session.compaction` in its
+    /// `initialize`); the others get `_tiller/compaction`.
+    compaction: Arc<AtomicBool>,
 }
 
 /// The client stopped reading.
@@ -791,6 +799,10 @@ impl Writer {
                 self.booleans.load(Ordering::Relaxed),
             )
             .into_iter()
+            .chain(map::compaction_update(
+                rec,
+                self.compaction.load(Ordering::Relaxed),
+            ))
             .chain(map::extra_updates(rec))
             .map(|n| update_message(&n))
             .collect()
@@ -858,10 +870,15 @@ impl Writer {
         {
             msgs.push(update_message(&n));
         }
+        let compaction = self.compaction.load(Ordering::Relaxed);
         if shown && !echo {
+            msgs.extend(map::compaction_update(rec, compaction).map(|n| update_message(&n)));
             msgs.extend(map::extra_updates(rec).iter().map(update_message));
         }
-        if shown && let Some((method, params)) = map::extension_notification(rec) {
+        if shown
+            && let Some((method, params)) = map::extension_notification(rec)
+            && !(compaction && method == map::COMPACTION_NOTIFICATION)
+        {
             msgs.push(jsonrpc::notification(method, params));
         }
         msgs.extend(self.ask(rec));
@@ -1444,9 +1461,8 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
             let booleans =
                 raw["clientCapabilities"]["session"]["configOptions"]["boolean"].is_object();
             shared.booleans.store(booleans, Ordering::Relaxed);
-            let booleans =
-                raw["clientCapabilities"]["session"]["configOptions"]["boolean"].is_object();
-            shared.booleans.store(booleans, Ordering::Relaxed);
+            let compaction = raw["clientCapabilities"]["session"]["compaction"].is_object();
+            shared.compaction.store(compaction, Ordering::Relaxed);
             let _req: InitializeRequest = params(raw)?;
             let caps = AgentCapabilities::new()
                 .load_session(true)

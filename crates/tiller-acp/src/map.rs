@@ -3,15 +3,15 @@
 use std::path::PathBuf;
 
 use agent_client_protocol_schema::v1::{
-    AvailableCommand, AvailableCommandInput, AvailableCommandsUpdate, ConfigOptionUpdate,
-    ContentBlock, ContentChunk, Cost, CurrentModeUpdate, Diff, EmbeddedResourceResource,
-    ImageContent, McpServer, MessageId, PermissionOption, PermissionOptionKind, Plan, PlanEntry,
-    PlanEntryPriority, PlanEntryStatus, RequestPermissionOutcome, RequestPermissionRequest,
-    RequestPermissionResponse, SessionConfigOption, SessionConfigOptionCategory,
-    SessionConfigSelectOption, SessionInfoUpdate, SessionMode, SessionModeState,
-    SessionNotification, SessionUpdate, StopReason as AcpStop, ToolCall, ToolCallContent,
-    ToolCallLocation, ToolCallStatus, ToolCallUpdate, ToolCallUpdateFields, ToolKind,
-    UnstructuredCommandInput, UsageUpdate,
+    AvailableCommand, AvailableCommandInput, AvailableCommandsUpdate, CompactionStatus,
+    CompactionUpdate, ConfigOptionUpdate, ContentBlock, ContentChunk, Cost, CurrentModeUpdate,
+    Diff, EmbeddedResourceResource, ImageContent, McpServer, MessageId, PermissionOption,
+    PermissionOptionKind, Plan, PlanEntry, PlanEntryPriority, PlanEntryStatus,
+    RequestPermissionOutcome, RequestPermissionRequest, RequestPermissionResponse,
+    SessionConfigOption, SessionConfigOptionCategory, SessionConfigSelectOption, SessionInfoUpdate,
+    SessionMode, SessionModeState, SessionNotification, SessionUpdate, StopReason as AcpStop,
+    ToolCall, ToolCallContent, ToolCallLocation, ToolCallStatus, ToolCallUpdate,
+    ToolCallUpdateFields, ToolKind, UnstructuredCommandInput, UsageUpdate,
 };
 use serde_json::{Value, json};
 use tiller_core::{PromptId, SessionId, StopReason, Terminal};
@@ -283,7 +283,8 @@ pub fn available_commands(session: SessionId) -> SessionNotification {
 /// Tiller's commands, then a hosted agent's own (those Tiller does not
 /// answer itself: its prompts reach the agent).
 fn command_list(agent: impl Iterator<Item = AvailableCommand>) -> Vec<AvailableCommand> {
-    let own = tiller_session::commands::COMMANDS;
+    use tiller_session::commands::{COMMANDS, ENGINE_COMMANDS};
+    let own: Vec<_> = COMMANDS.iter().chain(ENGINE_COMMANDS).collect();
     own.iter()
         .map(|(name, description, hint)| {
             AvailableCommand::new(*name, *description).input(
@@ -426,6 +427,46 @@ pub fn permission_choice(result: &Value) -> Option<String> {
     })
 }
 
+/// A compaction for clients that take them (`session.compaction`).
+pub fn compaction_update(rec: &EventRecord, capable: bool) -> Option<SessionNotification> {
+    let EventBody::Compaction {
+        compaction_id,
+        status,
+        summary,
+        message,
+    } = &rec.body
+    else {
+        return None;
+    };
+    if !capable {
+        return None;
+    }
+    let status = match status.as_str() {
+        "in_progress" => CompactionStatus::InProgress,
+        "completed" => CompactionStatus::Completed,
+        "failed" => CompactionStatus::Failed,
+        "cancelled" => CompactionStatus::Cancelled,
+        other => CompactionStatus::Other(format!("_{other}")),
+    };
+    let mut update = CompactionUpdate::new(compaction_id.clone(), status);
+    if let Some(s) = summary {
+        update = update.summary(vec![ContentBlock::from(s.clone())]);
+    }
+    if let Some(m) = message {
+        update = update.error(m.clone());
+    }
+    Some(
+        SessionNotification::new(
+            rec.session.to_string(),
+            SessionUpdate::CompactionUpdate(update),
+        )
+        .meta(turn_meta(rec)),
+    )
+}
+
+/// The notification a compaction is for clients without the capability.
+pub const COMPACTION_NOTIFICATION: &str = "_tiller/compaction";
+
 /// `_tiller/*` notifications an event produces for live subscribers.
 pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)> {
     let session = rec.session.to_string();
@@ -439,6 +480,16 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
         EventBody::SessionClosed => {
             Some(("_tiller/session_closed", json!({ "sessionId": session })))
         }
+        EventBody::Compaction {
+            compaction_id,
+            status,
+            summary,
+            message,
+        } => Some((
+            COMPACTION_NOTIFICATION,
+            json!({ "sessionId": session, "promptId": prompt, "compactionId": compaction_id,
+                    "status": status, "summary": summary, "message": message }),
+        )),
         EventBody::Roots { roots } => Some((
             "_tiller/roots_changed",
             json!({ "sessionId": session, "additionalDirectories": roots }),
@@ -646,6 +697,7 @@ pub fn shown(body: &EventBody) -> bool {
             | EventBody::ConfigOptions { .. }
             | EventBody::SessionInfo { .. }
             | EventBody::AgentCommands { .. }
+            | EventBody::Compaction { .. }
     ) || matches!(body, EventBody::Usage { context_window, .. } if *context_window > 0)
 }
 

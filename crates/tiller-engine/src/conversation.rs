@@ -191,6 +191,38 @@ impl Conversation {
         inner.msgs.clear();
     }
 
+    /// Replaces the first `upto` messages with one user message holding
+    /// `summary` (compaction). Later messages keep their positions; the
+    /// stored copy is rewritten from the summary on. False (and nothing
+    /// changed) when there is nothing to replace.
+    pub fn compact(&self, upto: usize, summary: String) -> bool {
+        let mut inner = self.lock();
+        if upto == 0 || upto > inner.msgs.len() {
+            return false;
+        }
+        inner.msgs.drain(..upto - 1);
+        inner.msgs[0] = Message::User { text: summary };
+        inner.base += (upto - 1) as u64;
+        let at = inner.base;
+        inner.mark(at);
+        true
+    }
+
+    /// The conversation's size in chars (what [`window`] counts).
+    pub fn chars(&self) -> usize {
+        self.lock().msgs.iter().map(size).sum()
+    }
+
+    /// How many messages it holds.
+    pub fn len(&self) -> usize {
+        self.lock().msgs.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Drops the oldest turns while the conversation holds more than
     /// `max_chars` (it keeps at least the last user turn). Memory and the
     /// stored copy stay bounded in a session that lives for months.
@@ -508,6 +540,7 @@ mod tests {
         Push(bool),
         Repair,
         Trim(usize),
+        Compact(usize),
         Save,
         SaveFails,
     }
@@ -523,6 +556,7 @@ mod tests {
                 proptest::strategy::Just(Op::Push(true)),
                 proptest::strategy::Just(Op::Repair),
                 (0usize..200).prop_map(Op::Trim),
+                (0usize..10).prop_map(Op::Compact),
                 proptest::strategy::Just(Op::Save),
                 proptest::strategy::Just(Op::SaveFails),
             ], 0..30),
@@ -542,6 +576,20 @@ mod tests {
                     }
                     Op::Repair => c.repair(),
                     Op::Trim(max) => c.trim(max),
+                    Op::Compact(upto) => {
+                        let before = c.snapshot();
+                        let done = c.compact(upto, format!("summary {n}"));
+                        let after = c.snapshot();
+                        proptest::prop_assert_eq!(done, upto > 0 && upto <= before.len());
+                        if done {
+                            // The summary stands for what it replaced; the
+                            // rest is untouched.
+                            proptest::prop_assert_eq!(&after[0], &Message::User { text: format!("summary {n}") });
+                            proptest::prop_assert_eq!(&after[1..], &before[upto..]);
+                        } else {
+                            proptest::prop_assert_eq!(after, before);
+                        }
+                    }
                     Op::Save => {
                         let len = c.snapshot().len();
                         if let Some(ch) = c.take_changes() {

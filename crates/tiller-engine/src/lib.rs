@@ -41,6 +41,21 @@ pub enum Update {
         size: u64,
         cost: Option<(f64, String)>,
     },
+    /// The engine compacts the conversation: older turns replaced by a
+    /// summary (ACP `compaction_update`). `id` names one compaction.
+    Compaction { id: String, phase: CompactionPhase },
+}
+
+/// Where a compaction stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CompactionPhase {
+    Started,
+    /// Done: the summary that now stands for the older turns.
+    Completed(String),
+    /// It failed (why); the turn goes on with the window.
+    Failed(String),
+    /// The turn was cancelled during it.
+    Cancelled,
 }
 
 /// Content from an engine that hosts an agent running its own tools (an

@@ -100,6 +100,7 @@ fn config(base_url: String) -> ModelConfig {
         max_requests_per_turn: 10,
         context_chars: 100_000,
         context_window: 128_000,
+        compact_at: 0.8,
         prices: None,
     }
 }
@@ -127,11 +128,27 @@ fn start_in(
     mpsc::UnboundedReceiver<SignalKind>,
     tiller_engine::Conversation,
 ) {
+    start_with(
+        engine,
+        prompt,
+        TurnContext {
+            host,
+            ..TurnContext::default()
+        },
+    )
+}
+
+/// [`start`] with a turn context of the test's.
+fn start_with(
+    engine: &ModelEngine,
+    prompt: &str,
+    ctx: TurnContext,
+) -> (
+    tiller_engine::EngineHandle,
+    mpsc::UnboundedReceiver<SignalKind>,
+    tiller_engine::Conversation,
+) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let ctx = TurnContext {
-        host,
-        ..TurnContext::default()
-    };
     let conversation = ctx.conversation.clone();
     let sink: tiller_engine::SignalSink = Arc::new(move |s: tiller_engine::EngineSignal| {
         assert_eq!(s.turn, TurnId(1));
@@ -354,4 +371,217 @@ async fn a_retry_after_that_is_not_a_number_is_ignored_not_a_panic() {
             "{bogus}"
         );
     }
+}
+
+/// A conversation of `turns` earlier turns of about 200 chars each.
+fn history(turns: usize) -> tiller_engine::Conversation {
+    let mut msgs = Vec::new();
+    for i in 0..turns {
+        msgs.push(Message::User {
+            text: format!("old question {i} {}", "q".repeat(100)),
+        });
+        msgs.push(Message::Assistant {
+            text: format!("old answer {i} {}", "a".repeat(100)),
+            calls: vec![],
+        });
+    }
+    tiller_engine::Conversation::new(msgs)
+}
+
+/// A model with a tiny window and short instructions: 4 earlier turns
+/// (~900 chars) and the system text (~250) pass 80 % of 300 tokens (4
+/// chars a token); a summary and one turn do not.
+fn small_window(url: String) -> ModelConfig {
+    ModelConfig {
+        context_window: 300,
+        system_prompt: Some("Be brief.".into()),
+        ..config(url)
+    }
+}
+
+fn compactions(signals: &[SignalKind]) -> Vec<tiller_engine::CompactionPhase> {
+    signals
+        .iter()
+        .filter_map(|s| match s {
+            SignalKind::Update(tiller_engine::Update::Compaction { phase, .. }) => {
+                Some(phase.clone())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+fn contents(body: &Value) -> Vec<String> {
+    body["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_conversation_past_the_threshold_is_summarized_once_and_the_summary_replaces_it() {
+    use tiller_engine::CompactionPhase as P;
+    let mock = Mock::default();
+    mock.replies.lock().unwrap().extend([
+        (200, text("## Goal\nShip it.", "stop")),
+        (200, text("Answer.", "stop")),
+        (200, text("Next answer.", "stop")),
+    ]);
+    let url = serve(mock.clone()).await;
+    let engine = ModelEngine::new(small_window(url));
+    let ctx = TurnContext {
+        conversation: history(4),
+        ..TurnContext::default()
+    };
+    let conversation = ctx.conversation.clone();
+    let (_h, mut rx, _) = start_with(&engine, "new question", ctx);
+    let signals = until_end(&mut rx).await;
+    assert_eq!(
+        compactions(&signals),
+        [P::Started, P::Completed("## Goal\nShip it.".into())]
+    );
+    assert_eq!(
+        signals[signals.len() - 2..],
+        [SignalKind::Result(StopReason::EndTurn), SignalKind::Idle]
+    );
+    // The summary's text is not shown as the agent's.
+    assert!(
+        !signals.contains(&SignalKind::Update(tiller_engine::Update::Text(
+            "## Goal\nShip it.".into()
+        )))
+    );
+    {
+        let bodies = mock.bodies.lock().unwrap();
+        assert_eq!(bodies.len(), 2, "one summary call, one turn call");
+        // The summary call: its own instructions, the old turns, no tools.
+        let summary = contents(&bodies[0]);
+        assert!(summary[0].contains("You summarize a coding session"));
+        assert!(summary.iter().any(|m| m.starts_with("old question 0")));
+        assert!(!summary.iter().any(|m| m == "new question"));
+        assert_eq!(
+            summary.last().unwrap(),
+            tiller_engine::model::instructions::COMPACTION_REQUEST
+        );
+        assert!(bodies[0].get("tools").is_none());
+        // The next call carries the summary, not the old turns.
+        let turn = contents(&bodies[1]);
+        assert!(turn[0].starts_with("Be brief."));
+        assert!(turn[1].contains("compacted into this summary"));
+        assert!(turn[1].ends_with("## Goal\nShip it."));
+        assert!(!turn.iter().any(|m| m.starts_with("old ")));
+        assert_eq!(turn[2], "new question");
+    }
+    let snap = conversation.snapshot();
+    assert_eq!(snap.len(), 3, "summary, question, answer: {snap:?}");
+    // The next turn is under the threshold: no summary call.
+    let ctx = TurnContext {
+        conversation,
+        ..TurnContext::default()
+    };
+    let (_h, mut rx, _) = start_with(&engine, "and then?", ctx);
+    let signals = until_end(&mut rx).await;
+    assert!(compactions(&signals).is_empty());
+    assert_eq!(mock.bodies.lock().unwrap().len(), 3);
+}
+
+#[tokio::test]
+async fn a_failed_summary_falls_back_to_the_window_and_says_so() {
+    use tiller_engine::CompactionPhase as P;
+    let mock = Mock::default();
+    mock.replies.lock().unwrap().extend([
+        (400, r#"{"error": {"message": "context too long"}}"#.into()),
+        (200, text("Answer anyway.", "stop")),
+    ]);
+    let engine = ModelEngine::new(small_window(serve(mock.clone()).await));
+    let ctx = TurnContext {
+        conversation: history(4),
+        ..TurnContext::default()
+    };
+    let conversation = ctx.conversation.clone();
+    let (_h, mut rx, _) = start_with(&engine, "new question", ctx);
+    let signals = until_end(&mut rx).await;
+    let phases = compactions(&signals);
+    assert_eq!(phases[0], P::Started);
+    match &phases[1..] {
+        [P::Failed(why)] => {
+            assert!(why.contains("context too long"), "{why}");
+            assert!(
+                why.contains("left out of the context window instead"),
+                "{why}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(signals.contains(&SignalKind::Result(StopReason::EndTurn)));
+    let bodies = mock.bodies.lock().unwrap();
+    assert_eq!(bodies.len(), 2);
+    assert!(contents(&bodies[1]).iter().any(|m| m == "new question"));
+    // Nothing was replaced.
+    assert!(
+        matches!(&conversation.snapshot()[0], Message::User { text } if text.starts_with("old question 0"))
+    );
+}
+
+#[tokio::test]
+async fn a_cancel_during_a_compaction_cancels_it_and_the_turn() {
+    use tiller_engine::CompactionPhase as P;
+    let mock = Mock::default();
+    // The summary call hangs (no reply queued: the server answers 500
+    // after its delay; the abort comes first).
+    let engine = ModelEngine::new(small_window(serve(mock.clone()).await));
+    let ctx = TurnContext {
+        conversation: history(4),
+        ..TurnContext::default()
+    };
+    let conversation = ctx.conversation.clone();
+    let before = conversation.snapshot();
+    let (h, mut rx, _) = start_with(&engine, "/compact", ctx);
+    while mock.bodies.lock().unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    h.send(EngineInput::Abort);
+    let signals = until_end(&mut rx).await;
+    assert_eq!(compactions(&signals), [P::Started, P::Cancelled]);
+    assert_eq!(
+        signals[signals.len() - 2..],
+        [SignalKind::Result(StopReason::Cancelled), SignalKind::Idle]
+    );
+    assert_eq!(conversation.snapshot(), before, "nothing replaced");
+}
+
+#[tokio::test]
+async fn slash_compact_summarizes_everything_so_far_and_asks_nothing_else() {
+    use tiller_engine::CompactionPhase as P;
+    let mock = Mock::default();
+    mock.replies
+        .lock()
+        .unwrap()
+        .extend([(200, text("Summary.", "stop"))]);
+    // A large window: /compact does not wait for the threshold.
+    let engine = ModelEngine::new(config(serve(mock.clone()).await));
+    let ctx = TurnContext {
+        conversation: history(2),
+        ..TurnContext::default()
+    };
+    let conversation = ctx.conversation.clone();
+    let (_h, mut rx, _) = start_with(&engine, " /compact ", ctx);
+    let signals = until_end(&mut rx).await;
+    assert_eq!(
+        compactions(&signals),
+        [P::Started, P::Completed("Summary.".into())]
+    );
+    assert!(signals.contains(&SignalKind::Result(StopReason::EndTurn)));
+    assert_eq!(mock.bodies.lock().unwrap().len(), 1);
+    match &conversation.snapshot()[..] {
+        [Message::User { text }] => assert!(text.ends_with("Summary.")),
+        other => panic!("{other:?}"),
+    }
+    // On an empty conversation there is nothing to summarize: no call.
+    let (_h, mut rx, _) = start(&engine, "/compact");
+    let signals = until_end(&mut rx).await;
+    assert!(compactions(&signals).is_empty());
+    assert!(signals.contains(&SignalKind::Result(StopReason::EndTurn)));
+    assert_eq!(mock.bodies.lock().unwrap().len(), 1);
 }

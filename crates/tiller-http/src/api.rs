@@ -424,6 +424,29 @@ pub async fn post_prompt(
     ))
 }
 
+/// `/compact` as a prompt of its own: the engine summarizes the older
+/// turns (model engines; a hosted agent that knows `/compact` does its
+/// own). 202 with the prompt's id, like any prompt.
+pub async fn post_compact(
+    State(st): State<AppState>,
+    Path(id): Path<String>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let handle = open(&st, &id).await?;
+    let (prompt, _settled) = handle
+        .submit(
+            PromptId::new(),
+            "/compact".to_owned(),
+            Vec::new(),
+            Origin::Interactive,
+            None,
+        )
+        .await??;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({ "promptId": prompt.to_string() })),
+    ))
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct SteerBody {

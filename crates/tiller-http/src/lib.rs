@@ -81,6 +81,7 @@ pub fn router(state: AppState) -> Router {
             axum::routing::put(api::set_option),
         )
         .route("/api/sessions/{id}/prompts", post(api::post_prompt))
+        .route("/api/sessions/{id}/compact", post(api::post_compact))
         .route("/api/sessions/{id}/steer", post(api::post_steer))
         .route("/api/sessions/{id}/cancel", post(api::post_cancel))
         .route(

@@ -42,6 +42,15 @@ pub const COMMANDS: &[(&str, &str, Option<&str>)] = &[
     ("cancel", "Cancel the running turn", None),
 ];
 
+/// Commands listed for clients that the daemon does not run itself: the
+/// prompt reaches the engine (a model engine compacts; a hosted agent
+/// that knows `/compact` does its own).
+pub const ENGINE_COMMANDS: &[(&str, &str, Option<&str>)] = &[(
+    "compact",
+    "Summarize the older turns to free the model's context (the history stays)",
+    None,
+)];
+
 /// Most goal turns a `/goal` runs.
 const GOAL_TURNS: u32 = 10;
 
@@ -149,6 +158,13 @@ mod tests {
         }
         for (name, _, _) in COMMANDS {
             assert!(parse(&format!("/{name} x")).is_some(), "{name} parses");
+        }
+        for (name, _, _) in ENGINE_COMMANDS {
+            assert_eq!(
+                parse(&format!("/{name}")),
+                None,
+                "{name} reaches the engine"
+            );
         }
     }
 }

@@ -189,6 +189,18 @@ pub enum EventBody {
     Roots { roots: Vec<String> },
     /// `/clear`: the model conversation was forgotten (the log keeps it).
     ConversationCleared,
+    /// The engine compacted the conversation: older turns replaced by a
+    /// summary (the log keeps them). One id per compaction; `status` is
+    /// `in_progress`, then `completed` (with the summary), `failed` (with
+    /// why: the window applies instead) or `cancelled`.
+    Compaction {
+        compaction_id: String,
+        status: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        summary: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        message: Option<String>,
+    },
     /// The session's title was set (by its first prompt, a person or the
     /// agent) or cleared.
     SessionInfo { title: Option<String> },
@@ -336,6 +348,7 @@ impl EventBody {
             EventBody::Usage { .. } => "usage",
             EventBody::SessionInfo { .. } => "session_info",
             EventBody::ConversationCleared => "conversation_cleared",
+            EventBody::Compaction { .. } => "compaction",
             EventBody::Roots { .. } => "roots",
             EventBody::ConfigOptions { .. } => "config_options",
             EventBody::McpServer { .. } => "mcp_server",

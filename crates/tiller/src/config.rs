@@ -249,6 +249,10 @@ pub struct ModelEngineCfg {
     /// The model's context window in tokens, reported with usage.
     #[serde(default = "default_context_window")]
     pub context_window: u64,
+    /// The share of the window the conversation may fill before it is
+    /// compacted (0: only on `/compact`).
+    #[serde(default = "default_compact_at")]
+    pub compact_at: f64,
     /// What the model's tokens cost, per million, for the usage reports.
     #[serde(default)]
     pub prices: Option<PricesCfg>,
@@ -268,6 +272,9 @@ pub struct PricesCfg {
 
 fn default_currency() -> String {
     "USD".into()
+}
+fn default_compact_at() -> f64 {
+    0.8
 }
 fn default_context_window() -> u64 {
     128_000
@@ -337,6 +344,14 @@ impl ModelEngineCfg {
             max_requests_per_turn: self.max_requests_per_turn.max(1),
             context_chars: self.context_chars.max(1000),
             context_window: self.context_window.max(1),
+            compact_at: if (0.0..=1.0).contains(&self.compact_at) {
+                self.compact_at
+            } else {
+                return Err(format!(
+                    "key `engine.{name}.compact_at`: {} is not a share between 0 and 1",
+                    self.compact_at
+                ));
+            },
             prices: match &self.prices {
                 None => None,
                 Some(p)

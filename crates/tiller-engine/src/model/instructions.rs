@@ -17,6 +17,21 @@ use crate::HostInfo;
 /// The default instructions (the file a reviewer reads).
 pub const DEFAULT: &str = include_str!("instructions.md");
 
+/// The system text of a compaction's summary call.
+pub const COMPACTION: &str = include_str!("compaction.md");
+
+/// The request that closes the conversation sent for a summary.
+pub const COMPACTION_REQUEST: &str =
+    "Summarize the conversation above as your instructions say, under their headings.";
+
+/// What the summary is introduced with in the conversation.
+pub fn summary_message(summary: &str) -> String {
+    format!(
+        "(Earlier turns of this session were compacted into this summary; the full history is kept in the session's log.)\n\n{}",
+        summary.trim()
+    )
+}
+
 /// Most bytes of the project's rules file sent to the model.
 pub const RULES_MAX: usize = 32 * 1024;
 

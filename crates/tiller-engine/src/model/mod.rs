@@ -17,8 +17,8 @@ use tiller_core::{ErrorKind, SteerId, SteerReceipt, StopReason, TurnId};
 use tokio::sync::mpsc;
 
 use crate::{
-    CallRecord, Engine, EngineHandle, EngineInput, EngineSignal, Message, PreparedPrompt,
-    ScriptError, SignalKind, SignalSink, ToolCall, ToolKind, TurnContext, Update,
+    CallRecord, CompactionPhase, Engine, EngineHandle, EngineInput, EngineSignal, Message,
+    PreparedPrompt, ScriptError, SignalKind, SignalSink, ToolCall, ToolKind, TurnContext, Update,
 };
 
 /// Which wire format an engine speaks.
@@ -93,6 +93,9 @@ pub struct ModelConfig {
     pub context_chars: usize,
     /// The model's context window in tokens (reported with usage).
     pub context_window: u64,
+    /// The share of `context_window` the conversation may fill before the
+    /// engine compacts it (0: never by itself; `/compact` still does).
+    pub compact_at: f64,
     /// What its tokens cost, if known.
     pub prices: Option<crate::Prices>,
 }
@@ -171,6 +174,9 @@ impl Engine for ModelEngine {
             steers: VecDeque::new(),
             partial: String::new(),
             system: String::new(),
+            turn_start: 0,
+            compactions: 0,
+            input_tokens: 0,
         };
         EngineHandle::new(tx, tokio::spawn(run.play(prompt.text, prompt.images)))
     }
@@ -287,7 +293,26 @@ struct Run {
     steers: VecDeque<(SteerId, String)>,
     /// The system text of this turn's calls.
     system: String,
+    /// Where this turn's messages begin in the conversation: what comes
+    /// before is what a compaction summarizes.
+    turn_start: usize,
+    /// Compactions this turn (they are named by it).
+    compactions: u32,
+    /// Input tokens of the last model call (0: none since a compaction).
+    input_tokens: u64,
 }
+
+/// What a model call is for.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    /// The turn's own: its text streams to the user, the tools are offered.
+    Turn,
+    /// A compaction's summary: nothing shown, no tools.
+    Summary,
+}
+
+/// The command that compacts the conversation now.
+pub const COMPACT_COMMAND: &str = "/compact";
 
 /// The engine was told to abort (or the session went away).
 struct Aborted;
@@ -338,6 +363,10 @@ impl Run {
         self.ctx
             .conversation
             .trim(self.cfg.context_chars.saturating_mul(4));
+        self.turn_start = self.ctx.conversation.len();
+        if prompt.trim() == COMPACT_COMMAND && images.is_empty() {
+            return self.compact_now().await;
+        }
         self.ctx.conversation.push(Message::User { text: prompt });
         for i in images {
             self.ctx.conversation.push(Message::Image(i));
@@ -367,10 +396,101 @@ impl Run {
         }
     }
 
+    /// A `/compact` turn: the whole conversation so far is summarized.
+    async fn compact_now(mut self) {
+        let outcome = self.compact(self.turn_start).await;
+        match outcome {
+            Ok(done) => {
+                if !done {
+                    self.emit(SignalKind::Update(Update::Text(
+                        "Nothing to compact yet: the conversation is empty.".into(),
+                    )));
+                }
+                self.emit(SignalKind::Result(StopReason::EndTurn));
+                self.emit(SignalKind::Idle);
+            }
+            Err(None) => {
+                self.emit(SignalKind::Result(StopReason::Cancelled));
+                self.emit(SignalKind::Idle);
+            }
+            Err(Some(why)) => self.emit(SignalKind::Failed(
+                ErrorKind::ModelStreamInterrupted,
+                format!("the conversation could not be compacted: {why}"),
+            )),
+        }
+    }
+
+    /// Whether the conversation has outgrown `compact_at` of the window:
+    /// by the last call's input tokens, or by its size (4 chars a token).
+    fn over_threshold(&self) -> bool {
+        if self.cfg.compact_at <= 0.0 {
+            return false;
+        }
+        let estimate = ((self.ctx.conversation.chars() + self.system.len()) / 4) as u64;
+        let used = estimate.max(self.input_tokens);
+        used as f64 >= self.cfg.compact_at * self.cfg.context_window as f64
+    }
+
+    /// Replaces the first `upto` messages with the model's summary of
+    /// them. `Ok(false)`: nothing to summarize. `Err(None)`: aborted.
+    /// `Err(Some(why))`: the summary call failed (the conversation is
+    /// unchanged, and the window applies).
+    async fn compact(&mut self, upto: usize) -> Result<bool, Option<String>> {
+        if upto == 0 {
+            return Ok(false);
+        }
+        self.compactions += 1;
+        let id = format!("{}-{}", self.turn, self.compactions);
+        let phase = |phase| {
+            SignalKind::Update(Update::Compaction {
+                id: id.clone(),
+                phase,
+            })
+        };
+        self.emit(phase(CompactionPhase::Started));
+        let older = self.ctx.conversation.snapshot();
+        let mut msgs = crate::window(&older[..upto.min(older.len())], self.cfg.context_chars);
+        msgs.push(Message::User {
+            text: instructions::COMPACTION_REQUEST.into(),
+        });
+        match self.call_with_retries(Purpose::Summary, Some(msgs)).await {
+            Ok(r) if !r.text.trim().is_empty() => {
+                let summary = r.text.trim().to_owned();
+                self.ctx
+                    .conversation
+                    .compact(upto, instructions::summary_message(&summary));
+                self.turn_start = self.turn_start + 1 - upto;
+                self.input_tokens = 0;
+                metrics::counter!("tiller_compactions_total", "engine" => self.cfg.name.clone(), "outcome" => "completed").increment(1);
+                self.emit(phase(CompactionPhase::Completed(summary)));
+                Ok(true)
+            }
+            Ok(_) => self.compaction_failed(&id, "the model returned an empty summary".into()),
+            Err(None) => {
+                metrics::counter!("tiller_compactions_total", "engine" => self.cfg.name.clone(), "outcome" => "cancelled").increment(1);
+                self.emit(phase(CompactionPhase::Cancelled));
+                Err(None)
+            }
+            Err(Some(why)) => self.compaction_failed(&id, why),
+        }
+    }
+
+    fn compaction_failed(&mut self, id: &str, why: String) -> Result<bool, Option<String>> {
+        metrics::counter!("tiller_compactions_total", "engine" => self.cfg.name.clone(), "outcome" => "failed").increment(1);
+        self.emit(SignalKind::Update(Update::Compaction {
+            id: id.to_owned(),
+            phase: CompactionPhase::Failed(format!(
+                "{why}; older turns are left out of the context window instead"
+            )),
+        }));
+        Err(Some(why))
+    }
+
     /// Runs model calls until the model stops. `Err(None)` is an abort,
     /// `Err(Some(m))` a failure.
     async fn turn_loop(&mut self) -> Result<StopReason, Option<String>> {
         let mut requests = 0;
+        let mut compacted = false;
         loop {
             // A model boundary: steers received so far join the conversation.
             while let Ok(input) = self.rx.try_recv() {
@@ -385,13 +505,20 @@ impl Run {
             if requests == self.cfg.max_requests_per_turn {
                 return Ok(StopReason::MaxTurnRequests);
             }
+            // Once a turn: a failed compaction falls back to the window.
+            if !compacted && self.over_threshold() {
+                compacted = true;
+                if let Err(None) = self.compact(self.turn_start).await {
+                    return Err(None);
+                }
+            }
             requests += 1;
             let Response {
                 text,
                 stop,
                 calls,
                 reasoning,
-            } = self.call_with_retries().await?;
+            } = self.call_with_retries(Purpose::Turn, None).await?;
             let calls: Vec<CallRecord> = match stop {
                 // A cut-off response's calls may be incomplete: none runs.
                 Stop::MaxTokens | Stop::Refusal => Vec::new(),
@@ -453,10 +580,14 @@ impl Run {
 
     /// One model call, retried on 429/5xx/connection errors before its first
     /// token.
-    async fn call_with_retries(&mut self) -> Result<Response, Option<String>> {
+    async fn call_with_retries(
+        &mut self,
+        purpose: Purpose,
+        msgs: Option<Vec<Message>>,
+    ) -> Result<Response, Option<String>> {
         let mut attempt = 0;
         loop {
-            match self.call().await {
+            match self.call(purpose, msgs.as_deref()).await {
                 Ok(done) => {
                     metrics::counter!("tiller_model_requests_total", "engine" => self.cfg.name.clone(), "outcome" => "ok").increment(1);
                     return Ok(done);
@@ -502,26 +633,32 @@ impl Run {
         })
     }
 
-    async fn call(&mut self) -> Result<Response, CallError> {
-        let msgs = crate::window(&self.ctx.conversation.snapshot(), self.cfg.context_chars);
-        let body = match self.cfg.provider {
-            Provider::OpenAi => {
-                openai::body(&self.cfg, &self.model, &self.system, &msgs, &self.ctx.tools)
+    /// One model call: the turn's (the conversation's window, the tools)
+    /// or a summary's (`msgs`, no tools).
+    async fn call(
+        &mut self,
+        purpose: Purpose,
+        msgs: Option<&[Message]>,
+    ) -> Result<Response, CallError> {
+        let turn_msgs;
+        let (system, msgs, tools) = match (purpose, msgs) {
+            (Purpose::Summary, Some(m)) => (instructions::COMPACTION, m, &[][..]),
+            _ => {
+                turn_msgs =
+                    crate::window(&self.ctx.conversation.snapshot(), self.cfg.context_chars);
+                (self.system.as_str(), &turn_msgs[..], &self.ctx.tools[..])
             }
+        };
+        let show = purpose == Purpose::Turn;
+        let body = match self.cfg.provider {
+            Provider::OpenAi => openai::body(&self.cfg, &self.model, system, msgs, tools),
             Provider::Anthropic => {
                 let thinking = self
                     .ctx
                     .switches
                     .iter()
                     .any(|(id, on)| id == "thinking" && *on);
-                anthropic::body(
-                    &self.cfg,
-                    &self.model,
-                    &self.system,
-                    &msgs,
-                    &self.ctx.tools,
-                    thinking,
-                )
+                anthropic::body(&self.cfg, &self.model, system, msgs, tools, thinking)
             }
         };
         let mut req = self
@@ -633,12 +770,14 @@ impl Run {
             for d in deltas {
                 started = true;
                 match d {
-                    Delta::Text(t) => {
+                    Delta::Text(t) if show => {
                         text.push_str(&t);
                         self.partial.push_str(&t);
                         self.emit(SignalKind::Update(Update::Text(t)));
                     }
-                    Delta::Thought(t) => self.emit(SignalKind::Update(Update::Thought(t))),
+                    Delta::Text(t) => text.push_str(&t),
+                    Delta::Thought(t) if show => self.emit(SignalKind::Update(Update::Thought(t))),
+                    Delta::Thought(_) => {}
                     Delta::ToolProgress => {}
                 }
             }
@@ -660,6 +799,7 @@ impl Run {
     fn finished(&mut self, text: String, done: Finish) -> Response {
         self.partial.clear();
         let (input, output) = done.usage;
+        self.input_tokens = input;
         if input + output > 0 {
             metrics::counter!("tiller_model_tokens_total", "engine" => self.cfg.name.clone(), "kind" => "input").increment(input);
             metrics::counter!("tiller_model_tokens_total", "engine" => self.cfg.name.clone(), "kind" => "output").increment(output);

@@ -234,6 +234,7 @@ fn cfg(provider: Provider) -> ModelConfig {
         max_requests_per_turn: 10,
         context_chars: 100_000,
         context_window: 128_000,
+        compact_at: 0.8,
         prices: None,
     }
 }

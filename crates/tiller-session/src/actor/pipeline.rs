@@ -51,6 +51,24 @@ impl SessionState {
                     None,
                 )
             }
+            SignalKind::Update(Update::Compaction { id, phase }) => {
+                use tiller_engine::CompactionPhase as P;
+                let (status, summary, message) = match phase {
+                    P::Started => ("in_progress", None, None),
+                    P::Completed(s) => ("completed", Some(s), None),
+                    P::Failed(why) => ("failed", None, Some(why)),
+                    P::Cancelled => ("cancelled", None, None),
+                };
+                (
+                    vec![EventBody::Compaction {
+                        compaction_id: id,
+                        status: status.into(),
+                        summary,
+                        message,
+                    }],
+                    None,
+                )
+            }
             SignalKind::Update(Update::Title(title)) => {
                 // Stored first, in order with everything else the actor does.
                 let _ = self.myself.send_message(SessionMsg::SetTitle {
