@@ -407,6 +407,36 @@ describe("OpenAI-compatible engine", () => {
     assert.equal((await api(daemon, "POST", `/api/sessions/nope/compact`)).status, 404);
   });
 
+  test("the todo tool sets the plan clients see; apply_patch and multi-edit change files for real", async () => {
+    const { sid, cwd } = await session("mock-openai", { "a.txt": "one\ntwo\n" });
+    await c.request("session/set_config_option", { sessionId: sid, configId: "permission_mode", value: "allow-all" });
+    const todos = [
+      { content: "patch a.txt", status: "completed" },
+      { content: "edit it again", status: "in_progress" },
+    ];
+    mock.reply(
+      {
+        events: openai.tools([
+          { id: "call_1", name: "apply_patch", args: { patch: "--- a/a.txt\n+++ b/a.txt\n@@ -1,2 +1,2 @@\n one\n-two\n+2\n" } },
+          { id: "call_2", name: "edit", args: { path: "a.txt", edits: [{ old_string: "one", new_string: "1" }, { old_string: "2", new_string: "two!" }] } },
+          { id: "call_3", name: "todo", args: { todos } },
+        ]),
+      },
+      { events: openai.text("Done.") },
+    );
+    await c.request("session/prompt", textPrompt(sid, "go"));
+    assert.equal(readFileSync(path.join(cwd, "a.txt"), "utf8"), "1\ntwo!\n");
+    const plans = c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "plan");
+    assert.deepEqual(
+      plans.at(-1).update.entries.map((e) => [e.content, e.status]),
+      todos.map((t) => [t.content, t.status]),
+    );
+    const kinds = Object.fromEntries(
+      c.updates.filter((u) => u.sessionId === sid && u.update.sessionUpdate === "tool_call").map((u) => [u.update.title, u.update.kind]),
+    );
+    assert.deepEqual(kinds, { apply_patch: "edit", edit: "edit", todo: "think" });
+  });
+
   test("the conversation carries over to the next prompt", async () => {
     const { sid } = await session("mock-openai");
     const n = mock.requests.length;

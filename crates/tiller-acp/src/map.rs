@@ -176,8 +176,9 @@ fn acp_kind(kind: tiller_session::event::CallKind) -> ToolKind {
 fn tool_kind(name: &str) -> ToolKind {
     match name {
         "read_file" => ToolKind::Read,
-        "write_file" | "edit" => ToolKind::Edit,
+        "write_file" | "edit" | "apply_patch" => ToolKind::Edit,
         "list_dir" | "glob" | "grep" => ToolKind::Search,
+        "todo" => ToolKind::Think,
         "shell" => ToolKind::Execute,
         _ => ToolKind::Other,
     }

@@ -174,7 +174,7 @@ impl ToolKind {
     pub fn of(name: &str) -> ToolKind {
         match name {
             "read_file" | "list_dir" | "glob" | "grep" => ToolKind::Read,
-            "write_file" | "edit" => ToolKind::Edit,
+            "write_file" | "edit" | "apply_patch" => ToolKind::Edit,
             "shell" => ToolKind::Execute,
             _ => ToolKind::Other,
         }

@@ -41,7 +41,7 @@ use std::time::Duration;
 
 use tiller_engine::{ToolCall, ToolOutput, ToolSpec};
 
-pub use local::{builtin_specs, protect, resolve};
+pub use local::{builtin_specs, protect, resolve, todo_entries};
 pub use mcp::{McpPolicy, McpServer, McpServerConfig};
 pub use supervise::{SUPERVISE_ARG, supervise};
 
@@ -214,9 +214,13 @@ impl Toolbox {
     }
 
     /// The root a call works in: the additional root an absolute `path`
-    /// lies in, else the session's directory.
+    /// (a shell's `cwd`) lies in, else the session's directory.
     fn root_for(&self, input: &serde_json::Value) -> &PathBuf {
-        let Some(p) = input.get("path").and_then(serde_json::Value::as_str) else {
+        let Some(p) = input
+            .get("path")
+            .or_else(|| input.get("cwd"))
+            .and_then(serde_json::Value::as_str)
+        else {
             return &self.root;
         };
         if self.roots().is_empty()
@@ -276,10 +280,22 @@ impl Toolbox {
     /// file as it is now (none for a new file). Read confined, bounded.
     pub fn diff(&self, name: &str, input: &serde_json::Value) -> Option<FileDiff> {
         let arg = |k: &str| input.get(k).and_then(serde_json::Value::as_str);
+        if name == "apply_patch" {
+            return local::patch_diff(&self.root, arg("patch")?, MAX_DIFF_BYTES);
+        }
         let path = arg("path")?;
         let root = self.root_for(input);
         let shown = resolve(root, path).ok()?.display().to_string();
         match name {
+            // Several replacements: the file before and after.
+            "edit" if input.get("edits").is_some() => {
+                let (old_text, new_text) = local::edited(root, path, input, MAX_DIFF_BYTES)?;
+                Some(FileDiff {
+                    path: shown,
+                    old_text: Some(old_text),
+                    new_text,
+                })
+            }
             "edit" => Some(FileDiff {
                 path: shown,
                 old_text: Some(arg("old_string")?.to_owned()),

@@ -69,11 +69,12 @@ pub fn builtin_specs() -> Vec<ToolSpec> {
         spec(
             "read_file",
             ToolKind::Read,
-            "Read a text file in the working directory. Optional `offset` (1-based first line) and `limit` (number of lines).",
+            "Read a text file in the working directory. Optional `offset` (1-based first line) and `limit` (number of lines); `line_numbers` prefixes each line with its number and a tab.",
             json!({"type": "object", "properties": {
                 "path": {"type": "string", "description": "Path relative to the working directory (or absolute inside it)"},
                 "offset": {"type": "integer", "minimum": 1},
-                "limit": {"type": "integer", "minimum": 1}
+                "limit": {"type": "integer", "minimum": 1},
+                "line_numbers": {"type": "boolean"}
             }, "required": ["path"]}),
         ),
         spec(
@@ -88,13 +89,37 @@ pub fn builtin_specs() -> Vec<ToolSpec> {
         spec(
             "edit",
             ToolKind::Edit,
-            "Replace an exact string in a file. `old_string` must occur exactly once unless `replace_all` is true.",
+            "Replace exact strings in a file: one (`old_string`, `new_string`) or several in order (`edits`), all or none. Each `old_string` must occur exactly once unless `replace_all` is true.",
             json!({"type": "object", "properties": {
                 "path": {"type": "string"},
                 "old_string": {"type": "string"},
                 "new_string": {"type": "string"},
-                "replace_all": {"type": "boolean"}
-            }, "required": ["path", "old_string", "new_string"]}),
+                "replace_all": {"type": "boolean"},
+                "edits": {"type": "array", "items": {"type": "object", "properties": {
+                    "old_string": {"type": "string"},
+                    "new_string": {"type": "string"},
+                    "replace_all": {"type": "boolean"}
+                }, "required": ["old_string", "new_string"]}}
+            }, "required": ["path"]}),
+        ),
+        spec(
+            "apply_patch",
+            ToolKind::Edit,
+            "Apply a unified diff (`--- a/file`, `+++ b/file`, `@@` hunks; several files allowed; `/dev/null` as the old file creates one). All files change or none.",
+            json!({"type": "object", "properties": {
+                "patch": {"type": "string"}
+            }, "required": ["patch"]}),
+        ),
+        spec(
+            "todo",
+            ToolKind::Other,
+            "Replace the task plan the user sees: every item with its status (`pending`, `in_progress`, `completed`). Keep one item in progress.",
+            json!({"type": "object", "properties": {
+                "todos": {"type": "array", "items": {"type": "object", "properties": {
+                    "content": {"type": "string"},
+                    "status": {"type": "string", "enum": ["pending", "in_progress", "completed"]}
+                }, "required": ["content", "status"]}}
+            }, "required": ["todos"]}),
         ),
         spec(
             "list_dir",
@@ -124,9 +149,10 @@ pub fn builtin_specs() -> Vec<ToolSpec> {
         spec(
             "shell",
             ToolKind::Execute,
-            "Run a shell command (`sh -c`) in the working directory; returns its output and exit code.",
+            "Run a shell command (`sh -c`) in the working directory, or in `cwd` (a directory inside it or an additional root); returns its output and exit code.",
             json!({"type": "object", "properties": {
                 "command": {"type": "string"},
+                "cwd": {"type": "string"},
                 "timeout_ms": {"type": "integer", "minimum": 1}
             }, "required": ["command"]}),
         ),
@@ -190,6 +216,8 @@ pub(crate) async fn run(
         "read_file" => read_file(root, cfg, &call.input, client).await,
         "write_file" => write_file(root, &call.input, client).await,
         "edit" => edit(root, &call.input, client).await,
+        "apply_patch" => apply_patch(root, &call.input, client).await,
+        "todo" => todo(&call.input),
         "list_dir" => list_dir(root, &call.input).await,
         "glob" => glob(root, &call.input).await,
         "grep" => grep(root, cfg, &call.input).await,
@@ -261,12 +289,13 @@ fn trim_cr(line: &mut Vec<u8>, full: usize) -> usize {
 }
 
 /// The lines `offset..offset+limit` (1-based) of `r`, into a buffer of
-/// `max` bytes.
+/// `max` bytes; `numbered`: each after its number and a tab.
 fn select_lines(
     r: &mut impl BufRead,
     offset: usize,
     limit: Option<usize>,
     max: usize,
+    numbered: bool,
 ) -> std::io::Result<String> {
     let mut out = OutputBuffer::head(max);
     let mut line = Vec::new();
@@ -276,7 +305,7 @@ fn select_lines(
         }
     }
     let mut first = true;
-    for _ in 0..limit.unwrap_or(usize::MAX) {
+    for n in offset..offset.saturating_add(limit.unwrap_or(usize::MAX)) {
         let cap = if out.is_full() { 0 } else { max };
         let Some(full) = read_line_capped(r, &mut line, cap)? else {
             break;
@@ -286,6 +315,9 @@ fn select_lines(
             out.push(b"\n");
         }
         first = false;
+        if numbered {
+            out.push(format!("{n}\t").as_bytes());
+        }
         out.push(&line);
         if cut > 0 {
             out.skip(cut as u64);
@@ -316,14 +348,19 @@ async fn read_file(
         .and_then(Value::as_u64)
         .map(|l| l as usize);
     let max = cfg.max_output_bytes;
-    let whole = offset == 1 && limit.is_none();
+    let numbered = input
+        .get("line_numbers")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let whole = offset == 1 && limit.is_none() && !numbered;
     if let Some(c) = client.filter(|c| c.can_read()) {
         let p = editor_path(root, &path).await?;
         let text = c.read_text_file(p).await?;
         if whole {
             return Ok(truncate(text, max));
         }
-        return select_lines(&mut text.as_bytes(), offset, limit, max).map_err(|e| e.to_string());
+        return select_lines(&mut text.as_bytes(), offset, limit, max, numbered)
+            .map_err(|e| e.to_string());
     }
     let root = root.to_owned();
     blocking(move || {
@@ -339,7 +376,7 @@ async fn read_file(
         }
         let failed = |e: std::io::Error| r.error("read", &path, &e);
         if !whole {
-            return select_lines(&mut reader, offset, limit, max).map_err(failed);
+            return select_lines(&mut reader, offset, limit, max, numbered).map_err(failed);
         }
         let mut out = OutputBuffer::head(max);
         let mut chunk = vec![0u8; 64 * 1024];
@@ -484,72 +521,293 @@ fn replaced(count: usize, shown: &str) -> String {
     )
 }
 
+/// One replacement of an `edit` call.
+struct Replacement {
+    old: String,
+    new: String,
+    all: bool,
+}
+
+/// The replacements an `edit` call asks for: `edits`, or the single one.
+fn replacements(input: &Value) -> Result<Vec<Replacement>, String> {
+    let one = |v: &Value, what: &str| -> Result<Replacement, String> {
+        let old = str_arg(v, "old_string").map_err(|e| format!("{what}{e}"))?;
+        let new = str_arg(v, "new_string").map_err(|e| format!("{what}{e}"))?;
+        if old.is_empty() {
+            return Err(format!(
+                "{what}`old_string` is empty; use write_file to create a file"
+            ));
+        }
+        Ok(Replacement {
+            old: old.to_owned(),
+            new: new.to_owned(),
+            all: v
+                .get("replace_all")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        })
+    };
+    match input.get("edits") {
+        Some(Value::Array(list)) if !list.is_empty() => list
+            .iter()
+            .enumerate()
+            .map(|(i, e)| one(e, &format!("edit {}: ", i + 1)))
+            .collect(),
+        Some(_) => Err("`edits` must be a non-empty array of {old_string, new_string}".into()),
+        None => Ok(vec![one(input, "")?]),
+    }
+}
+
+/// `text` with every replacement applied in order (each sees the text the
+/// ones before it left), and how many occurrences changed; an error names
+/// the first that does not apply, and nothing changes.
+fn replace_each(text: &str, reps: &[Replacement], shown: &str) -> Result<(String, usize), String> {
+    let mut text = text.to_owned();
+    let mut total = 0;
+    for (i, r) in reps.iter().enumerate() {
+        let (t, n) = replace(&text, &r.old, &r.new, r.all, shown).map_err(|e| {
+            if reps.len() > 1 {
+                format!("edit {} of {}: {e}; no edit was made", i + 1, reps.len())
+            } else {
+                e
+            }
+        })?;
+        text = t;
+        total += n;
+    }
+    Ok((text, total))
+}
+
 async fn edit(
     root: &Path,
     input: &Value,
     client: Option<Arc<dyn ClientTools>>,
 ) -> Result<String, String> {
     let path = str_arg(input, "path")?.to_owned();
-    let old = str_arg(input, "old_string")?.to_owned();
-    let new = str_arg(input, "new_string")?.to_owned();
-    let all = input
-        .get("replace_all")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    if old.is_empty() {
-        return Err("`old_string` is empty; use write_file to create a file".into());
-    }
-    if let Some(c) = client.filter(|c| c.can_read()) {
-        let p = editor_path(root, &path).await?;
-        let shown = p.display().to_string();
-        let text = c.read_text_file(p.clone()).await?;
-        let (updated, count) = replace(&text, &old, &new, all, &shown)?;
-        if c.can_write() {
-            c.write_text_file(p, updated).await?;
-        } else {
-            let root = root.to_owned();
+    let reps = replacements(input)?;
+    let shown = match &client {
+        Some(c) if c.can_read() => editor_path(root, &path).await?.display().to_string(),
+        _ => {
+            let (root, path) = (root.to_owned(), path.clone());
             blocking(move || {
                 let r = Root::open(&root)?;
                 let rel = r.relative(&path)?;
-                write_local(&r, &rel, &path, updated.as_bytes())
+                Ok(shown_path(&r, &rel))
             })
-            .await?;
+            .await?
         }
-        return Ok(replaced(count, &shown));
+    };
+    let text = edit_text(root, &path, client.clone()).await?;
+    let (updated, count) = replace_each(&text, &reps, &shown)?;
+    put_text(root, &path, updated, client).await?;
+    Ok(replaced(count, &shown))
+}
+
+/// A file's text for changing it: read confined (through the editor when it
+/// offers reads), up to [`MAX_EDIT_BYTES`], UTF-8 only.
+async fn edit_text(
+    root: &Path,
+    path: &str,
+    client: Option<Arc<dyn ClientTools>>,
+) -> Result<String, String> {
+    whole_text(root, path, MAX_EDIT_BYTES, client)
+        .await
+        .map_err(|e| {
+            if e.contains("larger than") {
+                format!(
+                    "{} is larger than {MAX_EDIT_BYTES} bytes; edits change files up to that size (use shell, e.g. sed, for larger ones)",
+                    Shown(path)
+                )
+            } else if e.contains("not a text file") {
+                format!("{} is not UTF-8 text; edits only change text files", Shown(path))
+            } else {
+                e
+            }
+        })
+}
+
+/// Writes a file's new text (through the editor when it offers writes).
+async fn put_text(
+    root: &Path,
+    path: &str,
+    text: String,
+    client: Option<Arc<dyn ClientTools>>,
+) -> Result<(), String> {
+    if let Some(c) = client.filter(|c| c.can_write()) {
+        let p = editor_path(root, path).await?;
+        return c.write_text_file(p, text).await;
     }
-    let root = root.to_owned();
+    let (root, path) = (root.to_owned(), path.to_owned());
     blocking(move || {
         let r = Root::open(&root)?;
         let rel = r.relative(&path)?;
-        let shown = shown_path(&r, &rel);
-        let (file, len) = r.open_read(&rel, &path)?;
-        if len > MAX_EDIT_BYTES {
-            return Err(format!(
-                "{} is {len} bytes; edit changes files up to {MAX_EDIT_BYTES} bytes (use shell, e.g. sed, for larger ones)",
-                Shown(&path)
-            ));
-        }
-        let mut bytes = Vec::with_capacity(len as usize);
-        file.take(MAX_EDIT_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|e| r.error("read", &path, &e))?;
-        if bytes.len() as u64 > MAX_EDIT_BYTES {
-            return Err(format!(
-                "{} grew past {MAX_EDIT_BYTES} bytes while being read; edit changes files up to that size",
-                Shown(&path)
-            ));
-        }
-        let text = String::from_utf8(bytes).map_err(|_| {
-            format!(
-                "{} is not UTF-8 text; edit only changes text files",
-                Shown(&path)
-            )
-        })?;
-        let (updated, count) = replace(&text, &old, &new, all, &shown)?;
-        write_local(&r, &rel, &path, updated.as_bytes())?;
-        Ok(replaced(count, &shown))
+        write_local(&r, &rel, &path, text.as_bytes())
     })
     .await
+}
+
+/// One file's part of a unified diff.
+#[derive(Debug, PartialEq)]
+struct FilePatch {
+    /// The file's path (`b/` or `a/` dropped), and whether it is new.
+    path: String,
+    new: bool,
+    /// The part, from its `---` line on.
+    text: String,
+}
+
+/// Splits a unified diff into its files (`diff --git` and other lines
+/// before a `---` are ignored).
+fn split_patch(patch: &str) -> Result<Vec<FilePatch>, String> {
+    let lines: Vec<&str> = patch.split_inclusive('\n').collect();
+    let mut starts = Vec::new();
+    for i in 0..lines.len() {
+        if lines[i].starts_with("--- ") && lines.get(i + 1).is_some_and(|l| l.starts_with("+++ ")) {
+            starts.push(i);
+        }
+    }
+    if starts.is_empty() {
+        return Err("the patch has no file header (`--- a/path` then `+++ b/path`)".into());
+    }
+    let name = |line: &str, prefix: &str| -> String {
+        let n = line[4..].trim_end_matches(['\n', '\r']);
+        // A timestamp after a tab is part of the header, not the name.
+        let n = n.split('\t').next().unwrap_or(n).trim();
+        n.strip_prefix(prefix).unwrap_or(n).to_owned()
+    };
+    let mut files = Vec::new();
+    for (k, &i) in starts.iter().enumerate() {
+        let end = starts.get(k + 1).copied().unwrap_or(lines.len());
+        // Lines between files that are not hunks (a `diff --git` header).
+        let mut stop = end;
+        while stop > i + 2 && !is_hunk_line(lines[stop - 1]) {
+            stop -= 1;
+        }
+        let old = name(lines[i], "a/");
+        let new_name = name(lines[i + 1], "b/");
+        if new_name == "/dev/null" {
+            return Err(format!(
+                "the patch deletes {old}; apply_patch does not delete files (use shell)"
+            ));
+        }
+        files.push(FilePatch {
+            path: new_name,
+            new: old == "/dev/null",
+            text: lines[i..stop].concat(),
+        });
+    }
+    Ok(files)
+}
+
+fn is_hunk_line(l: &str) -> bool {
+    l.starts_with(['+', '-', ' ', '@', '\\']) || l == "\n"
+}
+
+async fn apply_patch(
+    root: &Path,
+    input: &Value,
+    client: Option<Arc<dyn ClientTools>>,
+) -> Result<String, String> {
+    let patch = str_arg(input, "patch")?;
+    let files = split_patch(patch)?;
+    // Every file is computed first: all change or none.
+    let mut out = Vec::with_capacity(files.len());
+    for f in &files {
+        let parsed = diffy::Patch::from_str(&f.text)
+            .map_err(|e| format!("the patch for {} does not parse: {e}", f.path))?;
+        let base = if f.new {
+            if edit_text(root, &f.path, client.clone()).await.is_ok() {
+                return Err(format!(
+                    "the patch creates {}, which exists; no file was changed",
+                    f.path
+                ));
+            }
+            String::new()
+        } else {
+            edit_text(root, &f.path, client.clone()).await?
+        };
+        let text = diffy::apply(&base, &parsed).map_err(|e| {
+            format!(
+                "the patch does not apply to {} ({e}); read the file again and make the patch from its current text; no file was changed",
+                f.path
+            )
+        })?;
+        out.push((f.path.clone(), text, parsed.hunks().len()));
+    }
+    let mut said = Vec::new();
+    for (path, text, hunks) in out {
+        put_text(root, &path, text, client.clone()).await?;
+        said.push(format!(
+            "{path} ({hunks} hunk{})",
+            if hunks == 1 { "" } else { "s" }
+        ));
+    }
+    Ok(format!("patched {}", said.join(", ")))
+}
+
+/// A file before and after an `edit` call's replacements, for showing the
+/// change before it is made (`None` when it would not apply or is large).
+pub(crate) fn edited(root: &Path, path: &str, input: &Value, max: u64) -> Option<(String, String)> {
+    let reps = replacements(input).ok()?;
+    let old = current_text(root, path, max)?;
+    let (new, _) = replace_each(&old, &reps, path).ok()?;
+    Some((old, new))
+}
+
+/// The change a one-file patch would make, for showing before it is made.
+pub(crate) fn patch_diff(root: &Path, patch: &str, max: u64) -> Option<crate::FileDiff> {
+    let files = split_patch(patch).ok()?;
+    let [f] = &files[..] else { return None };
+    let parsed = diffy::Patch::from_str(&f.text).ok()?;
+    let old = if f.new {
+        None
+    } else {
+        Some(current_text(root, &f.path, max)?)
+    };
+    let new_text = diffy::apply(old.as_deref().unwrap_or(""), &parsed).ok()?;
+    Some(crate::FileDiff {
+        path: resolve(root, &f.path).ok()?.display().to_string(),
+        old_text: old,
+        new_text,
+    })
+}
+
+/// The plan a `todo` call sets: its items and their statuses.
+pub fn todo_entries(input: &Value) -> Result<Vec<(String, String)>, String> {
+    let list = input
+        .get("todos")
+        .and_then(Value::as_array)
+        .ok_or("missing array argument `todos`")?;
+    list.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let content = t
+                .get("content")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .trim();
+            let status = t.get("status").and_then(Value::as_str).unwrap_or("");
+            if content.is_empty() {
+                return Err(format!("todo {}: `content` is missing or empty", i + 1));
+            }
+            if !matches!(status, "pending" | "in_progress" | "completed") {
+                return Err(format!(
+                    "todo {}: `status` must be pending, in_progress or completed, not `{status}`",
+                    i + 1
+                ));
+            }
+            Ok((content.to_owned(), status.to_owned()))
+        })
+        .collect()
+}
+
+fn todo(input: &Value) -> Result<String, String> {
+    let entries = todo_entries(input)?;
+    let done = entries.iter().filter(|(_, s)| s == "completed").count();
+    Ok(format!(
+        "plan updated: {} items, {done} completed",
+        entries.len()
+    ))
 }
 
 async fn list_dir(root: &Path, input: &Value) -> Result<String, String> {
@@ -737,10 +995,30 @@ async fn shell(
         .and_then(Value::as_u64)
         .map_or(cfg.shell_timeout, Duration::from_millis)
         .min(cfg.max_shell_timeout);
+    let dir = input.get("cwd").and_then(Value::as_str).map(str::to_owned);
     let root = root.to_owned();
     let cwd = blocking(move || {
-        root.canonicalize()
-            .map_err(|e| format!("the working directory is unusable: {e}"))
+        let base = root
+            .canonicalize()
+            .map_err(|e| format!("the working directory is unusable: {e}"))?;
+        let Some(dir) = dir else { return Ok(base) };
+        // Inside the root once links are resolved, and a directory.
+        let r = Root::open(&root)?;
+        let rel = r.relative(&dir)?;
+        let real = base
+            .join(&rel)
+            .canonicalize()
+            .map_err(|e| format!("`cwd` {}: {e}", Shown(&dir)))?;
+        if !real.starts_with(&base) {
+            return Err(format!(
+                "`cwd` {} is outside the working directory",
+                Shown(&dir)
+            ));
+        }
+        if !real.is_dir() {
+            return Err(format!("`cwd` {} is not a directory", Shown(&dir)));
+        }
+        Ok(real)
     })
     .await?;
     let out = match client {

@@ -206,7 +206,20 @@ impl Batch {
         let Some(p) = p else {
             return Progress::Waiting;
         };
+        // A `todo` call that succeeded sets the plan the user sees.
+        let call = self.call(id);
+        let plan = (output.ok && call.name == "todo")
+            .then(|| tiller_tools::todo_entries(&call.input).ok())
+            .flatten();
         self.render(fx, Some((id, output)), perms, events);
+        if let Some(entries) = plan {
+            events.push(EventBody::Plan {
+                entries: entries
+                    .into_iter()
+                    .map(|(content, status)| crate::event::PlanEntry { content, status })
+                    .collect(),
+            });
+        }
         self.progress(p)
     }
 

@@ -571,3 +571,278 @@ async fn an_editor_client_is_the_truth_for_files() {
     .await;
     assert!(out.output.starts_with("on disk"), "{out:?}");
 }
+
+/// Runs `name` with each input on a fresh copy of `files`; checks
+/// whether it succeeded, what it said, and the files afterwards.
+struct Case {
+    input: Value,
+    ok: bool,
+    says: &'static str,
+    after: &'static [(&'static str, &'static str)],
+}
+
+async fn table(name: &str, files: &[(&str, &str)], cases: Vec<Case>) {
+    for (i, c) in cases.into_iter().enumerate() {
+        let dir = tempfile::tempdir().unwrap();
+        for (f, text) in files {
+            let p = dir.path().join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        }
+        let out = go(dir.path(), name, c.input.clone()).await;
+        let at = format!("{name} case {i}: {} -> {out:?}", c.input);
+        assert_eq!(out.ok, c.ok, "{at}");
+        assert!(out.output.contains(c.says), "{at}: wanted {:?}", c.says);
+        for (f, want) in c.after {
+            let got = std::fs::read_to_string(dir.path().join(f)).ok();
+            assert_eq!(got.as_deref(), Some(*want), "{at}: {f}");
+        }
+    }
+}
+
+fn case(
+    input: Value,
+    ok: bool,
+    says: &'static str,
+    after: &'static [(&'static str, &'static str)],
+) -> Case {
+    Case {
+        input,
+        ok,
+        says,
+        after,
+    }
+}
+
+#[tokio::test]
+async fn read_file_ranges_and_line_numbers() {
+    let files = [("f.txt", "alpha\nbeta\ngamma\n")];
+    table(
+        "read_file",
+        &files,
+        vec![
+            case(json!({"path": "f.txt"}), true, "alpha\nbeta\ngamma", &[]),
+            case(
+                json!({"path": "f.txt", "line_numbers": true}),
+                true,
+                "1\talpha\n2\tbeta\n3\tgamma",
+                &[],
+            ),
+            case(
+                json!({"path": "f.txt", "offset": 2, "limit": 1, "line_numbers": true}),
+                true,
+                "2\tbeta",
+                &[],
+            ),
+            case(json!({"path": "f.txt", "offset": 3}), true, "gamma", &[]),
+            case(
+                json!({"path": "missing.txt", "line_numbers": true}),
+                false,
+                "missing.txt",
+                &[],
+            ),
+        ],
+    )
+    .await;
+    // Numbers count from the offset, and nothing past the range is read.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("f.txt"), "alpha\nbeta\ngamma\n").unwrap();
+    let out = go(
+        dir.path(),
+        "read_file",
+        json!({"path": "f.txt", "offset": 2, "line_numbers": true}),
+    )
+    .await;
+    assert_eq!(out.output, "2\tbeta\n3\tgamma");
+}
+
+#[tokio::test]
+async fn edit_applies_several_replacements_in_order_or_none() {
+    let files = [("a.rs", "fn one() {}\nfn two() {}\nfn two() {}\n")];
+    table(
+        "edit",
+        &files,
+        vec![
+            case(
+                json!({"path": "a.rs", "old_string": "one", "new_string": "uno"}),
+                true,
+                "replaced 1 occurrence",
+                &[("a.rs", "fn uno() {}\nfn two() {}\nfn two() {}\n")],
+            ),
+            case(
+                json!({"path": "a.rs", "edits": [
+                    {"old_string": "one", "new_string": "three"},
+                    {"old_string": "two", "new_string": "deux", "replace_all": true},
+                    // Sees the text the edits before it left.
+                    {"old_string": "three", "new_string": "trois"}
+                ]}),
+                true,
+                "replaced 4 occurrences",
+                &[("a.rs", "fn trois() {}\nfn deux() {}\nfn deux() {}\n")],
+            ),
+            case(
+                json!({"path": "a.rs", "edits": [
+                    {"old_string": "one", "new_string": "uno"},
+                    {"old_string": "two", "new_string": "deux"}
+                ]}),
+                false,
+                "edit 2 of 2: `old_string` occurs 2 times",
+                &[("a.rs", "fn one() {}\nfn two() {}\nfn two() {}\n")],
+            ),
+            case(
+                json!({"path": "a.rs", "edits": [{"old_string": "", "new_string": "x"}]}),
+                false,
+                "edit 1: `old_string` is empty",
+                &[("a.rs", "fn one() {}\nfn two() {}\nfn two() {}\n")],
+            ),
+            case(
+                json!({"path": "a.rs", "edits": []}),
+                false,
+                "non-empty array",
+                &[],
+            ),
+            case(
+                json!({"path": "a.rs"}),
+                false,
+                "missing string argument `old_string`",
+                &[],
+            ),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn apply_patch_changes_every_file_or_none() {
+    let files = [("src/a.txt", "one\ntwo\nthree\n"), ("b.txt", "x\n")];
+    table(
+        "apply_patch",
+        &files,
+        vec![
+            case(
+                json!({"patch": "--- a/src/a.txt\n+++ b/src/a.txt\n@@ -1,3 +1,3 @@\n one\n-two\n+2\n three\n"}),
+                true,
+                "patched src/a.txt (1 hunk)",
+                &[("src/a.txt", "one\n2\nthree\n")],
+            ),
+            case(
+                json!({"patch": "diff --git a/b.txt b/b.txt\nindex 1..2 100644\n--- a/b.txt\n+++ b/b.txt\n@@ -1 +1 @@\n-x\n+y\ndiff --git a/new.txt b/new.txt\nnew file mode 100644\n--- /dev/null\n+++ b/new.txt\n@@ -0,0 +1,2 @@\n+hello\n+world\n"}),
+                true,
+                "patched b.txt (1 hunk), new.txt (1 hunk)",
+                &[("b.txt", "y\n"), ("new.txt", "hello\nworld\n")],
+            ),
+            // The second file does not apply: the first is not changed.
+            case(
+                json!({"patch": "--- a/b.txt\n+++ b/b.txt\n@@ -1 +1 @@\n-x\n+y\n--- a/src/a.txt\n+++ b/src/a.txt\n@@ -1,2 +1,2 @@\n one\n-TWO\n+2\n"}),
+                false,
+                "does not apply to src/a.txt",
+                &[("b.txt", "x\n"), ("src/a.txt", "one\ntwo\nthree\n")],
+            ),
+            case(
+                json!({"patch": "--- /dev/null\n+++ b/b.txt\n@@ -0,0 +1 @@\n+z\n"}),
+                false,
+                "creates b.txt, which exists",
+                &[("b.txt", "x\n")],
+            ),
+            case(
+                json!({"patch": "--- a/b.txt\n+++ /dev/null\n@@ -1 +0,0 @@\n-x\n"}),
+                false,
+                "does not delete files",
+                &[("b.txt", "x\n")],
+            ),
+            case(json!({"patch": "just words"}), false, "no file header", &[]),
+            case(
+                json!({"patch": "--- a/../escape.txt\n+++ b/../escape.txt\n@@ -0,0 +1 @@\n+z\n"}),
+                false,
+                "outside",
+                &[],
+            ),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn todo_checks_the_plan() {
+    table(
+        "todo",
+        &[],
+        vec![
+            case(
+                json!({"todos": [
+                    {"content": "read the code", "status": "completed"},
+                    {"content": "fix it", "status": "in_progress"},
+                    {"content": "run the tests", "status": "pending"}
+                ]}),
+                true,
+                "plan updated: 3 items, 1 completed",
+                &[],
+            ),
+            case(
+                json!({"todos": [{"content": "x", "status": "done"}]}),
+                false,
+                "todo 1: `status` must be",
+                &[],
+            ),
+            case(
+                json!({"todos": [{"content": " ", "status": "pending"}]}),
+                false,
+                "todo 1: `content` is missing",
+                &[],
+            ),
+            case(json!({}), false, "missing array argument `todos`", &[]),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn shell_runs_in_a_cwd_inside_the_roots_only() {
+    let outer = tempfile::tempdir().unwrap();
+    let root = outer.path().join("proj");
+    std::fs::create_dir_all(root.join("sub/deeper")).unwrap();
+    std::fs::write(root.join("file"), "x").unwrap();
+    std::os::unix::fs::symlink(outer.path(), root.join("up")).unwrap();
+    let real = root.canonicalize().unwrap();
+    let cases: &[(&str, bool, String)] = &[
+        ("sub", true, real.join("sub").display().to_string()),
+        (
+            "sub/deeper",
+            true,
+            real.join("sub/deeper").display().to_string(),
+        ),
+        (".", true, real.display().to_string()),
+        ("..", false, "outside".into()),
+        ("up", false, "outside".into()),
+        ("file", false, "not a directory".into()),
+        ("nope", false, "nope".into()),
+    ];
+    for (cwd, ok, says) in cases {
+        let out = go(&root, "shell", json!({"command": "pwd", "cwd": cwd})).await;
+        assert_eq!(out.ok, *ok, "{cwd}: {out:?}");
+        assert!(out.output.contains(says.as_str()), "{cwd}: {out:?}");
+    }
+}
+
+#[test]
+fn every_builtin_tool_has_an_object_schema() {
+    let specs = builtin_specs();
+    for name in [
+        "read_file",
+        "write_file",
+        "edit",
+        "apply_patch",
+        "todo",
+        "list_dir",
+        "glob",
+        "grep",
+        "shell",
+    ] {
+        let s = specs
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("{name} offered"));
+        assert_eq!(s.input_schema["type"], "object", "{name}");
+        assert!(!s.description.is_empty(), "{name}");
+    }
+}
