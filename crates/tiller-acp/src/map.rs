@@ -179,6 +179,7 @@ fn tool_kind(name: &str) -> ToolKind {
         "write_file" | "edit" | "apply_patch" => ToolKind::Edit,
         "list_dir" | "glob" | "grep" => ToolKind::Search,
         "todo" => ToolKind::Think,
+        "web_fetch" => ToolKind::Fetch,
         "shell" => ToolKind::Execute,
         _ => ToolKind::Other,
     }

@@ -102,6 +102,8 @@ pub struct ToolsConfig {
     /// with it. `None`: `sh` runs in its own process group, which a
     /// `setsid` inside the command escapes.
     pub supervisor: Option<PathBuf>,
+    /// Where `web_fetch` may read; empty (the default): it is not offered.
+    pub web_fetch: egress::Policy,
     /// Which MCP servers may be started or reached.
     pub mcp: McpPolicy,
 }
@@ -116,6 +118,7 @@ impl std::fmt::Debug for ToolsConfig {
             .field("max_output_bytes", &self.max_output_bytes)
             .field("child_env", &env)
             .field("supervisor", &self.supervisor)
+            .field("web_fetch", &self.web_fetch)
             .field("mcp", &self.mcp)
             .finish()
     }
@@ -134,6 +137,7 @@ impl Default for ToolsConfig {
                 &[],
             ),
             supervisor: None,
+            web_fetch: egress::Policy::default(),
             mcp: McpPolicy::default(),
         }
     }
@@ -250,10 +254,14 @@ impl Toolbox {
     pub fn specs(&self) -> Arc<Vec<ToolSpec>> {
         static BUILTIN: std::sync::LazyLock<Arc<Vec<ToolSpec>>> =
             std::sync::LazyLock::new(|| Arc::new(builtin_specs()));
-        if self.mcp.is_empty() {
+        let fetch = !self.config.web_fetch.is_empty();
+        if self.mcp.is_empty() && !fetch {
             return BUILTIN.clone();
         }
         let mut specs = BUILTIN.as_ref().clone();
+        if fetch {
+            specs.push(local::web_fetch_spec());
+        }
         for s in &self.mcp {
             specs.extend(s.specs());
         }

@@ -218,6 +218,7 @@ pub(crate) async fn run(
         "edit" => edit(root, &call.input, client).await,
         "apply_patch" => apply_patch(root, &call.input, client).await,
         "todo" => todo(&call.input),
+        "web_fetch" => web_fetch(cfg, &call.input).await,
         "list_dir" => list_dir(root, &call.input).await,
         "glob" => glob(root, &call.input).await,
         "grep" => grep(root, cfg, &call.input).await,
@@ -770,6 +771,88 @@ pub(crate) fn patch_diff(root: &Path, patch: &str, max: u64) -> Option<crate::Fi
         old_text: old,
         new_text,
     })
+}
+
+/// `web_fetch`, offered only when `[tools] web_fetch_hosts` allows some.
+pub(crate) fn web_fetch_spec() -> ToolSpec {
+    ToolSpec {
+        name: "web_fetch".into(),
+        description: "Fetch a web page or file over http(s) from an allowed host; returns its status, type and text (bounded).".into(),
+        input_schema: json!({"type": "object", "properties": {
+            "url": {"type": "string"}
+        }, "required": ["url"]}),
+        kind: ToolKind::Other,
+    }
+}
+
+/// How long a `web_fetch` may take, connection included.
+const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+
+async fn web_fetch(cfg: &ToolsConfig, input: &Value) -> Result<String, String> {
+    let url = str_arg(input, "url")?;
+    if cfg.web_fetch.is_empty() {
+        return Err("web_fetch is off: no host is allowed (tools.web_fetch_hosts)".into());
+    }
+    // The host is vetted here and every address again at resolution; no
+    // redirects are followed (a redirect is reported with its target).
+    let url = cfg.web_fetch.check(url)?;
+    let shown = crate::egress::redact(url.as_str());
+    let client = cfg.web_fetch.client(FETCH_TIMEOUT);
+    let mut resp = client.get(url).send().await.map_err(|e| {
+        format!(
+            "cannot fetch {shown}: {}",
+            crate::egress::redact(&e.to_string())
+        )
+    })?;
+    let status = resp.status();
+    let kind = resp
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    if status.is_redirection() {
+        let to = resp
+            .headers()
+            .get(reqwest::header::LOCATION)
+            .and_then(|v| v.to_str().ok())
+            .map(crate::egress::redact)
+            .unwrap_or_default();
+        return Err(format!(
+            "{shown} redirects ({status}) to {to}; fetch that URL if its host is allowed"
+        ));
+    }
+    let textual = kind.is_empty()
+        || kind.starts_with("text/")
+        || ["json", "xml", "javascript", "yaml", "toml"]
+            .iter()
+            .any(|t| kind.contains(t));
+    if !textual {
+        return Err(format!("{shown} is `{kind}`, not text"));
+    }
+    let mut out = OutputBuffer::head(cfg.max_output_bytes);
+    let read = async {
+        while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+            let full = out.is_full();
+            if full {
+                out.skip(chunk.len() as u64);
+            } else {
+                out.push(&chunk);
+            }
+        }
+        Ok::<(), String>(())
+    };
+    tokio::time::timeout(FETCH_TIMEOUT, read)
+        .await
+        .map_err(|_| format!("{shown} took longer than {}s", FETCH_TIMEOUT.as_secs()))?
+        .map_err(|e| format!("reading {shown} failed: {e}"))?;
+    let body = out.finish();
+    let head = format!("HTTP {} {kind}", status.as_u16());
+    if status.is_success() {
+        Ok(format!("{head}\n\n{body}"))
+    } else {
+        Err(format!("{head}\n\n{body}"))
+    }
 }
 
 /// The plan a `todo` call sets: its items and their statuses.

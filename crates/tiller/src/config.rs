@@ -468,6 +468,9 @@ pub struct Tools {
     /// Variables (by name) passed to commands and MCP servers besides
     /// PATH, HOME, LANG and TERM. Secrets and TILLER_* never pass.
     pub pass_env: Vec<String>,
+    /// Hosts `web_fetch` may read (as `[delivery] allowed_hosts`); empty:
+    /// the tool is not offered.
+    pub web_fetch_hosts: Vec<String>,
     pub mcp: Mcp,
 }
 
@@ -504,6 +507,7 @@ impl Default for Tools {
             max_shell_timeout: t.max_shell_timeout,
             max_output_bytes: t.max_output_bytes,
             pass_env: Vec::new(),
+            web_fetch_hosts: Vec::new(),
             mcp: Mcp::default(),
         }
     }
@@ -838,6 +842,7 @@ impl Config {
         }
         for (key, hosts) in [
             ("tools.mcp.allowed_hosts", &self.tools.mcp.allowed_hosts),
+            ("tools.web_fetch_hosts", &self.tools.web_fetch_hosts),
             ("delivery.allowed_hosts", &self.delivery.allowed_hosts),
         ] {
             if let Err(e) = tiller_tools::egress::Policy::new(hosts) {
@@ -982,6 +987,9 @@ impl Config {
             max_output_bytes: self.tools.max_output_bytes.max(1024),
             child_env: tiller_tools::child_env(env, &self.tools.pass_env, &self.secret_variables()),
             supervisor,
+            web_fetch: tiller_tools::egress::Policy::new(&self.tools.web_fetch_hosts)
+                .expect("validated by Config::load")
+                .for_setting("tools.web_fetch_hosts"),
             mcp: tiller_tools::McpPolicy {
                 allowed_commands: self.tools.mcp.allowed_commands.clone(),
                 egress,

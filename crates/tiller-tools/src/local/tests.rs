@@ -846,3 +846,125 @@ fn every_builtin_tool_has_an_object_schema() {
         assert!(!s.description.is_empty(), "{name}");
     }
 }
+
+/// A server answering by path, one request per connection.
+async fn tiny_http() -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = vec![0u8; 4096];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let req = String::from_utf8_lossy(&buf[..n]).to_string();
+                let path = req.split_whitespace().nth(1).unwrap_or("/").to_owned();
+                let (status, kind, extra, body) = match path.as_str() {
+                    "/text" => ("200 OK", "text/plain", "", "hello from the page".to_owned()),
+                    "/big" => ("200 OK", "text/plain", "", "y".repeat(200_000)),
+                    "/bin" => ("200 OK", "application/octet-stream", "", "\0\0".to_owned()),
+                    "/gone" => ("404 Not Found", "text/plain", "", "no such page".to_owned()),
+                    _ => (
+                        "302 Found",
+                        "text/plain",
+                        "location: http://169.254.169.254/secret\r\n",
+                        String::new(),
+                    ),
+                };
+                let head = format!(
+                    "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\n{extra}content-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                let _ = s.write_all(head.as_bytes()).await;
+                let _ = s.write_all(body.as_bytes()).await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn web_fetch_reads_allowed_hosts_only() {
+    let base = tiny_http().await;
+    let dir = tempfile::tempdir().unwrap();
+    let on = ToolsConfig {
+        web_fetch: crate::egress::Policy::new(&["127.0.0.1".to_owned()])
+            .unwrap()
+            .for_setting("tools.web_fetch_hosts"),
+        ..ToolsConfig::default()
+    };
+    let off = ToolsConfig::default();
+    let cases: Vec<(&ToolsConfig, String, bool, &str)> = vec![
+        (
+            &on,
+            format!("{base}/text"),
+            true,
+            "HTTP 200 text/plain\n\nhello from the page",
+        ),
+        (&on, format!("{base}/gone"), false, "HTTP 404"),
+        (&on, format!("{base}/bin"), false, "not text"),
+        (
+            &on,
+            format!("{base}/redirect"),
+            false,
+            "redirects (302 Found) to http://169.254.169.254/secret",
+        ),
+        (
+            &on,
+            format!("{base}/big"),
+            true,
+            "[output truncated: 200000 bytes",
+        ),
+        (
+            &on,
+            "http://example.com/".into(),
+            false,
+            "tools.web_fetch_hosts",
+        ),
+        (
+            &on,
+            "file:///etc/passwd".into(),
+            false,
+            "only http and https",
+        ),
+        (&off, format!("{base}/text"), false, "web_fetch is off"),
+    ];
+    for (cfg, url, ok, says) in cases {
+        let out = run(
+            dir.path(),
+            cfg,
+            &call("web_fetch", json!({"url": url})),
+            None,
+        )
+        .await;
+        assert_eq!(out.ok, ok, "{url}: {out:?}");
+        assert!(
+            out.output.contains(says),
+            "{url}: wanted {says:?} in {:?}",
+            &out.output[..out.output.len().min(300)]
+        );
+        assert!(
+            out.output.len() <= cfg.max_output_bytes + 200,
+            "{url}: bounded"
+        );
+    }
+}
+
+#[test]
+fn web_fetch_is_offered_only_when_a_host_is_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let offered = |cfg: ToolsConfig| {
+        crate::Toolbox::new(dir.path().to_owned(), Arc::new(cfg))
+            .specs()
+            .iter()
+            .any(|s| s.name == "web_fetch")
+    };
+    assert!(!offered(ToolsConfig::default()));
+    assert!(offered(ToolsConfig {
+        web_fetch: crate::egress::Policy::new(&["docs.rs".to_owned()]).unwrap(),
+        ..ToolsConfig::default()
+    }));
+}
