@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 /// ([`OutputBuffer::head_and_tail`], for command output whose end, the
 /// error, matters most). Every byte pushed is counted, so the marker in
 /// [`OutputBuffer::finish`] says exactly how much was cut.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct OutputBuffer {
     /// The first bytes of the stream, at most `head_cap`.
     head: Vec<u8>,
@@ -93,6 +93,11 @@ impl OutputBuffer {
     /// or only move the tail.
     pub fn is_full(&self) -> bool {
         self.head.len() == self.head_cap
+    }
+
+    /// What [`OutputBuffer::finish`] would say now, keeping the buffer.
+    pub fn snapshot(&self) -> String {
+        self.clone().finish()
     }
 
     /// The kept text: the head, and either nothing more, or a marker

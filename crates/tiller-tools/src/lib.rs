@@ -192,6 +192,8 @@ pub struct Toolbox {
     roots: Option<Arc<[PathBuf]>>,
     config: Arc<ToolsConfig>,
     mcp: Vec<Arc<McpServer>>,
+    /// Background commands, made at the first.
+    jobs: std::sync::OnceLock<Arc<shell::Jobs>>,
 }
 
 impl Toolbox {
@@ -202,6 +204,7 @@ impl Toolbox {
             roots: None,
             config,
             mcp: Vec::new(),
+            jobs: std::sync::OnceLock::new(),
         }
     }
 
@@ -344,7 +347,51 @@ impl Toolbox {
         if let Some(server) = self.mcp.iter().find(|m| m.owns(&call.name)) {
             return server.call(&call.name, &call.input, &self.config).await;
         }
+        let background = call.name == "shell"
+            && call
+                .input
+                .get("background")
+                .and_then(serde_json::Value::as_bool)
+                == Some(true);
+        if background || call.name == "shell_output" {
+            return self.background(call).await;
+        }
         local::run(self.root_for(&call.input), &self.config, call, client).await
+    }
+
+    /// `shell` with `background: true` (always local: an editor's terminal
+    /// is for commands the turn waits for) and `shell_output`.
+    async fn background(&self, call: &ToolCall) -> ToolOutput {
+        let jobs = self.jobs.get_or_init(Arc::default);
+        let input = &call.input;
+        let r = if call.name == "shell_output" {
+            match input.get("id").and_then(serde_json::Value::as_u64) {
+                Some(id) => jobs.output(
+                    id,
+                    input.get("stop").and_then(serde_json::Value::as_bool) == Some(true),
+                ),
+                None => Err("missing integer argument `id`".into()),
+            }
+        } else {
+            match input.get("command").and_then(serde_json::Value::as_str) {
+                None => Err("missing string argument `command`".into()),
+                Some(command) => match local::shell_cwd(self.root_for(input), input).await {
+                    Ok(cwd) => jobs.start(command, &cwd, &self.config).await,
+                    Err(e) => Err(e),
+                },
+            }
+        };
+        let max = self.config.max_output_bytes + 256;
+        match r {
+            Ok(out) => ToolOutput {
+                ok: true,
+                output: bounded::truncate(out, max),
+            },
+            Err(e) => ToolOutput {
+                ok: false,
+                output: bounded::truncate(e, max),
+            },
+        }
     }
 }
 

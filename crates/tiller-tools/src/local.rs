@@ -149,12 +149,22 @@ pub fn builtin_specs() -> Vec<ToolSpec> {
         spec(
             "shell",
             ToolKind::Execute,
-            "Run a shell command (`sh -c`) in the working directory, or in `cwd` (a directory inside it or an additional root); returns its output and exit code.",
+            "Run a shell command (`sh -c`) in the working directory, or in `cwd` (a directory inside it or an additional root); returns its output and exit code. With `background: true` it returns at once with an id: read its output later with shell_output (for servers, watchers, long builds).",
             json!({"type": "object", "properties": {
                 "command": {"type": "string"},
                 "cwd": {"type": "string"},
-                "timeout_ms": {"type": "integer", "minimum": 1}
+                "timeout_ms": {"type": "integer", "minimum": 1},
+                "background": {"type": "boolean"}
             }, "required": ["command"]}),
+        ),
+        spec(
+            "shell_output",
+            ToolKind::Other,
+            "The output so far of a background shell command, and whether it still runs (`stop: true` kills it first).",
+            json!({"type": "object", "properties": {
+                "id": {"type": "integer", "minimum": 1},
+                "stop": {"type": "boolean"}
+            }, "required": ["id"]}),
         ),
     ]
 }
@@ -1066,21 +1076,12 @@ async fn grep(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
     .await
 }
 
-async fn shell(
-    root: &Path,
-    cfg: &ToolsConfig,
-    input: &Value,
-    client: Option<Arc<dyn ClientTools>>,
-) -> Result<String, String> {
-    let command = str_arg(input, "command")?.to_owned();
-    let timeout = input
-        .get("timeout_ms")
-        .and_then(Value::as_u64)
-        .map_or(cfg.shell_timeout, Duration::from_millis)
-        .min(cfg.max_shell_timeout);
+/// The directory a `shell` call runs in: the session's, or its `cwd`
+/// (inside the root once links are resolved, and a directory).
+pub(crate) async fn shell_cwd(root: &Path, input: &Value) -> Result<PathBuf, String> {
     let dir = input.get("cwd").and_then(Value::as_str).map(str::to_owned);
     let root = root.to_owned();
-    let cwd = blocking(move || {
+    blocking(move || {
         let base = root
             .canonicalize()
             .map_err(|e| format!("the working directory is unusable: {e}"))?;
@@ -1103,7 +1104,22 @@ async fn shell(
         }
         Ok(real)
     })
-    .await?;
+    .await
+}
+
+async fn shell(
+    root: &Path,
+    cfg: &ToolsConfig,
+    input: &Value,
+    client: Option<Arc<dyn ClientTools>>,
+) -> Result<String, String> {
+    let command = str_arg(input, "command")?.to_owned();
+    let timeout = input
+        .get("timeout_ms")
+        .and_then(Value::as_u64)
+        .map_or(cfg.shell_timeout, Duration::from_millis)
+        .min(cfg.max_shell_timeout);
+    let cwd = shell_cwd(root, input).await?;
     let out = match client {
         Some(c) if c.can_terminal() => {
             let mut out = c.run_command(command, cwd, timeout).await?;

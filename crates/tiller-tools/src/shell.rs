@@ -38,9 +38,29 @@ pub(crate) async fn run_local(
 ) -> Result<CommandOutput, String> {
     let deadline = Instant::now() + timeout;
     let mut running = Running::spawn(command, cwd, cfg).await?;
+    let mut out = OutputBuffer::head_and_tail(cfg.max_output_bytes);
+    let (status, timed_out) = drive(&mut running, deadline, |b| out.push(b)).await?;
+    Ok(CommandOutput {
+        output: out.finish(),
+        exit_code: if timed_out {
+            None
+        } else {
+            status.and_then(|s| s.code())
+        },
+        timed_out,
+    })
+}
+
+/// Reads a started command's output into `push` until it exits (and its
+/// pipes end) or `deadline` passes (then it is stopped). Returns its exit
+/// status and whether it timed out.
+async fn drive(
+    running: &mut Running,
+    deadline: Instant,
+    mut push: impl FnMut(&[u8]),
+) -> Result<(Option<ExitStatus>, bool), String> {
     let mut stdout = running.child.as_mut().and_then(|c| c.stdout.take());
     let mut stderr = running.child.as_mut().and_then(|c| c.stderr.take());
-    let mut out = OutputBuffer::head_and_tail(cfg.max_output_bytes);
     let (mut b1, mut b2) = (vec![0u8; 8192], vec![0u8; 8192]);
     let mut status: Option<ExitStatus> = None;
     let mut until = deadline;
@@ -50,11 +70,11 @@ pub(crate) async fn run_local(
         }
         tokio::select! {
             r = read(stdout.as_mut(), &mut b1) => match r {
-                Some(n) => out.push(&b1[..n]),
+                Some(n) => push(&b1[..n]),
                 None => stdout = None,
             },
             r = read(stderr.as_mut(), &mut b2) => match r {
-                Some(n) => out.push(&b2[..n]),
+                Some(n) => push(&b2[..n]),
                 None => stderr = None,
             },
             s = running.wait(), if status.is_none() => {
@@ -70,15 +90,158 @@ pub(crate) async fn run_local(
     if timed_out {
         running.stop().await;
     }
-    Ok(CommandOutput {
-        output: out.finish(),
-        exit_code: if timed_out {
-            None
-        } else {
-            status.and_then(|s| s.code())
-        },
-        timed_out,
-    })
+    Ok((status, timed_out))
+}
+
+/// Most background commands a session keeps (finished ones are forgotten
+/// first to make room).
+pub(crate) const MAX_JOBS: usize = 8;
+
+/// How long a background command may run before it is killed.
+pub(crate) const BACKGROUND_LIMIT: Duration = Duration::from_secs(3600);
+
+/// A session's background commands (`shell` with `background: true`),
+/// read with `shell_output`. Dropped with the session's tools: every
+/// command still running is killed with everything it started.
+#[derive(Default)]
+pub(crate) struct Jobs(std::sync::Mutex<JobList>);
+
+#[derive(Default)]
+struct JobList {
+    next: u64,
+    jobs: std::collections::BTreeMap<u64, Job>,
+}
+
+struct Job {
+    command: String,
+    state: std::sync::Arc<std::sync::Mutex<JobState>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Job {
+    /// Dropping the task drops its command, which kills it.
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct JobState {
+    out: OutputBuffer,
+    /// How it ended; `None` while it runs.
+    end: Option<String>,
+}
+
+impl Jobs {
+    fn list(&self) -> std::sync::MutexGuard<'_, JobList> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts `command` in `cwd`; returns what to tell the model.
+    pub(crate) async fn start(
+        &self,
+        command: &str,
+        cwd: &Path,
+        cfg: &ToolsConfig,
+    ) -> Result<String, String> {
+        {
+            let mut list = self.list();
+            if list.jobs.len() >= MAX_JOBS {
+                let done = list
+                    .jobs
+                    .iter()
+                    .find(|(_, j)| j.state.lock().is_ok_and(|s| s.end.is_some()))
+                    .map(|(id, _)| *id);
+                match done {
+                    Some(id) => {
+                        list.jobs.remove(&id);
+                    }
+                    None => {
+                        return Err(format!(
+                            "{MAX_JOBS} background commands are running; stop one with shell_output {{\"id\": N, \"stop\": true}}"
+                        ));
+                    }
+                }
+            }
+        }
+        let mut running = Running::spawn(command, cwd, cfg).await?;
+        let state = std::sync::Arc::new(std::sync::Mutex::new(JobState {
+            out: OutputBuffer::head_and_tail(cfg.max_output_bytes),
+            end: None,
+        }));
+        let st = state.clone();
+        let task = tokio::spawn(async move {
+            let deadline = Instant::now() + BACKGROUND_LIMIT;
+            let push = |b: &[u8]| {
+                if let Ok(mut s) = st.lock() {
+                    s.out.push(b);
+                }
+            };
+            let end = match drive(&mut running, deadline, push).await {
+                Ok((_, true)) => format!("killed after {}s", BACKGROUND_LIMIT.as_secs()),
+                Ok((Some(s), false)) => match s.code() {
+                    Some(c) => format!("exit code {c}"),
+                    None => "killed by a signal".into(),
+                },
+                Ok((None, false)) => "ended".into(),
+                Err(e) => e,
+            };
+            if let Ok(mut s) = st.lock() {
+                s.end = Some(end);
+            }
+        });
+        let mut list = self.list();
+        list.next += 1;
+        let id = list.next;
+        list.jobs.insert(
+            id,
+            Job {
+                command: command.to_owned(),
+                state,
+                task,
+            },
+        );
+        Ok(format!(
+            "started background command {id}; read its output with shell_output {{\"id\": {id}}}"
+        ))
+    }
+
+    /// A background command's output so far and whether it still runs;
+    /// `stop` kills it first.
+    pub(crate) fn output(&self, id: u64, stop: bool) -> Result<String, String> {
+        let mut list = self.list();
+        let known: Vec<String> = list.jobs.keys().map(u64::to_string).collect();
+        let Some(job) = list.jobs.get_mut(&id) else {
+            return Err(format!(
+                "no background command {id}; known: {}",
+                if known.is_empty() {
+                    "none".into()
+                } else {
+                    known.join(", ")
+                }
+            ));
+        };
+        if stop && !job.task.is_finished() {
+            job.task.abort();
+            if let Ok(mut s) = job.state.lock()
+                && s.end.is_none()
+            {
+                s.end = Some("stopped".into());
+            }
+        }
+        let s = job
+            .state
+            .lock()
+            .map_err(|_| "the command's output is unusable".to_owned())?;
+        let status = s.end.clone().unwrap_or_else(|| "running".into());
+        let out = s.out.snapshot();
+        let printed = out.trim_end();
+        Ok(format!(
+            "$ {}\n{}{}[{status}]",
+            job.command,
+            printed,
+            if printed.is_empty() { "" } else { "\n" }
+        ))
+    }
 }
 
 /// The next chunk from a pipe; `None` at its end (or error). A pipe

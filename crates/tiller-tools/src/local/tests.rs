@@ -968,3 +968,151 @@ fn web_fetch_is_offered_only_when_a_host_is_allowed() {
         ..ToolsConfig::default()
     }));
 }
+
+async fn tool(tb: &crate::Toolbox, name: &str, input: Value) -> ToolOutput {
+    tb.run(&call(name, input), None).await
+}
+
+/// Whether the process whose pid the command wrote to `file` is alive.
+fn alive(file: &Path) -> bool {
+    let pid = std::fs::read_to_string(file).unwrap();
+    Path::new(&format!("/proc/{}", pid.trim())).exists()
+}
+
+async fn until_gone(file: &Path) -> bool {
+    for _ in 0..200 {
+        if !alive(file) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+async fn until_file(file: &Path) {
+    for _ in 0..200 {
+        if std::fs::read_to_string(file).is_ok_and(|s| s.ends_with('\n')) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{} never written", file.display());
+}
+
+#[tokio::test]
+async fn background_commands_are_read_later_stopped_and_die_with_the_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let tb = crate::Toolbox::new(dir.path().to_owned(), Arc::new(ToolsConfig::default()));
+    // Started: the call returns at once; the output is read later.
+    let out = tool(
+        &tb,
+        "shell",
+        json!({"command": "echo one; sleep 0.3; echo two", "background": true}),
+    )
+    .await;
+    assert!(
+        out.ok && out.output.contains("started background command 1"),
+        "{out:?}"
+    );
+    let mut last = String::new();
+    for _ in 0..200 {
+        last = tool(&tb, "shell_output", json!({"id": 1})).await.output;
+        if last.ends_with("[exit code 0]") {
+            break;
+        }
+        assert!(last.ends_with("[running]"), "{last}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        last,
+        "$ echo one; sleep 0.3; echo two\none\ntwo\n[exit code 0]"
+    );
+
+    // Stopped on request, with what it started.
+    let out = tool(
+        &tb,
+        "shell",
+        json!({"command": "sh -c 'echo $$ > pid; exec sleep 100' & wait", "background": true}),
+    )
+    .await;
+    assert!(out.output.contains("command 2"), "{out:?}");
+    until_file(&dir.path().join("pid")).await;
+    let out = tool(&tb, "shell_output", json!({"id": 2, "stop": true})).await;
+    assert!(out.ok && out.output.ends_with("[stopped]"), "{out:?}");
+    assert!(
+        until_gone(&dir.path().join("pid")).await,
+        "stopped command killed"
+    );
+
+    // Bad ids and arguments are errors the model can read.
+    let table: &[(&str, Value, &str)] = &[
+        (
+            "shell_output",
+            json!({"id": 99}),
+            "no background command 99; known: 1, 2",
+        ),
+        ("shell_output", json!({}), "missing integer argument `id`"),
+        (
+            "shell",
+            json!({"background": true}),
+            "missing string argument `command`",
+        ),
+        (
+            "shell",
+            json!({"command": "true", "background": true, "cwd": ".."}),
+            "outside",
+        ),
+    ];
+    for (name, input, says) in table {
+        let out = tool(&tb, name, input.clone()).await;
+        assert!(!out.ok && out.output.contains(says), "{input}: {out:?}");
+    }
+
+    // A command still running when the session's tools go away dies.
+    let out = tool(
+        &tb,
+        "shell",
+        json!({"command": "sh -c 'echo $$ > pid2; exec sleep 100' & wait", "background": true}),
+    )
+    .await;
+    assert!(out.ok, "{out:?}");
+    until_file(&dir.path().join("pid2")).await;
+    drop(tb);
+    assert!(
+        until_gone(&dir.path().join("pid2")).await,
+        "killed with the session"
+    );
+}
+
+#[tokio::test]
+async fn at_most_a_bounded_number_of_background_commands_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let tb = crate::Toolbox::new(dir.path().to_owned(), Arc::new(ToolsConfig::default()));
+    for _ in 0..crate::shell::MAX_JOBS {
+        let out = tool(
+            &tb,
+            "shell",
+            json!({"command": "sleep 30", "background": true}),
+        )
+        .await;
+        assert!(out.ok, "{out:?}");
+    }
+    let out = tool(
+        &tb,
+        "shell",
+        json!({"command": "sleep 30", "background": true}),
+    )
+    .await;
+    assert!(
+        !out.ok && out.output.contains("background commands are running"),
+        "{out:?}"
+    );
+    // A stopped one makes room.
+    assert!(
+        tool(&tb, "shell_output", json!({"id": 1, "stop": true}))
+            .await
+            .ok
+    );
+    let out = tool(&tb, "shell", json!({"command": "true", "background": true})).await;
+    assert!(out.ok && out.output.contains("command 9"), "{out:?}");
+}
