@@ -67,6 +67,62 @@ describe("Web Shell", () => {
     await p.context().close();
   });
 
+  test("Markdown with a highlighted code block, an edit's diff, a tool call's input and output; dark mode and zh-CN", async () => {
+    const sid = await session();
+    const put = await api(daemon, "PUT", `/api/sessions/${sid}/options/permission_mode`, { value: "allow-all" });
+    assert.equal(put.status, 200, JSON.stringify(put.body));
+    const p = await open(sid, { bypassCSP: true });
+    const md = "## Plan\n\nRun **the tests**, then `cargo fmt`:\n\n```rust\nfn main() {\n    println!(\"hi\");\n}\n```\n\n<img src=x onerror=\"window.__pwned=1\">";
+    await send(p, script([
+      { say: md },
+      { tool: { name: "edit", input: { path: "src/main.rs", old_string: "println!(\"hi\")", new_string: "println!(\"hello\")" }, output: "replaced 1 occurrence" } },
+      { tool: { name: "grep", input: { pattern: "hello" }, output: "src/main.rs:2: hello" } },
+    ]));
+    await p.waitForFunction(() => document.querySelectorAll(".tool[data-status=completed]").length === 2);
+    // Markdown: a heading, bold, inline code, a highlighted Rust block.
+    assert.equal(await p.textContent(".agent h2"), "Plan");
+    assert.equal(await p.textContent(".agent strong"), "the tests");
+    assert.equal(await p.textContent(".agent p code"), "cargo fmt");
+    assert.ok(await p.$(".agent pre code.hljs .hljs-keyword"), "the code block is highlighted");
+    // The agent's HTML is sanitized: no handler ran, none is left.
+    assert.equal(await p.evaluate(() => window.__pwned), undefined);
+    assert.equal(await p.$$eval(".agent [onerror]", (n) => n.length), 0);
+    // The edit shows as a diff; the other call's input and output open up.
+    const [edit, grep] = await p.$$(".tool");
+    await edit.evaluate((d) => { d.open = true; });
+    assert.deepEqual(
+      await edit.$$eval(".diff-line", (ls) => ls.map((l) => [l.className.split(" ")[1], l.textContent])),
+      [["diff-del", '- println!("hi")\n'], ["diff-add", '+ println!("hello")\n']],
+    );
+    await grep.evaluate((d) => { d.open = true; });
+    assert.match(await grep.$eval(".tool-input", (n) => n.textContent), /"pattern": "hello"/);
+    assert.equal(await grep.$eval(".tool-output", (n) => n.textContent), "src/main.rs:2: hello");
+    await screenshot(p, "markdown-and-diff");
+    const AXE_OK = async (page) => {
+      await page.addScriptTag({ content: AXE });
+      return page.evaluate(async () => {
+        const r = await window.axe.run(document, { resultTypes: ["violations"] });
+        return r.violations.filter((v) => ["serious", "critical"].includes(v.impact)).map((v) => `${v.id}: ${v.help}`);
+      });
+    };
+    assert.deepEqual(await AXE_OK(p), []);
+    // Dark mode follows the system setting.
+    await p.emulateMedia({ colorScheme: "dark" });
+    const bg = await p.evaluate(() => getComputedStyle(document.body).backgroundColor);
+    assert.equal(bg, "rgb(22, 24, 28)");
+    await screenshot(p, "dark-mode");
+    assert.deepEqual(await AXE_OK(p), []);
+    await p.context().close();
+    // The same session in Chinese: labels translated, the content as it was.
+    const zh = await open(sid, { locale: "zh-CN" });
+    await zh.waitForFunction(() => document.querySelectorAll(".tool").length === 2);
+    assert.equal(await zh.textContent("#compact"), "压缩");
+    await zh.$$eval(".tool", (ds) => ds.forEach((d) => { d.open = true; }));
+    assert.equal(await zh.textContent(".tool .tool-label"), "更改");
+    await screenshot(zh, "zh-CN");
+    await zh.context().close();
+  });
+
   test("loop_detected is shown localized (en, zh-CN), survives a reload, and a new prompt supersedes it", async () => {
     const sid = await session();
     const en = await open(sid, { locale: "en-US" });

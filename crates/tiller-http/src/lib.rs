@@ -60,6 +60,7 @@ pub fn router(state: AppState) -> Router {
         .route("/app.js", get(web::app))
         .route("/i18n.js", get(web::i18n))
         .route("/style.css", get(web::style))
+        .route("/vendor/{name}", get(web::vendor))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))

@@ -9,8 +9,26 @@ const APP: &str = include_str!("../web/app.js");
 const I18N: &str = include_str!("../web/i18n.js");
 const STYLE: &str = include_str!("../web/style.css");
 
+/// Third-party modules, unchanged from npm (see `web/vendor/README.md`).
+const VENDOR: &[(&str, &str)] = &[
+    ("marked.esm.js", include_str!("../web/vendor/marked.esm.js")),
+    ("purify.es.mjs", include_str!("../web/vendor/purify.es.mjs")),
+    (
+        "highlight.min.js",
+        include_str!("../web/vendor/highlight.min.js"),
+    ),
+];
+
 /// Paths of the assets (served without a token: they hold no data).
-pub const PATHS: &[&str] = &["/", "/app.js", "/i18n.js", "/style.css"];
+pub const PATHS: &[&str] = &[
+    "/",
+    "/app.js",
+    "/i18n.js",
+    "/style.css",
+    "/vendor/marked.esm.js",
+    "/vendor/purify.es.mjs",
+    "/vendor/highlight.min.js",
+];
 
 fn asset(body: &'static str, kind: &'static str) -> Response {
     (
@@ -38,4 +56,12 @@ pub async fn i18n() -> Response {
 
 pub async fn style() -> Response {
     asset(STYLE, "text/css; charset=utf-8")
+}
+
+/// A vendored module; 404 for any other name.
+pub async fn vendor(axum::extract::Path(name): axum::extract::Path<String>) -> Response {
+    match VENDOR.iter().find(|(n, _)| *n == name) {
+        Some((_, body)) => asset(body, "text/javascript; charset=utf-8"),
+        None => axum::http::StatusCode::NOT_FOUND.into_response(),
+    }
 }

@@ -3,6 +3,59 @@
 // busy/idle and the last error come from the server's snapshot.
 
 import { LANGS, errorText, pickLanguage, translator } from "/i18n.js";
+import { Marked } from "/vendor/marked.esm.js";
+import DOMPurify from "/vendor/purify.es.mjs";
+import hljs from "/vendor/highlight.min.js";
+
+// Agent text is Markdown: rendered by marked, code blocks highlighted, and
+// always sanitized before it reaches the page (an agent's text is a
+// hostile document: it may echo whatever it read).
+const markdown = new Marked({ gfm: true, breaks: false });
+// An image in agent text says what it is, or is marked decorative.
+DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+  if (node.tagName === "IMG" && !node.hasAttribute("alt")) node.setAttribute("alt", "");
+});
+function renderMarkdown(node, text) {
+  node.innerHTML = DOMPurify.sanitize(markdown.parse(text).trim(), { USE_PROFILES: { html: true } });
+  for (const code of node.querySelectorAll("pre code")) {
+    const lang = [...code.classList].find((c) => c.startsWith("language-"))?.slice(9);
+    if (lang && hljs.getLanguage(lang)) {
+      // highlight.js escapes the text itself; the result is sanitized again.
+      code.innerHTML = DOMPurify.sanitize(hljs.highlight(code.textContent, { language: lang }).value);
+      code.classList.add("hljs");
+    }
+  }
+  for (const a of node.querySelectorAll("a[href]")) {
+    a.target = "_blank";
+    a.rel = "noopener noreferrer";
+  }
+}
+
+/** The change an edit-like call makes, as diff lines: [sign, text]. */
+function diffLines(name, input) {
+  const lines = (sign, text) => String(text ?? "").replace(/\n$/, "").split("\n").map((l) => [sign, l]);
+  if (name === "edit") {
+    const edits = Array.isArray(input?.edits) ? input.edits : [input ?? {}];
+    return edits.flatMap((e, i) => [
+      ...(edits.length > 1 ? [["@", `@@ ${i + 1}/${edits.length}`]] : []),
+      ...lines("-", e.old_string),
+      ...lines("+", e.new_string),
+    ]);
+  }
+  if (name === "write_file") return lines("+", input?.content);
+  if (name === "apply_patch") {
+    return String(input?.patch ?? "").replace(/\n$/, "").split("\n").map((l) => {
+      const sign = l.startsWith("+++") || l.startsWith("---") ? "@" : l[0] === "+" || l[0] === "-" || l[0] === "@" ? l[0] : " ";
+      return [sign, l];
+    });
+  }
+  return null;
+}
+
+function diffView(rows) {
+  return el("pre", { class: "diff" }, ...rows.map(([sign, text]) =>
+    el("span", { class: `diff-line diff-${{ "+": "add", "-": "del", "@": "hunk" }[sign] ?? "ctx"}`, text: sign === "@" || sign === " " ? `${text}\n` : `${sign} ${text}\n` })));
+}
 
 const $ = (id) => document.getElementById(id);
 // Credentials: the daemon's HttpOnly cookie, set when this page was opened
@@ -360,10 +413,12 @@ function apply(view, box, ev) {
     }
     case "agent_message_chunk":
       if (!view.agent) {
-        view.agent = el("div", { class: "agent" });
+        view.agent = el("div", { class: "agent markdown" });
+        view.agentText = "";
         into().append(view.agent);
       }
-      view.agent.textContent += d.text;
+      view.agentText += d.text;
+      renderMarkdown(view.agent, view.agentText);
       break;
     case "agent_thought_chunk":
       // Consecutive thought chunks are one thought.
@@ -381,10 +436,19 @@ function apply(view, box, ev) {
       view.agent = null;
       break;
     case "tool_call": {
+      // A call: its name and status; its input (a diff for edits) and
+      // output in a collapsible body.
       const status = el("span", { class: "tool-status", text: t(d.status ?? "pending") });
-      const node = el("div", { class: "tool", "data-tool-call": d.toolCallId, "data-status": d.status ?? "pending" },
-        el("strong", { text: d.name }), " · ", status);
-      view.tools.set(d.toolCallId, { node, status });
+      const key = `tool-${ev.seq}`;
+      const body = el("div", { class: "tool-body" });
+      const diff = diffLines(d.name, d.input);
+      if (diff) body.append(el("p", { class: "tool-label", text: t("toolChange") }), diffView(diff));
+      else if (d.input && Object.keys(d.input).length) {
+        body.append(el("p", { class: "tool-label", text: t("toolInput") }), el("pre", { class: "tool-input", text: JSON.stringify(d.input, null, 2) }));
+      }
+      const node = el("details", { class: "tool", "data-tool-call": d.toolCallId, "data-status": d.status ?? "pending", "data-key": key, open: view.opened.has(key) },
+        el("summary", {}, el("strong", { text: d.name }), " · ", status), body);
+      view.tools.set(d.toolCallId, { node, status, body });
       into().append(node);
       view.agent = null;
       break;
@@ -396,8 +460,23 @@ function apply(view, box, ev) {
       tool.status.textContent = t(d.status);
       if (d.status === "failed" || d.status === "completed") {
         const text = d.error?.message ?? d.output;
-        if (text) tool.node.append(el("pre", { text }));
+        if (text) tool.body.append(el("p", { class: "tool-label", text: t("toolOutput") }), el("pre", { class: "tool-output", text }));
+        // A failure is shown without a click.
+        if (d.status === "failed") tool.node.open = true;
       }
+      break;
+    }
+    case "compaction": {
+      const notes = { in_progress: "compacting", completed: "compacted", failed: "compactFailed", cancelled: "compactCancelled" };
+      const node = el("div", { class: "notice compaction", "data-compaction": d.status, text: t(notes[d.status] ?? "compacting") });
+      if (d.message) node.append(el("span", { text: ` ${d.message}` }));
+      if (d.summary) {
+        const summary = el("div", { class: "markdown" });
+        renderMarkdown(summary, d.summary);
+        node.append(el("details", { "data-key": `compaction-${ev.seq}`, open: view.opened.has(`compaction-${ev.seq}`) }, el("summary", { text: t("compactSummary") }), summary));
+      }
+      into().append(node);
+      view.agent = null;
       break;
     }
     case "turn_error":
@@ -530,6 +609,16 @@ $("prompt-text").addEventListener("keydown", (e) => {
     sendText($("prompt-text").value);
   }
 });
+$("compact").addEventListener("click", async () => {
+  const cur = state.current;
+  if (!cur) return;
+  try {
+    await api("POST", `/api/sessions/${encodeURIComponent(cur.id)}/compact`);
+  } catch (e) {
+    $("form-status").textContent = String(e.message ?? e);
+  }
+});
+
 $("cancel").addEventListener("click", async () => {
   const cur = state.current;
   if (cur) await api("POST", `/api/sessions/${cur.id}/cancel`);
