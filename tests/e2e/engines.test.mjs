@@ -1087,6 +1087,59 @@ describe("Web Shell with model engines", () => {
       await api(daemon, "PUT", `/api/sessions/${sid}/options/permission_mode`, { value: "allow-all" });
       await p.waitForFunction(() => document.querySelector("#option-permission_mode")?.value === "allow-all");
       await screenshot(p, "webshell-model-engine");
+      // Usage: tokens in context against the model's window.
+      await p.waitForFunction(() => !document.querySelector("#usage").hidden);
+      assert.match(await p.textContent("#usage"), /18 \/ 128,000 tokens \(0 %\)/);
+
+      // An image dropped on the prompt goes to the model with the text.
+      const PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
+      await p.evaluate((b64) => {
+        const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+        const dt = new DataTransfer();
+        dt.items.add(new File([bytes], "dot.png", { type: "image/png" }));
+        document.querySelector("#prompt-text").dispatchEvent(new DragEvent("drop", { dataTransfer: dt, bubbles: true, cancelable: true }));
+      }, PNG);
+      await p.waitForSelector("#attachments img[alt='dot.png']");
+      const m = mock.requests.length;
+      mock.reply({ events: openai.text("A dot.") });
+      await p.fill("#prompt-text", "what is this?");
+      await p.click("#send");
+      await p.waitForFunction(() => document.querySelector("#transcript")?.textContent.includes("A dot."));
+      const sent = JSON.stringify(since(m)[0].body.messages);
+      assert.ok(sent.includes(`data:image/png;base64,${PNG}`), "the mock model saw the image");
+      assert.equal(await p.$$eval("#attachments img", (i) => i.length), 0, "sent and cleared");
+
+      // The command palette: `/` lists the commands, arrows pick, Enter runs.
+      await p.fill("#prompt-text", "/c");
+      await p.dispatchEvent("#prompt-text", "input");
+      await p.waitForSelector("#palette:not([hidden])");
+      assert.deepEqual(await p.$$eval("#palette li", (ls) => ls.map((l) => l.dataset.command)), ["clear", "compact", "cancel"]);
+      await screenshot(p, "command-palette");
+      const k = mock.requests.length;
+      mock.reply({ events: openai.text("## Goal\nA dot was shown.") });
+      await p.focus("#prompt-text");
+      await p.keyboard.press("ArrowDown");
+      await p.keyboard.press("Enter");
+      // /compact ran: the compaction is shown, with its summary.
+      await p.waitForSelector(".compaction[data-compaction=completed]");
+      assert.match(since(k)[0].body.messages[0].content, /You summarize a coding session/);
+      await p.click(".compaction summary");
+      assert.equal(await p.textContent(".compaction details h2"), "Goal");
+
+      // Shortcuts: listed in the help dialog; Ctrl+/ focuses the prompt.
+      await p.click("#help");
+      assert.ok(await p.isVisible("#help-dialog"));
+      assert.match(await p.textContent("#help-dialog"), /Focus the prompt/);
+      await p.keyboard.press("Escape");
+      await p.focus("#session-search");
+      await p.keyboard.press("Control+/");
+      assert.equal(await p.evaluate(() => document.activeElement.id), "prompt-text");
+      // The search box filters the sessions by title.
+      await p.fill("#session-search", "no session has this title");
+      await p.waitForFunction(() => document.querySelectorAll("#session-list li").length === 0);
+      await p.fill("#session-search", "");
+      await p.waitForFunction(() => document.querySelectorAll("#session-list li").length > 0);
+
       // A bad directory is refused in the dialog, nothing is created.
       await p.click("#new-session");
       await p.fill("#new-cwd", "relative/path");

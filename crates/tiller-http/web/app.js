@@ -100,6 +100,8 @@ function setLanguage(lang) {
   document.documentElement.lang = state.lang;
   $("lang-select").value = state.lang;
   for (const node of document.querySelectorAll("[data-i18n]")) node.textContent = state.t(node.dataset.i18n);
+  $("session-search").placeholder = state.t("searchSessions");
+  $("session-search").setAttribute("aria-label", state.t("searchSessions"));
   if (state.current) $("session-title").textContent = state.current.title;
   render();
   renderOptions();
@@ -119,8 +121,10 @@ function sessionLabel(s) {
 
 function renderSessions() {
   const list = $("session-list");
+  const q = ($("session-search").value ?? "").trim().toLowerCase();
+  const shown = q ? state.sessions.filter((s) => sessionLabel(s).toLowerCase().includes(q)) : state.sessions;
   list.replaceChildren(
-    ...state.sessions.map((s) =>
+    ...shown.map((s) =>
       el(
         "li",
         {},
@@ -519,6 +523,19 @@ function renderState() {
   $("state").dataset.queued = String(queued);
   $("state").dataset.state = s;
   $("cancel").hidden = !cur || s === "idle";
+  // Usage: tokens in context against the window, and the cost so far.
+  const u = snap.usage;
+  const usage = $("usage");
+  if (u && u.contextWindow > 0) {
+    const share = Math.min(100, Math.round((100 * u.used) / u.contextWindow));
+    usage.textContent = t("usage", { used: u.used.toLocaleString(state.lang), size: u.contextWindow.toLocaleString(state.lang), share })
+      + (u.cost ? ` · ${u.cost.amount.toFixed(2)} ${u.cost.currency}` : "");
+    usage.dataset.share = String(share);
+    usage.hidden = false;
+  } else {
+    usage.textContent = "";
+    usage.hidden = true;
+  }
   $("send").textContent = s === "running" ? t("steer") : t("send");
   // Banners: the last turn error (server-owned) and a paused goal.
   const banners = [];
@@ -579,18 +596,25 @@ async function sendText(text) {
   status.textContent = "";
   try {
     // Tiller's slash commands run at once, even during a turn.
-    const command = /^\s*\/(clear|model|mode|goal|cancel)(\s|$)/.test(text);
+    const command = /^\s*\/(clear|model|mode|goal|cancel|compact)(\s|$)/.test(text);
     if (cur.snapshot?.state === "running" && !command) {
       const r = await api("POST", `/api/sessions/${cur.id}/steer`, { text });
       status.textContent =
         r.outcome === "injected" ? t("steerInjected") : r.outcome === "startedNewTurn" ? t("steerNewTurn") : t("steerRefused");
       status.dataset.outcome = r.outcome;
     } else {
-      const r = await api("POST", `/api/sessions/${cur.id}/prompts`, { text });
+      // Attached images go with the text as content blocks.
+      const body = state.images.length
+        ? { content: [{ type: "text", text }, ...state.images.map((i) => ({ type: "image", mimeType: i.mimeType, data: i.data }))] }
+        : { text };
+      const r = await api("POST", `/api/sessions/${cur.id}/prompts`, body);
       delete status.dataset.outcome;
       if (r?.command) status.textContent = r.message;
+      state.images = [];
+      renderAttachments();
     }
     $("prompt-text").value = "";
+    renderPalette();
   } catch (e) {
     status.textContent = e.message;
   }
@@ -604,11 +628,96 @@ $("prompt-form").addEventListener("submit", (e) => {
   sendText($("prompt-text").value);
 });
 $("prompt-text").addEventListener("keydown", (e) => {
+  const palette = $("palette");
+  if (!palette.hidden && (e.key === "ArrowDown" || e.key === "ArrowUp" || e.key === "Tab")) {
+    e.preventDefault();
+    const items = [...palette.children];
+    const at = items.findIndex((i) => i.getAttribute("aria-selected") === "true");
+    const next = e.key === "ArrowUp" ? (at - 1 + items.length) % items.length : (at + 1) % items.length;
+    items.forEach((i, k) => i.setAttribute("aria-selected", String(k === next)));
+    return;
+  }
   if (e.key === "Enter" && !e.shiftKey) {
     e.preventDefault();
+    const chosen = palette.hidden ? null : palette.querySelector("[aria-selected=true]");
+    if (chosen) return choose(chosen.dataset.command);
     sendText($("prompt-text").value);
   }
 });
+$("prompt-text").addEventListener("input", renderPalette);
+
+// The command palette: Tiller's commands, shown while the prompt is a
+// `/word` being typed.
+const COMMANDS = ["clear", "compact", "model", "mode", "goal", "cancel"];
+function renderPalette() {
+  const text = $("prompt-text").value;
+  const m = /^\/(\w*)$/.exec(text);
+  const palette = $("palette");
+  const hits = m ? COMMANDS.filter((c) => c.startsWith(m[1])) : [];
+  palette.hidden = hits.length === 0;
+  palette.replaceChildren(...hits.map((c, k) => el("li", {
+    role: "option", "data-command": c, "aria-selected": String(k === 0),
+    onclick: () => choose(c),
+  }, el("code", { text: `/${c}` }), ` ${state.t(`cmd_${c}`)}`)));
+}
+function choose(command) {
+  const takesArgument = ["model", "mode", "goal"].includes(command);
+  $("prompt-text").value = `/${command}${takesArgument ? " " : ""}`;
+  renderPalette();
+  $("prompt-text").focus();
+  if (!takesArgument) sendText($("prompt-text").value);
+}
+
+// Images pasted or dropped into the prompt go with the next prompt.
+state.images = [];
+const IMAGE_TYPES = /^image\/(png|jpeg|gif|webp)$/;
+async function attach(files) {
+  for (const f of files) {
+    if (!IMAGE_TYPES.test(f.type)) continue;
+    const data = await new Promise((resolve, reject) => {
+      const r = new FileReader();
+      r.onload = () => resolve(String(r.result).split(",")[1]);
+      r.onerror = reject;
+      r.readAsDataURL(f);
+    });
+    state.images.push({ mimeType: f.type, data, name: f.name || f.type });
+  }
+  renderAttachments();
+}
+function renderAttachments() {
+  $("attachments").replaceChildren(...state.images.map((img, k) => el("span", { class: "attachment-chip" },
+    el("img", { alt: img.name, src: `data:${img.mimeType};base64,${img.data}` }),
+    el("button", { type: "button", class: "secondary", "aria-label": state.t("removeImage"), text: "×",
+      onclick: () => { state.images.splice(k, 1); renderAttachments(); } }))));
+}
+$("prompt-text").addEventListener("paste", (e) => {
+  const files = [...(e.clipboardData?.files ?? [])];
+  if (files.some((f) => IMAGE_TYPES.test(f.type))) {
+    e.preventDefault();
+    attach(files);
+  }
+});
+$("prompt-text").addEventListener("dragover", (e) => e.preventDefault());
+$("prompt-text").addEventListener("drop", (e) => {
+  const files = [...(e.dataTransfer?.files ?? [])];
+  if (files.length) {
+    e.preventDefault();
+    attach(files);
+  }
+});
+
+// Keyboard shortcuts (listed in the help dialog).
+document.addEventListener("keydown", (e) => {
+  if (e.key === "Escape" && state.current && state.current.snapshot?.state !== "idle" && !document.querySelector("dialog[open]")) {
+    e.preventDefault();
+    $("cancel").click();
+  } else if (e.key === "/" && (e.ctrlKey || e.metaKey)) {
+    e.preventDefault();
+    $("prompt-text").focus();
+  }
+});
+$("help").addEventListener("click", () => $("help-dialog").showModal());
+$("session-search").addEventListener("input", renderSessions);
 $("compact").addEventListener("click", async () => {
   const cur = state.current;
   if (!cur) return;
