@@ -35,6 +35,23 @@ use tokio::sync::oneshot;
 
 pub use error::StoreError;
 
+/// `PRAGMA integrity_check` of the store at `path`, opened read-only and
+/// apart from any daemon (a running daemon holds the file exclusively:
+/// that is [`StoreError::is_unavailable`]). `Ok` holds SQLite's findings,
+/// empty when the file is sound.
+pub fn integrity_check(path: &Path) -> Result<Vec<String>, StoreError> {
+    let conn = Connection::open_with_flags(
+        path,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(std::time::Duration::from_millis(200))?;
+    let mut stmt = conn.prepare("PRAGMA integrity_check")?;
+    let found: Vec<String> = stmt
+        .query_map([], |r| r.get::<_, String>(0))?
+        .collect::<Result<_, _>>()?;
+    Ok(found.into_iter().filter(|f| f != "ok").collect())
+}
+
 /// Called on the store thread (the caller's, inline) once appends of a session committed, with
 /// the highest sequence number among them (what the session may now show).
 pub type OnCommit = Arc<dyn Fn(u64) + Send + Sync>;

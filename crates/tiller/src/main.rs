@@ -4,6 +4,7 @@
 mod admin;
 mod config;
 mod daemon;
+mod doctor;
 mod relay;
 mod stdio;
 mod token;
@@ -107,6 +108,16 @@ enum Command {
         task_id: String,
         #[arg(long)]
         text: String,
+    },
+    /// Checks the config, the data directory, the store, the socket and
+    /// each engine; prints what to fix (exit 1 when something failed).
+    Doctor {
+        /// Config file (default: the embedded defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Data directory (store.data_dir).
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
     },
     /// Configuration tools.
     Config {
@@ -280,6 +291,29 @@ fn main() -> ExitCode {
             };
             daemon::init_tracing(&cfg);
             exit(runtime().block_on(daemon::serve(cfg)))
+        }
+        Command::Doctor { config, data_dir } => {
+            let overrides = [(
+                "TILLER_STORE__DATA_DIR",
+                data_dir.map(|p| p.display().to_string()),
+            )];
+            let cfg = match load_config(config.as_deref(), &overrides) {
+                Ok(c) => c,
+                Err(e) => {
+                    #[allow(clippy::print_stdout)] // the command's output
+                    {
+                        println!("FAIL  config: {e}");
+                    }
+                    return ExitCode::from(1);
+                }
+            };
+            let findings = current_thread().block_on(doctor::run(&cfg));
+            let (text, code) = doctor::report(&findings);
+            #[allow(clippy::print_stdout)] // the command's output
+            {
+                println!("{text}");
+            }
+            ExitCode::from(code)
         }
         Command::Acp {
             connect,

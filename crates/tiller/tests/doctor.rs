@@ -1,0 +1,130 @@
+//! `tiller doctor` against real directories, files and servers.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+
+/// A server answering every request with `status` (one per connection).
+fn server(status: &'static str) -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let body = r#"{"data":[]}"#;
+            let _ = write!(
+                s,
+                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    format!("http://{addr}/v1")
+}
+
+/// Runs `tiller doctor` with `config` and `data_dir`; its exit code and
+/// output.
+fn doctor(config: &str, data_dir: &std::path::Path) -> (i32, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiller.toml");
+    std::fs::write(&path, config).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_tiller"))
+        .args(["doctor", "--config"])
+        .arg(&path)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .env_remove("TILLER_DOCTOR_TEST_KEY")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+fn private_dir() -> tempfile::TempDir {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    d
+}
+
+/// A config, the data directory's mode, the store file's bytes, the exit
+/// code, and lines the output must hold.
+type Case<'a> = (String, u32, Option<&'a [u8]>, i32, Vec<String>);
+
+#[test]
+fn each_problem_is_named_with_what_to_do() {
+    let ok = server("200 OK");
+    let refused = server("401 Unauthorized");
+    // (config, data dir mode, store file contents, exit code, lines wanted)
+    let cases: Vec<Case<'_>> = vec![
+        (String::new(), 0o700, None, 0, vec!["ok    data directory".into(), "all checks passed".into()]),
+        (String::new(), 0o755, None, 1, vec!["FAIL  data directory".into(), "chmod 700".into()]),
+        (
+            String::new(),
+            0o700,
+            Some(b"this is not a database, whatever it says".as_slice()),
+            1,
+            vec!["FAIL  store".into()],
+        ),
+        (
+            format!("[engine.m]\nkind = \"openai\"\nbase_url = \"{ok}\"\nmodel = \"x\"\n"),
+            0o700,
+            None,
+            0,
+            vec![format!("ok    engine m: {ok}/models answers")],
+        ),
+        (
+            format!("[engine.m]\nkind = \"openai\"\nbase_url = \"{refused}\"\nmodel = \"x\"\napi_key_env = \"PATH\"\n"),
+            0o700,
+            None,
+            1,
+            vec!["FAIL  engine m".into(), "refused the key".into()],
+        ),
+        (
+            "[engine.m]\nkind = \"openai\"\nbase_url = \"http://127.0.0.1:1/v1\"\nmodel = \"x\"\n".into(),
+            0o700,
+            None,
+            1,
+            vec!["FAIL  engine m: http://127.0.0.1:1/v1/models is unreachable".into()],
+        ),
+        (
+            "[engine.m]\nkind = \"anthropic\"\nmodel = \"x\"\napi_key_env = \"TILLER_DOCTOR_TEST_KEY\"\n".into(),
+            0o700,
+            None,
+            1,
+            vec!["TILLER_DOCTOR_TEST_KEY (engine.m.api_key_env) is not set".into()],
+        ),
+        (
+            "[engine.a]\nkind = \"acp\"\ncommand = \"surely-not-an-installed-agent\"\n".into(),
+            0o700,
+            None,
+            1,
+            vec!["FAIL  engine a: `surely-not-an-installed-agent` is not on PATH".into()],
+        ),
+        (
+            "[engine.a]\nkind = \"acp\"\ncommand = \"/bin/sh\"\n".into(),
+            0o700,
+            None,
+            0,
+            vec!["ok    engine a: /bin/sh is executable".into()],
+        ),
+        ("[server]\nnonsense = 1\n".into(), 0o700, None, 1, vec!["FAIL  config".into()]),
+    ];
+    for (config, mode, store, code, wanted) in cases {
+        let data = private_dir();
+        std::fs::set_permissions(data.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+        if let Some(bytes) = store {
+            std::fs::write(data.path().join("tiller.db"), bytes).unwrap();
+        }
+        let (got, out) = doctor(&config, data.path());
+        assert_eq!(got, code, "{config:?} mode {mode:o}:\n{out}");
+        for w in wanted {
+            assert!(out.contains(&w), "{config:?}: wanted {w:?} in\n{out}");
+        }
+        // A key never shows.
+        assert!(!out.contains(&std::env::var("PATH").unwrap()), "{out}");
+    }
+}
