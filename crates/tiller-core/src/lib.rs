@@ -12,6 +12,7 @@ pub mod cron;
 pub mod goal;
 mod ids;
 pub mod loop_guard;
+pub mod metrics;
 pub mod notify;
 pub mod pipeline;
 mod terminal;

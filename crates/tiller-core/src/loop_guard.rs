@@ -38,16 +38,17 @@ impl LoopType {
 
     /// Parses [`LoopType::as_str`].
     pub fn parse(s: &str) -> Option<Self> {
-        [
-            LoopType::ConsecutiveIdenticalToolCalls,
-            LoopType::RepeatedToolFailure,
-            LoopType::TurnToolCallCap,
-            LoopType::ChantingIdenticalSentences,
-            LoopType::AlternatingToolCallPattern,
-        ]
-        .into_iter()
-        .find(|t| t.as_str() == s)
+        Self::ALL.into_iter().find(|t| t.as_str() == s)
     }
+
+    /// Every loop type.
+    pub const ALL: [LoopType; 5] = [
+        LoopType::ConsecutiveIdenticalToolCalls,
+        LoopType::RepeatedToolFailure,
+        LoopType::TurnToolCallCap,
+        LoopType::ChantingIdenticalSentences,
+        LoopType::AlternatingToolCallPattern,
+    ];
 
     /// What happened, in plain English.
     pub fn describe(self) -> &'static str {

@@ -21,6 +21,15 @@ pub enum Origin {
 }
 
 impl Origin {
+    /// Every origin, for metric labels registered at start-up.
+    pub const ALL: [Origin; 5] = [
+        Origin::Interactive,
+        Origin::Channel,
+        Origin::Cron,
+        Origin::Notification,
+        Origin::Goal,
+    ];
+
     /// Stable lower-case name, used as a metric label and in the log.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -61,6 +70,15 @@ pub enum StopReason {
 }
 
 impl StopReason {
+    /// Every stop reason.
+    pub const ALL: [StopReason; 5] = [
+        StopReason::EndTurn,
+        StopReason::MaxTokens,
+        StopReason::MaxTurnRequests,
+        StopReason::Refusal,
+        StopReason::Cancelled,
+    ];
+
     /// The snake_case name ACP and the event log use.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -114,6 +132,21 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// One of each kind (a loop stop stands for every loop type: the
+    /// `errorKind` is the same).
+    pub const ALL: [ErrorKind; 10] = [
+        ErrorKind::NoResult,
+        ErrorKind::ModelStreamInterrupted,
+        ErrorKind::EngineCrashed,
+        ErrorKind::Stalled,
+        ErrorKind::DaemonRestarted,
+        ErrorKind::SessionRestarted,
+        ErrorKind::LoopDetected(LoopType::TurnToolCallCap),
+        ErrorKind::TurnTooLong,
+        ErrorKind::StoreUnavailable,
+        ErrorKind::Overloaded,
+    ];
+
     /// The snake_case `errorKind` clients see.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -295,6 +295,24 @@ pub enum WatchdogKind {
     SteerReceipt,
 }
 
+impl WatchdogKind {
+    /// Every watchdog.
+    pub const ALL: [WatchdogKind; 3] = [
+        WatchdogKind::Stall,
+        WatchdogKind::CancelGrace,
+        WatchdogKind::SteerReceipt,
+    ];
+
+    /// The `kind` label of `tiller_watchdog_fired_total`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WatchdogKind::Stall => "stall",
+            WatchdogKind::CancelGrace => "cancel_grace",
+            WatchdogKind::SteerReceipt => "steer_receipt",
+        }
+    }
+}
+
 /// What the actor must do, in order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Effect<P = (), S = ()> {

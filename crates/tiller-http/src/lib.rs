@@ -20,10 +20,12 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::{SinkExt, StreamExt};
-use metrics_exporter_prometheus::PrometheusHandle;
 use tiller_acp::{AcpConfig, Frame};
 use tiller_session::Sessions;
 use tokio::sync::{Semaphore, mpsc};
+
+/// Renders a `/metrics` scrape (the Prometheus text format).
+pub type RenderMetrics = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// What the HTTP handlers share.
 #[derive(Clone)]
@@ -34,7 +36,7 @@ pub struct AppState {
     pub acp: AcpConfig,
     /// Renders `/metrics`; `None` when `[metrics] enabled = false` (the
     /// route then answers 404).
-    pub metrics: Option<PrometheusHandle>,
+    pub metrics: Option<RenderMetrics>,
     /// The connection cap, shared with the unix socket.
     pub permits: Arc<Semaphore>,
     /// False until start-up is complete, and again during shutdown.
@@ -139,7 +141,7 @@ async fn metrics(State(st): State<AppState>) -> Response {
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        metrics.render(),
+        metrics(),
     )
         .into_response()
 }

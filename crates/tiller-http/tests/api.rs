@@ -52,7 +52,10 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
             subscriber_queue: 64,
             version: "test".into(),
         },
-        metrics: Some(PrometheusBuilder::new().build_recorder().handle()),
+        metrics: Some({
+            let handle = PrometheusBuilder::new().build_recorder().handle();
+            Arc::new(move || handle.render())
+        }),
         permits: Arc::new(Semaphore::new(8)),
         ready: Arc::new(AtomicBool::new(true)),
         subscriber_queue,

@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use metrics_exporter_prometheus::PrometheusBuilder;
 use tiller_acp::AcpConfig;
 use tiller_engine::model::ModelEngine;
 use tiller_engine::{Engine, ScriptedEngine};
@@ -207,14 +206,7 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     protect_process();
     raise_fd_limit();
     let metrics = if cfg.metrics.enabled {
-        let handle = PrometheusBuilder::new()
-            .install_recorder()
-            .context("cannot install the metrics recorder")?;
-        metrics::gauge!("tiller_sessions_active").set(0.0);
-        for t in ["unix", "websocket"] {
-            metrics::gauge!("tiller_connections_active", "transport" => t).set(0.0);
-        }
-        Some(handle)
+        Some(crate::metrics::install(&cfg)?)
     } else {
         None
     };

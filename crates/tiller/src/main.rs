@@ -5,6 +5,7 @@ mod admin;
 mod config;
 mod daemon;
 mod doctor;
+mod metrics;
 mod relay;
 mod stdio;
 mod token;
@@ -24,7 +25,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser, Debug)]
 #[command(
     name = "tiller",
-    version,
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("TILLER_COMMIT"), ")"),
     about = "A host for coding-agent sessions (ACP, Web Shell, metrics)"
 )]
 struct Cli {

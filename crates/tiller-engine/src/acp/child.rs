@@ -566,3 +566,23 @@ impl Drop for Child {
         self.signal_group();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Death;
+
+    #[test]
+    fn every_death_reason_is_registered_at_start_up() {
+        let restarts = tiller_core::metrics::ALL
+            .iter()
+            .find(|m| m.name == "tiller_engine_restarts_total")
+            .unwrap();
+        let registered: Vec<String> =
+            tiller_core::metrics::combinations(restarts, &[], &["a".into()])
+                .into_iter()
+                .map(|labels| labels[1].1.clone())
+                .collect();
+        let all = [Death::Exited, Death::Protocol, Death::Killed, Death::Idle];
+        assert_eq!(registered, all.map(|d| d.as_str().to_owned()));
+    }
+}

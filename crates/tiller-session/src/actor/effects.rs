@@ -134,11 +134,7 @@ impl SessionState {
                     metrics::counter!("tiller_stale_signals_total").increment(1);
                 }
                 Effect::WatchdogFired { kind } => {
-                    let kind = match kind {
-                        tiller_core::WatchdogKind::Stall => "stall",
-                        tiller_core::WatchdogKind::CancelGrace => "cancel_grace",
-                        tiller_core::WatchdogKind::SteerReceipt => "steer_receipt",
-                    };
+                    let kind = kind.as_str();
                     tracing::warn!(kind, "watchdog fired");
                     metrics::counter!("tiller_watchdog_fired_total", "kind" => kind).increment(1);
                 }
