@@ -13,7 +13,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::Stream;
-use serde::Deserialize;
 use serde_json::{Value, json};
 use tiller_core::{Origin, PromptId, SessionId};
 use tiller_session::view::{Cursor, Live};
@@ -24,6 +23,7 @@ use tiller_session::{
 use tokio::sync::mpsc;
 
 use crate::AppState;
+use crate::wire::*;
 
 /// An API error: status and `{error: {errorKind, message, ...}}`.
 pub struct ApiError(pub StatusCode, pub Value);
@@ -154,95 +154,88 @@ async fn open(st: &AppState, raw: &str) -> ApiResult<SessionHandle> {
 
 /// The JSON envelope of one event: `{seq, type, promptId?, turnId?, ts, data}`.
 pub fn envelope(rec: &EventRecord) -> Value {
+    serde_json::to_value(typed_envelope(rec)).expect("events serialize")
+}
+
+fn typed_envelope(rec: &EventRecord) -> Envelope {
     let mut data = serde_json::to_value(&rec.body).expect("events serialize");
     let kind = data
         .as_object_mut()
         .and_then(|o| o.remove("type"))
-        .unwrap_or(Value::Null);
+        .and_then(|t| t.as_str().map(str::to_owned))
+        .unwrap_or_default();
     if let EventBody::TurnError { .. } = rec.body {
         data["sessionId"] = json!(rec.session.to_string());
         data["promptId"] = json!(rec.prompt.map(|p| p.to_string()));
     }
-    let mut env = json!({ "seq": rec.seq, "type": kind, "ts": rec.ts_ms, "data": data });
-    if let Some(p) = rec.prompt {
-        env["promptId"] = json!(p.to_string());
+    Envelope {
+        seq: rec.seq,
+        kind,
+        prompt_id: rec.prompt.map(|p| p.to_string()),
+        turn_id: rec.turn.map(|t| t.0),
+        ts: rec.ts_ms,
+        data,
     }
-    if let Some(t) = rec.turn {
-        env["turnId"] = json!(t.0);
-    }
-    env
 }
 
-fn snapshot_json(snap: &Snapshot) -> Value {
-    json!({
-        "state": snap.state.as_str(),
-        "activePromptId": snap.active_prompt.map(|p| p.to_string()),
-        "queued": snap.queued.iter().map(PromptId::to_string).collect::<Vec<_>>(),
-        "pendingPermission": snap.pending_permission.as_ref().map(|e| {
+fn snapshot_json(snap: &Snapshot) -> crate::wire::Snapshot {
+    crate::wire::Snapshot {
+        state: snap.state.as_str().to_owned(),
+        active_prompt_id: snap.active_prompt.map(|p| p.to_string()),
+        queued: snap.queued.iter().map(PromptId::to_string).collect(),
+        pending_permission: snap.pending_permission.as_ref().map(|e| {
             let mut data = envelope(e)["data"].clone();
             data["promptId"] = json!(e.prompt.map(|p| p.to_string()));
             data
         }),
-        "lastTurnError": snap.last_turn_error.as_ref().map(|e| {
+        last_turn_error: snap.last_turn_error.as_ref().map(|e| {
             let env = envelope(e);
             let mut data = env["data"].clone();
             data["seq"] = env["seq"].clone();
             data
         }),
-        "lastSeq": snap.last_seq,
-        "usage": snap.usage,
-    })
+        last_seq: snap.last_seq,
+        usage: snap.usage.clone(),
+    }
 }
 
-fn session_json(rec: &tiller_session::SessionRecord) -> Value {
-    json!({
-        "id": rec.id.to_string(),
-        "cwd": rec.cwd,
-        "title": rec.title,
-        "createdAt": rec.created_ms,
-        "updatedAt": rec.updated_ms,
-    })
+fn session_json(rec: &tiller_session::SessionRecord) -> SessionInfo {
+    SessionInfo {
+        id: rec.id.to_string(),
+        cwd: rec.cwd.clone(),
+        title: rec.title.clone(),
+        created_at: rec.created_ms,
+        updated_at: rec.updated_ms,
+    }
 }
 
-#[derive(Deserialize)]
-pub struct ListQuery {
-    cursor: Option<String>,
-    limit: Option<usize>,
-}
-
+/// Sessions, newest first, a page at a time.
+#[utoipa::path(get, path = "/api/sessions", tag = "sessions", params(ListQuery),
+    responses((status = 200, body = SessionList)))]
 pub async fn list_sessions(
     State(st): State<AppState>,
     ApiQuery(q): ApiQuery<ListQuery>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<SessionList>> {
     let page = st
         .sessions
         .list(q.cursor.as_deref(), q.limit.unwrap_or(50).clamp(1, 500))
         .await?;
-    Ok(Json(json!({
-        "sessions": page.sessions.iter().map(session_json).collect::<Vec<_>>(),
-        "nextCursor": page.next_cursor,
-    })))
+    Ok(Json(SessionList {
+        sessions: page.sessions.iter().map(session_json).collect(),
+        next_cursor: page.next_cursor,
+    }))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateBody {
-    cwd: Option<String>,
-    engine: Option<String>,
-    title: Option<String>,
-}
-
+/// Creates a session; answered once it is stored.
+#[utoipa::path(post, path = "/api/sessions", tag = "sessions", request_body(content = CreateBody, description = "Empty for every default"),
+    responses((status = 201, body = SessionInfo)))]
 pub async fn create_session(
     State(st): State<AppState>,
     body: axum::body::Bytes,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<SessionInfo>)> {
     // An empty body means every default.
     let body: CreateBody = if body.is_empty() {
-        CreateBody {
-            cwd: None,
-            engine: None,
-            title: None,
-        }
+        CreateBody::default()
     } else {
         serde_json::from_slice(&body).map_err(|e| bad_request(format!("invalid body: {e}")))?
     };
@@ -266,40 +259,41 @@ pub async fn create_session(
     Ok((StatusCode::CREATED, Json(session_json(&rec))))
 }
 
-/// `GET /api/engines`: the engines sessions may use.
-pub async fn list_engines(State(st): State<AppState>) -> Json<Value> {
+/// The engines sessions may use.
+#[utoipa::path(get, path = "/api/engines", tag = "engines",
+    responses((status = 200, body = EngineList)))]
+pub async fn list_engines(State(st): State<AppState>) -> Json<EngineList> {
     let engines = st.sessions.engines();
-    Json(json!({
-        "default": engines.default_name(),
-        "engines": engines
+    Json(EngineList {
+        default: engines.default_name().to_owned(),
+        engines: engines
             .describe()
             .into_iter()
-            .map(|(name, models)| json!({ "name": name, "models": models }))
-            .collect::<Vec<_>>(),
-    }))
+            .map(|(name, models)| EngineInfo { name, models })
+            .collect(),
+    })
 }
 
-/// `GET /api/sessions/:id/options`: the options a client may change.
+/// The options a client may change.
+#[utoipa::path(get, path = "/api/sessions/{id}/options", tag = "sessions", params(("id" = String, Path)),
+    responses((status = 200, body = OptionList)))]
 pub async fn get_options(
     State(st): State<AppState>,
     Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<OptionList>> {
     let options = open(&st, &id).await?.options().await?;
-    Ok(Json(json!({ "options": options })))
+    Ok(Json(OptionList { options }))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OptionBody {
-    value: String,
-}
-
-/// `PUT /api/sessions/:id/options/:option` `{value}`.
+/// Sets one option (`model`, `permission_mode`); answers every option.
+#[utoipa::path(put, path = "/api/sessions/{id}/options/{option}", tag = "sessions",
+    params(("id" = String, Path), ("option" = String, Path)), request_body = OptionBody,
+    responses((status = 200, body = OptionList)))]
 pub async fn set_option(
     State(st): State<AppState>,
     Path((id, option)): Path<(String, String)>,
     body: axum::body::Bytes,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<OptionList>> {
     let body: OptionBody =
         serde_json::from_slice(&body).map_err(|e| bad_request(format!("invalid body: {e}")))?;
     let options = open(&st, &id)
@@ -307,37 +301,34 @@ pub async fn set_option(
         .set_option(option, body.value)
         .await?
         .map_err(bad_request)?;
-    Ok(Json(json!({ "options": options })))
+    Ok(Json(OptionList { options }))
 }
 
+/// A session and the state of its turns.
+#[utoipa::path(get, path = "/api/sessions/{id}", tag = "sessions", params(("id" = String, Path)),
+    responses((status = 200, body = SessionState)))]
 pub async fn get_session(
     State(st): State<AppState>,
     Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<SessionState>> {
     let handle = open(&st, &id).await?;
     let rec = st.sessions.record(handle.id()).await?;
     let snap = handle.snapshot().await?;
-    let mut v = session_json(&rec);
-    if let (Some(o), Value::Object(s)) = (v.as_object_mut(), snapshot_json(&snap)) {
-        o.extend(s);
-    }
-    Ok(Json(v))
+    Ok(Json(SessionState {
+        info: session_json(&rec),
+        snapshot: snapshot_json(&snap),
+    }))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SessionPatch {
-    /// The new title; `null` or blank clears it.
-    title: Option<String>,
-}
-
-/// `PATCH /api/sessions/:id {title}`: answered once stored; attached
-/// clients get `session_info_update`.
+/// Renames a session: answered once stored; attached clients get
+/// `session_info_update`.
+#[utoipa::path(patch, path = "/api/sessions/{id}", tag = "sessions", params(("id" = String, Path)),
+    request_body = SessionPatch, responses((status = 200, body = SessionInfo)))]
 pub async fn update_session(
     State(st): State<AppState>,
     Path(id): Path<String>,
     ApiJson(body): ApiJson<SessionPatch>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<SessionInfo>> {
     let handle = open(&st, &id).await?;
     if body.title.as_ref().is_some_and(|t| t.len() > 1024) {
         return Err(bad_request("title: at most 1024 bytes"));
@@ -347,15 +338,9 @@ pub async fn update_session(
     Ok(Json(session_json(&rec)))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CloseQuery {
-    /// Delete the session with its history, state, queued work and cron
-    /// jobs, instead of closing it.
-    #[serde(default)]
-    purge: bool,
-}
-
+/// Closes a session (its history stays), or with `purge=true` deletes it.
+#[utoipa::path(delete, path = "/api/sessions/{id}", tag = "sessions", params(("id" = String, Path), CloseQuery),
+    responses((status = 204, description = "Closed or deleted")))]
 pub async fn close_session(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -369,18 +354,6 @@ pub async fn close_session(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct PromptBody {
-    text: Option<String>,
-    content: Option<Vec<Value>>,
-    #[allow(dead_code)] // accepted for clients that tag their prompts
-    client_id: Option<String>,
-    /// May ask for delivery; origin markers in it are ignored.
-    #[serde(rename = "_meta")]
-    meta: Option<Value>,
-}
-
 /// The prompt's text and images: `text`, or ACP content blocks.
 fn prompt_content(body: &PromptBody) -> ApiResult<(String, Vec<tiller_session::Image>)> {
     match (&body.text, &body.content) {
@@ -390,11 +363,18 @@ fn prompt_content(body: &PromptBody) -> ApiResult<(String, Vec<tiller_session::I
     }
 }
 
+/// Sends a prompt: 202 once it is stored (its events and terminal arrive
+/// on the event stream), or 200 for a slash command Tiller ran at once.
+#[utoipa::path(post, path = "/api/sessions/{id}/prompts", tag = "turns", params(("id" = String, Path)),
+    request_body = PromptBody,
+    responses((status = 202, body = PromptAccepted), (status = 200, body = CommandResult),
+        (status = 409, body = ErrorResponse, description = "The session is closed"),
+        (status = 429, body = ErrorResponse, description = "Too many prompts queued; retry later")))]
 pub async fn post_prompt(
     State(st): State<AppState>,
     Path(id): Path<String>,
     ApiJson(body): ApiJson<PromptBody>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<Response> {
     let (text, images) = prompt_content(&body)?;
     let handle = open(&st, &id).await?;
     // Tiller's slash commands run at once: 200 with what to show.
@@ -407,8 +387,12 @@ pub async fn post_prompt(
         return match message {
             Ok(m) => Ok((
                 StatusCode::OK,
-                Json(json!({ "command": true, "message": m })),
-            )),
+                Json(CommandResult {
+                    command: true,
+                    message: m,
+                }),
+            )
+                .into_response()),
             Err(CommandError::Refused(why)) => Err(bad_request(why)),
             Err(CommandError::Session(e)) => Err(e.into()),
         };
@@ -418,19 +402,29 @@ pub async fn post_prompt(
     let (prompt, _settled) = handle
         .submit(PromptId::new(), text, images, Origin::Interactive, delivery)
         .await??;
-    Ok((
+    Ok(accepted(prompt).into_response())
+}
+
+fn accepted(prompt: PromptId) -> (StatusCode, Json<PromptAccepted>) {
+    (
         StatusCode::ACCEPTED,
-        Json(json!({ "promptId": prompt.to_string() })),
-    ))
+        Json(PromptAccepted {
+            prompt_id: prompt.to_string(),
+        }),
+    )
 }
 
 /// `/compact` as a prompt of its own: the engine summarizes the older
 /// turns (model engines; a hosted agent that knows `/compact` does its
 /// own). 202 with the prompt's id, like any prompt.
+#[utoipa::path(post, path = "/api/sessions/{id}/compact", tag = "turns", params(("id" = String, Path)),
+    responses((status = 202, body = PromptAccepted),
+        (status = 409, body = ErrorResponse, description = "The session is closed"),
+        (status = 429, body = ErrorResponse, description = "Too many prompts queued; retry later")))]
 pub async fn post_compact(
     State(st): State<AppState>,
     Path(id): Path<String>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<PromptAccepted>)> {
     let handle = open(&st, &id).await?;
     let (prompt, _settled) = handle
         .submit(
@@ -441,24 +435,20 @@ pub async fn post_compact(
             None,
         )
         .await??;
-    Ok((
-        StatusCode::ACCEPTED,
-        Json(json!({ "promptId": prompt.to_string() })),
-    ))
+    Ok(accepted(prompt))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct SteerBody {
-    text: String,
-    idle_behavior: Option<String>,
-}
-
+/// Steers the running turn: the text reaches the engine mid-turn, or
+/// (idle) starts a turn unless `idleBehavior` is `promptRequired`.
+#[utoipa::path(post, path = "/api/sessions/{id}/steer", tag = "turns", params(("id" = String, Path)),
+    request_body = SteerBody, responses((status = 200, body = SteerAnswer),
+        (status = 409, body = ErrorResponse, description = "The session is closed"),
+        (status = 429, body = ErrorResponse, description = "Too many prompts queued; retry later")))]
 pub async fn post_steer(
     State(st): State<AppState>,
     Path(id): Path<String>,
     ApiJson(body): ApiJson<SteerBody>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<SteerAnswer>> {
     let prompt_required = match body.idle_behavior.as_deref() {
         None => false,
         Some("promptRequired") => true,
@@ -470,9 +460,20 @@ pub async fn post_steer(
     };
     let handle = open(&st, &id).await?;
     let answer = handle.steer(body.text, prompt_required).await??;
-    Ok(Json(tiller_acp::map::steer_answer(&answer)))
+    let v = tiller_acp::map::steer_answer(&answer);
+    let field = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
+    Ok(Json(SteerAnswer {
+        outcome: field("outcome").unwrap_or_default(),
+        steer_id: field("steerId"),
+        prompt_id: field("promptId"),
+        reason: field("reason"),
+    }))
 }
 
+/// Cancels the running turn; its terminal (`cancelled`) arrives on the
+/// stream. Accepted even when nothing runs.
+#[utoipa::path(post, path = "/api/sessions/{id}/cancel", tag = "turns", params(("id" = String, Path)),
+    responses((status = 202, description = "Cancel requested")))]
 pub async fn post_cancel(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -481,12 +482,10 @@ pub async fn post_cancel(
     Ok(StatusCode::ACCEPTED)
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct PermissionBody {
-    option_id: String,
-}
-
+/// Answers a permission request of the running turn.
+#[utoipa::path(post, path = "/api/sessions/{id}/permissions/{req}", tag = "turns",
+    params(("id" = String, Path), ("req" = String, Path, description = "The request's id")),
+    request_body = PermissionBody, responses((status = 204, description = "Answered")))]
 pub async fn post_permission(
     State(st): State<AppState>,
     Path((id, req_id)): Path<(String, String)>,
@@ -503,20 +502,15 @@ pub async fn post_permission(
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct NotificationBody {
-    task_id: String,
-    text: String,
-}
-
-/// `POST /api/sessions/:id/notifications`: a background notification, run
-/// as its own turn when the session is idle.
+/// A background notification, run as its own turn when the session is
+/// idle; answered once stored.
+#[utoipa::path(post, path = "/api/sessions/{id}/notifications", tag = "automation", params(("id" = String, Path)),
+    request_body = NotificationBody, responses((status = 202, body = NotificationAccepted)))]
 pub async fn post_notification(
     State(st): State<AppState>,
     Path(id): Path<String>,
     ApiJson(body): ApiJson<NotificationBody>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<NotificationAccepted>)> {
     if body.task_id.is_empty() || body.text.is_empty() {
         return Err(bad_request("`taskId` and `text` must not be empty"));
     }
@@ -527,19 +521,22 @@ pub async fn post_notification(
         .await?;
     Ok((
         StatusCode::ACCEPTED,
-        Json(json!({ "deduplicated": e.deduplicated, "evicted": e.evicted })),
+        Json(NotificationAccepted {
+            deduplicated: e.deduplicated,
+            evicted: e.evicted,
+        }),
     ))
 }
 
-fn goal_json(g: &tiller_session::GoalRow) -> Value {
-    json!({
-        "objective": g.objective,
-        "maxTurns": g.max_turns,
-        "turnsDone": g.turns_done,
-        "status": g.status,
-        "pauseReason": g.pause_reason,
-        "consecutiveLoopStops": g.loop_stops,
-    })
+fn goal_json(g: &tiller_session::GoalRow) -> Goal {
+    Goal {
+        objective: g.objective.clone(),
+        max_turns: g.max_turns,
+        turns_done: g.turns_done,
+        status: g.status.clone(),
+        pause_reason: g.pause_reason.clone(),
+        consecutive_loop_stops: g.loop_stops,
+    }
 }
 
 fn no_goal() -> ApiError {
@@ -549,10 +546,10 @@ fn no_goal() -> ApiError {
     )
 }
 
-pub async fn get_goal(
-    State(st): State<AppState>,
-    Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+/// The session's goal.
+#[utoipa::path(get, path = "/api/sessions/{id}/goal", tag = "automation", params(("id" = String, Path)),
+    responses((status = 200, body = Goal)))]
+pub async fn get_goal(State(st): State<AppState>, Path(id): Path<String>) -> ApiResult<Json<Goal>> {
     let id = session_id(&id)?;
     match st.sessions.goal_get(id).await? {
         Some(g) => Ok(Json(goal_json(&g))),
@@ -560,18 +557,15 @@ pub async fn get_goal(
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct GoalBody {
-    objective: String,
-    max_turns: Option<u32>,
-}
-
+/// Sets the session's goal: turns continue toward it until done or
+/// `maxTurns`.
+#[utoipa::path(put, path = "/api/sessions/{id}/goal", tag = "automation", params(("id" = String, Path)),
+    request_body = GoalBody, responses((status = 200, body = Goal)))]
 pub async fn put_goal(
     State(st): State<AppState>,
     Path(id): Path<String>,
     ApiJson(body): ApiJson<GoalBody>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Goal>> {
     let id = session_id(&id)?;
     if body.objective.trim().is_empty() {
         return Err(bad_request("`objective` must not be empty"));
@@ -584,6 +578,9 @@ pub async fn put_goal(
     Ok(Json(goal_json(&g)))
 }
 
+/// Clears the session's goal.
+#[utoipa::path(delete, path = "/api/sessions/{id}/goal", tag = "automation", params(("id" = String, Path)),
+    responses((status = 204, description = "Cleared")))]
 pub async fn delete_goal(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -596,10 +593,13 @@ pub async fn delete_goal(
     }
 }
 
+/// Pauses the session's goal.
+#[utoipa::path(post, path = "/api/sessions/{id}/goal/pause", tag = "automation", params(("id" = String, Path)),
+    responses((status = 200, body = Goal)))]
 pub async fn pause_goal(
     State(st): State<AppState>,
     Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Goal>> {
     let id = session_id(&id)?;
     match st.sessions.goal_pause_resume(id, false).await? {
         Some(g) => Ok(Json(goal_json(&g))),
@@ -607,10 +607,13 @@ pub async fn pause_goal(
     }
 }
 
+/// Resumes the session's goal.
+#[utoipa::path(post, path = "/api/sessions/{id}/goal/resume", tag = "automation", params(("id" = String, Path)),
+    responses((status = 200, body = Goal)))]
 pub async fn resume_goal(
     State(st): State<AppState>,
     Path(id): Path<String>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<Goal>> {
     let id = session_id(&id)?;
     match st.sessions.goal_pause_resume(id, true).await? {
         Some(g) => Ok(Json(goal_json(&g))),
@@ -618,37 +621,33 @@ pub async fn resume_goal(
     }
 }
 
-fn cron_json(j: &tiller_session::CronJob) -> Value {
-    json!({
-        "id": j.id,
-        "sessionId": j.session.to_string(),
-        "schedule": j.schedule,
-        "tz": j.tz,
-        "prompt": j.prompt,
-        "nextFire": j.next_fire_ms,
-    })
+fn cron_json(j: &tiller_session::CronJob) -> CronJob {
+    CronJob {
+        id: j.id.clone(),
+        session_id: j.session.to_string(),
+        schedule: j.schedule.clone(),
+        tz: j.tz.clone(),
+        prompt: j.prompt.clone(),
+        next_fire: j.next_fire_ms,
+    }
 }
 
-pub async fn list_cron(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+/// Every cron job.
+#[utoipa::path(get, path = "/api/cron", tag = "automation", responses((status = 200, body = CronList)))]
+pub async fn list_cron(State(st): State<AppState>) -> ApiResult<Json<CronList>> {
     let jobs = st.sessions.cron_list().await?;
-    Ok(Json(
-        json!({ "jobs": jobs.iter().map(cron_json).collect::<Vec<_>>() }),
-    ))
+    Ok(Json(CronList {
+        jobs: jobs.iter().map(cron_json).collect(),
+    }))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct CronBody {
-    session_id: String,
-    schedule: String,
-    tz: Option<String>,
-    prompt: String,
-}
-
+/// Adds a cron job: each fire queues the prompt in the session.
+#[utoipa::path(post, path = "/api/cron", tag = "automation", request_body = CronBody,
+    responses((status = 201, body = CronCreated)))]
 pub async fn add_cron(
     State(st): State<AppState>,
     ApiJson(body): ApiJson<CronBody>,
-) -> ApiResult<(StatusCode, Json<Value>)> {
+) -> ApiResult<(StatusCode, Json<CronCreated>)> {
     let session = SessionId::parse(&body.session_id)
         .ok_or_else(|| ApiError::from(SessionError::Unknown(SessionId::from_u128(0))))?;
     if body.prompt.is_empty() {
@@ -662,10 +661,16 @@ pub async fn add_cron(
         .map_err(bad_request)?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({ "id": job.id, "nextFire": job.next_fire_ms })),
+        Json(CronCreated {
+            id: job.id,
+            next_fire: job.next_fire_ms,
+        }),
     ))
 }
 
+/// Removes a cron job.
+#[utoipa::path(delete, path = "/api/cron/{id}", tag = "automation", params(("id" = String, Path)),
+    responses((status = 204, description = "Removed")))]
 pub async fn remove_cron(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -680,17 +685,14 @@ pub async fn remove_cron(
     }
 }
 
-#[derive(Deserialize)]
-pub struct HistoryQuery {
-    before: Option<u64>,
-    limit: Option<usize>,
-}
-
+/// A page of the session's event log, oldest first, ending before `before`.
+#[utoipa::path(get, path = "/api/sessions/{id}/history", tag = "sessions", params(("id" = String, Path), HistoryQuery),
+    responses((status = 200, body = HistoryPage)))]
 pub async fn get_history(
     State(st): State<AppState>,
     Path(id): Path<String>,
     ApiQuery(q): ApiQuery<HistoryQuery>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Json<HistoryPage>> {
     let id = session_id(&id)?;
     st.sessions.record(id).await?;
     let limit = q.limit.unwrap_or(100).clamp(1, 1000);
@@ -700,11 +702,11 @@ pub async fn get_history(
     } else {
         None
     };
-    Ok(Json(json!({
-        "events": events.iter().map(envelope).collect::<Vec<_>>(),
-        "nextBefore": next_before,
-        "hasMore": has_more,
-    })))
+    Ok(Json(HistoryPage {
+        events: events.iter().map(typed_envelope).collect(),
+        next_before,
+        has_more,
+    }))
 }
 
 /// Feeds one SSE stream. Bounded, and never slows the session: when its
@@ -737,11 +739,6 @@ impl Drop for Detach {
     }
 }
 
-#[derive(Deserialize)]
-pub struct EventsQuery {
-    after: Option<u64>,
-}
-
 fn sse_event(rec: &EventRecord) -> Event {
     Event::default()
         .id(rec.seq.to_string())
@@ -753,6 +750,11 @@ fn sse_event(rec: &EventRecord) -> Event {
 /// after `Last-Event-ID` (or `?after=`) from the log, then live ones. The
 /// subscription is made before the replay is read, so nothing falls
 /// between; a client too slow for the live events reads them from the log.
+#[utoipa::path(get, path = "/api/sessions/{id}/events", tag = "sessions",
+    params(("id" = String, Path), EventsQuery,
+        ("Last-Event-ID" = Option<u64>, Header, description = "Resume after this sequence number")),
+    responses((status = 200, content_type = "text/event-stream",
+        description = "`session_snapshot` (a Snapshot), then `event` messages (each an Envelope, its `seq` as the id)")))]
 pub async fn events(
     State(st): State<AppState>,
     Path(id): Path<String>,
@@ -806,7 +808,7 @@ async fn follow(
     out.send(
         Event::default()
             .event("session_snapshot")
-            .data(snapshot_json(&snap).to_string()),
+            .data(serde_json::to_string(&snapshot_json(&snap)).expect("snapshots serialize")),
     )
     .await?;
     // Without a position the client starts from the snapshot.

@@ -10,12 +10,12 @@ use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use hmac::{KeyInit, Mac};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::json;
 use tiller_core::{Origin, SessionId};
 
 use crate::AppState;
 use crate::api::ApiError;
+use crate::wire::{ChannelAccepted, ChannelBody, ErrorResponse};
 
 type HmacSha256 = hmac::Hmac<sha2::Sha256>;
 
@@ -102,20 +102,6 @@ impl Channels {
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-struct ChannelBody {
-    session_id: Option<String>,
-    text: String,
-    delivery: Option<DeliveryBody>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeliveryBody {
-    webhook: String,
-}
-
 fn refuse(why: &str) -> ApiError {
     metrics::counter!("tiller_channel_refusals_total").increment(1);
     ApiError(
@@ -160,13 +146,26 @@ fn forbidden(channel: &str, session: &str) -> ApiError {
     )
 }
 
-/// `POST /api/channels/:channel/prompts`.
+/// A prompt from an outside system (a chat bridge, a CI hook), signed with
+/// the channel's secret instead of the daemon's token: `X-Tiller-Signature:
+/// sha256=HEX` of HMAC-SHA256 over `TIMESTAMP.BODY`, `X-Tiller-Timestamp`
+/// within the replay window. Runs on the channel's own sessions only.
+#[utoipa::path(post, path = "/api/channels/{channel}/prompts", tag = "automation",
+    params(("channel" = String, Path),
+        ("X-Tiller-Timestamp" = i64, Header, description = "Unix seconds"),
+        ("X-Tiller-Signature" = String, Header, description = "sha256=HEX")),
+    request_body = ChannelBody, security(()),
+    responses((status = 202, body = ChannelAccepted),
+        (status = 403, body = ErrorResponse, description = "Not one of the channel's sessions"),
+        (status = 408, body = ErrorResponse, description = "The body did not arrive in time"),
+        (status = 409, body = ErrorResponse, description = "The session is closed"),
+        (status = 429, body = ErrorResponse, description = "Too many prompts queued; retry later")))]
 pub async fn post_prompt(
     State(st): State<AppState>,
     Path(channel): Path<String>,
     headers: HeaderMap,
     body: axum::body::Body,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<ChannelAccepted>), ApiError> {
     let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
     let now = tiller_session::clock::unix_ms() / 1000;
     // Nothing of the body is read for a request that cannot be genuine:
@@ -237,7 +236,10 @@ pub async fn post_prompt(
         .await??;
     Ok((
         StatusCode::ACCEPTED,
-        Json(json!({ "promptId": prompt.to_string(), "sessionId": handle.id().to_string() })),
+        Json(ChannelAccepted {
+            prompt_id: prompt.to_string(),
+            session_id: handle.id().to_string(),
+        }),
     ))
 }
 

@@ -7,8 +7,10 @@ pub mod api;
 pub mod auth;
 pub mod channels;
 pub mod delivery;
+pub mod openapi;
 pub mod serve;
 mod web;
+pub mod wire;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -78,6 +80,7 @@ pub fn router(state: AppState) -> Router {
                 .delete(api::close_session),
         )
         .route("/api/engines", get(api::list_engines))
+        .route("/api/openapi.json", get(openapi_json))
         .route("/api/sessions/{id}/options", get(api::get_options))
         .route(
             "/api/sessions/{id}/options/{option}",
@@ -118,6 +121,11 @@ pub fn router(state: AppState) -> Router {
         // Outermost: nothing runs, and no body is read, before the checks.
         .layer(axum::middleware::from_fn_with_state(auth, auth::check))
         .with_state(state)
+}
+
+async fn openapi_json() -> Response {
+    static DOC: std::sync::LazyLock<String> = std::sync::LazyLock::new(openapi::json);
+    ([(header::CONTENT_TYPE, "application/json")], DOC.as_str()).into_response()
 }
 
 async fn readyz(State(st): State<AppState>) -> Response {

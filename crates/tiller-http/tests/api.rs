@@ -470,3 +470,17 @@ async fn metrics_disabled_is_404() {
     let (s, _) = call(&app, req).await;
     assert_eq!(s, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn the_served_openapi_description_is_the_committed_one() {
+    let app = app(AuthConfig::default(), 64).await;
+    let (s, served) = call(&app, get("/api/openapi.json")).await;
+    assert_eq!(s, StatusCode::OK);
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/openapi.json");
+    let committed: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(
+        served, committed,
+        "/api/openapi.json differs from docs/openapi.json"
+    );
+    assert_eq!(served["openapi"], "3.1.0");
+}
