@@ -49,7 +49,12 @@ pub async fn run(cfg: &Config) -> Vec<Finding> {
         out.push(model_engine(name, m).await);
     }
     for (name, a) in &cfg.engine.agents {
-        out.push(agent(name, &a.command));
+        let found = agent(name, &a.command);
+        let runs = found.level == Level::Ok;
+        out.push(found);
+        if runs {
+            out.push(agent_initialize(name, a, cfg).await);
+        }
     }
     out
 }
@@ -284,6 +289,43 @@ async fn model_engine(name: &str, m: &crate::config::ModelEngineCfg) -> Finding 
             redact(format!(
                 "{url} is unreachable: {e}; check engine.{name}.base_url and that the server runs"
             )),
+        ),
+    }
+}
+
+/// An ACP agent starts as the engine would start it and answers
+/// `initialize`.
+async fn agent_initialize(name: &str, a: &crate::config::AcpEngineCfg, cfg: &Config) -> Finding {
+    let what = format!("engine {name} initialize");
+    let acp = match a.to_acp(name, std::env::vars(), cfg.turn.cancel_grace) {
+        Ok(acp) => acp,
+        Err(e) => return finding(Level::Fail, what, e),
+    };
+    match tiller_engine::acp::probe(&acp).await {
+        Ok(p) if p.protocol_version == 1 => finding(
+            Level::Ok,
+            what,
+            format!(
+                "{} speaks ACP v1",
+                p.agent.as_deref().unwrap_or("the agent")
+            ),
+        ),
+        Ok(p) => finding(
+            Level::Fail,
+            what,
+            format!(
+                "{} speaks ACP v{}, Tiller speaks v1: install a version of the agent for ACP v1",
+                p.agent.as_deref().unwrap_or("the agent"),
+                p.protocol_version
+            ),
+        ),
+        Err(e) => finding(
+            Level::Fail,
+            what,
+            format!(
+                "{e}; run `{}` by hand with the engine's env (its API key, engine.{name}.pass_env) and check engine.{name}.start_timeout",
+                a.command
+            ),
         ),
     }
 }

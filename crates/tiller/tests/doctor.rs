@@ -58,6 +58,7 @@ type Case<'a> = (String, u32, Option<&'a [u8]>, i32, Vec<String>);
 fn each_problem_is_named_with_what_to_do() {
     let ok = server("200 OK");
     let refused = server("401 Unauthorized");
+    let agent_data = private_dir();
     // (config, data dir mode, store file contents, exit code, lines wanted)
     let cases: Vec<Case<'_>> = vec![
         (String::new(), 0o700, None, 0, vec!["ok    data directory".into(), "all checks passed".into()]),
@@ -105,11 +106,27 @@ fn each_problem_is_named_with_what_to_do() {
             vec!["FAIL  engine a: `surely-not-an-installed-agent` is not on PATH".into()],
         ),
         (
-            "[engine.a]\nkind = \"acp\"\ncommand = \"/bin/sh\"\n".into(),
+            // Found, but not an ACP agent: it never answers `initialize`.
+            "[engine.a]\nkind = \"acp\"\ncommand = \"/bin/cat\"\nstart_timeout = \"1s\"\n".into(),
+            0o700,
+            None,
+            1,
+            vec![
+                "ok    engine a: /bin/cat is executable".into(),
+                "FAIL  engine a initialize: it did not answer `initialize`".into(),
+            ],
+        ),
+        (
+            // A real ACP agent: Tiller's own `acp --embedded`.
+            format!(
+                "[engine.a]\nkind = \"acp\"\ncommand = \"{}\"\nargs = [\"acp\", \"--embedded\", \"--data-dir\", \"{}\"]\n",
+                env!("CARGO_BIN_EXE_tiller"),
+                agent_data.path().display()
+            ),
             0o700,
             None,
             0,
-            vec!["ok    engine a: /bin/sh is executable".into()],
+            vec![format!("ok    engine a initialize: tiller {} speaks ACP v1", env!("CARGO_PKG_VERSION"))],
         ),
         ("[server]\nnonsense = 1\n".into(), 0o700, None, 1, vec!["FAIL  config".into()]),
     ];

@@ -73,6 +73,53 @@ impl std::fmt::Debug for AcpConfig {
     }
 }
 
+/// What Tiller sends an agent as `initialize`.
+fn initialize_params(cfg: &AcpConfig) -> Value {
+    json!({
+        "protocolVersion": 1,
+        "clientCapabilities": {
+            "fs": { "readTextFile": true, "writeTextFile": true },
+            "terminal": false,
+        },
+        "clientInfo": { "name": "tiller", "version": cfg.version },
+    })
+}
+
+/// What an agent said of itself at `initialize`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Probe {
+    /// The ACP version it speaks.
+    pub protocol_version: u64,
+    /// Its `agentInfo` (name and version), when it sent one.
+    pub agent: Option<String>,
+}
+
+/// Starts the agent as the engine would (same program, arguments and
+/// scrubbed environment), sends `initialize`, and stops it: `tiller
+/// doctor`'s check that an agent engine can really start.
+pub async fn probe(cfg: &AcpConfig) -> Result<Probe, String> {
+    let child = Child::spawn(cfg)?;
+    let answer = child
+        .call("initialize", initialize_params(cfg), cfg.start_timeout)
+        .await;
+    child.kill("probed".into());
+    let r = answer.map_err(|e| format!("it did not answer `initialize`: {e}"))?;
+    let protocol_version = r
+        .get("protocolVersion")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| format!("its `initialize` answer has no protocolVersion: {r}"))?;
+    let info = r.get("agentInfo");
+    let field = |k: &str| info.and_then(|i| i.get(k)).and_then(Value::as_str);
+    let agent = field("name").map(|n| match field("version") {
+        Some(v) => format!("{n} {v}"),
+        None => n.to_owned(),
+    });
+    Ok(Probe {
+        protocol_version,
+        agent,
+    })
+}
+
 /// The engine: a pool of agent processes.
 pub struct AcpEngine {
     shared: Arc<Shared>,
@@ -368,16 +415,8 @@ impl Shared {
                 format!("The agent `{}` exited as it started.", cfg.name),
             )
         })?;
-        let init = json!({
-            "protocolVersion": 1,
-            "clientCapabilities": {
-                "fs": { "readTextFile": true, "writeTextFile": true },
-                "terminal": false,
-            },
-            "clientInfo": { "name": "tiller", "version": cfg.version },
-        });
         let r = child
-            .call("initialize", init, cfg.start_timeout)
+            .call("initialize", initialize_params(cfg), cfg.start_timeout)
             .await
             .map_err(|e| {
                 child.kill("it did not initialize".into());
