@@ -25,6 +25,7 @@ pub struct Config {
     pub limits: Limits,
     pub log: Log,
     pub metrics: Metrics,
+    pub telemetry: Telemetry,
     /// The file this was read from (it may hold secrets: the file tools
     /// never touch it).
     #[serde(skip)]
@@ -545,6 +546,15 @@ pub struct Log {
 #[serde(deny_unknown_fields, default)]
 pub struct Metrics {
     pub enabled: bool,
+}
+
+/// `[telemetry]`: OpenTelemetry traces over OTLP/HTTP, off by default.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Telemetry {
+    /// The collector's OTLP/HTTP root (`http://collector:4318`); empty
+    /// means `OTEL_EXPORTER_OTLP_ENDPOINT` if set, else no tracing export.
+    pub otlp_endpoint: String,
 }
 
 impl Default for Server {

@@ -14,23 +14,33 @@ use tokio::sync::{Semaphore, watch};
 
 use crate::config::Config;
 
-/// Logs go to stderr (stdout is ACP's in `tiller acp --embedded`).
-pub fn init_tracing(cfg: &Config) {
+/// Logs go to stderr (stdout is ACP's in `tiller acp --embedded`); spans
+/// also to an OTLP collector when telemetry is on (keep the guard until
+/// the daemon ends).
+pub fn init_tracing(cfg: &Config) -> anyhow::Result<Option<crate::telemetry::Guard>> {
+    use std::io::IsTerminal as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::{Layer as _, fmt};
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
-    use std::io::IsTerminal as _;
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let stderr = fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
+        .with_filter(filter);
+    let (otel, guard) = crate::telemetry::layer(cfg)?.unzip();
+    tracing_subscriber::registry()
+        .with(stderr)
+        .with(otel)
         .init();
+    Ok(guard)
 }
 
 /// Logging for `tiller acp --embedded`: an editor shows whatever its agent
 /// writes to stderr as agent errors, so everything goes to
 /// `<data_dir>/tiller-acp.log` (0600, appended) and only warnings and errors
 /// also to stderr.
-pub fn init_tracing_embedded(cfg: &Config) {
+pub fn init_tracing_embedded(cfg: &Config) -> anyhow::Result<Option<crate::telemetry::Guard>> {
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
     use tracing_subscriber::{Layer as _, filter::LevelFilter, fmt};
@@ -59,13 +69,16 @@ pub fn init_tracing_embedded(cfg: &Config) {
             .with_ansi(false)
             .with_filter(filter)
     });
+    let (otel, guard) = crate::telemetry::layer(cfg)?.unzip();
     tracing_subscriber::registry()
         .with(file)
         .with(stderr)
+        .with(otel)
         .init();
     if let Some(e) = failed {
         tracing::warn!(path = %path.display(), error = %e, "cannot open the log file; logging warnings to stderr only");
     }
+    Ok(guard)
 }
 
 /// The configured engines (`Config::load` has checked them).

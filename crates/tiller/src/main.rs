@@ -8,6 +8,7 @@ mod doctor;
 mod metrics;
 mod relay;
 mod stdio;
+mod telemetry;
 mod token;
 
 use std::path::PathBuf;
@@ -290,8 +291,13 @@ fn main() -> ExitCode {
                 Ok(c) => c,
                 Err(e) => return config_error(&e),
             };
-            daemon::init_tracing(&cfg);
-            exit(runtime().block_on(daemon::serve(cfg)))
+            let telemetry = match daemon::init_tracing(&cfg) {
+                Ok(t) => t,
+                Err(e) => return exit(Err(e)),
+            };
+            let result = runtime().block_on(daemon::serve(cfg));
+            drop(telemetry); // the last spans go out before the process ends
+            exit(result)
         }
         Command::Doctor { config, data_dir } => {
             let overrides = [(
@@ -332,11 +338,16 @@ fn main() -> ExitCode {
                 Err(e) => return config_error(&e),
             };
             if embedded {
-                daemon::init_tracing_embedded(&cfg);
+                let telemetry = match daemon::init_tracing_embedded(&cfg) {
+                    Ok(t) => t,
+                    Err(e) => return exit(Err(e)),
+                };
                 // One client, one thread: every hop between the edge, the
                 // session and the engine stays on it (no cross-thread
                 // wake-ups); the store keeps its own thread.
-                exit(current_thread().block_on(daemon::embedded(cfg)))
+                let result = current_thread().block_on(daemon::embedded(cfg));
+                drop(telemetry);
+                exit(result)
             } else {
                 let target =
                     connect.unwrap_or_else(|| format!("unix:{}", cfg.socket_path().display()));

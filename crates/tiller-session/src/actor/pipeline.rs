@@ -334,10 +334,15 @@ pub(super) async fn run_call(
     client: Option<Arc<dyn ClientTools>>,
 ) -> ToolOutput {
     use futures::FutureExt;
-    match std::panic::AssertUnwindSafe(toolbox.run(call, client))
+    // A span per call (exported with the turn's when telemetry is on): the
+    // tool and the call's id, never its input.
+    let span = tracing::info_span!("tool_call", tool = %call.name, call_id = %call.id, ok = tracing::field::Empty);
+    let ran = std::panic::AssertUnwindSafe(toolbox.run(call, client))
         .catch_unwind()
-        .await
-    {
+        .instrument(span.clone())
+        .await;
+    span.record("ok", ran.as_ref().is_ok_and(|o| o.ok));
+    match ran {
         Ok(output) => output,
         Err(panic) => {
             let why = tiller_engine::panic_message(&*panic);
