@@ -42,6 +42,16 @@ pub enum StoreError {
     /// A failure injected by a test (`test-hooks` feature).
     #[error("the store is unavailable (injected failure)")]
     Injected,
+    /// A PostgreSQL statement or connection failed.
+    #[error("PostgreSQL: {0}")]
+    Pg(#[from] postgres::Error),
+    /// The store's configuration cannot work (a bad schema name, a
+    /// database newer than this Tiller).
+    #[error("{0}")]
+    Config(String),
+    /// What the database holds cannot be read back.
+    #[error("the store holds unreadable data: {0}")]
+    Corrupt(String),
     #[error("the store thread has stopped (the daemon is shutting down)")]
     /// The store thread is gone.
     Closed,
@@ -64,7 +74,19 @@ impl StoreError {
                     | C::ReadOnly
                     | C::OutOfMemory
             ),
-            StoreError::Sql(_) | StoreError::Open { .. } | StoreError::InUse { .. } => false,
+            // A lost connection, the server out of room or shutting down.
+            StoreError::Pg(e) => {
+                e.is_closed()
+                    || e.as_db_error().map_or_else(
+                        || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>()),
+                        |d| ["08", "53", "57", "58"].contains(&&d.code().code()[..2]),
+                    )
+            }
+            StoreError::Sql(_)
+            | StoreError::Open { .. }
+            | StoreError::InUse { .. }
+            | StoreError::Config(_)
+            | StoreError::Corrupt(_) => false,
             StoreError::Append(e) => e.is_unavailable(),
             StoreError::Io { .. }
             | StoreError::LogBroken

@@ -14,9 +14,11 @@
 
 #![warn(missing_docs)]
 
+mod db;
 mod deliveries;
 mod error;
 mod log;
+mod pg;
 mod queues;
 mod rows;
 mod schema;
@@ -56,6 +58,7 @@ pub fn integrity_check(path: &Path) -> Result<Vec<String>, StoreError> {
 /// the highest sequence number among them (what the session may now show).
 pub type OnCommit = Arc<dyn Fn(u64) + Send + Sync>;
 pub use rows::*;
+use db::Db;
 use writer::{Cmd, Pending, Writer};
 
 /// A handle to the store thread. Cheap to clone.
@@ -143,6 +146,45 @@ impl Store {
         })
     }
 
+    /// Opens the PostgreSQL database at `url` (a `postgres://` URL or a
+    /// libpq key=value string), in `schema` (created if needed), migrates
+    /// it and starts the store thread, which owns the connection (and
+    /// makes it again when it drops).
+    pub fn open_postgres(url: &str, schema: &str) -> Result<Store, StoreError> {
+        let (tx, rx) = std_mpsc::channel();
+        let (ready_tx, ready) = std_mpsc::channel();
+        let shared = Arc::new(Shared::default());
+        let thread_shared = shared.clone();
+        let (url, schema) = (url.to_owned(), schema.to_owned());
+        // The client blocks on its own runtime: connect on the store
+        // thread, never on an async worker.
+        std::thread::Builder::new()
+            .name("tiller-store".into())
+            .spawn(move || match pg::PgDb::connect(&url, &schema) {
+                Ok(db) => {
+                    let _ = ready_tx.send(Ok(()));
+                    writer::run(
+                        Writer {
+                            conn: Box::new(db),
+                            broken: Default::default(),
+                            shared: thread_shared,
+                            heads: Default::default(),
+                        },
+                        rx,
+                    );
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .map_err(|e| StoreError::Config(format!("cannot start the store thread: {e}")))?;
+        ready.recv().map_err(|_| StoreError::Closed)??;
+        Ok(Store {
+            tx: Route::Thread(tx),
+            shared,
+        })
+    }
+
     fn connect(path: &Path) -> Result<(Writer, Arc<Shared>), StoreError> {
         let open_err = |source: rusqlite::Error| match source.sqlite_error_code() {
             Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
@@ -166,7 +208,7 @@ impl Store {
         schema::migrate(&conn).map_err(open_err)?;
         let shared = Arc::new(Shared::default());
         let writer = Writer {
-            conn,
+            conn: Box::new(conn),
             broken: Default::default(),
             shared: shared.clone(),
             heads: Default::default(),
@@ -178,10 +220,9 @@ impl Store {
     /// after every append sent before it.
     async fn call<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
+        f: impl FnOnce(&mut dyn Db) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        self.call_writer(None, move |w| f(&mut w.conn).map_err(StoreError::from))
-            .await
+        self.call_writer(None, move |w| f(&mut *w.conn)).await
     }
 
     /// [`Store::call`] for a command about one session: it runs after
@@ -191,12 +232,10 @@ impl Store {
     async fn call_for<T: Send + 'static>(
         &self,
         session: SessionId,
-        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
+        f: impl FnOnce(&mut dyn Db) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, StoreError> {
-        self.call_writer(Some(session), move |w| {
-            f(&mut w.conn).map_err(StoreError::from)
-        })
-        .await
+        self.call_writer(Some(session), move |w| f(&mut *w.conn))
+            .await
     }
 
     async fn call_writer<T: Send + 'static>(
@@ -245,7 +284,7 @@ impl Store {
 
     /// Stores a new session (durable when this returns).
     pub async fn create_session(&self, rec: SessionRecord) -> Result<(), StoreError> {
-        self.call(move |c| sessions::create_session(c, &rec)).await
+        self.call(move |c| c.create_session(&rec, None)).await
     }
 
     /// Stores a new session and the engine it runs, in one transaction
@@ -255,7 +294,7 @@ impl Store {
         rec: SessionRecord,
         engine: String,
     ) -> Result<(), StoreError> {
-        self.call(move |c| sessions::create_with_engine(c, &rec, &engine))
+        self.call(move |c| c.create_session(&rec, Some(&engine)))
             .await
     }
 
@@ -264,7 +303,7 @@ impl Store {
         &self,
         id: SessionId,
     ) -> Result<Option<(SessionRecord, LogHead)>, StoreError> {
-        self.call_for(id, move |c| sessions::get_session(c, id))
+        self.call_for(id, move |c| c.get_session(id))
             .await
     }
 
@@ -286,7 +325,7 @@ impl Store {
     ) -> Result<SessionPage, StoreError> {
         let cursor = cursor.and_then(|c| c.parse::<i64>().ok());
         let limit = limit.clamp(1, 1000);
-        self.call(move |c| sessions::list_sessions(c, cursor, limit, cwd.as_deref()))
+        self.call(move |c| c.list_sessions(cursor, limit, cwd.as_deref()))
             .await
     }
 
@@ -297,7 +336,7 @@ impl Store {
         column: StateColumn,
         value: String,
     ) -> Result<(), StoreError> {
-        self.call_for(id, move |c| sessions::save_state(c, id, column, &value))
+        self.call_for(id, move |c| c.save_state(id, column, &value))
             .await
     }
 
@@ -308,13 +347,13 @@ impl Store {
         id: SessionId,
         write: ConversationWrite,
     ) -> Result<(), StoreError> {
-        self.call_for(id, move |c| sessions::save_conversation(c, id, &write))
+        self.call_for(id, move |c| c.save_conversation(id, &write))
             .await
     }
 
     /// A session's stored state (empty when nothing was saved).
     pub async fn load_state(&self, id: SessionId) -> Result<SessionExtras, StoreError> {
-        self.call_for(id, move |c| sessions::load_state(c, id))
+        self.call_for(id, move |c| c.load_state(id))
             .await
     }
 
@@ -325,19 +364,19 @@ impl Store {
         now_s: i64,
         window_s: i64,
     ) -> Result<bool, StoreError> {
-        self.call(move |c| sessions::channel_seen(c, &key, now_s, window_s))
+        self.call(move |c| c.channel_seen(&key, now_s, window_s))
             .await
     }
 
     /// Sets (or clears) a session's title.
     pub async fn set_title(&self, id: SessionId, title: Option<String>) -> Result<(), StoreError> {
-        self.call(move |c| sessions::set_title(c, id, title.as_deref()))
+        self.call(move |c| c.set_title(id, title.as_deref()))
             .await
     }
 
     /// Marks a session closed.
     pub async fn close_session(&self, id: SessionId) -> Result<(), StoreError> {
-        self.call(move |c| sessions::close(c, id)).await
+        self.call(move |c| c.close_session(id)).await
     }
 
     /// Removes a session and everything kept for it (see
@@ -345,7 +384,7 @@ impl Store {
     /// every append issued before it.
     pub async fn delete_session(&self, id: SessionId) -> Result<bool, StoreError> {
         self.call_writer(Some(id), move |w| {
-            let deleted = sessions::delete(&mut w.conn, id).map_err(StoreError::from)?;
+            let deleted = w.conn.delete_session(id)?;
             w.broken.remove(&id);
             w.heads.forget([id]);
             Ok(deleted)
@@ -420,7 +459,7 @@ impl Store {
     /// returns the head of what is stored.
     pub async fn reopen_log(&self, session: SessionId) -> Result<LogHead, StoreError> {
         self.call_writer(Some(session), move |w| {
-            let head = log::head(&w.conn, session)?;
+            let head = w.conn.head(session)?;
             w.broken.remove(&session);
             w.heads.forget([session]);
             Ok(head)
@@ -438,7 +477,7 @@ impl Store {
     ) -> Result<HistoryPage, StoreError> {
         let before = before.unwrap_or(u64::MAX >> 1);
         let limit = limit.clamp(1, 10_000);
-        self.call_for(session, move |c| log::history(c, session, before, limit))
+        self.call_for(session, move |c| c.history(session, before, limit))
             .await
     }
 
@@ -449,7 +488,7 @@ impl Store {
         kinds: &[&'static str],
     ) -> Result<Option<StoredEvent>, StoreError> {
         let kinds = kinds.to_vec();
-        self.call_for(session, move |c| log::last_of_kinds(c, session, &kinds))
+        self.call_for(session, move |c| c.last_of_kinds(session, &kinds))
             .await
     }
 
@@ -460,15 +499,13 @@ impl Store {
         after: u64,
         limit: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
-        self.call_for(session, move |c| {
-            log::events_after(c, session, after, limit)
-        })
+        self.call_for(session, move |c| c.events_after(session, after, limit))
         .await
     }
 
     /// Prompts admitted and never settled, oldest first.
     pub async fn unsettled(&self) -> Result<Vec<Unsettled>, StoreError> {
-        self.call(|c| log::unsettled(c)).await
+        self.call(|c| c.unsettled()).await
     }
 
     /// Waits until every command sent before it is committed.
@@ -492,33 +529,33 @@ impl Store {
         &self,
         changes: Vec<tiller_core::notify::Change>,
     ) -> Result<(), StoreError> {
-        self.call(move |c| queues::notification_changes(c, &changes))
+        self.call(move |c| c.notification_changes(&changes))
             .await
     }
 
     /// Every queued notification, oldest first.
     pub async fn notifications(&self) -> Result<Vec<Notification>, StoreError> {
-        self.call(|c| queues::notifications(c)).await
+        self.call(|c| c.notifications()).await
     }
 
     /// Sessions that have queued notifications, and how many are queued.
     pub async fn notification_backlog(&self) -> Result<(Vec<SessionId>, usize), StoreError> {
-        self.call(|c| queues::notification_backlog(c)).await
+        self.call(|c| c.notification_backlog()).await
     }
 
     /// Stores a new cron job.
     pub async fn cron_add(&self, job: CronJob) -> Result<(), StoreError> {
-        self.call(move |c| queues::cron_add(c, &job)).await
+        self.call(move |c| c.cron_add(&job)).await
     }
 
     /// Every cron job.
     pub async fn cron_list(&self) -> Result<Vec<CronJob>, StoreError> {
-        self.call(|c| queues::cron_list(c)).await
+        self.call(|c| c.cron_list()).await
     }
 
     /// Removes a job (and its waiting fire); false when there was none.
     pub async fn cron_remove(&self, id: String) -> Result<bool, StoreError> {
-        self.call(move |c| queues::cron_remove(c, &id)).await
+        self.call(move |c| c.cron_remove(&id)).await
     }
 
     /// Stores what the cron core decided for a fire of job `job_id` and
@@ -529,47 +566,43 @@ impl Store {
         job_id: String,
         next_fire_ms: i64,
     ) -> Result<(), StoreError> {
-        self.call(move |c| queues::cron_fire(c, &change, &job_id, next_fire_ms))
+        self.call(move |c| c.cron_fire(&change, &job_id, next_fire_ms))
             .await
     }
 
     /// Every waiting fire, oldest first.
     pub async fn cron_fires(&self) -> Result<Vec<CronFire>, StoreError> {
-        self.call(|c| queues::cron_fires(c)).await
+        self.call(|c| c.cron_fires()).await
     }
 
     /// Sessions with waiting fires.
     pub async fn cron_backlog(&self) -> Result<Vec<SessionId>, StoreError> {
-        self.call(|c| queues::session_ids(c, "SELECT DISTINCT session_id FROM cron_fires"))
-            .await
+        self.call(|c| c.cron_backlog()).await
     }
 
     /// A session's goal.
     pub async fn goal_get(&self, session: SessionId) -> Result<Option<GoalRow>, StoreError> {
-        self.call(move |c| queues::goal_get(c, session)).await
+        self.call(move |c| c.goal_get(session)).await
     }
 
     /// Stores (replaces) a session's goal.
     pub async fn goal_put(&self, goal: GoalRow) -> Result<(), StoreError> {
-        self.call(move |c| queues::goal_put(c, &goal)).await
+        self.call(move |c| c.goal_put(&goal)).await
     }
 
     /// Clears a session's goal; false when it had none.
     pub async fn goal_delete(&self, session: SessionId) -> Result<bool, StoreError> {
-        self.call(move |c| queues::goal_delete(c, session)).await
+        self.call(move |c| c.goal_delete(session)).await
     }
 
     /// Sessions whose goal is active.
     pub async fn goals_active(&self) -> Result<Vec<SessionId>, StoreError> {
-        self.call(|c| {
-            queues::session_ids(c, "SELECT session_id FROM goals WHERE status = 'active'")
-        })
-        .await
+        self.call(|c| c.goals_active()).await
     }
 
     /// Deliveries due at `now_ms`, oldest first.
     pub async fn deliveries_due(&self, now_ms: i64) -> Result<Vec<Delivery>, StoreError> {
-        self.call(move |c| deliveries::due(c, now_ms)).await
+        self.call(move |c| c.deliveries_due(now_ms)).await
     }
 
     /// Marks a delivery sent or given up (`retry = None`), or schedules its
@@ -579,7 +612,7 @@ impl Store {
         id: i64,
         retry: Option<(i64, u32)>,
     ) -> Result<(), StoreError> {
-        self.call(move |c| deliveries::done(c, id, retry)).await
+        self.call(move |c| c.delivery_done(id, retry)).await
     }
 }
 

@@ -34,14 +34,18 @@ pub(crate) struct Heads(std::collections::HashMap<SessionId, u64>);
 impl Heads {
     const MAX: usize = 200_000;
 
-    fn get(&mut self, conn: &Connection, session: SessionId) -> rusqlite::Result<u64> {
-        if let Some(&h) = self.0.get(&session) {
-            return Ok(h);
-        }
-        head_seq(conn, session)
+    /// The cached last sequence number of a session.
+    pub(crate) fn cached(&self, session: SessionId) -> Option<u64> {
+        self.0.get(&session).copied()
     }
 
-    fn commit(&mut self, next: Heads) {
+    /// Records a session's last sequence number (in a batch's `next`).
+    pub(crate) fn set(&mut self, session: SessionId, last: u64) {
+        self.0.insert(session, last);
+    }
+
+    /// Takes a committed batch's heads.
+    pub(crate) fn commit(&mut self, next: Heads) {
         if self.0.len() + next.0.len() > Self::MAX {
             self.0.clear();
         }
@@ -128,12 +132,12 @@ fn insert_batch(
     }
     for s in sessions {
         let events = batch.iter().map(|p| &p.event).filter(|e| e.session == s);
-        let head = match next.0.get(&s) {
-            Some(&h) => h,
-            None => heads.get(tx, s)?,
+        let head = match next.cached(s).or_else(|| heads.cached(s)) {
+            Some(h) => h,
+            None => head_seq(tx, s)?,
         };
         let last = insert_events(tx, s, head, events)?;
-        next.0.insert(s, last);
+        next.set(s, last);
     }
     Ok(())
 }

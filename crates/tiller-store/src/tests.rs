@@ -1,4 +1,26 @@
-//! The store's unit tests.
+//! The store's unit tests. Those that are not about SQLite itself (its
+//! file lock, its migrations, the inline store) run on PostgreSQL instead
+//! when `TILLER_TEST_POSTGRES_URL` names a database (`scripts/test` runs
+//! them both ways).
+
+use std::path::Path;
+
+/// A store for `path`: the SQLite file, or (with
+/// `TILLER_TEST_POSTGRES_URL`) a PostgreSQL schema named after the path,
+/// so opening the same path again opens the same data.
+pub(crate) fn open_store(path: &Path) -> Result<crate::Store, crate::StoreError> {
+    match std::env::var("TILLER_TEST_POSTGRES_URL") {
+        Ok(url) if !url.is_empty() => {
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            for b in path.as_os_str().as_encoded_bytes() {
+                h ^= u64::from(*b);
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+            crate::Store::open_postgres(&url, &format!("t_{h:016x}"))
+        }
+        _ => crate::Store::open(path),
+    }
+}
 
 mod basics {
     use crate::*;
@@ -68,7 +90,7 @@ mod basics {
     async fn sessions_and_events_round_trip_and_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.db");
-        let store = Store::open(&path).unwrap();
+        let store = crate::tests::open_store(&path).unwrap();
         let a = rec(1);
         let b = rec(2);
         store.create_session(a.clone()).await.unwrap();
@@ -79,7 +101,7 @@ mod basics {
         store.append_durable(ev(a.id, 6), None).await.unwrap();
         drop(store);
 
-        let store = Store::open(&path).unwrap();
+        let store = crate::tests::open_store(&path).unwrap();
         let (got, head) = store.get_session(a.id).await.unwrap().unwrap();
         assert_eq!(got.id, a.id);
         assert_eq!(got.updated_ms, 16, "appends touch updated_ms");
@@ -110,7 +132,7 @@ mod basics {
             messages: messages.iter().map(|m| m.to_string()).collect(),
         };
         {
-            let store = Store::open(&path).unwrap();
+            let store = crate::tests::open_store(&path).unwrap();
             assert_eq!(
                 store.load_state(id).await.unwrap(),
                 SessionExtras::default()
@@ -130,7 +152,7 @@ mod basics {
                 .await
                 .unwrap();
         }
-        let store = Store::open(&path).unwrap();
+        let store = crate::tests::open_store(&path).unwrap();
         assert_eq!(
             store.load_state(id).await.unwrap(),
             SessionExtras {
@@ -320,7 +342,7 @@ mod basics {
     #[tokio::test]
     async fn duplicate_seq_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let store = crate::tests::open_store(&dir.path().join("t.db")).unwrap();
         let a = rec(1);
         store.create_session(a.clone()).await.unwrap();
         store.append_durable(ev(a.id, 1), None).await.unwrap();
@@ -330,7 +352,7 @@ mod basics {
     #[tokio::test]
     async fn listing_pages_newest_first_and_skips_closed() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let store = crate::tests::open_store(&dir.path().join("t.db")).unwrap();
         let recs: Vec<_> = (0..5).map(rec).collect();
         for r in &recs {
             store.create_session(r.clone()).await.unwrap();
@@ -448,7 +470,7 @@ mod ledger {
         let s = SessionId::new();
         let (p1, p2) = (PromptId::new(), PromptId::new());
         {
-            let store = Store::open(&path).unwrap();
+            let store = crate::tests::open_store(&path).unwrap();
             let admit = |p| {
                 Some(LedgerOp::Admit {
                     prompt: p,
@@ -475,7 +497,7 @@ mod ledger {
                 .await
                 .unwrap();
         }
-        let store = Store::open(&path).unwrap();
+        let store = crate::tests::open_store(&path).unwrap();
         let open = store.unsettled().await.unwrap();
         assert_eq!(
             open,
@@ -503,7 +525,7 @@ mod ledger {
     #[tokio::test]
     async fn history_pages_backward() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let store = crate::tests::open_store(&dir.path().join("t.db")).unwrap();
         let s = SessionId::new();
         for seq in 1..=10 {
             store.append(ev(s, seq, "x"), None, None);
@@ -534,14 +556,14 @@ mod notifications {
         let s = SessionId::new();
         let mut q = Queues::new(3);
         {
-            let store = Store::open(&path).unwrap();
+            let store = crate::tests::open_store(&path).unwrap();
             for (t, text) in [("a", "1"), ("b", "2"), ("a", "3"), ("c", "4"), ("d", "5")] {
                 let out = q.enqueue(s, t, text, 1);
                 store.notification_changes(out.changes).await.unwrap();
             }
             assert_eq!(store.notification_backlog().await.unwrap(), (vec![s], 3));
         }
-        let store = Store::open(&path).unwrap();
+        let store = crate::tests::open_store(&path).unwrap();
         let rows = store.notifications().await.unwrap();
         let restored = Queues::restore(
             3,
@@ -582,7 +604,7 @@ mod durability {
 
     fn open() -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let store = crate::tests::open_store(&dir.path().join("t.db")).unwrap();
         (dir, store)
     }
 

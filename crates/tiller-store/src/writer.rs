@@ -9,10 +9,10 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc as std_mpsc;
 use std::time::Instant;
 
-use rusqlite::Connection;
 use tiller_core::SessionId;
 use tokio::sync::oneshot;
 
+use crate::db::Db;
 use crate::{LedgerOp, OnCommit, Shared, StoreError, StoredEvent, log};
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, StoreError>>;
@@ -42,7 +42,7 @@ pub(crate) struct Pending {
 
 /// What the thread owns.
 pub(crate) struct Writer {
-    pub(crate) conn: Connection,
+    pub(crate) conn: Box<dyn Db>,
     /// Sessions whose log lost a write: later appends to them are refused
     /// (a gap would break the log) until the session is reopened.
     pub(crate) broken: HashSet<SessionId>,
@@ -204,21 +204,21 @@ impl Writer {
         if self.shared.fail_appends.load(Ordering::Relaxed) {
             return self.fail(batch, Arc::new(StoreError::Injected));
         }
-        let Err(e) = log::append_batch(&mut self.conn, &mut self.heads, &batch) else {
+        let Err(e) = self.conn.append_batch(&mut self.heads, &batch) else {
             return reply_ok(batch);
         };
         let sessions: HashSet<SessionId> = batch.iter().map(|p| p.event.session).collect();
         if sessions.len() == 1 {
-            return self.fail(batch, Arc::new(e.into()));
+            return self.fail(batch, Arc::new(e));
         }
         // Several sessions shared the failed transaction: retry each alone.
         for s in sessions {
             let (mine, rest): (Vec<_>, Vec<_>) =
                 batch.into_iter().partition(|p| p.event.session == s);
             batch = rest;
-            match log::append_batch(&mut self.conn, &mut self.heads, &mine) {
+            match self.conn.append_batch(&mut self.heads, &mine) {
                 Ok(()) => reply_ok(mine),
-                Err(e) => self.fail(mine, Arc::new(e.into())),
+                Err(e) => self.fail(mine, Arc::new(e)),
             }
         }
     }

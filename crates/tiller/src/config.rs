@@ -48,11 +48,49 @@ pub struct Server {
     pub channel_replay_window: Duration,
 }
 
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreCfg {
     pub data_dir: String,
+    /// `sqlite` (the default: a file in the data directory) or `postgres`.
+    pub kind: String,
     pub path: String,
+    /// PostgreSQL: the variable holding the connection string (never the
+    /// string itself in the file).
+    pub url_env: String,
+    /// PostgreSQL: the schema Tiller's tables live in (created if needed).
+    pub schema: String,
+}
+
+impl Default for StoreCfg {
+    fn default() -> Self {
+        StoreCfg {
+            data_dir: String::new(),
+            kind: "sqlite".into(),
+            path: String::new(),
+            url_env: "TILLER_DATABASE_URL".into(),
+            schema: "tiller".into(),
+        }
+    }
+}
+
+impl StoreCfg {
+    /// The PostgreSQL connection string, when `kind = "postgres"`.
+    pub fn postgres_url(&self) -> Result<Option<String>, String> {
+        match self.kind.as_str() {
+            "sqlite" => Ok(None),
+            "postgres" => match std::env::var(&self.url_env) {
+                Ok(url) if !url.trim().is_empty() => Ok(Some(url)),
+                _ => Err(format!(
+                    "key `store.url_env`: the variable {} (the PostgreSQL connection string) is not set",
+                    self.url_env
+                )),
+            },
+            other => Err(format!(
+                "key `store.kind`: unknown store `{other}` (expected sqlite or postgres)"
+            )),
+        }
+    }
 }
 
 /// `[engine]`: the default engine and the model engines, one table each
@@ -750,6 +788,12 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        if !["sqlite", "postgres"].contains(&self.store.kind.as_str()) {
+            return Err(ConfigError(format!(
+                "key `store.kind`: unknown store `{}` (expected sqlite or postgres)",
+                self.store.kind
+            )));
+        }
         if self.engine.models.contains_key(SCRIPTED) || self.engine.agents.contains_key(SCRIPTED) {
             return Err(ConfigError(format!(
                 "key `engine.{SCRIPTED}`: the name is reserved for the built-in scripted engine"

@@ -179,14 +179,14 @@ async fn start_sessions(
     if let Some(dir) = db.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
+    let postgres = cfg.store.postgres_url().map_err(anyhow::Error::msg)?;
+    let schema = cfg.store.schema.clone();
     let store = {
         let db = db.to_owned();
-        tokio::task::spawn_blocking(move || {
-            if inline_store {
-                Store::open_inline(&db)
-            } else {
-                Store::open(&db)
-            }
+        tokio::task::spawn_blocking(move || match postgres {
+            Some(url) => Store::open_postgres(&url, &schema),
+            None if inline_store => Store::open_inline(&db),
+            None => Store::open(&db),
         })
         .await
         .context("the store's opening task failed")??

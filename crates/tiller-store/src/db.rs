@@ -1,0 +1,190 @@
+//! What a store backend does: every statement the store runs, as one
+//! method each, called on the store thread in the order commands were sent
+//! (see [`crate::writer`]). SQLite (this file, over the functions of
+//! `sessions`, `log`, `queues` and `deliveries`) and PostgreSQL (`pg`)
+//! implement it; the writer, its batching, broken-log and head-cache rules
+//! are shared.
+
+use tiller_core::SessionId;
+
+use crate::log::Heads;
+use crate::writer::Pending;
+use crate::{
+    ConversationWrite, CronFire, CronJob, Delivery, GoalRow, HistoryPage, LogHead, Notification,
+    SessionExtras, SessionPage, SessionRecord, StateColumn, StoreError, StoredEvent, Unsettled,
+    deliveries, log, queues, sessions,
+};
+
+type R<T> = Result<T, StoreError>;
+
+/// A backend's connection, owned by the store thread.
+pub(crate) trait Db: Send {
+    /// Commits a batch of appends and what they imply (see
+    /// [`log::append_batch`]).
+    fn append_batch(&mut self, heads: &mut Heads, batch: &[Pending]) -> R<()>;
+    fn head(&mut self, session: SessionId) -> R<LogHead>;
+    fn create_session(&mut self, rec: &SessionRecord, engine: Option<&str>) -> R<()>;
+    fn get_session(&mut self, id: SessionId) -> R<Option<(SessionRecord, LogHead)>>;
+    fn list_sessions(
+        &mut self,
+        cursor: Option<i64>,
+        limit: usize,
+        cwd: Option<&str>,
+    ) -> R<SessionPage>;
+    fn save_state(&mut self, id: SessionId, column: StateColumn, value: &str) -> R<()>;
+    fn save_conversation(&mut self, id: SessionId, write: &ConversationWrite) -> R<()>;
+    fn load_state(&mut self, id: SessionId) -> R<SessionExtras>;
+    fn channel_seen(&mut self, key: &str, now_s: i64, window_s: i64) -> R<bool>;
+    fn set_title(&mut self, id: SessionId, title: Option<&str>) -> R<()>;
+    fn close_session(&mut self, id: SessionId) -> R<()>;
+    fn delete_session(&mut self, id: SessionId) -> R<bool>;
+    fn history(&mut self, session: SessionId, before: u64, limit: usize) -> R<HistoryPage>;
+    fn last_of_kinds(&mut self, session: SessionId, kinds: &[&str]) -> R<Option<StoredEvent>>;
+    fn events_after(
+        &mut self,
+        session: SessionId,
+        after: u64,
+        limit: usize,
+    ) -> R<Vec<StoredEvent>>;
+    fn unsettled(&mut self) -> R<Vec<Unsettled>>;
+    fn notification_changes(&mut self, changes: &[tiller_core::notify::Change]) -> R<()>;
+    fn notifications(&mut self) -> R<Vec<Notification>>;
+    fn notification_backlog(&mut self) -> R<(Vec<SessionId>, usize)>;
+    fn cron_add(&mut self, job: &CronJob) -> R<()>;
+    fn cron_list(&mut self) -> R<Vec<CronJob>>;
+    fn cron_remove(&mut self, id: &str) -> R<bool>;
+    fn cron_fire(
+        &mut self,
+        change: &tiller_core::cron::FireChange,
+        job_id: &str,
+        next_fire_ms: i64,
+    ) -> R<()>;
+    fn cron_fires(&mut self) -> R<Vec<CronFire>>;
+    fn cron_backlog(&mut self) -> R<Vec<SessionId>>;
+    fn goal_get(&mut self, session: SessionId) -> R<Option<GoalRow>>;
+    fn goal_put(&mut self, goal: &GoalRow) -> R<()>;
+    fn goal_delete(&mut self, session: SessionId) -> R<bool>;
+    fn goals_active(&mut self) -> R<Vec<SessionId>>;
+    fn deliveries_due(&mut self, now_ms: i64) -> R<Vec<Delivery>>;
+    fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()>;
+}
+
+impl Db for rusqlite::Connection {
+    fn append_batch(&mut self, heads: &mut Heads, batch: &[Pending]) -> R<()> {
+        Ok(log::append_batch(self, heads, batch)?)
+    }
+    fn head(&mut self, session: SessionId) -> R<LogHead> {
+        Ok(log::head(self, session)?)
+    }
+    fn create_session(&mut self, rec: &SessionRecord, engine: Option<&str>) -> R<()> {
+        Ok(match engine {
+            Some(engine) => sessions::create_with_engine(self, rec, engine)?,
+            None => sessions::create_session(self, rec)?,
+        })
+    }
+    fn get_session(&mut self, id: SessionId) -> R<Option<(SessionRecord, LogHead)>> {
+        Ok(sessions::get_session(self, id)?)
+    }
+    fn list_sessions(
+        &mut self,
+        cursor: Option<i64>,
+        limit: usize,
+        cwd: Option<&str>,
+    ) -> R<SessionPage> {
+        Ok(sessions::list_sessions(self, cursor, limit, cwd)?)
+    }
+    fn save_state(&mut self, id: SessionId, column: StateColumn, value: &str) -> R<()> {
+        Ok(sessions::save_state(self, id, column, value)?)
+    }
+    fn save_conversation(&mut self, id: SessionId, write: &ConversationWrite) -> R<()> {
+        Ok(sessions::save_conversation(self, id, write)?)
+    }
+    fn load_state(&mut self, id: SessionId) -> R<SessionExtras> {
+        Ok(sessions::load_state(self, id)?)
+    }
+    fn channel_seen(&mut self, key: &str, now_s: i64, window_s: i64) -> R<bool> {
+        Ok(sessions::channel_seen(self, key, now_s, window_s)?)
+    }
+    fn set_title(&mut self, id: SessionId, title: Option<&str>) -> R<()> {
+        Ok(sessions::set_title(self, id, title)?)
+    }
+    fn close_session(&mut self, id: SessionId) -> R<()> {
+        Ok(sessions::close(self, id)?)
+    }
+    fn delete_session(&mut self, id: SessionId) -> R<bool> {
+        Ok(sessions::delete(self, id)?)
+    }
+    fn history(&mut self, session: SessionId, before: u64, limit: usize) -> R<HistoryPage> {
+        Ok(log::history(self, session, before, limit)?)
+    }
+    fn last_of_kinds(&mut self, session: SessionId, kinds: &[&str]) -> R<Option<StoredEvent>> {
+        Ok(log::last_of_kinds(self, session, kinds)?)
+    }
+    fn events_after(
+        &mut self,
+        session: SessionId,
+        after: u64,
+        limit: usize,
+    ) -> R<Vec<StoredEvent>> {
+        Ok(log::events_after(self, session, after, limit)?)
+    }
+    fn unsettled(&mut self) -> R<Vec<Unsettled>> {
+        Ok(log::unsettled(self)?)
+    }
+    fn notification_changes(&mut self, changes: &[tiller_core::notify::Change]) -> R<()> {
+        Ok(queues::notification_changes(self, changes)?)
+    }
+    fn notifications(&mut self) -> R<Vec<Notification>> {
+        Ok(queues::notifications(self)?)
+    }
+    fn notification_backlog(&mut self) -> R<(Vec<SessionId>, usize)> {
+        Ok(queues::notification_backlog(self)?)
+    }
+    fn cron_add(&mut self, job: &CronJob) -> R<()> {
+        Ok(queues::cron_add(self, job)?)
+    }
+    fn cron_list(&mut self) -> R<Vec<CronJob>> {
+        Ok(queues::cron_list(self)?)
+    }
+    fn cron_remove(&mut self, id: &str) -> R<bool> {
+        Ok(queues::cron_remove(self, id)?)
+    }
+    fn cron_fire(
+        &mut self,
+        change: &tiller_core::cron::FireChange,
+        job_id: &str,
+        next_fire_ms: i64,
+    ) -> R<()> {
+        Ok(queues::cron_fire(self, change, job_id, next_fire_ms)?)
+    }
+    fn cron_fires(&mut self) -> R<Vec<CronFire>> {
+        Ok(queues::cron_fires(self)?)
+    }
+    fn cron_backlog(&mut self) -> R<Vec<SessionId>> {
+        Ok(queues::session_ids(
+            self,
+            "SELECT DISTINCT session_id FROM cron_fires",
+        )?)
+    }
+    fn goal_get(&mut self, session: SessionId) -> R<Option<GoalRow>> {
+        Ok(queues::goal_get(self, session)?)
+    }
+    fn goal_put(&mut self, goal: &GoalRow) -> R<()> {
+        Ok(queues::goal_put(self, goal)?)
+    }
+    fn goal_delete(&mut self, session: SessionId) -> R<bool> {
+        Ok(queues::goal_delete(self, session)?)
+    }
+    fn goals_active(&mut self) -> R<Vec<SessionId>> {
+        Ok(queues::session_ids(
+            self,
+            "SELECT session_id FROM goals WHERE status = 'active'",
+        )?)
+    }
+    fn deliveries_due(&mut self, now_ms: i64) -> R<Vec<Delivery>> {
+        Ok(deliveries::due(self, now_ms)?)
+    }
+    fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()> {
+        Ok(deliveries::done(self, id, retry)?)
+    }
+}

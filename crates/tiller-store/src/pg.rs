@@ -1,0 +1,949 @@
+//! The PostgreSQL backend: the same tables and rules as SQLite's (the log
+//! in the same segments, the ledger in the same transaction as the events
+//! it rides on), over the synchronous `postgres` client on the store
+//! thread. Every statement is prepared once per connection; a dropped
+//! connection is made again on the next command (what failed meanwhile
+//! was an error to its caller, never a silent success).
+
+use std::collections::HashMap;
+
+use postgres::types::ToSql;
+use postgres::{Client, GenericClient, NoTls, Statement};
+use tiller_core::{PromptId, SessionId};
+
+use crate::db::Db;
+use crate::log::Heads;
+use crate::writer::Pending;
+use crate::{
+    Claim, ConversationWrite, CronFire, CronJob, Delivery, GoalRow, HistoryPage, LedgerOp,
+    LogHead, Notification, SessionExtras, SessionPage, SessionRecord, StateColumn, StoreError,
+    StoredConversation, StoredEvent, Unsettled, segment,
+};
+
+type R<T> = Result<T, StoreError>;
+
+/// The schema, version by version (`tiller_schema` holds how many ran).
+const MIGRATIONS: &[&str] = &["CREATE TABLE sessions (
+        n BIGSERIAL PRIMARY KEY,
+        id TEXT NOT NULL UNIQUE,
+        cwd TEXT NOT NULL,
+        title TEXT,
+        created_ms BIGINT NOT NULL,
+        updated_ms BIGINT NOT NULL,
+        closed BOOLEAN NOT NULL DEFAULT false,
+        channel TEXT
+    );
+    CREATE TABLE log (
+        session_id TEXT NOT NULL,
+        first_seq BIGINT NOT NULL,
+        last_seq BIGINT NOT NULL,
+        last_ts_ms BIGINT NOT NULL,
+        max_turn BIGINT,
+        kinds BIGINT NOT NULL,
+        body BYTEA NOT NULL,
+        PRIMARY KEY (session_id, first_seq)
+    );
+    CREATE TABLE prompts (
+        prompt_id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        origin TEXT NOT NULL,
+        admitted_ms BIGINT NOT NULL
+    );
+    CREATE TABLE notifications (
+        n BIGINT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        task_id TEXT NOT NULL,
+        text TEXT NOT NULL,
+        created_ms BIGINT NOT NULL,
+        UNIQUE (session_id, task_id)
+    );
+    CREATE TABLE cron_jobs (
+        id TEXT PRIMARY KEY,
+        session_id TEXT NOT NULL,
+        schedule TEXT NOT NULL,
+        tz TEXT NOT NULL,
+        prompt TEXT NOT NULL,
+        next_fire_ms BIGINT NOT NULL,
+        created_ms BIGINT NOT NULL
+    );
+    CREATE TABLE cron_fires (
+        n BIGINT PRIMARY KEY,
+        job_id TEXT NOT NULL UNIQUE,
+        session_id TEXT NOT NULL,
+        prompt TEXT NOT NULL,
+        fired_ms BIGINT NOT NULL
+    );
+    CREATE TABLE goals (
+        session_id TEXT PRIMARY KEY,
+        objective TEXT NOT NULL,
+        max_turns BIGINT NOT NULL,
+        turns_done BIGINT NOT NULL,
+        status TEXT NOT NULL,
+        pause_reason TEXT,
+        loop_stops BIGINT NOT NULL
+    );
+    CREATE TABLE deliveries (
+        id BIGSERIAL PRIMARY KEY,
+        url TEXT NOT NULL,
+        session_id TEXT NOT NULL,
+        prompt_id TEXT NOT NULL,
+        text TEXT NOT NULL,
+        stop_reason TEXT NOT NULL,
+        attempts BIGINT NOT NULL,
+        next_at_ms BIGINT NOT NULL
+    );
+    CREATE TABLE channel_seen (key TEXT PRIMARY KEY, seen_s BIGINT NOT NULL);
+    CREATE TABLE session_state (session_id TEXT PRIMARY KEY, engine TEXT, settings TEXT);
+    CREATE TABLE conversation (
+        session_id TEXT NOT NULL,
+        idx BIGINT NOT NULL,
+        message TEXT NOT NULL,
+        PRIMARY KEY (session_id, idx)
+    );"];
+
+/// Whether `s` may name a schema (it is put in SQL as is).
+pub(crate) fn valid_schema(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && s.len() <= 63
+}
+
+/// A connection to the database, made again when it drops.
+pub(crate) struct PgDb {
+    url: String,
+    schema: String,
+    client: Client,
+    stmts: HashMap<&'static str, Statement>,
+}
+
+impl PgDb {
+    /// Connects, creates the schema if needed and migrates it (under an
+    /// advisory lock: nodes starting together migrate once).
+    pub(crate) fn connect(url: &str, schema: &str) -> R<PgDb> {
+        if !valid_schema(schema) {
+            return Err(StoreError::Config(format!(
+                "`{schema}` is not a valid schema name (lower-case letters, digits, _)"
+            )));
+        }
+        let client = open(url, schema)?;
+        let mut db = PgDb {
+            url: url.to_owned(),
+            schema: schema.to_owned(),
+            client,
+            stmts: HashMap::new(),
+        };
+        db.migrate()?;
+        Ok(db)
+    }
+
+    fn migrate(&mut self) -> R<()> {
+        let mut tx = self.client.transaction()?;
+        tx.batch_execute(
+            "SELECT pg_advisory_xact_lock(7239118431);
+             CREATE TABLE IF NOT EXISTS tiller_schema (version BIGINT NOT NULL);",
+        )?;
+        let have: i64 = match tx.query_opt("SELECT version FROM tiller_schema", &[])? {
+            Some(row) => row.get(0),
+            None => {
+                tx.execute("INSERT INTO tiller_schema (version) VALUES (0)", &[])?;
+                0
+            }
+        };
+        if have as usize > MIGRATIONS.len() {
+            return Err(StoreError::Config(format!(
+                "the database's schema is version {have}, newer than this Tiller's {}: upgrade Tiller",
+                MIGRATIONS.len()
+            )));
+        }
+        for m in &MIGRATIONS[have as usize..] {
+            tx.batch_execute(m)?;
+        }
+        tx.execute(
+            "UPDATE tiller_schema SET version = $1",
+            &[&(MIGRATIONS.len() as i64)],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The live connection, made again if it dropped.
+    fn client(&mut self) -> R<&mut Client> {
+        if self.client.is_closed() {
+            self.client = open(&self.url, &self.schema)?;
+            self.stmts.clear();
+        }
+        Ok(&mut self.client)
+    }
+}
+
+fn open(url: &str, schema: &str) -> R<Client> {
+    let mut client = Client::connect(url, NoTls).map_err(StoreError::Pg)?;
+    client.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema};"
+    ))?;
+    Ok(client)
+}
+
+/// A statement prepared once per connection.
+fn prep(
+    c: &mut impl GenericClient,
+    stmts: &mut HashMap<&'static str, Statement>,
+    sql: &'static str,
+) -> R<Statement> {
+    if let Some(s) = stmts.get(sql) {
+        return Ok(s.clone());
+    }
+    let s = c.prepare(sql)?;
+    stmts.insert(sql, s.clone());
+    Ok(s)
+}
+
+fn corrupt(e: segment::Corrupt) -> StoreError {
+    StoreError::Corrupt(e.to_string())
+}
+
+fn sid(s: &str) -> R<SessionId> {
+    SessionId::parse(s).ok_or_else(|| StoreError::Corrupt(format!("a stored session id `{s}`")))
+}
+
+fn head_seq(c: &mut impl GenericClient, st: &mut HashMap<&'static str, Statement>, id: &str) -> R<u64> {
+    let q = prep(
+        c,
+        st,
+        "SELECT last_seq FROM log WHERE session_id = $1 ORDER BY first_seq DESC LIMIT 1",
+    )?;
+    Ok(c.query_opt(&q, &[&id])?
+        .map_or(0, |r| r.get::<_, i64>(0) as u64))
+}
+
+const UPDATED: &str = "COALESCE((SELECT last_ts_ms FROM log l WHERE l.session_id = sessions.id
+    ORDER BY l.first_seq DESC LIMIT 1), updated_ms)";
+
+fn session_row(r: &postgres::Row) -> R<SessionRecord> {
+    Ok(SessionRecord {
+        id: sid(r.get("id"))?,
+        cwd: r.get("cwd"),
+        title: r.get("title"),
+        created_ms: r.get("created_ms"),
+        updated_ms: r.get("updated_ms"),
+        closed: r.get("closed"),
+        channel: r.get("channel"),
+    })
+}
+
+fn ids(rows: Vec<postgres::Row>) -> Vec<SessionId> {
+    rows.iter()
+        .filter_map(|r| SessionId::parse(r.get::<_, &str>(0)))
+        .collect()
+}
+
+impl Db for PgDb {
+    fn append_batch(&mut self, heads: &mut Heads, batch: &[Pending]) -> R<()> {
+        self.client()?;
+        let PgDb { client, stmts, .. } = self;
+        let mut next = Heads::default();
+        let done = (|| {
+            let mut tx = client.transaction()?;
+            for p in batch {
+                let e = &p.event;
+                match &p.ledger {
+                    Some(LedgerOp::Admit {
+                        prompt,
+                        origin,
+                        consumes,
+                    }) => {
+                        let q = prep(
+                            &mut tx,
+                            stmts,
+                            "INSERT INTO prompts (prompt_id, session_id, origin, admitted_ms)
+                             VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                        )?;
+                        tx.execute(
+                            &q,
+                            &[&prompt.to_string(), &e.session.to_string(), origin, &e.ts_ms],
+                        )?;
+                        match consumes {
+                            Some(Claim::Notification(n)) => {
+                                tx.execute("DELETE FROM notifications WHERE n = $1", &[n])?;
+                            }
+                            Some(Claim::CronFire(n)) => {
+                                tx.execute("DELETE FROM cron_fires WHERE n = $1", &[n])?;
+                            }
+                            None => {}
+                        }
+                    }
+                    Some(LedgerOp::Settle { prompt, delivery }) => {
+                        let q = prep(&mut tx, stmts, "DELETE FROM prompts WHERE prompt_id = $1")?;
+                        tx.execute(&q, &[&prompt.to_string()])?;
+                        if let Some(d) = delivery {
+                            add_delivery(&mut tx, d)?;
+                        }
+                    }
+                    None => {}
+                }
+            }
+            let mut sessions: Vec<SessionId> = Vec::new();
+            for p in batch {
+                if !sessions.contains(&p.event.session) {
+                    sessions.push(p.event.session);
+                }
+            }
+            for s in sessions {
+                let id = s.to_string();
+                let head = match next.cached(s).or_else(|| heads.cached(s)) {
+                    Some(h) => h,
+                    None => head_seq(&mut tx, stmts, &id)?,
+                };
+                let events: Vec<&StoredEvent> = batch
+                    .iter()
+                    .map(|p| &p.event)
+                    .filter(|e| e.session == s)
+                    .collect();
+                let mut last = head;
+                for e in &events {
+                    if e.seq <= last {
+                        return Err(StoreError::Corrupt(format!(
+                            "event {} of session {s} does not follow the log's {last}",
+                            e.seq
+                        )));
+                    }
+                    last = e.seq;
+                }
+                let q = prep(
+                    &mut tx,
+                    stmts,
+                    "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                )?;
+                for seg in segment::split(events) {
+                    let first = seg.first_seq as i64;
+                    let last_seq = seg.last_seq as i64;
+                    let max_turn = seg.max_turn.map(|t| t as i64);
+                    let params: [&(dyn ToSql + Sync); 7] = [
+                        &id,
+                        &first,
+                        &last_seq,
+                        &seg.last_ts_ms,
+                        &max_turn,
+                        &seg.kinds,
+                        &seg.body,
+                    ];
+                    tx.execute(&q, &params)?;
+                }
+                next.set(s, last);
+            }
+            tx.commit()?;
+            Ok(())
+        })();
+        match &done {
+            Ok(()) => heads.commit(next),
+            Err(_) => heads.forget(batch.iter().map(|p| p.event.session)),
+        }
+        done
+    }
+
+    fn head(&mut self, session: SessionId) -> R<LogHead> {
+        self.client()?;
+        let PgDb { client, stmts, .. } = self;
+        let id = session.to_string();
+        let q = prep(
+            client,
+            stmts,
+            "SELECT max_turn FROM log WHERE session_id = $1 AND max_turn IS NOT NULL
+             ORDER BY first_seq DESC LIMIT 1",
+        )?;
+        let last_turn = client
+            .query_opt(&q, &[&id])?
+            .map_or(0, |r| r.get::<_, i64>(0) as u64);
+        Ok(LogHead {
+            last_seq: head_seq(client, stmts, &id)?,
+            last_turn,
+        })
+    }
+
+    fn create_session(&mut self, rec: &SessionRecord, engine: Option<&str>) -> R<()> {
+        let mut tx = self.client()?.transaction()?;
+        tx.execute(
+            "INSERT INTO sessions (id, cwd, title, created_ms, updated_ms, closed, channel)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            &[
+                &rec.id.to_string(),
+                &rec.cwd,
+                &rec.title,
+                &rec.created_ms,
+                &rec.updated_ms,
+                &rec.closed,
+                &rec.channel,
+            ],
+        )?;
+        if let Some(engine) = engine {
+            tx.execute(
+                "INSERT INTO session_state (session_id, engine) VALUES ($1, $2)
+                 ON CONFLICT (session_id) DO UPDATE SET engine = excluded.engine",
+                &[&rec.id.to_string(), &engine],
+            )?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn get_session(&mut self, id: SessionId) -> R<Option<(SessionRecord, LogHead)>> {
+        let row = self.client()?.query_opt(
+            &format!(
+                "SELECT id, cwd, title, created_ms, {UPDATED} AS updated_ms, closed, channel
+                 FROM sessions WHERE id = $1"
+            ),
+            &[&id.to_string()],
+        )?;
+        let Some(row) = row else { return Ok(None) };
+        let rec = session_row(&row)?;
+        Ok(Some((rec, self.head(id)?)))
+    }
+
+    fn list_sessions(
+        &mut self,
+        cursor: Option<i64>,
+        limit: usize,
+        cwd: Option<&str>,
+    ) -> R<SessionPage> {
+        let rows = self.client()?.query(
+            &format!(
+                "SELECT n, id, cwd, title, created_ms, {UPDATED} AS updated_ms, closed, channel
+                 FROM sessions
+                 WHERE NOT closed AND n < $1 AND ($3::TEXT IS NULL OR cwd = $3)
+                 ORDER BY n DESC LIMIT $2"
+            ),
+            &[&cursor.unwrap_or(i64::MAX), &(limit as i64 + 1), &cwd],
+        )?;
+        let more = rows.len() > limit;
+        let mut sessions = Vec::new();
+        let mut last_n = None;
+        for r in rows.iter().take(limit) {
+            last_n = Some(r.get::<_, i64>("n"));
+            sessions.push(session_row(r)?);
+        }
+        Ok(SessionPage {
+            sessions,
+            next_cursor: if more {
+                last_n.map(|n| n.to_string())
+            } else {
+                None
+            },
+        })
+    }
+
+    fn save_state(&mut self, id: SessionId, column: StateColumn, value: &str) -> R<()> {
+        self.client()?;
+        let sql = match column {
+            StateColumn::Engine => {
+                "INSERT INTO session_state (session_id, engine) VALUES ($1, $2)
+                 ON CONFLICT (session_id) DO UPDATE SET engine = excluded.engine"
+            }
+            StateColumn::Settings => {
+                "INSERT INTO session_state (session_id, settings) VALUES ($1, $2)
+                 ON CONFLICT (session_id) DO UPDATE SET settings = excluded.settings"
+            }
+        };
+        let PgDb { client, stmts, .. } = self;
+        let q = prep(client, stmts, sql)?;
+        client.execute(&q, &[&id.to_string(), &value])?;
+        Ok(())
+    }
+
+    fn save_conversation(&mut self, id: SessionId, w: &ConversationWrite) -> R<()> {
+        self.client()?;
+        let PgDb { client, stmts, .. } = self;
+        let sid = id.to_string();
+        let mut tx = client.transaction()?;
+        let del = prep(
+            &mut tx,
+            stmts,
+            "DELETE FROM conversation WHERE session_id = $1 AND (idx < $2 OR idx >= $3)",
+        )?;
+        tx.execute(&del, &[&sid, &(w.keep_from as i64), &(w.replace_from as i64)])?;
+        let ins = prep(
+            &mut tx,
+            stmts,
+            "INSERT INTO conversation (session_id, idx, message) VALUES ($1, $2, $3)",
+        )?;
+        for (k, m) in w.messages.iter().enumerate() {
+            tx.execute(&ins, &[&sid, &((w.replace_from + k as u64) as i64), m])?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn load_state(&mut self, id: SessionId) -> R<SessionExtras> {
+        let sid = id.to_string();
+        let c = self.client()?;
+        let (engine, settings) = c
+            .query_opt(
+                "SELECT engine, settings FROM session_state WHERE session_id = $1",
+                &[&sid],
+            )?
+            .map(|r| (r.get(0), r.get(1)))
+            .unwrap_or_default();
+        let mut conversation = StoredConversation::default();
+        for r in c.query(
+            "SELECT idx, message FROM conversation WHERE session_id = $1 ORDER BY idx",
+            &[&sid],
+        )? {
+            if conversation.messages.is_empty() {
+                conversation.base = r.get::<_, i64>(0) as u64;
+            }
+            conversation.messages.push(r.get(1));
+        }
+        Ok(SessionExtras {
+            engine,
+            settings,
+            conversation,
+        })
+    }
+
+    fn channel_seen(&mut self, key: &str, now_s: i64, window_s: i64) -> R<bool> {
+        let c = self.client()?;
+        c.execute(
+            "DELETE FROM channel_seen WHERE seen_s < $1",
+            &[&(now_s - window_s)],
+        )?;
+        let n = c.execute(
+            "INSERT INTO channel_seen (key, seen_s) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+            &[&key, &now_s],
+        )?;
+        Ok(n == 1)
+    }
+
+    fn set_title(&mut self, id: SessionId, title: Option<&str>) -> R<()> {
+        self.client()?.execute(
+            "UPDATE sessions SET title = $2 WHERE id = $1",
+            &[&id.to_string(), &title],
+        )?;
+        Ok(())
+    }
+
+    fn close_session(&mut self, id: SessionId) -> R<()> {
+        self.client()?.execute(
+            "UPDATE sessions SET closed = true WHERE id = $1",
+            &[&id.to_string()],
+        )?;
+        Ok(())
+    }
+
+    fn delete_session(&mut self, id: SessionId) -> R<bool> {
+        let id = id.to_string();
+        let mut tx = self.client()?.transaction()?;
+        for table in [
+            "log",
+            "prompts",
+            "notifications",
+            "cron_jobs",
+            "cron_fires",
+            "goals",
+            "deliveries",
+            "session_state",
+            "conversation",
+        ] {
+            tx.execute(
+                &format!("DELETE FROM {table} WHERE session_id = $1"),
+                &[&id],
+            )?;
+        }
+        let n = tx.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
+        tx.commit()?;
+        Ok(n > 0)
+    }
+
+    fn history(&mut self, session: SessionId, before: u64, limit: usize) -> R<HistoryPage> {
+        self.client()?;
+        let PgDb { client, stmts, .. } = self;
+        // Segments hold at most 64 events: enough of them for the page.
+        let q = prep(
+            client,
+            stmts,
+            "SELECT body FROM log WHERE session_id = $1 AND first_seq < $2
+             ORDER BY first_seq DESC LIMIT $3",
+        )?;
+        let rows = client.query(
+            &q,
+            &[&session.to_string(), &(before as i64), &(limit as i64 + 2)],
+        )?;
+        let mut events = Vec::new();
+        for row in rows {
+            if events.len() > limit {
+                break;
+            }
+            let seg = segment::decode(session, row.get::<_, &[u8]>(0)).map_err(corrupt)?;
+            events.extend(seg.into_iter().rev().filter(|e| e.seq < before));
+        }
+        let has_more = events.len() > limit;
+        events.truncate(limit);
+        events.reverse();
+        Ok(HistoryPage { events, has_more })
+    }
+
+    fn last_of_kinds(&mut self, session: SessionId, kinds: &[&str]) -> R<Option<StoredEvent>> {
+        self.client()?;
+        let PgDb { client, stmts, .. } = self;
+        let mask = kinds.iter().fold(0, |m, k| m | segment::kind_bit(k));
+        // Two kinds may share a bit: pages of candidate segments, newest
+        // first, until one holds a wanted kind.
+        let q = prep(
+            client,
+            stmts,
+            "SELECT first_seq, body FROM log
+             WHERE session_id = $1 AND (kinds & $2) != 0 AND first_seq < $3
+             ORDER BY first_seq DESC LIMIT 8",
+        )?;
+        let id = session.to_string();
+        let mut before = i64::MAX;
+        loop {
+            let rows = client.query(&q, &[&id, &mask, &before])?;
+            if rows.is_empty() {
+                return Ok(None);
+            }
+            for row in &rows {
+                before = row.get(0);
+                let seg = segment::decode(session, row.get::<_, &[u8]>(1)).map_err(corrupt)?;
+                if let Some(e) = seg
+                    .into_iter()
+                    .rev()
+                    .find(|e| kinds.contains(&e.kind.as_str()))
+                {
+                    return Ok(Some(e));
+                }
+            }
+        }
+    }
+
+    fn events_after(
+        &mut self,
+        session: SessionId,
+        after: u64,
+        limit: usize,
+    ) -> R<Vec<StoredEvent>> {
+        self.client()?;
+        let PgDb { client, stmts, .. } = self;
+        let q = prep(
+            client,
+            stmts,
+            "SELECT body FROM log WHERE session_id = $1 AND first_seq >= (
+                 SELECT COALESCE(MAX(first_seq), 0) FROM log WHERE session_id = $1 AND first_seq <= $2
+             ) ORDER BY first_seq LIMIT $3",
+        )?;
+        let rows = client.query(
+            &q,
+            &[&session.to_string(), &(after as i64 + 1), &(limit as i64 + 1)],
+        )?;
+        let mut events = Vec::new();
+        for row in rows {
+            if events.len() >= limit {
+                break;
+            }
+            let seg = segment::decode(session, row.get::<_, &[u8]>(0)).map_err(corrupt)?;
+            events.extend(seg.into_iter().filter(|e| e.seq > after));
+        }
+        events.truncate(limit);
+        Ok(events)
+    }
+
+    fn unsettled(&mut self) -> R<Vec<Unsettled>> {
+        let rows = self.client()?.query(
+            "SELECT session_id, prompt_id, origin FROM prompts ORDER BY admitted_ms",
+            &[],
+        )?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| {
+                Some(Unsettled {
+                    session: SessionId::parse(r.get::<_, &str>(0))?,
+                    prompt: PromptId::parse(r.get::<_, &str>(1))?,
+                    origin: r.get(2),
+                })
+            })
+            .collect())
+    }
+
+    fn notification_changes(&mut self, changes: &[tiller_core::notify::Change]) -> R<()> {
+        use tiller_core::notify::Change;
+        let mut tx = self.client()?.transaction()?;
+        for c in changes {
+            match c {
+                Change::Insert { session, item } => {
+                    tx.execute(
+                        "INSERT INTO notifications (n, session_id, task_id, text, created_ms)
+                         VALUES ($1, $2, $3, $4, $5)",
+                        &[
+                            &item.id,
+                            &session.to_string(),
+                            &item.task_id,
+                            &item.text,
+                            &item.created_ms,
+                        ],
+                    )?;
+                }
+                Change::Replace { id, text } => {
+                    tx.execute(
+                        "UPDATE notifications SET text = $2 WHERE n = $1",
+                        &[id, text],
+                    )?;
+                }
+                Change::Evict { id } => {
+                    tx.execute("DELETE FROM notifications WHERE n = $1", &[id])?;
+                }
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn notifications(&mut self) -> R<Vec<Notification>> {
+        let rows = self.client()?.query(
+            "SELECT n, session_id, task_id, text, created_ms FROM notifications ORDER BY n",
+            &[],
+        )?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| {
+                Some(Notification {
+                    id: r.get(0),
+                    session: SessionId::parse(r.get::<_, &str>(1))?,
+                    task_id: r.get(2),
+                    text: r.get(3),
+                    created_ms: r.get(4),
+                })
+            })
+            .collect())
+    }
+
+    fn notification_backlog(&mut self) -> R<(Vec<SessionId>, usize)> {
+        let c = self.client()?;
+        let sessions = ids(c.query("SELECT DISTINCT session_id FROM notifications", &[])?);
+        let total: i64 = c
+            .query_one("SELECT COUNT(*) FROM notifications", &[])?
+            .get(0);
+        Ok((sessions, total as usize))
+    }
+
+    fn cron_add(&mut self, j: &CronJob) -> R<()> {
+        self.client()?.execute(
+            "INSERT INTO cron_jobs (id, session_id, schedule, tz, prompt, next_fire_ms, created_ms)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            &[
+                &j.id,
+                &j.session.to_string(),
+                &j.schedule,
+                &j.tz,
+                &j.prompt,
+                &j.next_fire_ms,
+                &j.created_ms,
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn cron_list(&mut self) -> R<Vec<CronJob>> {
+        let rows = self.client()?.query(
+            "SELECT id, session_id, schedule, tz, prompt, next_fire_ms, created_ms
+             FROM cron_jobs ORDER BY created_ms, id",
+            &[],
+        )?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| {
+                Some(CronJob {
+                    id: r.get(0),
+                    session: SessionId::parse(r.get::<_, &str>(1))?,
+                    schedule: r.get(2),
+                    tz: r.get(3),
+                    prompt: r.get(4),
+                    next_fire_ms: r.get(5),
+                    created_ms: r.get(6),
+                })
+            })
+            .collect())
+    }
+
+    fn cron_remove(&mut self, id: &str) -> R<bool> {
+        let mut tx = self.client()?.transaction()?;
+        tx.execute("DELETE FROM cron_fires WHERE job_id = $1", &[&id])?;
+        let n = tx.execute("DELETE FROM cron_jobs WHERE id = $1", &[&id])?;
+        tx.commit()?;
+        Ok(n > 0)
+    }
+
+    fn cron_fire(
+        &mut self,
+        change: &tiller_core::cron::FireChange,
+        job_id: &str,
+        next_fire_ms: i64,
+    ) -> R<()> {
+        use tiller_core::cron::FireChange;
+        let mut tx = self.client()?.transaction()?;
+        match change {
+            FireChange::Insert { session, fire } => {
+                tx.execute(
+                    "INSERT INTO cron_fires (n, job_id, session_id, prompt, fired_ms)
+                     VALUES ($1, $2, $3, $4, $5)",
+                    &[
+                        &fire.id,
+                        &fire.job_id,
+                        &session.to_string(),
+                        &fire.prompt,
+                        &fire.fired_ms,
+                    ],
+                )?;
+            }
+            FireChange::Refresh {
+                id,
+                prompt,
+                fired_ms,
+            } => {
+                tx.execute(
+                    "UPDATE cron_fires SET prompt = $2, fired_ms = $3 WHERE n = $1",
+                    &[id, prompt, fired_ms],
+                )?;
+            }
+        }
+        tx.execute(
+            "UPDATE cron_jobs SET next_fire_ms = $2 WHERE id = $1",
+            &[&job_id, &next_fire_ms],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    fn cron_fires(&mut self) -> R<Vec<CronFire>> {
+        let rows = self.client()?.query(
+            "SELECT n, session_id, job_id, prompt, fired_ms FROM cron_fires ORDER BY n",
+            &[],
+        )?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| {
+                Some(CronFire {
+                    id: r.get(0),
+                    session: SessionId::parse(r.get::<_, &str>(1))?,
+                    job_id: r.get(2),
+                    prompt: r.get(3),
+                    fired_ms: r.get(4),
+                })
+            })
+            .collect())
+    }
+
+    fn cron_backlog(&mut self) -> R<Vec<SessionId>> {
+        Ok(ids(self.client()?.query(
+            "SELECT DISTINCT session_id FROM cron_fires",
+            &[],
+        )?))
+    }
+
+    fn goal_get(&mut self, session: SessionId) -> R<Option<GoalRow>> {
+        let row = self.client()?.query_opt(
+            "SELECT objective, max_turns, turns_done, status, pause_reason, loop_stops
+             FROM goals WHERE session_id = $1",
+            &[&session.to_string()],
+        )?;
+        Ok(row.map(|r| GoalRow {
+            session,
+            objective: r.get(0),
+            max_turns: r.get::<_, i64>(1) as u32,
+            turns_done: r.get::<_, i64>(2) as u32,
+            status: r.get(3),
+            pause_reason: r.get(4),
+            loop_stops: r.get::<_, i64>(5) as u32,
+        }))
+    }
+
+    fn goal_put(&mut self, g: &GoalRow) -> R<()> {
+        self.client()?.execute(
+            "INSERT INTO goals
+             (session_id, objective, max_turns, turns_done, status, pause_reason, loop_stops)
+             VALUES ($1, $2, $3, $4, $5, $6, $7)
+             ON CONFLICT (session_id) DO UPDATE SET objective = excluded.objective,
+                 max_turns = excluded.max_turns, turns_done = excluded.turns_done,
+                 status = excluded.status, pause_reason = excluded.pause_reason,
+                 loop_stops = excluded.loop_stops",
+            &[
+                &g.session.to_string(),
+                &g.objective,
+                &i64::from(g.max_turns),
+                &i64::from(g.turns_done),
+                &g.status,
+                &g.pause_reason,
+                &i64::from(g.loop_stops),
+            ],
+        )?;
+        Ok(())
+    }
+
+    fn goal_delete(&mut self, session: SessionId) -> R<bool> {
+        let n = self.client()?.execute(
+            "DELETE FROM goals WHERE session_id = $1",
+            &[&session.to_string()],
+        )?;
+        Ok(n > 0)
+    }
+
+    fn goals_active(&mut self) -> R<Vec<SessionId>> {
+        Ok(ids(self.client()?.query(
+            "SELECT session_id FROM goals WHERE status = 'active'",
+            &[],
+        )?))
+    }
+
+    fn deliveries_due(&mut self, now_ms: i64) -> R<Vec<Delivery>> {
+        let rows = self.client()?.query(
+            "SELECT id, url, session_id, prompt_id, text, stop_reason, attempts, next_at_ms
+             FROM deliveries WHERE next_at_ms <= $1 ORDER BY id LIMIT 100",
+            &[&now_ms],
+        )?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| {
+                Some(Delivery {
+                    id: r.get(0),
+                    url: r.get(1),
+                    session: SessionId::parse(r.get::<_, &str>(2))?,
+                    prompt: PromptId::parse(r.get::<_, &str>(3))?,
+                    text: r.get(4),
+                    stop_reason: r.get(5),
+                    attempts: r.get::<_, i64>(6) as u32,
+                    next_at_ms: r.get(7),
+                })
+            })
+            .collect())
+    }
+
+    fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()> {
+        let c = self.client()?;
+        match retry {
+            None => c.execute("DELETE FROM deliveries WHERE id = $1", &[&id])?,
+            Some((next, attempts)) => c.execute(
+                "UPDATE deliveries SET next_at_ms = $2, attempts = $3 WHERE id = $1",
+                &[&id, &next, &i64::from(attempts)],
+            )?,
+        };
+        Ok(())
+    }
+}
+
+fn add_delivery(tx: &mut impl GenericClient, d: &Delivery) -> R<()> {
+    tx.execute(
+        "INSERT INTO deliveries (url, session_id, prompt_id, text, stop_reason, attempts, next_at_ms)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        &[
+            &d.url,
+            &d.session.to_string(),
+            &d.prompt.to_string(),
+            &d.text,
+            &d.stop_reason,
+            &i64::from(d.attempts),
+            &d.next_at_ms,
+        ],
+    )?;
+    Ok(())
+}
