@@ -188,6 +188,10 @@ impl SessionState {
         };
         let span = tracing::info_span!(parent: &self.span, "turn", %turn, %prompt, origin = origin.as_str());
         span.in_scope(|| tracing::info!("turn started"));
+        let message = EventBody::UserMessage {
+            text: prepared.text.clone(),
+            images: prepared.images.clone(),
+        };
         // A prompt that waited (or automatic work) has no start event yet.
         if deferred {
             let work = self.core.active_payload().and_then(|p| p.work.as_ref());
@@ -198,12 +202,12 @@ impl SessionState {
                 origin: origin.as_str().into(),
             };
             match work.map(Work::claim) {
-                // Automatic work is admitted here: its start is stored (with
-                // the queue row it consumes) before it runs, and only then
-                // does its queue forget it.
+                // Automatic work is admitted here: its start and its message
+                // are stored (with the queue row it consumes) before it
+                // runs, and only then does its queue forget it.
                 Some(claim) => {
                     let stored = self
-                        .publish_durable(Some(prompt), Some(turn), start, Ledger::Start(claim))
+                        .publish_start(prompt, turn, start, claim, message)
                         .await;
                     if stored.is_err() {
                         return; // the session fails; the work stays queued
@@ -215,17 +219,14 @@ impl SessionState {
                         q.started(self.id, work);
                     }
                 }
-                None => self.publish(Some(prompt), Some(turn), start),
+                None => {
+                    self.publish(Some(prompt), Some(turn), start);
+                    self.publish(Some(prompt), Some(turn), message);
+                }
             }
+        } else {
+            self.publish(Some(prompt), Some(turn), message);
         }
-        self.publish(
-            Some(prompt),
-            Some(turn),
-            EventBody::UserMessage {
-                text: prepared.text.clone(),
-                images: prepared.images.clone(),
-            },
-        );
         if self.title.is_none() {
             self.title_from(&prepared.text).await;
         }

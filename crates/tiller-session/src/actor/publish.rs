@@ -268,11 +268,10 @@ impl SessionState {
             (Some(LedgerOp::Settle { delivery, .. }), Ledger::Deliver(d)) => {
                 *delivery = Some(d.clone());
             }
-            (Some(LedgerOp::Admit { consumes, .. }), Ledger::Start(claim)) => *consumes = *claim,
             _ => {}
         }
         let retries = match ledger {
-            Ledger::Admission | Ledger::Start(_) => 0,
+            Ledger::Admission => 0,
             Ledger::Plain | Ledger::Deliver(_) => 3,
         };
         let mut attempt = 0;
@@ -326,6 +325,52 @@ impl SessionState {
     }
 }
 
+impl SessionState {
+    /// Stores the start of automatic work (its queue row consumed) and the
+    /// prompt's message in one commit, then shows both: a start is never
+    /// stored without what it asked, whose only other copy was the row it
+    /// consumed. Not retried (an admission): on error the work stays
+    /// queued and the session fails, as for [`SessionState::publish_durable`].
+    pub(super) async fn publish_start(
+        &mut self,
+        prompt: PromptId,
+        turn: TurnId,
+        start: EventBody,
+        claim: Option<tiller_store::Claim>,
+        message: EventBody,
+    ) -> Result<(), StoreError> {
+        let rec = self.record(Some(prompt), Some(turn), start);
+        let mut op = rec.ledger_op();
+        if let Some(LedgerOp::Admit { consumes, .. }) = &mut op {
+            *consumes = claim;
+        }
+        let msg = self.record(Some(prompt), Some(turn), message);
+        let mut before = self.take_unsent();
+        before.push((rec.to_stored(), op));
+        let tell = self.on_commit();
+        let r = self
+            .store
+            .append_durable_after(before, Some(tell), msg.to_stored(), msg.ledger_op())
+            .await;
+        match r {
+            Ok(()) => {
+                self.committed(rec.seq - 1);
+                self.fan_out(&rec);
+                self.fan_out(&msg);
+                self.fanned = msg.seq;
+                self.unconfirmed.clear();
+                self.pace.held(0);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, seq = rec.seq, "durable append failed; the session stops");
+                self.failed = Some(crate::SessionFailed::StoreUnavailable);
+                Err(e)
+            }
+        }
+    }
+}
+
 /// What a durable event carries besides its ledger change.
 pub(super) enum Ledger {
     /// An admission: refused at once if it cannot be stored (the caller
@@ -335,9 +380,6 @@ pub(super) enum Ledger {
     Plain,
     /// A terminal with the webhook delivery of its final text.
     Deliver(tiller_store::Delivery),
-    /// The start of automatic work, with the queue row it consumes (an
-    /// admission: not retried; the work stays queued if it fails).
-    Start(Option<tiller_store::Claim>),
 }
 
 /// Wall-clock time for event timestamps (display only; ordering is `seq`).
