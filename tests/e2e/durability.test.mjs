@@ -35,7 +35,9 @@ describe("a full disk", () => {
     execFileSync("mount", ["-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", mnt]);
     const dataDir = path.join(mnt, "data");
     mkdirSync(dataDir, { mode: 0o700 });
-    const d = await startDaemon({ dataDir });
+    // The disk that fills is the data directory's: SQLite's, also when
+    // the rest of the suite runs on PostgreSQL.
+    const d = await startDaemon({ dataDir, env: { TILLER_STORE__KIND: "sqlite" } });
     const c = await transports.unix(d);
     const watcher = await transports.unix(d);
     try {
@@ -129,7 +131,8 @@ describe("a session rebuilt from its log", () => {
     execFileSync("mount", ["-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", mnt]);
     const dataDir = path.join(mnt, "data");
     mkdirSync(dataDir, { mode: 0o700 });
-    const d = await startDaemon({ dataDir });
+    // The disk that fills is the data directory's: SQLite's store.
+    const d = await startDaemon({ dataDir, env: { TILLER_STORE__KIND: "sqlite" } });
     const browser = await launch();
     try {
       const sid = (await api(d, "POST", "/api/sessions", { cwd: "/tmp" })).body.id;

@@ -20,6 +20,7 @@ import {
   tempDir,
   textPrompt,
   transports,
+  storeEnv,
 } from "./lib/daemon.mjs";
 
 describe("restart", () => {
@@ -104,7 +105,7 @@ describe("tiller acp", () => {
     const dataDir = tempDir();
     const child = spawn(bin, ["acp", "--embedded", "--data-dir", dataDir], {
       stdio: ["pipe", "pipe", "pipe"],
-      env: { ...process.env, RUST_LOG: "warn" },
+      env: { ...process.env, RUST_LOG: "warn", ...storeEnv(dataDir) },
     });
     const c = connectStream(ndJsonStream(Writable.toWeb(child.stdin), Readable.toWeb(child.stdout)));
     try {
@@ -124,7 +125,7 @@ describe("tiller acp", () => {
     const dataDir = tempDir();
     const child = spawn(bin, ["acp", "--embedded", "--data-dir", dataDir], {
       stdio: ["pipe", "pipe", "pipe"],
-      env: { ...process.env, RUST_LOG: "info" },
+      env: { ...process.env, RUST_LOG: "info", ...storeEnv(dataDir) },
     });
     let err = "";
     child.stderr.on("data", (d) => (err += d));

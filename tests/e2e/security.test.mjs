@@ -339,7 +339,13 @@ describe("tools cannot leave their directory", () => {
     // A session in $HOME contains ~/.local/share/tiller.
     const home = tempDir();
     const dataDir = path.join(home, ".local/share/tiller");
-    const d = await startDaemon({ dataDir, args: ["--config", configPath], env: { MOCK_MODEL_KEY: MODEL_KEY, HOOK_SECRET } });
+    // The daemon's own files include the SQLite database: kept in the data
+    // directory for this test also when the suite runs on PostgreSQL.
+    const d = await startDaemon({
+      dataDir,
+      args: ["--config", configPath],
+      env: { MOCK_MODEL_KEY: MODEL_KEY, HOOK_SECRET, TILLER_STORE__KIND: "sqlite" },
+    });
     try {
       writeFileSync(path.join(home, "notes.txt"), "mine");
       const sid = (await api(d, "POST", "/api/sessions", { cwd: home, engine: "mock" })).body.id;

@@ -40,12 +40,8 @@ pub(crate) trait Db: Send {
     fn delete_session(&mut self, id: SessionId) -> R<bool>;
     fn history(&mut self, session: SessionId, before: u64, limit: usize) -> R<HistoryPage>;
     fn last_of_kinds(&mut self, session: SessionId, kinds: &[&str]) -> R<Option<StoredEvent>>;
-    fn events_after(
-        &mut self,
-        session: SessionId,
-        after: u64,
-        limit: usize,
-    ) -> R<Vec<StoredEvent>>;
+    fn events_after(&mut self, session: SessionId, after: u64, limit: usize)
+    -> R<Vec<StoredEvent>>;
     fn unsettled(&mut self) -> R<Vec<Unsettled>>;
     fn notification_changes(&mut self, changes: &[tiller_core::notify::Change]) -> R<()>;
     fn notifications(&mut self) -> R<Vec<Notification>>;
@@ -77,10 +73,11 @@ impl Db for rusqlite::Connection {
         Ok(log::head(self, session)?)
     }
     fn create_session(&mut self, rec: &SessionRecord, engine: Option<&str>) -> R<()> {
-        Ok(match engine {
+        match engine {
             Some(engine) => sessions::create_with_engine(self, rec, engine)?,
             None => sessions::create_session(self, rec)?,
-        })
+        }
+        Ok(())
     }
     fn get_session(&mut self, id: SessionId) -> R<Option<(SessionRecord, LogHead)>> {
         Ok(sessions::get_session(self, id)?)

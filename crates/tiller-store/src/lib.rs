@@ -57,8 +57,8 @@ pub fn integrity_check(path: &Path) -> Result<Vec<String>, StoreError> {
 /// Called on the store thread (the caller's, inline) once appends of a session committed, with
 /// the highest sequence number among them (what the session may now show).
 pub type OnCommit = Arc<dyn Fn(u64) + Send + Sync>;
-pub use rows::*;
 use db::Db;
+pub use rows::*;
 use writer::{Cmd, Pending, Writer};
 
 /// A handle to the store thread. Cheap to clone.
@@ -303,8 +303,7 @@ impl Store {
         &self,
         id: SessionId,
     ) -> Result<Option<(SessionRecord, LogHead)>, StoreError> {
-        self.call_for(id, move |c| c.get_session(id))
-            .await
+        self.call_for(id, move |c| c.get_session(id)).await
     }
 
     /// Open sessions, most recently created first; `cursor` from a previous page.
@@ -353,8 +352,7 @@ impl Store {
 
     /// A session's stored state (empty when nothing was saved).
     pub async fn load_state(&self, id: SessionId) -> Result<SessionExtras, StoreError> {
-        self.call_for(id, move |c| c.load_state(id))
-            .await
+        self.call_for(id, move |c| c.load_state(id)).await
     }
 
     /// Durable replay guard for channel requests: true when `key` is new.
@@ -370,8 +368,7 @@ impl Store {
 
     /// Sets (or clears) a session's title.
     pub async fn set_title(&self, id: SessionId, title: Option<String>) -> Result<(), StoreError> {
-        self.call(move |c| c.set_title(id, title.as_deref()))
-            .await
+        self.call(move |c| c.set_title(id, title.as_deref())).await
     }
 
     /// Marks a session closed.
@@ -500,7 +497,7 @@ impl Store {
         limit: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
         self.call_for(session, move |c| c.events_after(session, after, limit))
-        .await
+            .await
     }
 
     /// Prompts admitted and never settled, oldest first.
@@ -529,8 +526,7 @@ impl Store {
         &self,
         changes: Vec<tiller_core::notify::Change>,
     ) -> Result<(), StoreError> {
-        self.call(move |c| c.notification_changes(&changes))
-            .await
+        self.call(move |c| c.notification_changes(&changes)).await
     }
 
     /// Every queued notification, oldest first.

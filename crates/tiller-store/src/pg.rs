@@ -15,8 +15,8 @@ use crate::db::Db;
 use crate::log::Heads;
 use crate::writer::Pending;
 use crate::{
-    Claim, ConversationWrite, CronFire, CronJob, Delivery, GoalRow, HistoryPage, LedgerOp,
-    LogHead, Notification, SessionExtras, SessionPage, SessionRecord, StateColumn, StoreError,
+    Claim, ConversationWrite, CronFire, CronJob, Delivery, GoalRow, HistoryPage, LedgerOp, LogHead,
+    Notification, SessionExtras, SessionPage, SessionRecord, StateColumn, StoreError,
     StoredConversation, StoredEvent, Unsettled, segment,
 };
 
@@ -179,11 +179,35 @@ impl PgDb {
     }
 }
 
+/// How long a new connection waits for the schema's lock: a killed
+/// daemon's server process lets go of it once its last transaction ended.
+const LOCK_WAIT: &str = "15s";
+
+/// Connects and takes the schema's lock for the connection's lifetime:
+/// one daemon per schema, as one process per SQLite file. A daemon killed
+/// mid-commit holds it until the server finished that transaction, so its
+/// successor never reads the log while a write of the old one may still
+/// land after it.
 fn open(url: &str, schema: &str) -> R<Client> {
     let mut client = Client::connect(url, NoTls).map_err(StoreError::Pg)?;
     client.batch_execute(&format!(
-        "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema};"
+        "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema};
+         SET lock_timeout = '{LOCK_WAIT}';"
     ))?;
+    let locked = client.execute(
+        "SELECT pg_advisory_lock(hashtext('tiller-store:' || $1))",
+        &[&schema],
+    );
+    if let Err(e) = locked {
+        if e.code() == Some(&postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
+            return Err(StoreError::Config(format!(
+                "the PostgreSQL schema `{schema}` is in use by another Tiller daemon \
+                 (one daemon per schema; waited {LOCK_WAIT})"
+            )));
+        }
+        return Err(e.into());
+    }
+    client.batch_execute("SET lock_timeout = 0;")?;
     Ok(client)
 }
 
@@ -209,7 +233,11 @@ fn sid(s: &str) -> R<SessionId> {
     SessionId::parse(s).ok_or_else(|| StoreError::Corrupt(format!("a stored session id `{s}`")))
 }
 
-fn head_seq(c: &mut impl GenericClient, st: &mut HashMap<&'static str, Statement>, id: &str) -> R<u64> {
+fn head_seq(
+    c: &mut impl GenericClient,
+    st: &mut HashMap<&'static str, Statement>,
+    id: &str,
+) -> R<u64> {
     let q = prep(
         c,
         st,
@@ -263,7 +291,12 @@ impl Db for PgDb {
                         )?;
                         tx.execute(
                             &q,
-                            &[&prompt.to_string(), &e.session.to_string(), origin, &e.ts_ms],
+                            &[
+                                &prompt.to_string(),
+                                &e.session.to_string(),
+                                origin,
+                                &e.ts_ms,
+                            ],
                         )?;
                         match consumes {
                             Some(Claim::Notification(n)) => {
@@ -463,7 +496,10 @@ impl Db for PgDb {
             stmts,
             "DELETE FROM conversation WHERE session_id = $1 AND (idx < $2 OR idx >= $3)",
         )?;
-        tx.execute(&del, &[&sid, &(w.keep_from as i64), &(w.replace_from as i64)])?;
+        tx.execute(
+            &del,
+            &[&sid, &(w.keep_from as i64), &(w.replace_from as i64)],
+        )?;
         let ins = prep(
             &mut tx,
             stmts,
@@ -635,7 +671,11 @@ impl Db for PgDb {
         )?;
         let rows = client.query(
             &q,
-            &[&session.to_string(), &(after as i64 + 1), &(limit as i64 + 1)],
+            &[
+                &session.to_string(),
+                &(after as i64 + 1),
+                &(limit as i64 + 1),
+            ],
         )?;
         let mut events = Vec::new();
         for row in rows {

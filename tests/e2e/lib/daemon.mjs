@@ -2,6 +2,7 @@
 // (the official TypeScript SDK) over its three transports.
 
 import { spawn } from "node:child_process";
+import { createHash } from "node:crypto";
 import { mkdtempSync, existsSync, readFileSync } from "node:fs";
 import net from "node:net";
 import os from "node:os";
@@ -19,6 +20,19 @@ export const bin = process.env.TILLER_BIN ?? path.join(repo, "target/debug/tille
 
 if (!existsSync(bin)) {
   throw new Error(`no tiller binary at ${bin}: run \`cargo build\` first (scripts/test does)`);
+}
+
+/**
+ * With TILLER_TEST_POSTGRES_URL set (scripts/test runs the suite both
+ * ways), a daemon keeps its store in PostgreSQL: one schema per data
+ * directory, so a restart on the same directory finds its data and
+ * daemons of different directories share nothing.
+ */
+export function storeEnv(dataDir) {
+  const url = process.env.TILLER_TEST_POSTGRES_URL;
+  if (!url) return {};
+  const schema = `e2e_${createHash("sha256").update(path.resolve(dataDir)).digest("hex").slice(0, 16)}`;
+  return { TILLER_STORE__KIND: "postgres", TILLER_STORE__SCHEMA: schema, TILLER_DATABASE_URL: url };
 }
 
 export function tempDir() {
@@ -41,7 +55,7 @@ export async function startDaemon({ dataDir = tempDir(), env = {}, args = [] } =
     bin,
     ["serve", "--data-dir", dataDir, "--listen", "127.0.0.1:0", ...args],
     {
-      env: { ...process.env, RUST_LOG: "info", ...fastTimers, ...env },
+      env: { ...process.env, RUST_LOG: "info", ...fastTimers, ...storeEnv(dataDir), ...env },
       stdio: ["ignore", "ignore", "pipe"],
     },
   );
