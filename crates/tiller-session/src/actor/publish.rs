@@ -264,11 +264,8 @@ impl SessionState {
     ) -> Result<(), StoreError> {
         let rec = self.record(prompt, turn, body);
         let mut op = rec.ledger_op();
-        match (&mut op, &ledger) {
-            (Some(LedgerOp::Settle { delivery, .. }), Ledger::Deliver(d)) => {
-                *delivery = Some(d.clone());
-            }
-            _ => {}
+        if let (Some(LedgerOp::Settle { delivery, .. }), Ledger::Deliver(d)) = (&mut op, &ledger) {
+            *delivery = Some(d.clone());
         }
         let retries = match ledger {
             Ledger::Admission => 0,
