@@ -90,7 +90,7 @@ mod basics {
     async fn sessions_and_events_round_trip_and_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.db");
-        let store = crate::tests::open_store(&path).unwrap();
+        let store = super::open_store(&path).unwrap();
         let a = rec(1);
         let b = rec(2);
         store.create_session(a.clone()).await.unwrap();
@@ -101,7 +101,7 @@ mod basics {
         store.append_durable(ev(a.id, 6), None).await.unwrap();
         drop(store);
 
-        let store = crate::tests::open_store(&path).unwrap();
+        let store = super::open_store(&path).unwrap();
         let (got, head) = store.get_session(a.id).await.unwrap().unwrap();
         assert_eq!(got.id, a.id);
         assert_eq!(got.updated_ms, 16, "appends touch updated_ms");
@@ -132,7 +132,7 @@ mod basics {
             messages: messages.iter().map(|m| m.to_string()).collect(),
         };
         {
-            let store = crate::tests::open_store(&path).unwrap();
+            let store = super::open_store(&path).unwrap();
             assert_eq!(
                 store.load_state(id).await.unwrap(),
                 SessionExtras::default()
@@ -152,7 +152,7 @@ mod basics {
                 .await
                 .unwrap();
         }
-        let store = crate::tests::open_store(&path).unwrap();
+        let store = super::open_store(&path).unwrap();
         assert_eq!(
             store.load_state(id).await.unwrap(),
             SessionExtras {
@@ -342,7 +342,7 @@ mod basics {
     #[tokio::test]
     async fn duplicate_seq_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let store = crate::tests::open_store(&dir.path().join("t.db")).unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
         let a = rec(1);
         store.create_session(a.clone()).await.unwrap();
         store.append_durable(ev(a.id, 1), None).await.unwrap();
@@ -352,7 +352,7 @@ mod basics {
     #[tokio::test]
     async fn listing_pages_newest_first_and_skips_closed() {
         let dir = tempfile::tempdir().unwrap();
-        let store = crate::tests::open_store(&dir.path().join("t.db")).unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
         let recs: Vec<_> = (0..5).map(rec).collect();
         for r in &recs {
             store.create_session(r.clone()).await.unwrap();
@@ -470,7 +470,7 @@ mod ledger {
         let s = SessionId::new();
         let (p1, p2) = (PromptId::new(), PromptId::new());
         {
-            let store = crate::tests::open_store(&path).unwrap();
+            let store = super::open_store(&path).unwrap();
             let admit = |p| {
                 Some(LedgerOp::Admit {
                     prompt: p,
@@ -497,7 +497,7 @@ mod ledger {
                 .await
                 .unwrap();
         }
-        let store = crate::tests::open_store(&path).unwrap();
+        let store = super::open_store(&path).unwrap();
         let open = store.unsettled().await.unwrap();
         assert_eq!(
             open,
@@ -525,7 +525,7 @@ mod ledger {
     #[tokio::test]
     async fn history_pages_backward() {
         let dir = tempfile::tempdir().unwrap();
-        let store = crate::tests::open_store(&dir.path().join("t.db")).unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
         let s = SessionId::new();
         for seq in 1..=10 {
             store.append(ev(s, seq, "x"), None, None);
@@ -556,14 +556,14 @@ mod notifications {
         let s = SessionId::new();
         let mut q = Queues::new(3);
         {
-            let store = crate::tests::open_store(&path).unwrap();
+            let store = super::open_store(&path).unwrap();
             for (t, text) in [("a", "1"), ("b", "2"), ("a", "3"), ("c", "4"), ("d", "5")] {
                 let out = q.enqueue(s, t, text, 1);
                 store.notification_changes(out.changes).await.unwrap();
             }
             assert_eq!(store.notification_backlog().await.unwrap(), (vec![s], 3));
         }
-        let store = crate::tests::open_store(&path).unwrap();
+        let store = super::open_store(&path).unwrap();
         let rows = store.notifications().await.unwrap();
         let restored = Queues::restore(
             3,
@@ -604,7 +604,7 @@ mod durability {
 
     fn open() -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
-        let store = crate::tests::open_store(&dir.path().join("t.db")).unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
         (dir, store)
     }
 
