@@ -128,11 +128,31 @@ async fn openapi_json() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], DOC.as_str()).into_response()
 }
 
+/// How long `/readyz` waits for the store to answer.
+const STORE_PING: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Ready: start-up complete, not shutting down, and the store answers (a
+/// node whose database is unreachable takes no traffic). The reason is
+/// generic: this route needs no token.
 async fn readyz(State(st): State<AppState>) -> Response {
-    if st.ready.load(Ordering::Acquire) {
-        "ready\n".into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response()
+    if !st.ready.load(Ordering::Acquire) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n").into_response();
+    }
+    match tokio::time::timeout(STORE_PING, st.sessions.store_answers()).await {
+        Ok(Ok(())) => "ready\n".into_response(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "readyz: the store does not answer");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not ready: the store does not answer\n",
+            )
+                .into_response()
+        }
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: the store does not answer\n",
+        )
+            .into_response(),
     }
 }
 

@@ -23,6 +23,7 @@ use tower::ServiceExt;
 
 struct App {
     state: AppState,
+    store: Store,
     _dir: tempfile::TempDir,
 }
 
@@ -30,7 +31,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("t.db")).unwrap();
     let sessions = Sessions::start(
-        store,
+        store.clone(),
         tiller_session::Engines::single(Arc::new(ScriptedEngine)),
         // The shared test config, with the default timers, one queued
         // prompt and room for many sessions.
@@ -64,7 +65,11 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
         max_body_bytes: 1 << 20,
         body_timeout: std::time::Duration::from_secs(5),
     };
-    App { state, _dir: dir }
+    App {
+        state,
+        store,
+        _dir: dir,
+    }
 }
 
 async fn call(app: &App, req: Request<Body>) -> (StatusCode, Value) {
@@ -483,4 +488,20 @@ async fn the_served_openapi_description_is_the_committed_one() {
         "/api/openapi.json differs from docs/openapi.json"
     );
     assert_eq!(served["openapi"], "3.1.0");
+}
+
+#[tokio::test]
+async fn readyz_is_false_while_the_store_does_not_answer() {
+    let app = app(AuthConfig::default(), 64).await;
+    let ready = || async {
+        let req = Request::get("/readyz")
+            .header("host", "127.0.0.1:4141")
+            .body(Body::empty())
+            .unwrap();
+        let res = router(app.state.clone()).oneshot(req).await.unwrap();
+        res.status()
+    };
+    assert_eq!(ready().await, StatusCode::OK);
+    app.store.close().await;
+    assert_eq!(ready().await, StatusCode::SERVICE_UNAVAILABLE);
 }

@@ -22,6 +22,11 @@ pub struct Sessions {
 }
 
 impl Sessions {
+    /// Whether the store answers (for `/readyz`).
+    pub async fn store_answers(&self) -> Result<(), StoreError> {
+        self.store.ping().await
+    }
+
     /// Starts the registry.
     pub async fn start(
         store: Store,

@@ -63,6 +63,8 @@ pub(crate) trait Db: Send {
     fn goals_active(&mut self) -> R<Vec<SessionId>>;
     fn deliveries_due(&mut self, now_ms: i64) -> R<Vec<Delivery>>;
     fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()>;
+    /// Whether the database answers (a trivial query).
+    fn ping(&mut self) -> R<()>;
 }
 
 impl Db for rusqlite::Connection {
@@ -183,5 +185,8 @@ impl Db for rusqlite::Connection {
     }
     fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()> {
         Ok(deliveries::done(self, id, retry)?)
+    }
+    fn ping(&mut self) -> R<()> {
+        Ok(self.query_row("SELECT 1", [], |_| Ok(()))?)
     }
 }

@@ -505,6 +505,12 @@ impl Store {
         self.call(|c| c.unsettled()).await
     }
 
+    /// Whether the database answers: a trivial query, in order after what
+    /// was sent before (`/readyz`).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.call(|c| c.ping()).await
+    }
+
     /// Waits until every command sent before it is committed.
     pub async fn flush(&self) -> Result<(), StoreError> {
         self.call(|_| Ok(())).await

@@ -958,6 +958,10 @@ impl Db for PgDb {
             .collect())
     }
 
+    fn ping(&mut self) -> R<()> {
+        self.ping_server()
+    }
+
     fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()> {
         let c = self.client()?;
         match retry {
@@ -967,6 +971,14 @@ impl Db for PgDb {
                 &[&id, &next, &i64::from(attempts)],
             )?,
         };
+        Ok(())
+    }
+}
+
+impl PgDb {
+    /// A trivial query over the connection (made again if it dropped).
+    pub(crate) fn ping_server(&mut self) -> R<()> {
+        self.client()?.simple_query("SELECT 1")?;
         Ok(())
     }
 }
