@@ -65,6 +65,12 @@ pub(crate) trait Db: Send {
     fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()>;
     /// Whether the database answers (a trivial query).
     fn ping(&mut self) -> R<()>;
+    /// Whether the connection was made again since the last call: what
+    /// was cached of the logs may be stale (another daemon may have held
+    /// the schema meanwhile).
+    fn take_reconnected(&mut self) -> bool {
+        false
+    }
 }
 
 impl Db for rusqlite::Connection {

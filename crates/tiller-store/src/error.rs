@@ -52,6 +52,13 @@ pub enum StoreError {
     /// What the database holds cannot be read back.
     #[error("the store holds unreadable data: {0}")]
     Corrupt(String),
+    /// The connection to PostgreSQL is down (appends resume once it is
+    /// made again and each session reloaded its log).
+    #[error("the connection to PostgreSQL is lost; retry shortly")]
+    Disconnected,
+    /// Another daemon holds the PostgreSQL schema's lock.
+    #[error("{0}")]
+    SchemaInUse(String),
     #[error("the store thread has stopped (the daemon is shutting down)")]
     /// The store thread is gone.
     Closed,
@@ -79,7 +86,12 @@ impl StoreError {
                 e.is_closed()
                     || e.as_db_error().map_or_else(
                         || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>()),
-                        |d| ["08", "53", "57", "58"].contains(&&d.code().code()[..2]),
+                        |d| {
+                            let code = d.code().code();
+                            ["08", "53", "57", "58"].contains(&&code[..2])
+                                // A read-only server: a standby after a failover.
+                                || code == "25006"
+                        },
                     )
             }
             StoreError::Sql(_)
@@ -90,6 +102,8 @@ impl StoreError {
             StoreError::Append(e) => e.is_unavailable(),
             StoreError::Io { .. }
             | StoreError::LogBroken
+            | StoreError::Disconnected
+            | StoreError::SchemaInUse(_)
             | StoreError::Injected
             | StoreError::Closed => true,
         }

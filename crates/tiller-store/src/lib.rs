@@ -169,6 +169,8 @@ impl Store {
                             broken: Default::default(),
                             shared: thread_shared,
                             heads: Default::default(),
+                            all_broken: false,
+                            reopened: Default::default(),
                         },
                         rx,
                     );
@@ -212,6 +214,8 @@ impl Store {
             broken: Default::default(),
             shared: shared.clone(),
             heads: Default::default(),
+            all_broken: false,
+            reopened: Default::default(),
         };
         Ok((writer, shared))
     }
@@ -383,6 +387,7 @@ impl Store {
         self.call_writer(Some(id), move |w| {
             let deleted = w.conn.delete_session(id)?;
             w.broken.remove(&id);
+            w.reopened.insert(id);
             w.heads.forget([id]);
             Ok(deleted)
         })
@@ -404,6 +409,7 @@ impl Store {
             ledger,
             reply: None,
             on_commit,
+            joined: false,
         }]);
     }
 
@@ -442,9 +448,14 @@ impl Store {
     ) -> Result<(), StoreError> {
         let (reply, rx) = oneshot::channel();
         let mut batch = pending(before, on_commit);
+        // One transaction for all of it, however the writer cuts batches.
+        for p in &mut batch {
+            p.joined = true;
+        }
         batch.push(Pending {
             event,
             ledger,
+            joined: false,
             reply: Some(reply),
             on_commit: None,
         });
@@ -457,7 +468,9 @@ impl Store {
     pub async fn reopen_log(&self, session: SessionId) -> Result<LogHead, StoreError> {
         self.call_writer(Some(session), move |w| {
             let head = w.conn.head(session)?;
+            w.note_reconnect();
             w.broken.remove(&session);
+            w.reopened.insert(session);
             w.heads.forget([session]);
             Ok(head)
         })
@@ -508,7 +521,8 @@ impl Store {
     /// Whether the database answers: a trivial query, in order after what
     /// was sent before (`/readyz`).
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.call(|c| c.ping()).await
+        // Scoped to no session: it does not wait behind the write backlog.
+        self.call_for(SessionId::from_u128(0), |c| c.ping()).await
     }
 
     /// Waits until every command sent before it is committed.
@@ -631,6 +645,7 @@ fn pending(
         ledger,
         reply: None,
         on_commit: on_commit.clone(),
+        joined: false,
     }));
     out
 }

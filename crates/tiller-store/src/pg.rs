@@ -117,6 +117,8 @@ pub(crate) struct PgDb {
     schema: String,
     client: Client,
     stmts: HashMap<&'static str, Statement>,
+    /// Set when the connection was made again (see `Db::take_reconnected`).
+    reconnected: bool,
 }
 
 impl PgDb {
@@ -134,6 +136,7 @@ impl PgDb {
             schema: schema.to_owned(),
             client,
             stmts: HashMap::new(),
+            reconnected: false,
         };
         db.migrate()?;
         Ok(db)
@@ -174,6 +177,7 @@ impl PgDb {
         if self.client.is_closed() {
             self.client = open(&self.url, &self.schema)?;
             self.stmts.clear();
+            self.reconnected = true;
         }
         Ok(&mut self.client)
     }
@@ -189,7 +193,20 @@ const LOCK_WAIT: &str = "15s";
 /// successor never reads the log while a write of the old one may still
 /// land after it.
 fn open(url: &str, schema: &str) -> R<Client> {
-    let mut client = Client::connect(url, NoTls).map_err(StoreError::Pg)?;
+    let mut cfg: postgres::Config = url.parse()?;
+    // A server that vanished (no FIN) must not hold the store thread for
+    // the kernel's retransmission limit: bounded connects, keepalives.
+    if cfg.get_connect_timeout().is_none() {
+        cfg.connect_timeout(std::time::Duration::from_secs(10));
+    }
+    if cfg.get_tcp_user_timeout().is_none() {
+        cfg.tcp_user_timeout(std::time::Duration::from_secs(30));
+    }
+    cfg.keepalives(true);
+    if cfg.get_keepalives_idle() > std::time::Duration::from_secs(30) {
+        cfg.keepalives_idle(std::time::Duration::from_secs(30));
+    }
+    let mut client = cfg.connect(NoTls).map_err(StoreError::Pg)?;
     client.batch_execute(&format!(
         "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema};
          SET lock_timeout = '{LOCK_WAIT}';"
@@ -200,7 +217,7 @@ fn open(url: &str, schema: &str) -> R<Client> {
     );
     if let Err(e) = locked {
         if e.code() == Some(&postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
-            return Err(StoreError::Config(format!(
+            return Err(StoreError::SchemaInUse(format!(
                 "the PostgreSQL schema `{schema}` is in use by another Tiller daemon \
                  (one daemon per schema; waited {LOCK_WAIT})"
             )));
@@ -270,7 +287,12 @@ fn ids(rows: Vec<postgres::Row>) -> Vec<SessionId> {
 
 impl Db for PgDb {
     fn append_batch(&mut self, heads: &mut Heads, batch: &[Pending]) -> R<()> {
-        self.client()?;
+        // Never reconnect for an append: what the writer cached may be
+        // stale on a new connection. Another command reconnects, and the
+        // writer then makes every session reload its log first.
+        if self.client.is_closed() {
+            return Err(StoreError::Disconnected);
+        }
         let PgDb { client, stmts, .. } = self;
         let mut next = Heads::default();
         let done = (|| {
@@ -960,6 +982,10 @@ impl Db for PgDb {
 
     fn ping(&mut self) -> R<()> {
         self.ping_server()
+    }
+
+    fn take_reconnected(&mut self) -> bool {
+        std::mem::take(&mut self.reconnected)
     }
 
     fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()> {

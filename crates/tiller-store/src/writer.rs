@@ -38,6 +38,18 @@ pub(crate) struct Pending {
     pub(crate) reply: Option<Reply<()>>,
     /// Told the session's highest committed sequence number.
     pub(crate) on_commit: Option<OnCommit>,
+    /// Commits in the same transaction as the event queued right after it
+    /// (what a durable append carries before it: a start and its message).
+    pub(crate) joined: bool,
+}
+
+/// The first `max` queued appends, or more: never cut between joined ones.
+fn batch_len(queued: &VecDeque<Pending>, max: usize) -> usize {
+    let mut n = queued.len().min(max);
+    while n < queued.len() && n > 0 && queued[n - 1].joined {
+        n += 1;
+    }
+    n
 }
 
 /// What the thread owns.
@@ -50,6 +62,11 @@ pub(crate) struct Writer {
     pub(crate) shared: Arc<Shared>,
     /// Recently written sessions' last sequence numbers.
     pub(crate) heads: log::Heads,
+    /// Set when the connection was made again: every session's log is
+    /// refused until it is reopened (its head read on the new connection).
+    pub(crate) all_broken: bool,
+    /// The sessions reopened since `all_broken` was set.
+    pub(crate) reopened: HashSet<SessionId>,
 }
 
 /// Most appends committed in one transaction.
@@ -93,6 +110,7 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
                         None => w.write_all(&mut queued),
                     }
                     f(&mut w);
+                    w.note_reconnect();
                 }
                 Cmd::Close(reply) => {
                     w.write_all(&mut queued);
@@ -127,7 +145,7 @@ fn next_batch(queued: &mut VecDeque<Pending>) -> Option<Vec<Pending>> {
     }
     if urgent.values().all(|&last| last < MAX_BATCH) {
         // The oldest appends (which hold every awaited one, if any).
-        let n = queued.len().min(MAX_BATCH);
+        let n = batch_len(queued, MAX_BATCH);
         return Some(queued.drain(..n).collect());
     }
     let mut batch = Vec::new();
@@ -160,6 +178,21 @@ pub(crate) fn execute(slot: &mut Option<Writer>, cmd: Cmd) -> Result<(), Cmd> {
 }
 
 impl Writer {
+    /// After a reconnect: nothing cached of the logs is trusted, and each
+    /// session must be reopened before it appends again.
+    pub(crate) fn note_reconnect(&mut self) {
+        if self.conn.take_reconnected() {
+            tracing::warn!("the store's connection was made again; sessions reload their logs");
+            self.heads = Default::default();
+            self.all_broken = true;
+            self.reopened.clear();
+        }
+    }
+
+    fn is_broken(&self, s: SessionId) -> bool {
+        self.broken.contains(&s) || (self.all_broken && !self.reopened.contains(&s))
+    }
+
     fn append_timed(&mut self, batch: Vec<Pending>) {
         let n = batch.len();
         while self.shared.pause_appends.load(Ordering::Relaxed) {
@@ -174,7 +207,7 @@ impl Writer {
     /// Writes everything queued, in order.
     fn write_all(&mut self, queued: &mut VecDeque<Pending>) {
         while !queued.is_empty() {
-            let n = queued.len().min(MAX_BATCH);
+            let n = batch_len(queued, MAX_BATCH);
             let batch = queued.drain(..n).collect();
             self.append_timed(batch);
         }
@@ -196,7 +229,7 @@ impl Writer {
         // Events of a broken log are refused, not written past the gap.
         let (mut batch, refused): (Vec<_>, Vec<_>) = batch
             .into_iter()
-            .partition(|p| !self.broken.contains(&p.event.session));
+            .partition(|p| !self.is_broken(p.event.session));
         reply_err(refused, || StoreError::LogBroken);
         if batch.is_empty() {
             return;
@@ -283,6 +316,7 @@ mod tests {
                     ledger: None,
                     reply: durable.then(|| oneshot::channel().0),
                     on_commit: None,
+                    joined: false,
                 }
             })
             .collect()
@@ -296,6 +330,24 @@ mod tests {
                 (s, p.event.seq)
             })
             .collect()
+    }
+
+    #[test]
+    fn a_batch_is_never_cut_between_joined_appends() {
+        let sessions = [SessionId::new()];
+        let mut q = queue(&vec![(0, false); MAX_BATCH + 10], &sessions);
+        // A durable append that carries three events before it, straddling
+        // the batch limit (a start, its message...).
+        for p in q.iter_mut().skip(MAX_BATCH - 2).take(3) {
+            p.joined = true;
+        }
+        let batch = next_batch(&mut q).unwrap();
+        assert_eq!(batch.len(), MAX_BATCH + 2, "the group ends the batch");
+        assert!(!batch.last().unwrap().joined);
+        let mut w = q;
+        assert_eq!(batch_len(&w, MAX_BATCH), 8);
+        w.clear();
+        assert_eq!(batch_len(&w, MAX_BATCH), 0);
     }
 
     #[test]
