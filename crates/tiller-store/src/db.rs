@@ -166,10 +166,7 @@ impl Db for rusqlite::Connection {
         Ok(queues::cron_fires(self)?)
     }
     fn cron_backlog(&mut self) -> R<Vec<SessionId>> {
-        Ok(queues::session_ids(
-            self,
-            "SELECT DISTINCT session_id FROM cron_fires",
-        )?)
+        Ok(queues::session_ids(self, queues::CRON_BACKLOG)?)
     }
     fn goal_get(&mut self, session: SessionId) -> R<Option<GoalRow>> {
         Ok(queues::goal_get(self, session)?)
@@ -181,10 +178,7 @@ impl Db for rusqlite::Connection {
         Ok(queues::goal_delete(self, session)?)
     }
     fn goals_active(&mut self) -> R<Vec<SessionId>> {
-        Ok(queues::session_ids(
-            self,
-            "SELECT session_id FROM goals WHERE status = 'active'",
-        )?)
+        Ok(queues::session_ids(self, queues::GOALS_ACTIVE)?)
     }
     fn deliveries_due(&mut self, now_ms: i64) -> R<Vec<Delivery>> {
         Ok(deliveries::due(self, now_ms)?)

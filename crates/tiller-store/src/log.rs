@@ -124,13 +124,7 @@ fn insert_batch(
         }
     }
     // Each session's events, in order, as segments after what it holds.
-    let mut sessions: Vec<SessionId> = Vec::new();
-    for p in batch {
-        if !sessions.contains(&p.event.session) {
-            sessions.push(p.event.session);
-        }
-    }
-    for s in sessions {
+    for s in sessions_of(batch) {
         let events = batch.iter().map(|p| &p.event).filter(|e| e.session == s);
         let head = match next.cached(s).or_else(|| heads.cached(s)) {
             Some(h) => h,
@@ -140,6 +134,38 @@ fn insert_batch(
         next.set(s, last);
     }
     Ok(())
+}
+
+/// The sessions of a batch, in the order they first appear.
+pub(crate) fn sessions_of(batch: &[Pending]) -> Vec<SessionId> {
+    let mut sessions: Vec<SessionId> = Vec::new();
+    for p in batch {
+        if !sessions.contains(&p.event.session) {
+            sessions.push(p.event.session);
+        }
+    }
+    sessions
+}
+
+/// The last sequence number once `events` (one session's, in order) follow
+/// `head`, the last one its log holds; why not, when one does not come
+/// after what the log holds (a sequence number reused).
+pub(crate) fn follows(
+    session: SessionId,
+    head: u64,
+    events: &[&StoredEvent],
+) -> Result<u64, String> {
+    let mut last = head;
+    for e in events {
+        if e.seq <= last {
+            return Err(format!(
+                "event {} of session {session} does not follow the log's {last}",
+                e.seq
+            ));
+        }
+        last = e.seq;
+    }
+    Ok(last)
 }
 
 /// Appends one session's events (in order) as segments after `head`, the
@@ -152,25 +178,18 @@ pub(crate) fn insert_events<'a>(
     head: u64,
     events: impl Iterator<Item = &'a StoredEvent>,
 ) -> rusqlite::Result<u64> {
-    let mut last = head;
     let id = session.to_string();
     let mut insert = tx.prepare_cached(
         "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
     )?;
     let events: Vec<&StoredEvent> = events.collect();
-    for e in &events {
-        if e.seq <= last {
-            return Err(rusqlite::Error::SqliteFailure(
-                rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CONSTRAINT),
-                Some(format!(
-                    "event {} of session {session} does not follow the log's {last}",
-                    e.seq
-                )),
-            ));
-        }
-        last = e.seq;
-    }
+    let last = follows(session, head, &events).map_err(|why| {
+        rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rusqlite::ffi::SQLITE_CONSTRAINT),
+            Some(why),
+        )
+    })?;
     for seg in segment::split(events) {
         insert.execute(params![
             id,

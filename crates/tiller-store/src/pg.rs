@@ -340,13 +340,7 @@ impl Db for PgDb {
                     None => {}
                 }
             }
-            let mut sessions: Vec<SessionId> = Vec::new();
-            for p in batch {
-                if !sessions.contains(&p.event.session) {
-                    sessions.push(p.event.session);
-                }
-            }
-            for s in sessions {
+            for s in crate::log::sessions_of(batch) {
                 let id = s.to_string();
                 let head = match next.cached(s).or_else(|| heads.cached(s)) {
                     Some(h) => h,
@@ -357,16 +351,7 @@ impl Db for PgDb {
                     .map(|p| &p.event)
                     .filter(|e| e.session == s)
                     .collect();
-                let mut last = head;
-                for e in &events {
-                    if e.seq <= last {
-                        return Err(StoreError::Corrupt(format!(
-                            "event {} of session {s} does not follow the log's {last}",
-                            e.seq
-                        )));
-                    }
-                    last = e.seq;
-                }
+                let last = crate::log::follows(s, head, &events).map_err(StoreError::Corrupt)?;
                 let q = prep(
                     &mut tx,
                     stmts,
@@ -593,17 +578,7 @@ impl Db for PgDb {
     fn delete_session(&mut self, id: SessionId) -> R<bool> {
         let id = id.to_string();
         let mut tx = self.client()?.transaction()?;
-        for table in [
-            "log",
-            "prompts",
-            "notifications",
-            "cron_jobs",
-            "cron_fires",
-            "goals",
-            "deliveries",
-            "session_state",
-            "conversation",
-        ] {
+        for table in crate::sessions::SESSION_TABLES {
             tx.execute(
                 &format!("DELETE FROM {table} WHERE session_id = $1"),
                 &[&id],
@@ -897,10 +872,9 @@ impl Db for PgDb {
     }
 
     fn cron_backlog(&mut self) -> R<Vec<SessionId>> {
-        Ok(ids(self.client()?.query(
-            "SELECT DISTINCT session_id FROM cron_fires",
-            &[],
-        )?))
+        Ok(ids(self
+            .client()?
+            .query(crate::queues::CRON_BACKLOG, &[])?))
     }
 
     fn goal_get(&mut self, session: SessionId) -> R<Option<GoalRow>> {
@@ -951,10 +925,9 @@ impl Db for PgDb {
     }
 
     fn goals_active(&mut self) -> R<Vec<SessionId>> {
-        Ok(ids(self.client()?.query(
-            "SELECT session_id FROM goals WHERE status = 'active'",
-            &[],
-        )?))
+        Ok(ids(self
+            .client()?
+            .query(crate::queues::GOALS_ACTIVE, &[])?))
     }
 
     fn deliveries_due(&mut self, now_ms: i64) -> R<Vec<Delivery>> {

@@ -193,6 +193,12 @@ pub(crate) fn cron_remove(conn: &mut Connection, id: &str) -> rusqlite::Result<b
     Ok(n > 0)
 }
 
+/// Sessions with waiting cron fires (the same SQL on both backends).
+pub(crate) const CRON_BACKLOG: &str = "SELECT DISTINCT session_id FROM cron_fires";
+
+/// Sessions whose goal is active (the same SQL on both backends).
+pub(crate) const GOALS_ACTIVE: &str = "SELECT session_id FROM goals WHERE status = 'active'";
+
 /// The session ids a one-column query returns.
 pub(crate) fn session_ids(conn: &Connection, sql: &str) -> rusqlite::Result<Vec<SessionId>> {
     let mut stmt = conn.prepare_cached(sql)?;

@@ -126,6 +126,19 @@ pub(crate) fn close(conn: &Connection, id: SessionId) -> rusqlite::Result<()> {
     .map(drop)
 }
 
+/// Every table that keeps rows of a session (besides `sessions`).
+pub(crate) const SESSION_TABLES: [&str; 9] = [
+    "log",
+    "prompts",
+    "notifications",
+    "cron_jobs",
+    "cron_fires",
+    "goals",
+    "deliveries",
+    "session_state",
+    "conversation",
+];
+
 /// Removes a session and everything kept for it, in one transaction:
 /// its log, prompt ledger, queued work (notifications, cron jobs and their
 /// fires, goal), webhook deliveries, state and conversation. False when
@@ -133,17 +146,7 @@ pub(crate) fn close(conn: &Connection, id: SessionId) -> rusqlite::Result<()> {
 pub(crate) fn delete(conn: &mut Connection, id: SessionId) -> rusqlite::Result<bool> {
     let id = id.to_string();
     let tx = conn.transaction()?;
-    for table in [
-        "log",
-        "prompts",
-        "notifications",
-        "cron_jobs",
-        "cron_fires",
-        "goals",
-        "deliveries",
-        "session_state",
-        "conversation",
-    ] {
+    for table in SESSION_TABLES {
         tx.execute(
             &format!("DELETE FROM {table} WHERE session_id = ?1"),
             params![id],
