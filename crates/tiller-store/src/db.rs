@@ -10,9 +10,9 @@ use tiller_core::SessionId;
 use crate::log::Heads;
 use crate::writer::Pending;
 use crate::{
-    ConversationWrite, CronFire, CronJob, Delivery, GoalRow, HistoryPage, LogHead, Notification,
-    SessionExtras, SessionPage, SessionRecord, StateColumn, StoreError, StoredEvent, Unsettled,
-    deliveries, log, queues, sessions,
+    ConversationWrite, CronFire, CronJob, Delivery, GoalRow, HistoryPage, Lease, LogHead, NodeInfo,
+    NodeStatus, Notification, SessionExtras, SessionPage, SessionRecord, StateColumn, StoreError,
+    StoredEvent, Unsettled, deliveries, log, queues, sessions,
 };
 
 type R<T> = Result<T, StoreError>;
@@ -70,6 +70,40 @@ pub(crate) trait Db: Send {
     /// the schema meanwhile).
     fn take_reconnected(&mut self) -> bool {
         false
+    }
+    /// Whether several daemons may share this store (leases apply).
+    fn clustered(&self) -> bool {
+        false
+    }
+    /// Records (or refreshes) this node in the cluster.
+    fn join(&mut self, _node: &NodeInfo) -> R<()> {
+        Ok(())
+    }
+    /// Takes the session's lease if it is free, expired or this node's.
+    fn acquire_lease(&mut self, _session: SessionId, _node: &str, _ttl_ms: i64) -> R<Lease> {
+        Ok(Lease::Acquired {
+            fence: 0,
+            previous: None,
+        })
+    }
+    /// Renews every lease this node holds; the answer is the sessions it
+    /// still owns (a lease another node took is dropped).
+    fn renew_leases(&mut self, _node: &str, _ttl_ms: i64) -> R<Vec<SessionId>> {
+        Ok(Vec::new())
+    }
+    /// Lets go of leases (all of the node's when `only` is `None`) and,
+    /// when leaving, of the node's row.
+    fn release_leases(&mut self, _node: &str, _only: Option<&[SessionId]>, _leave: bool) -> R<()> {
+        Ok(())
+    }
+    /// Sessions that need an owner now: work in flight or queued and no
+    /// live lease (or a lease this node's earlier run left).
+    fn orphans(&mut self, _node: &str, _limit: usize) -> R<Vec<SessionId>> {
+        Ok(Vec::new())
+    }
+    /// The cluster's nodes.
+    fn cluster_status(&mut self) -> R<Vec<NodeStatus>> {
+        Ok(Vec::new())
     }
 }
 

@@ -56,15 +56,29 @@ pub enum StoreError {
     /// made again and each session reloaded its log).
     #[error("the connection to PostgreSQL is lost; retry shortly")]
     Disconnected,
-    /// Another daemon holds the PostgreSQL schema's lock.
-    #[error("{0}")]
-    SchemaInUse(String),
+    /// This node no longer owns the session: another node took its lease
+    /// (this one was paused, partitioned or too slow to renew). Nothing
+    /// was written.
+    #[error("session {0} is now served by another node (this node's lease on it was taken over)")]
+    Fenced(tiller_core::SessionId),
+    /// A claimed queue row was gone: another node started that work.
+    #[error("queued work was already started elsewhere")]
+    AlreadyClaimed,
     #[error("the store thread has stopped (the daemon is shutting down)")]
     /// The store thread is gone.
     Closed,
 }
 
 impl StoreError {
+    /// The session whose lease this node lost, if that is the failure.
+    pub fn fenced(&self) -> Option<tiller_core::SessionId> {
+        match self {
+            StoreError::Fenced(s) => Some(*s),
+            StoreError::Append(e) => e.fenced(),
+            _ => None,
+        }
+    }
+
     /// Whether the failure is the store's condition (disk full, database
     /// locked, I/O error, shutting down) rather than a bad request: the
     /// caller may retry later, and clients are told `store_unavailable`.
@@ -98,12 +112,13 @@ impl StoreError {
             | StoreError::Open { .. }
             | StoreError::InUse { .. }
             | StoreError::Config(_)
-            | StoreError::Corrupt(_) => false,
+            | StoreError::Corrupt(_)
+            | StoreError::Fenced(_)
+            | StoreError::AlreadyClaimed => false,
             StoreError::Append(e) => e.is_unavailable(),
             StoreError::Io { .. }
             | StoreError::LogBroken
             | StoreError::Disconnected
-            | StoreError::SchemaInUse(_)
             | StoreError::Injected
             | StoreError::Closed => true,
         }

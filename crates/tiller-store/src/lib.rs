@@ -286,6 +286,65 @@ impl Store {
         })
     }
 
+    /// Whether several daemons may share this store (PostgreSQL): each
+    /// session is then written only by the node holding its lease.
+    pub async fn clustered(&self) -> Result<bool, StoreError> {
+        self.call(|c| Ok(c.clustered())).await
+    }
+
+    /// Records this node in the cluster (its address for the others and
+    /// for `tiller cluster status`).
+    pub async fn join(&self, node: NodeInfo) -> Result<(), StoreError> {
+        self.call(move |c| c.join(&node)).await
+    }
+
+    /// Takes the session's lease for `node` if it is free, expired or the
+    /// node's own, for `ttl_ms` (the store's clock). From then on every
+    /// write for the session checks the lease's fence: once another node
+    /// takes it over, this store refuses them ([`StoreError::Fenced`]).
+    pub async fn acquire_lease(
+        &self,
+        session: SessionId,
+        node: String,
+        ttl_ms: i64,
+    ) -> Result<Lease, StoreError> {
+        self.call_for(session, move |c| c.acquire_lease(session, &node, ttl_ms))
+            .await
+    }
+
+    /// Renews the node's heartbeat and every lease it holds; the answer
+    /// is the sessions it still owns.
+    pub async fn renew_leases(
+        &self,
+        node: String,
+        ttl_ms: i64,
+    ) -> Result<Vec<SessionId>, StoreError> {
+        self.call(move |c| c.renew_leases(&node, ttl_ms)).await
+    }
+
+    /// Lets go of the node's leases (`only` those, or all), after every
+    /// append already sent; `leave` also removes the node from the cluster.
+    pub async fn release_leases(
+        &self,
+        node: String,
+        only: Option<Vec<SessionId>>,
+        leave: bool,
+    ) -> Result<(), StoreError> {
+        self.call(move |c| c.release_leases(&node, only.as_deref(), leave))
+            .await
+    }
+
+    /// Sessions with work in flight or queued and no live owner (or an
+    /// owner that is an earlier run of `node`): someone must take them.
+    pub async fn orphans(&self, node: String, limit: usize) -> Result<Vec<SessionId>, StoreError> {
+        self.call(move |c| c.orphans(&node, limit)).await
+    }
+
+    /// The cluster's nodes, their addresses, leases and heartbeat ages.
+    pub async fn cluster_status(&self) -> Result<Vec<NodeStatus>, StoreError> {
+        self.call(|c| c.cluster_status()).await
+    }
+
     /// Stores a new session (durable when this returns).
     pub async fn create_session(&self, rec: SessionRecord) -> Result<(), StoreError> {
         self.call(move |c| c.create_session(&rec, None)).await

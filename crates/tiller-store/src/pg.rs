@@ -15,15 +15,16 @@ use crate::db::Db;
 use crate::log::Heads;
 use crate::writer::Pending;
 use crate::{
-    Claim, ConversationWrite, CronFire, CronJob, Delivery, GoalRow, HistoryPage, LedgerOp, LogHead,
-    Notification, SessionExtras, SessionPage, SessionRecord, StateColumn, StoreError,
-    StoredConversation, StoredEvent, Unsettled, segment,
+    Claim, ConversationWrite, CronFire, CronJob, Delivery, GoalRow, HistoryPage, Lease, LedgerOp,
+    LogHead, NodeInfo, NodeStatus, Notification, SessionExtras, SessionPage, SessionRecord,
+    StateColumn, StoreError, StoredConversation, StoredEvent, Unsettled, segment,
 };
 
 type R<T> = Result<T, StoreError>;
 
 /// The schema, version by version (`tiller_schema` holds how many ran).
-const MIGRATIONS: &[&str] = &["CREATE TABLE sessions (
+const MIGRATIONS: &[&str] = &[
+    "CREATE TABLE sessions (
         n BIGSERIAL PRIMARY KEY,
         id TEXT NOT NULL UNIQUE,
         cwd TEXT NOT NULL,
@@ -99,7 +100,34 @@ const MIGRATIONS: &[&str] = &["CREATE TABLE sessions (
         idx BIGINT NOT NULL,
         message TEXT NOT NULL,
         PRIMARY KEY (session_id, idx)
-    );"];
+    );",
+    // Clustering: the nodes sharing the schema and who owns each session.
+    // A lease row is never deleted: its fence only grows, so a node that
+    // lost a lease can never write with a counter someone reuses.
+    "CREATE TABLE nodes (
+        id TEXT PRIMARY KEY,
+        address TEXT NOT NULL,
+        started_ms BIGINT NOT NULL,
+        heartbeat_ms BIGINT NOT NULL
+    );
+    CREATE TABLE leases (
+        session_id TEXT PRIMARY KEY,
+        node_id TEXT NOT NULL,
+        fence BIGINT NOT NULL,
+        expires_ms BIGINT NOT NULL,
+        previous TEXT
+    );
+    CREATE INDEX leases_node ON leases (node_id);",
+];
+
+/// The store server's clock in ms: leases are timed by one clock, never
+/// by the nodes' own.
+macro_rules! now_ms {
+    () => {
+        "(extract(epoch from clock_timestamp()) * 1000)::bigint"
+    };
+}
+const NOW_MS: &str = now_ms!();
 
 /// Whether `s` may name a schema (it is put in SQL as is).
 pub(crate) fn valid_schema(s: &str) -> bool {
@@ -119,6 +147,9 @@ pub(crate) struct PgDb {
     stmts: HashMap<&'static str, Statement>,
     /// Set when the connection was made again (see `Db::take_reconnected`).
     reconnected: bool,
+    /// The leases this node holds, by session, with their fences: an
+    /// append for a session whose lease row has another fence is refused.
+    held: HashMap<String, i64>,
 }
 
 impl PgDb {
@@ -137,6 +168,7 @@ impl PgDb {
             client,
             stmts: HashMap::new(),
             reconnected: false,
+            held: HashMap::new(),
         };
         db.migrate()?;
         Ok(db)
@@ -183,15 +215,9 @@ impl PgDb {
     }
 }
 
-/// How long a new connection waits for the schema's lock: a killed
-/// daemon's server process lets go of it once its last transaction ended.
-const LOCK_WAIT: &str = "15s";
-
-/// Connects and takes the schema's lock for the connection's lifetime:
-/// one daemon per schema, as one process per SQLite file. A daemon killed
-/// mid-commit holds it until the server finished that transaction, so its
-/// successor never reads the log while a write of the old one may still
-/// land after it.
+/// Connects and selects the schema. Several daemons (nodes) may share
+/// it: who writes a session's log is decided by its lease (see
+/// `acquire_lease`), not by the connection.
 fn open(url: &str, schema: &str) -> R<Client> {
     let mut cfg: postgres::Config = url.parse()?;
     // A server that vanished (no FIN) must not hold the store thread for
@@ -208,24 +234,34 @@ fn open(url: &str, schema: &str) -> R<Client> {
     }
     let mut client = cfg.connect(NoTls).map_err(StoreError::Pg)?;
     client.batch_execute(&format!(
-        "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema};
-         SET lock_timeout = '{LOCK_WAIT}';"
+        "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema};"
     ))?;
-    let locked = client.execute(
-        "SELECT pg_advisory_lock(hashtext('tiller-store:' || $1))",
-        &[&schema],
-    );
-    if let Err(e) = locked {
-        if e.code() == Some(&postgres::error::SqlState::LOCK_NOT_AVAILABLE) {
-            return Err(StoreError::SchemaInUse(format!(
-                "the PostgreSQL schema `{schema}` is in use by another Tiller daemon \
-                 (one daemon per schema; waited {LOCK_WAIT})"
-            )));
-        }
-        return Err(e.into());
-    }
-    client.batch_execute("SET lock_timeout = 0;")?;
     Ok(client)
+}
+
+/// Refuses a write for `session` if its lease row names a fence this node
+/// does not hold (a newer owner took it over). The row stays share-locked
+/// until the transaction ends, so a takeover waits for this write and
+/// then sees it. A session without a lease row (one daemon, or a store
+/// used without a cluster) is anyone's.
+fn check_fence(
+    tx: &mut impl GenericClient,
+    stmts: &mut HashMap<&'static str, Statement>,
+    held: &HashMap<String, i64>,
+    session: SessionId,
+) -> R<()> {
+    let q = prep(
+        tx,
+        stmts,
+        "SELECT fence FROM leases WHERE session_id = $1 FOR SHARE",
+    )?;
+    let id = session.to_string();
+    match tx.query_opt(&q, &[&id])? {
+        Some(row) if held.get(&id) != Some(&row.get::<_, i64>(0)) => {
+            Err(StoreError::Fenced(session))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A statement prepared once per connection.
@@ -293,10 +329,18 @@ impl Db for PgDb {
         if self.client.is_closed() {
             return Err(StoreError::Disconnected);
         }
-        let PgDb { client, stmts, .. } = self;
+        let PgDb {
+            client,
+            stmts,
+            held,
+            ..
+        } = self;
         let mut next = Heads::default();
         let done = (|| {
             let mut tx = client.transaction()?;
+            for s in crate::log::sessions_of(batch) {
+                check_fence(&mut tx, stmts, held, s)?;
+            }
             for p in batch {
                 let e = &p.event;
                 match &p.ledger {
@@ -320,14 +364,19 @@ impl Db for PgDb {
                                 &e.ts_ms,
                             ],
                         )?;
-                        match consumes {
+                        // Exactly one row: another node may have started
+                        // the same work (its start committed first).
+                        let claimed = match consumes {
                             Some(Claim::Notification(n)) => {
-                                tx.execute("DELETE FROM notifications WHERE n = $1", &[n])?;
+                                tx.execute("DELETE FROM notifications WHERE n = $1", &[n])?
                             }
                             Some(Claim::CronFire(n)) => {
-                                tx.execute("DELETE FROM cron_fires WHERE n = $1", &[n])?;
+                                tx.execute("DELETE FROM cron_fires WHERE n = $1", &[n])?
                             }
-                            None => {}
+                            None => 1,
+                        };
+                        if claimed != 1 {
+                            return Err(StoreError::AlreadyClaimed);
                         }
                     }
                     Some(LedgerOp::Settle { prompt, delivery }) => {
@@ -487,17 +536,31 @@ impl Db for PgDb {
                  ON CONFLICT (session_id) DO UPDATE SET settings = excluded.settings"
             }
         };
-        let PgDb { client, stmts, .. } = self;
-        let q = prep(client, stmts, sql)?;
-        client.execute(&q, &[&id.to_string(), &value])?;
+        let PgDb {
+            client,
+            stmts,
+            held,
+            ..
+        } = self;
+        let mut tx = client.transaction()?;
+        check_fence(&mut tx, stmts, held, id)?;
+        let q = prep(&mut tx, stmts, sql)?;
+        tx.execute(&q, &[&id.to_string(), &value])?;
+        tx.commit()?;
         Ok(())
     }
 
     fn save_conversation(&mut self, id: SessionId, w: &ConversationWrite) -> R<()> {
         self.client()?;
-        let PgDb { client, stmts, .. } = self;
+        let PgDb {
+            client,
+            stmts,
+            held,
+            ..
+        } = self;
         let sid = id.to_string();
         let mut tx = client.transaction()?;
+        check_fence(&mut tx, stmts, held, id)?;
         let del = prep(
             &mut tx,
             stmts,
@@ -584,6 +647,7 @@ impl Db for PgDb {
                 &[&id],
             )?;
         }
+        tx.execute("DELETE FROM leases WHERE session_id = $1", &[&id])?;
         let n = tx.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
         tx.commit()?;
         Ok(n > 0)
@@ -959,6 +1023,206 @@ impl Db for PgDb {
 
     fn take_reconnected(&mut self) -> bool {
         std::mem::take(&mut self.reconnected)
+    }
+
+    fn clustered(&self) -> bool {
+        true
+    }
+
+    fn join(&mut self, node: &NodeInfo) -> R<()> {
+        self.client()?.execute(
+            &format!(
+                "INSERT INTO nodes (id, address, started_ms, heartbeat_ms)
+                 VALUES ($1, $2, {NOW_MS}, {NOW_MS})
+                 ON CONFLICT (id) DO UPDATE SET address = excluded.address,
+                     started_ms = excluded.started_ms, heartbeat_ms = excluded.heartbeat_ms"
+            ),
+            &[&node.id, &node.address],
+        )?;
+        Ok(())
+    }
+
+    fn acquire_lease(&mut self, session: SessionId, node: &str, ttl_ms: i64) -> R<Lease> {
+        self.client()?;
+        let PgDb {
+            client,
+            stmts,
+            held,
+            ..
+        } = self;
+        let id = session.to_string();
+        // Free, expired, or this node's own (an earlier run of it): the
+        // fence grows, and the update waits for any write still holding
+        // the row (see `check_fence`), so no older owner's write lands
+        // after it.
+        let take = prep(
+            client,
+            stmts,
+            concat!(
+                "INSERT INTO leases AS l (session_id, node_id, fence, expires_ms)
+                 VALUES ($1, $2, 1, ",
+                now_ms!(),
+                " + $3)
+                 ON CONFLICT (session_id) DO UPDATE SET node_id = excluded.node_id,
+                     fence = l.fence + 1, expires_ms = excluded.expires_ms, previous = l.node_id
+                 WHERE l.expires_ms < ",
+                now_ms!(),
+                " OR l.node_id = excluded.node_id
+                 RETURNING fence, previous"
+            ),
+        )?;
+        if let Some(row) = client.query_opt(&take, &[&id, &node, &ttl_ms])? {
+            let fence: i64 = row.get(0);
+            held.insert(id, fence);
+            return Ok(Lease::Acquired {
+                fence,
+                previous: row.get(1),
+            });
+        }
+        held.remove(&id);
+        let who = prep(
+            client,
+            stmts,
+            concat!(
+                "SELECT l.node_id, COALESCE(n.address, ''), l.expires_ms - ",
+                now_ms!(),
+                " FROM leases l LEFT JOIN nodes n ON n.id = l.node_id WHERE l.session_id = $1"
+            ),
+        )?;
+        match client.query_opt(&who, &[&id])? {
+            Some(row) => Ok(Lease::Held {
+                node: row.get(0),
+                address: row.get(1),
+                expires_in_ms: row.get::<_, i64>(2).max(0),
+            }),
+            // Deleted meanwhile (lease rows are never deleted but with
+            // their session): taken by nobody, try once more later.
+            None => Err(StoreError::Corrupt(format!(
+                "the lease of session {session} vanished while it was taken"
+            ))),
+        }
+    }
+
+    fn renew_leases(&mut self, node: &str, ttl_ms: i64) -> R<Vec<SessionId>> {
+        self.client()?;
+        let PgDb {
+            client,
+            stmts,
+            held,
+            ..
+        } = self;
+        let beat = prep(
+            client,
+            stmts,
+            concat!(
+                "UPDATE nodes SET heartbeat_ms = ",
+                now_ms!(),
+                " WHERE id = $1"
+            ),
+        )?;
+        client.execute(&beat, &[&node])?;
+        let mine: Vec<&str> = held.keys().map(String::as_str).collect();
+        // Only the leases this run holds, at the fence it holds: rows an
+        // earlier run of this node left expire (or are taken over).
+        let renew = prep(
+            client,
+            stmts,
+            concat!(
+                "UPDATE leases SET expires_ms = ",
+                now_ms!(),
+                " + $2 WHERE node_id = $1 AND session_id = ANY($3) RETURNING session_id, fence"
+            ),
+        )?;
+        let rows = client.query(&renew, &[&node, &ttl_ms, &mine])?;
+        let still: HashMap<String, i64> = rows
+            .iter()
+            .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
+            .filter(|(s, f)| held.get(s) == Some(f))
+            .collect();
+        *held = still;
+        Ok(held.keys().filter_map(|s| SessionId::parse(s)).collect())
+    }
+
+    fn release_leases(&mut self, node: &str, only: Option<&[SessionId]>, leave: bool) -> R<()> {
+        self.client()?;
+        let PgDb { client, held, .. } = self;
+        let ids: Vec<String> = match only {
+            Some(only) => only.iter().map(|s| s.to_string()).collect(),
+            None => held.keys().cloned().collect(),
+        };
+        // Expired at once, the fence kept: the next owner counts on.
+        let mut tx = client.transaction()?;
+        let mut held_fences = Vec::new();
+        for id in &ids {
+            if let Some(f) = held.get(id) {
+                held_fences.push((id.clone(), *f));
+            }
+        }
+        for (id, fence) in &held_fences {
+            tx.execute(
+                "UPDATE leases SET expires_ms = 0 WHERE session_id = $1 AND node_id = $2 AND fence = $3",
+                &[id, &node, fence],
+            )?;
+        }
+        if leave {
+            tx.execute("DELETE FROM nodes WHERE id = $1", &[&node])?;
+        }
+        tx.commit()?;
+        for id in &ids {
+            held.remove(id);
+        }
+        Ok(())
+    }
+
+    fn orphans(&mut self, node: &str, limit: usize) -> R<Vec<SessionId>> {
+        self.client()?;
+        let PgDb {
+            client,
+            stmts,
+            held,
+            ..
+        } = self;
+        let mine: Vec<&str> = held.keys().map(String::as_str).collect();
+        let q = prep(
+            client,
+            stmts,
+            concat!(
+                "SELECT w.session_id FROM (
+                     SELECT session_id FROM prompts
+                     UNION SELECT session_id FROM notifications
+                     UNION SELECT session_id FROM cron_fires
+                     UNION SELECT session_id FROM goals WHERE status = 'active'
+                 ) w
+                 JOIN sessions s ON s.id = w.session_id AND NOT s.closed
+                 LEFT JOIN leases l ON l.session_id = w.session_id
+                 WHERE NOT (w.session_id = ANY($2)) AND (l.session_id IS NULL OR l.expires_ms < ",
+                now_ms!(),
+                " OR l.node_id = $1)
+                 LIMIT $3"
+            ),
+        )?;
+        Ok(ids(client.query(&q, &[&node, &mine, &(limit as i64)])?))
+    }
+
+    fn cluster_status(&mut self) -> R<Vec<NodeStatus>> {
+        let rows = self.client()?.query(
+            &format!(
+                "SELECT n.id, n.address, n.started_ms, {NOW_MS} - n.heartbeat_ms,
+                     (SELECT count(*) FROM leases l WHERE l.node_id = n.id AND l.expires_ms > {NOW_MS})
+                 FROM nodes n ORDER BY n.id"
+            ),
+            &[],
+        )?;
+        Ok(rows
+            .iter()
+            .map(|r| NodeStatus {
+                id: r.get(0),
+                address: r.get(1),
+                started_ms: r.get(2),
+                heartbeat_age_ms: r.get(3),
+                leases: r.get(4),
+            })
+            .collect())
     }
 
     fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()> {

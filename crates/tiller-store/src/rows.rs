@@ -262,3 +262,49 @@ pub struct SessionPage {
     /// Pass back to get the next page; `None` at the end.
     pub next_cursor: Option<String>,
 }
+
+/// A node of a cluster sharing one PostgreSQL schema.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Its id, unique in the cluster (stable across restarts).
+    pub id: String,
+    /// Where other nodes and operators reach it (`http://host:port`).
+    pub address: String,
+}
+
+/// The answer to a lease request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lease {
+    /// This node owns the session now; every write for it carries `fence`.
+    Acquired {
+        /// The fencing counter: higher than any earlier owner's.
+        fence: i64,
+        /// The node that held the lease before, if any (this node itself
+        /// after a restart).
+        previous: Option<String>,
+    },
+    /// Another node's lease is live.
+    Held {
+        /// Its holder.
+        node: String,
+        /// The holder's advertised address (empty if it never joined).
+        address: String,
+        /// How long the lease still runs unless renewed.
+        expires_in_ms: i64,
+    },
+}
+
+/// A node as `tiller cluster status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// Its id.
+    pub id: String,
+    /// Its advertised address.
+    pub address: String,
+    /// When it joined (its clock, ms since the epoch).
+    pub started_ms: i64,
+    /// How long ago it last renewed its leases (the store's clock).
+    pub heartbeat_age_ms: i64,
+    /// How many leases it holds that have not expired.
+    pub leases: i64,
+}

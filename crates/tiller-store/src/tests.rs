@@ -887,3 +887,192 @@ mod durability {
         assert_eq!((due.len(), due[0].text.as_str()), (1, "final"));
     }
 }
+
+/// Leases and fencing: two handles on one schema are two nodes. On
+/// SQLite (one daemon per file) there is no cluster: every lease is
+/// granted and nothing is fenced.
+mod cluster {
+    use crate::*;
+    use tiller_core::PromptId;
+
+    fn rec() -> SessionRecord {
+        SessionRecord {
+            id: SessionId::new(),
+            cwd: "/tmp".into(),
+            title: None,
+            created_ms: 1,
+            updated_ms: 1,
+            closed: false,
+            channel: None,
+        }
+    }
+
+    fn ev(session: SessionId, seq: u64, data: &str) -> StoredEvent {
+        StoredEvent {
+            session,
+            seq,
+            ts_ms: seq as i64,
+            kind: "agent_message_chunk".into(),
+            prompt: None,
+            turn: None,
+            data: format!("{{\"by\":\"{data}\"}}"),
+        }
+    }
+
+    fn two_nodes() -> (tempfile::TempDir, Store, Store) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let a = super::open_store(&path).unwrap();
+        let b = if a_cluster() {
+            super::open_store(&path).unwrap()
+        } else {
+            a.clone()
+        };
+        (dir, a, b)
+    }
+
+    fn a_cluster() -> bool {
+        std::env::var("TILLER_TEST_POSTGRES_URL").is_ok_and(|u| !u.is_empty())
+    }
+
+    /// A lease is exclusive while live; once it lapses another node takes
+    /// it with a higher fence, and from then on the old owner's writes are
+    /// refused (nothing it sends lands), while the new owner continues
+    /// the log from what was stored.
+    #[tokio::test]
+    async fn a_node_that_lost_its_lease_cannot_write() {
+        let (_dir, a, b) = two_nodes();
+        let s = rec();
+        a.create_session(s.clone()).await.unwrap();
+        if !a_cluster() {
+            assert!(!a.clustered().await.unwrap());
+            assert_eq!(
+                a.acquire_lease(s.id, "a".into(), 1).await.unwrap(),
+                Lease::Acquired {
+                    fence: 0,
+                    previous: None
+                }
+            );
+            return;
+        }
+        assert!(a.clustered().await.unwrap());
+        for (n, store) in [("a", &a), ("b", &b)] {
+            store
+                .join(NodeInfo {
+                    id: n.into(),
+                    address: format!("http://{n}:1"),
+                })
+                .await
+                .unwrap();
+        }
+        let Lease::Acquired {
+            fence: f1,
+            previous,
+        } = a.acquire_lease(s.id, "a".into(), 300).await.unwrap()
+        else {
+            panic!("a free session's lease was refused");
+        };
+        assert_eq!(previous, None);
+        match b.acquire_lease(s.id, "b".into(), 300).await.unwrap() {
+            Lease::Held { node, address, .. } => {
+                assert_eq!((node.as_str(), address.as_str()), ("a", "http://a:1"))
+            }
+            other => panic!("a live lease was taken: {other:?}"),
+        }
+        a.append_durable(ev(s.id, 1, "a"), None).await.unwrap();
+        // Renewed, it stays a's.
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert_eq!(a.renew_leases("a".into(), 300).await.unwrap(), vec![s.id]);
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(matches!(
+            b.acquire_lease(s.id, "b".into(), 300).await.unwrap(),
+            Lease::Held { .. }
+        ));
+        // a stops renewing (paused): the lease lapses and b takes it.
+        tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+        let Lease::Acquired {
+            fence: f2,
+            previous,
+        } = b.acquire_lease(s.id, "b".into(), 60_000).await.unwrap()
+        else {
+            panic!("an expired lease was not taken over");
+        };
+        assert!(f2 > f1, "fence {f2} after {f1}");
+        assert_eq!(previous.as_deref(), Some("a"));
+        // a resumes: its writes are refused, streamed or durable.
+        let e = a.append_durable(ev(s.id, 2, "a"), None).await.unwrap_err();
+        assert_eq!(e.fenced(), Some(s.id), "{e:?}");
+        assert!(!e.is_unavailable());
+        assert!(matches!(
+            a.save_state(s.id, StateColumn::Settings, "{}".into()).await,
+            Err(StoreError::Fenced(_))
+        ));
+        assert_eq!(a.renew_leases("a".into(), 300).await.unwrap(), vec![]);
+        // b continues from what was stored.
+        let head = b.reopen_log(s.id).await.unwrap();
+        assert_eq!(head.last_seq, 1);
+        b.append_durable(ev(s.id, 2, "b"), None).await.unwrap();
+        let page = b.history(s.id, None, 10).await.unwrap();
+        assert_eq!(
+            page.events
+                .iter()
+                .map(|e| e.data.as_str())
+                .collect::<Vec<_>>(),
+            vec!["{\"by\":\"a\"}", "{\"by\":\"b\"}"]
+        );
+        // b lets go: a takes it back at once, with a fence higher still.
+        b.release_leases("b".into(), None, false).await.unwrap();
+        let Lease::Acquired {
+            fence: f3,
+            previous,
+        } = a.acquire_lease(s.id, "a".into(), 300).await.unwrap()
+        else {
+            panic!("a released lease was not free");
+        };
+        assert!(f3 > f2);
+        assert_eq!(previous.as_deref(), Some("b"));
+        assert!(matches!(
+            b.append_durable(ev(s.id, 3, "b"), None).await,
+            Err(_)
+        ));
+        let status = b.cluster_status().await.unwrap();
+        let by: Vec<(&str, i64)> = status.iter().map(|n| (n.id.as_str(), n.leases)).collect();
+        assert_eq!(by, vec![("a", 1), ("b", 0)]);
+    }
+
+    /// Two nodes offering the same queued notification: the first start
+    /// consumes it, the second is refused and admits nothing.
+    #[tokio::test]
+    async fn queued_work_starts_once_across_nodes() {
+        let (_dir, a, b) = two_nodes();
+        let s = SessionId::new();
+        let mut q = tiller_core::notify::Queues::new(10);
+        let out = q.enqueue(s, "t", "done", 1);
+        a.notification_changes(out.changes).await.unwrap();
+        let n = a.notifications().await.unwrap().remove(0);
+        let start = |store: &Store, seq| {
+            let prompt = PromptId::new();
+            let op = Some(LedgerOp::Admit {
+                prompt,
+                origin: "notification".into(),
+                consumes: Some(Claim::Notification(n.id)),
+            });
+            let store = store.clone();
+            async move {
+                store
+                    .append_durable(ev(s, seq, "start"), op)
+                    .await
+                    .map(|_| prompt)
+            }
+        };
+        start(&a, 1).await.unwrap();
+        let second = start(&b, 2).await;
+        if a_cluster() {
+            assert!(second.is_err(), "the same notification started twice");
+            assert_eq!(a.unsettled().await.unwrap().len(), 1);
+        } else {
+            // One daemon: its queue actor never offers a row twice.
+            assert!(second.is_ok());
+        }
+    }
+}
