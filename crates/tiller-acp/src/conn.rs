@@ -1251,6 +1251,13 @@ fn session_error(e: SessionError) -> Reply {
                 .with_data(json!({ "errorKind": "overloaded", "retryable": true })),
         ),
         SessionError::Store(e) if e.is_unavailable() => store_unavailable(e.to_string()),
+        SessionError::Elsewhere {
+            ref node,
+            ref address,
+            ..
+        } => Reply::Error(RpcError::new(code::INTERNAL_ERROR, e.to_string()).with_data(
+            json!({ "errorKind": "owned_elsewhere", "retryable": true, "node": node, "address": address }),
+        )),
         other => Reply::Error(RpcError::new(code::INTERNAL_ERROR, other.to_string())),
     }
 }

@@ -129,12 +129,15 @@ pub enum ErrorKind {
     /// The engine had no room for the turn (an agent engine at
     /// `max_processes`); retry later.
     Overloaded,
+    /// The node serving the session died (or lost its lease) while the
+    /// prompt was in flight; another node took the session over.
+    NodeLost,
 }
 
 impl ErrorKind {
     /// One of each kind (a loop stop stands for every loop type: the
     /// `errorKind` is the same).
-    pub const ALL: [ErrorKind; 10] = [
+    pub const ALL: [ErrorKind; 11] = [
         ErrorKind::NoResult,
         ErrorKind::ModelStreamInterrupted,
         ErrorKind::EngineCrashed,
@@ -145,6 +148,7 @@ impl ErrorKind {
         ErrorKind::TurnTooLong,
         ErrorKind::StoreUnavailable,
         ErrorKind::Overloaded,
+        ErrorKind::NodeLost,
     ];
 
     /// The snake_case `errorKind` clients see.
@@ -160,6 +164,7 @@ impl ErrorKind {
             ErrorKind::TurnTooLong => "turn_too_long",
             ErrorKind::StoreUnavailable => "store_unavailable",
             ErrorKind::Overloaded => "overloaded",
+            ErrorKind::NodeLost => "node_lost",
         }
     }
 
@@ -190,6 +195,10 @@ impl ErrorKind {
             ErrorKind::Overloaded => {
                 "The engine is running as many agent processes as it may; send the prompt \
                  again in a moment."
+            }
+            ErrorKind::NodeLost => {
+                "The server running this turn went away; another one took the session over. \
+                 Nothing else was lost; send the prompt again."
             }
             ErrorKind::LoopDetected(t) => {
                 return format!(

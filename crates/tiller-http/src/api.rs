@@ -56,6 +56,15 @@ impl From<SessionError> for ApiError {
                 json!({ "errorKind": "overloaded", "retryable": true, "message": e.to_string() }),
             ),
             SessionError::Store(e) if e.is_unavailable() => store_unavailable(e.to_string()),
+            SessionError::Elsewhere {
+                ref node,
+                ref address,
+                ..
+            } => ApiError(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({ "errorKind": "owned_elsewhere", "retryable": true, "message": e.to_string(),
+                        "node": node, "address": address }),
+            ),
             other => ApiError(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 json!({ "errorKind": "internal", "message": other.to_string() }),

@@ -96,7 +96,7 @@ impl Modify for Common {
             ("413", "The body is over limits.max_body_bytes"),
             (
                 "503",
-                "Overloaded, or the store cannot record the request; retry",
+                "Overloaded, the store cannot record the request, or another node serves the session; retry",
             ),
         ];
         for item in doc.paths.paths.values_mut() {

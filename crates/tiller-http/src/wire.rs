@@ -13,13 +13,15 @@ pub struct ErrorResponse {
 }
 
 /// What went wrong. Clients branch on `errorKind`, never on `message`;
-/// some kinds add fields (`sessionId`, `step`, `retryable`).
+/// some kinds add fields (`sessionId`, `step`, `retryable`; `node` and
+/// `address` for `owned_elsewhere`).
 #[derive(Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ErrorBody {
     /// `invalid_params`, `unauthorized`, `forbidden`, `unknown_session`,
     /// `session_closed`, `overloaded`, `store_unavailable`, `no_goal`,
-    /// `unknown_cron_job`, `unknown_permission_request`, `internal`.
+    /// `unknown_cron_job`, `unknown_permission_request`, `owned_elsewhere`
+    /// (another node of the cluster serves the session), `internal`.
     pub error_kind: String,
     /// In English, for people.
     pub message: String,

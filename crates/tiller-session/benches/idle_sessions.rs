@@ -46,6 +46,7 @@ async fn main() {
             delivery: Default::default(),
             delivery_wake: None,
             budget: Default::default(),
+            cluster: None,
             tools: Default::default(),
         },
     )

@@ -19,6 +19,10 @@ pub struct Sessions {
     cancel_grace_ms: u64,
     /// Announces committed deletions.
     deleted: tokio::sync::broadcast::Sender<SessionId>,
+    /// This node, when the store is shared by a cluster.
+    cluster: Option<Arc<ClusterConfig>>,
+    /// Stops the lease keeper at shutdown.
+    stop_leases: Arc<tokio::sync::Notify>,
 }
 
 impl Sessions {
@@ -33,13 +37,31 @@ impl Sessions {
         engines: Engines,
         config: SessionConfig,
     ) -> Result<Sessions, SessionError> {
-        let reconciled = reconcile(&store, None, tiller_core::ErrorKind::DaemonRestarted).await?;
-        if reconciled > 0 {
-            tracing::warn!(
-                prompts = reconciled,
-                "prompts in flight when the daemon stopped got a daemon_restarted error"
-            );
-        }
+        // A shared store: sessions are settled and run by whoever takes
+        // their lease (see `Registry::take`), not all at start-up.
+        let cluster = match store.clustered().await? {
+            true => {
+                let c = config.cluster.clone().unwrap_or_default();
+                store
+                    .join(tiller_store::NodeInfo {
+                        id: c.node.clone(),
+                        address: c.address.clone(),
+                    })
+                    .await?;
+                Some(Arc::new(c))
+            }
+            false => {
+                let reconciled =
+                    reconcile(&store, None, tiller_core::ErrorKind::DaemonRestarted).await?;
+                if reconciled > 0 {
+                    tracing::warn!(
+                        prompts = reconciled,
+                        "prompts in flight when the daemon stopped got a daemon_restarted error"
+                    );
+                }
+                None
+            }
+        };
         let cap = config.notification_cap;
         let (notify, _) = Actor::spawn(None, notify::NotifyActor, (store.clone(), cap))
             .await
@@ -64,6 +86,7 @@ impl Sessions {
             },
             engines: engines.clone(),
             config: Arc::new(config),
+            cluster: cluster.clone(),
         };
         let (registry, _) = Actor::spawn(None, Registry, args)
             .await
@@ -79,6 +102,8 @@ impl Sessions {
             tools,
             cancel_grace_ms,
             deleted: tokio::sync::broadcast::channel(64).0,
+            cluster,
+            stop_leases: Arc::new(tokio::sync::Notify::new()),
         };
         // Work queued before a restart runs: wake the sessions it is for.
         let (mut waiting, _) = sessions.store.notification_backlog().await?;
@@ -88,6 +113,10 @@ impl Sessions {
             if let Ok(h) = sessions.open(id).await {
                 let _ = h.send(SessionMsg::Kick);
             }
+        }
+        if sessions.cluster.is_some() {
+            sessions.adopt_orphans().await;
+            tokio::spawn(sessions.clone().keep_leases());
         }
         // The cron actor starts its timer (and catches up) once it can wake
         // sessions.
@@ -485,6 +514,7 @@ impl Sessions {
     /// settle, stop every actor, flush the store.
     pub async fn shutdown(&self) {
         let _ = self.ask(RegistryMsg::Shutdown).await;
+        self.stop_leases.notify_one();
         self.registry.stop_children(None);
         self.registry.stop(None);
         // Turns have settled: the agents' processes end.
@@ -495,8 +525,65 @@ impl Sessions {
         if let Err(e) = self.store.flush().await {
             tracing::error!(error = %e, "store flush at shutdown failed");
         }
+        // Every turn settled and was stored: other nodes may take this
+        // node's sessions at once instead of after the lease time.
+        if let Some(c) = &self.cluster
+            && let Err(e) = self.store.release_leases(c.node.clone(), None, true).await
+        {
+            tracing::error!(error = %e, "cannot release this node's leases; they expire");
+        }
         // The database's lock is released (the next daemon may open it).
         self.store.close().await;
+    }
+}
+
+impl Sessions {
+    /// Renews this node's leases every `renew_every` (stopping the
+    /// sessions another node took over) and adopts orphaned sessions,
+    /// until shutdown.
+    async fn keep_leases(self) {
+        let Some(c) = self.cluster.clone() else {
+            return;
+        };
+        let ttl = c.lease_ttl.as_millis() as i64;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(c.renew_every) => {}
+                _ = self.stop_leases.notified() => return,
+            }
+            match self.store.renew_leases(c.node.clone(), ttl).await {
+                Ok(lost) if !lost.is_empty() => {
+                    let _ = self.registry.send_message(RegistryMsg::LeasesLost(lost));
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot renew this node's leases"),
+            }
+            self.adopt_orphans().await;
+        }
+    }
+
+    /// Takes over sessions with work in flight or queued whose owner is
+    /// gone (its lease expired): their prompts in flight settle
+    /// (`node_lost`) and their queued work runs here.
+    async fn adopt_orphans(&self) {
+        let Some(c) = &self.cluster else { return };
+        let orphans = match self.store.orphans(c.node.clone(), 64).await {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look for sessions without an owner");
+                return;
+            }
+        };
+        for id in orphans {
+            match self.open(id).await {
+                Ok(h) => {
+                    tracing::info!(%id, "took over a session whose node went away");
+                    let _ = h.send(SessionMsg::Kick);
+                }
+                // Another node was faster, or it was just deleted.
+                Err(e) => tracing::debug!(%id, error = %e, "did not take over the session"),
+            }
+        }
     }
 }
 

@@ -65,6 +65,36 @@ pub struct SessionConfig {
     /// The daemon-wide bound on streamed work in flight (every session's
     /// engine paces itself within it).
     pub budget: Arc<tiller_engine::Budget>,
+    /// This node's place in a cluster (used when the store is shared:
+    /// PostgreSQL). `None`: a node called `local`, default timings.
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// A node's identity and lease timings.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    /// This node's id, unique in the cluster and stable across restarts
+    /// (a restarted node settles its own prompts `daemon_restarted`,
+    /// another node's `node_lost`).
+    pub node: String,
+    /// Where other nodes and operators reach this node.
+    pub address: String,
+    /// How long a lease runs unless renewed: the bound on how long a dead
+    /// node's sessions wait for a new owner.
+    pub lease_ttl: std::time::Duration,
+    /// How often leases are renewed (well under `lease_ttl`).
+    pub renew_every: std::time::Duration,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        ClusterConfig {
+            node: "local".into(),
+            address: String::new(),
+            lease_ttl: std::time::Duration::from_secs(10),
+            renew_every: std::time::Duration::from_secs(3),
+        }
+    }
 }
 
 /// What a new session is.
@@ -96,6 +126,13 @@ pub enum SessionError {
     UnknownEngine(String, String),
     #[error("cwd {0} is not a directory this daemon can use: {1}")]
     BadCwd(String, String),
+    /// Another live node serves the session.
+    #[error("session {id} is served by node {node} ({address}); retry there or in a moment")]
+    Elsewhere {
+        id: SessionId,
+        node: String,
+        address: String,
+    },
 }
 
 /// The engines this daemon has, by name, and the default one.
@@ -197,6 +234,20 @@ pub enum PromptRefused {
 pub enum SessionFailed {
     #[error("the store could not record the session's events")]
     StoreUnavailable,
+    /// Another node took the session over: its new owner settles what
+    /// was in flight; this node settles nothing.
+    #[error("another node took the session over")]
+    LeaseLost,
+}
+
+impl SessionFailed {
+    /// Why a failed write stops the session.
+    pub(crate) fn of(e: &StoreError) -> SessionFailed {
+        match e.fenced() {
+            Some(_) => SessionFailed::LeaseLost,
+            None => SessionFailed::StoreUnavailable,
+        }
+    }
 }
 
 /// The answer to a steer.

@@ -36,6 +36,9 @@ pub enum RegistryMsg {
         reply: oneshot::Sender<Result<Option<ActorRef<SessionMsg>>, SessionError>>,
     },
     EndDelete(SessionId),
+    /// Another node took these sessions over: their actors stop at once,
+    /// settling nothing (the new owner settles what was in flight).
+    LeasesLost(Vec<SessionId>),
     /// Cancel every running turn and wait (bounded) until all are idle.
     Shutdown(oneshot::Sender<()>),
 }
@@ -46,6 +49,8 @@ pub struct RegistryArgs {
     pub automation: Automation,
     pub engines: Engines,
     pub config: Arc<SessionConfig>,
+    /// This node, when the store is shared by a cluster.
+    pub cluster: Option<Arc<crate::ClusterConfig>>,
 }
 
 /// The registry's state.
@@ -64,6 +69,9 @@ pub struct RegistryState {
     unreconciled: HashMap<SessionId, tiller_core::ErrorKind>,
     /// Sessions being deleted: not opened meanwhile.
     deleting: std::collections::HashSet<SessionId>,
+    /// This node, when the store is shared: a session runs here only
+    /// while this node holds its lease.
+    cluster: Option<Arc<crate::ClusterConfig>>,
 }
 
 /// See the module docs.
@@ -88,6 +96,7 @@ impl Actor for Registry {
             by_actor: HashMap::new(),
             unreconciled: HashMap::new(),
             deleting: Default::default(),
+            cluster: args.cluster,
         })
     }
 
@@ -117,6 +126,16 @@ impl Actor for Registry {
             }
             RegistryMsg::EndDelete(id) => {
                 st.deleting.remove(&id);
+            }
+            RegistryMsg::LeasesLost(ids) => {
+                for id in ids {
+                    if let Some(actor) = st.live.remove(&id) {
+                        tracing::warn!(%id, "another node took this session over; it stops here");
+                        st.by_actor.remove(&actor.get_id());
+                        metrics::gauge!("tiller_sessions_active").set(st.live.len() as f64);
+                        actor.stop(Some("lease lost".into()));
+                    }
+                }
             }
             RegistryMsg::Shutdown(reply) => {
                 let mut waits = Vec::new();
@@ -148,7 +167,9 @@ impl Actor for Registry {
         // failing must never take the others down.
         match evt {
             SupervisionEvent::ActorTerminated(cell, _, _) => {
-                st.forget(cell.get_id());
+                if let Some(id) = st.forget(cell.get_id()) {
+                    st.release(id).await;
+                }
             }
             SupervisionEvent::ActorFailed(cell, err) => {
                 tracing::error!(error = %err, "session actor failed; it reloads from the store on next use");
@@ -159,11 +180,16 @@ impl Actor for Registry {
                         Some(crate::SessionFailed::StoreUnavailable) => {
                             tiller_core::ErrorKind::StoreUnavailable
                         }
+                        // Its new owner settles them.
+                        Some(crate::SessionFailed::LeaseLost) => return Ok(()),
                         None => tiller_core::ErrorKind::SessionRestarted,
                     };
-                    if let Err(e) = crate::reconcile(&st.store, Some(id), kind).await {
-                        tracing::error!(%id, error = %e, "cannot settle the failed session's prompts yet; they settle before it reopens");
-                        st.unreconciled.insert(id, kind);
+                    match crate::reconcile(&st.store, Some(id), kind).await {
+                        Ok(_) => st.release(id).await,
+                        Err(e) => {
+                            tracing::error!(%id, error = %e, "cannot settle the failed session's prompts yet; they settle before it reopens");
+                            st.unreconciled.insert(id, kind);
+                        }
                     }
                 }
             }
@@ -185,6 +211,53 @@ impl RegistryState {
         self.live.remove(&id);
         metrics::gauge!("tiller_sessions_active").set(self.live.len() as f64);
         Some(id)
+    }
+
+    /// Lets go of a session no actor serves here any more, so any node may
+    /// take it at once (after every append its actor sent).
+    async fn release(&self, id: SessionId) {
+        if let Some(c) = &self.cluster
+            && let Err(e) = self
+                .store
+                .release_leases(c.node.clone(), Some(vec![id]), false)
+                .await
+        {
+            tracing::warn!(%id, error = %e, "cannot release the session's lease; it expires");
+        }
+    }
+
+    /// Makes this node the session's owner (when the store is shared) and
+    /// settles what was left in flight: by a failed actor here (its
+    /// recorded kind), by this node's earlier run (`daemon_restarted`) or
+    /// by another node that went away (`node_lost`).
+    async fn take(&mut self, id: SessionId) -> Result<(), SessionError> {
+        use tiller_core::ErrorKind;
+        let hint = self.unreconciled.get(&id).copied();
+        let kind = match &self.cluster {
+            None => hint,
+            Some(c) => {
+                let ttl = c.lease_ttl.as_millis() as i64;
+                match self.store.acquire_lease(id, c.node.clone(), ttl).await? {
+                    tiller_store::Lease::Acquired { previous, .. } => {
+                        Some(hint.unwrap_or(match previous {
+                            Some(p) if p != c.node => ErrorKind::NodeLost,
+                            _ => ErrorKind::DaemonRestarted,
+                        }))
+                    }
+                    tiller_store::Lease::Held { node, address, .. } => {
+                        return Err(SessionError::Elsewhere { id, node, address });
+                    }
+                }
+            }
+        };
+        if let Some(kind) = kind {
+            let n = crate::reconcile(&self.store, Some(id), kind).await?;
+            if n > 0 {
+                tracing::warn!(%id, prompts = n, kind = kind.as_str(), "settled prompts left in flight");
+            }
+            self.unreconciled.remove(&id);
+        }
+        Ok(())
     }
 
     async fn spawn(
@@ -261,6 +334,16 @@ impl RegistryState {
             )
             .await?;
         metrics::counter!("tiller_sessions_created_total").increment(1);
+        if let Some(c) = &self.cluster {
+            let ttl = c.lease_ttl.as_millis() as i64;
+            if let tiller_store::Lease::Held { node, .. } =
+                self.store.acquire_lease(id, c.node.clone(), ttl).await?
+            {
+                return Err(SessionError::Internal(format!(
+                    "node {node} holds the lease of session {id}, which was just created"
+                )));
+            }
+        }
         let extras = SessionExtras {
             engine: Some(engine_name),
             ..SessionExtras::default()
@@ -284,10 +367,7 @@ impl RegistryState {
         }
         match self.store.get_session(id).await? {
             Some((rec, _)) if !rec.closed => {
-                if let Some(&kind) = self.unreconciled.get(&id) {
-                    crate::reconcile(&self.store, Some(id), kind).await?;
-                    self.unreconciled.remove(&id);
-                }
+                self.take(id).await?;
                 // A failed actor may have left its log refusing appends.
                 let head = self.store.reopen_log(id).await?;
                 let extras = self.store.load_state(id).await?;

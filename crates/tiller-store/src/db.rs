@@ -86,8 +86,8 @@ pub(crate) trait Db: Send {
             previous: None,
         })
     }
-    /// Renews every lease this node holds; the answer is the sessions it
-    /// still owns (a lease another node took is dropped).
+    /// Renews every lease this node holds; the answer is the sessions
+    /// whose lease another node took meanwhile (dropped from those held).
     fn renew_leases(&mut self, _node: &str, _ttl_ms: i64) -> R<Vec<SessionId>> {
         Ok(Vec::new())
     }

@@ -313,7 +313,7 @@ impl Store {
     }
 
     /// Renews the node's heartbeat and every lease it holds; the answer
-    /// is the sessions it still owns.
+    /// is the sessions it lost (another node took them over).
     pub async fn renew_leases(
         &self,
         node: String,

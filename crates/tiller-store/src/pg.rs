@@ -1139,8 +1139,13 @@ impl Db for PgDb {
             .map(|r| (r.get::<_, String>(0), r.get::<_, i64>(1)))
             .filter(|(s, f)| held.get(s) == Some(f))
             .collect();
+        let lost = held
+            .keys()
+            .filter(|s| !still.contains_key(*s))
+            .filter_map(|s| SessionId::parse(s))
+            .collect();
         *held = still;
-        Ok(held.keys().filter_map(|s| SessionId::parse(s)).collect())
+        Ok(lost)
     }
 
     fn release_leases(&mut self, node: &str, only: Option<&[SessionId]>, leave: bool) -> R<()> {

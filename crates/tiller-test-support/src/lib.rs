@@ -32,6 +32,7 @@ pub fn session_config() -> SessionConfig {
         delivery: Default::default(),
         delivery_wake: None,
         budget: Default::default(),
+        cluster: None,
         tools: Default::default(),
     }
 }

@@ -26,6 +26,7 @@ pub struct Config {
     pub log: Log,
     pub metrics: Metrics,
     pub telemetry: Telemetry,
+    pub cluster: ClusterCfg,
     /// The file this was read from (it may hold secrets: the file tools
     /// never touch it).
     #[serde(skip)]
@@ -595,6 +596,34 @@ pub struct Telemetry {
     pub otlp_endpoint: String,
 }
 
+/// `[cluster]`: this node's identity and lease timings when several
+/// daemons share a PostgreSQL store (ignored with SQLite).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterCfg {
+    /// This node's id; empty means the one kept in `<data_dir>/node-id`
+    /// (made at first start).
+    pub node_id: String,
+    /// Where other nodes and operators reach this node; empty means
+    /// `http://<server.listen>`.
+    pub advertise: String,
+    #[serde(with = "humantime_serde")]
+    pub lease_ttl: Duration,
+    #[serde(with = "humantime_serde")]
+    pub renew_every: Duration,
+}
+
+impl Default for ClusterCfg {
+    fn default() -> Self {
+        ClusterCfg {
+            node_id: String::new(),
+            advertise: String::new(),
+            lease_ttl: Duration::from_secs(10),
+            renew_every: Duration::from_secs(3),
+        }
+    }
+}
+
 impl Default for Server {
     fn default() -> Self {
         Self {
@@ -792,6 +821,26 @@ impl Config {
             return Err(ConfigError(format!(
                 "key `store.kind`: unknown store `{}` (expected sqlite or postgres)",
                 self.store.kind
+            )));
+        }
+        if self.cluster.renew_every.is_zero()
+            || self.cluster.renew_every * 2 > self.cluster.lease_ttl
+        {
+            return Err(ConfigError(
+                "key `cluster.renew_every`: must be above zero and at most half of cluster.lease_ttl"
+                    .into(),
+            ));
+        }
+        if !self.cluster.node_id.is_empty()
+            && !self
+                .cluster
+                .node_id
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(ConfigError(format!(
+                "key `cluster.node_id`: `{}` may hold only letters, digits, -, _ and .",
+                self.cluster.node_id
             )));
         }
         if self.engine.models.contains_key(SCRIPTED) || self.engine.agents.contains_key(SCRIPTED) {

@@ -159,11 +159,40 @@ fn raise_fd_limit() {
     }
 }
 
+/// This node's id: `cluster.node_id`, else the one kept in
+/// `<data_dir>/node-id` (made at first start, so a restarted node is the
+/// same node and settles its own prompts `daemon_restarted`).
+fn node_id(cfg: &Config) -> anyhow::Result<String> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    if !cfg.cluster.node_id.is_empty() {
+        return Ok(cfg.cluster.node_id.clone());
+    }
+    let path = cfg.data_dir().join("node-id");
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_owned()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    }
+    let id = format!("node-{}", &uuid::Uuid::new_v4().simple().to_string()[..12]);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    writeln!(f, "{id}").with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(id)
+}
+
 async fn start_sessions(
     cfg: &Config,
     db: &std::path::Path,
     delivery_wake: Option<Arc<tokio::sync::Notify>>,
     inline_store: bool,
+    advertise: Option<String>,
 ) -> anyhow::Result<Sessions> {
     prepare_data_dir(&cfg.data_dir())?;
     // No session's file tools may touch the daemon's own data, even when
@@ -180,6 +209,19 @@ async fn start_sessions(
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
     let postgres = cfg.store.postgres_url().map_err(anyhow::Error::msg)?;
+    let cluster = match postgres {
+        Some(_) => Some(tiller_session::ClusterConfig {
+            node: node_id(cfg)?,
+            address: if cfg.cluster.advertise.is_empty() {
+                advertise.unwrap_or_default()
+            } else {
+                cfg.cluster.advertise.clone()
+            },
+            lease_ttl: cfg.cluster.lease_ttl,
+            renew_every: cfg.cluster.renew_every,
+        }),
+        None => None,
+    };
     let schema = cfg.store.schema.clone();
     let store = {
         let db = db.to_owned();
@@ -203,6 +245,7 @@ async fn start_sessions(
             delivery: cfg.delivery_policy(),
             delivery_wake,
             budget: Default::default(),
+            cluster,
             tools: Arc::new(cfg.tools_config(
                 crate::utf8_env(),
                 // The running binary, even if it is replaced on disk.
@@ -234,16 +277,24 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
 
     let db = cfg.db_path();
     let delivery_wake = Arc::new(tokio::sync::Notify::new());
-    let sessions = start_sessions(&cfg, &db, Some(delivery_wake.clone()), false).await?;
+    // Bound first: a node advertises the address it really listens on.
+    let listener = tokio::net::TcpListener::bind(cfg.server.listen)
+        .await
+        .with_context(|| format!("cannot listen on {} (server.listen)", cfg.server.listen))?;
+    let bound = listener.local_addr()?;
+    let sessions = start_sessions(
+        &cfg,
+        &db,
+        Some(delivery_wake.clone()),
+        false,
+        Some(format!("http://{bound}")),
+    )
+    .await?;
     let acp = acp_config(&cfg);
     let permits = Arc::new(Semaphore::new(cfg.limits.max_connections));
     let ready = Arc::new(AtomicBool::new(false));
     let (stop_tx, stop_rx) = watch::channel(false);
 
-    let listener = tokio::net::TcpListener::bind(cfg.server.listen)
-        .await
-        .with_context(|| format!("cannot listen on {} (server.listen)", cfg.server.listen))?;
-    let bound = listener.local_addr()?;
     let socket_path = cfg.socket_path();
     let unix = bind_unix(&socket_path)?;
 
@@ -376,7 +427,7 @@ pub async fn embedded(cfg: Config) -> anyhow::Result<()> {
     // Embedded: no delivery worker runs, so deliveries wait in the store
     // for the next `tiller serve` on the same data. One client on one
     // thread: the store runs inline on it (no message crosses a thread).
-    let sessions = start_sessions(&cfg, &db, None, true).await?;
+    let sessions = start_sessions(&cfg, &db, None, true, None).await?;
     tiller_acp::serve_stream(
         sessions.clone(),
         acp_config(&cfg),

@@ -2,6 +2,7 @@
 //! the crates together, wait for a signal. Business rules live elsewhere.
 
 mod admin;
+mod cluster;
 mod config;
 mod daemon;
 mod doctor;
@@ -125,6 +126,25 @@ enum Command {
     Config {
         #[command(subcommand)]
         command: ConfigCommand,
+    },
+    /// The cluster sharing the PostgreSQL store (read from the store).
+    Cluster {
+        /// Config file (default: the embedded defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[command(subcommand)]
+        command: ClusterCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ClusterCommand {
+    /// Nodes, their addresses, the leases they hold and how long ago
+    /// each renewed them (a node past cluster.lease_ttl is lost).
+    Status {
+        /// JSON instead of a table.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -298,6 +318,16 @@ fn main() -> ExitCode {
             let result = runtime().block_on(daemon::serve(cfg));
             drop(telemetry); // the last spans go out before the process ends
             exit(result)
+        }
+        Command::Cluster {
+            config,
+            command: ClusterCommand::Status { json },
+        } => {
+            let cfg = match load_config(config.as_deref(), &[]) {
+                Ok(c) => c,
+                Err(e) => return exit(Err(e.into())),
+            };
+            exit(current_thread().block_on(cluster::status(&cfg, json)))
         }
         Command::Doctor { config, data_dir } => {
             let overrides = [(

@@ -314,7 +314,7 @@ impl SessionState {
                 }
                 Err(e) => {
                     tracing::error!(error = %e, seq = rec.seq, "durable append failed; the session stops");
-                    self.failed = Some(crate::SessionFailed::StoreUnavailable);
+                    self.failed = Some(crate::SessionFailed::of(&e));
                     return Err(e);
                 }
             }
@@ -361,7 +361,7 @@ impl SessionState {
             }
             Err(e) => {
                 tracing::error!(error = %e, seq = rec.seq, "durable append failed; the session stops");
-                self.failed = Some(crate::SessionFailed::StoreUnavailable);
+                self.failed = Some(crate::SessionFailed::of(&e));
                 Err(e)
             }
         }
