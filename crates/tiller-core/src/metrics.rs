@@ -270,6 +270,24 @@ pub const ALL: &[Metric] = &[
         labels: &[],
     },
     Metric {
+        name: "tiller_sessions_taken_over_total",
+        kind: Kind::Counter,
+        help: "Sessions this node took from another node (one that went away or let go; cluster).",
+        labels: &[],
+    },
+    Metric {
+        name: "tiller_leases_lost_total",
+        kind: Kind::Counter,
+        help: "Sessions another node took over from this one (it was paused or cut off; cluster).",
+        labels: &[],
+    },
+    Metric {
+        name: "tiller_lease_renewal_failures_total",
+        kind: Kind::Counter,
+        help: "Lease renewals that failed (the store did not answer; cluster).",
+        labels: &[],
+    },
+    Metric {
         name: "tiller_sessions_deleted_total",
         kind: Kind::Counter,
         help: "Sessions deleted.",

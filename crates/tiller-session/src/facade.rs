@@ -6,11 +6,11 @@ use super::*;
 /// Entry point for edges: create, open, list sessions.
 #[derive(Clone)]
 pub struct Sessions {
-    registry: ActorRef<RegistryMsg>,
+    pub(crate) registry: ActorRef<RegistryMsg>,
     notify: ActorRef<notify::NotifyMsg>,
     cron: ActorRef<cron::CronMsg>,
     goal: ActorRef<goal::GoalMsg>,
-    store: Store,
+    pub(crate) store: Store,
     engines: Engines,
     next_subscriber: Arc<AtomicU64>,
     /// The tools' settings (MCP servers are connected under its policy).
@@ -20,9 +20,9 @@ pub struct Sessions {
     /// Announces committed deletions.
     deleted: tokio::sync::broadcast::Sender<SessionId>,
     /// This node, when the store is shared by a cluster.
-    cluster: Option<Arc<ClusterConfig>>,
+    pub(crate) cluster: Option<Arc<ClusterConfig>>,
     /// Stops the lease keeper at shutdown.
-    stop_leases: Arc<tokio::sync::Notify>,
+    pub(crate) stop_leases: Arc<tokio::sync::Notify>,
 }
 
 impl Sessions {
@@ -534,56 +534,6 @@ impl Sessions {
         }
         // The database's lock is released (the next daemon may open it).
         self.store.close().await;
-    }
-}
-
-impl Sessions {
-    /// Renews this node's leases every `renew_every` (stopping the
-    /// sessions another node took over) and adopts orphaned sessions,
-    /// until shutdown.
-    async fn keep_leases(self) {
-        let Some(c) = self.cluster.clone() else {
-            return;
-        };
-        let ttl = c.lease_ttl.as_millis() as i64;
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(c.renew_every) => {}
-                _ = self.stop_leases.notified() => return,
-            }
-            match self.store.renew_leases(c.node.clone(), ttl).await {
-                Ok(lost) if !lost.is_empty() => {
-                    let _ = self.registry.send_message(RegistryMsg::LeasesLost(lost));
-                }
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "cannot renew this node's leases"),
-            }
-            self.adopt_orphans().await;
-        }
-    }
-
-    /// Takes over sessions with work in flight or queued whose owner is
-    /// gone (its lease expired): their prompts in flight settle
-    /// (`node_lost`) and their queued work runs here.
-    async fn adopt_orphans(&self) {
-        let Some(c) = &self.cluster else { return };
-        let orphans = match self.store.orphans(c.node.clone(), 64).await {
-            Ok(o) => o,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot look for sessions without an owner");
-                return;
-            }
-        };
-        for id in orphans {
-            match self.open(id).await {
-                Ok(h) => {
-                    tracing::info!(%id, "took over a session whose node went away");
-                    let _ = h.send(SessionMsg::Kick);
-                }
-                // Another node was faster, or it was just deleted.
-                Err(e) => tracing::debug!(%id, error = %e, "did not take over the session"),
-            }
-        }
     }
 }
 

@@ -12,6 +12,7 @@ pub mod event;
 mod facade;
 mod goal;
 mod handle;
+mod lease;
 mod notify;
 pub mod ports;
 mod reconcile;

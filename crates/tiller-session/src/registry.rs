@@ -240,7 +240,10 @@ impl RegistryState {
                 match self.store.acquire_lease(id, c.node.clone(), ttl).await? {
                     tiller_store::Lease::Acquired { previous, .. } => {
                         Some(hint.unwrap_or(match previous {
-                            Some(p) if p != c.node => ErrorKind::NodeLost,
+                            Some(p) if p != c.node => {
+                                metrics::counter!("tiller_sessions_taken_over_total").increment(1);
+                                ErrorKind::NodeLost
+                            }
                             _ => ErrorKind::DaemonRestarted,
                         }))
                     }

@@ -1,0 +1,59 @@
+//! A node's leases on its sessions when the store is shared (see
+//! `Registry::take`): renewing them, noticing the ones another node took,
+//! and adopting sessions whose node went away.
+
+use super::*;
+
+impl Sessions {
+    /// Renews this node's leases every `renew_every` (stopping the
+    /// sessions another node took over) and adopts orphaned sessions,
+    /// until shutdown.
+    pub(crate) async fn keep_leases(self) {
+        let Some(c) = self.cluster.clone() else {
+            return;
+        };
+        let ttl = c.lease_ttl.as_millis() as i64;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(c.renew_every) => {}
+                _ = self.stop_leases.notified() => return,
+            }
+            match self.store.renew_leases(c.node.clone(), ttl).await {
+                Ok(lost) if !lost.is_empty() => {
+                    metrics::counter!("tiller_leases_lost_total").increment(lost.len() as u64);
+                    let _ = self.registry.send_message(RegistryMsg::LeasesLost(lost));
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    metrics::counter!("tiller_lease_renewal_failures_total").increment(1);
+                    tracing::warn!(error = %e, "cannot renew this node's leases");
+                }
+            }
+            self.adopt_orphans().await;
+        }
+    }
+
+    /// Takes over sessions with work in flight or queued whose owner is
+    /// gone (its lease expired): their prompts in flight settle
+    /// (`node_lost`) and their queued work runs here.
+    pub(crate) async fn adopt_orphans(&self) {
+        let Some(c) = &self.cluster else { return };
+        let orphans = match self.store.orphans(c.node.clone(), 64).await {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look for sessions without an owner");
+                return;
+            }
+        };
+        for id in orphans {
+            match self.open(id).await {
+                Ok(h) => {
+                    tracing::info!(%id, "took over a session whose node went away");
+                    let _ = h.send(SessionMsg::Kick);
+                }
+                // Another node was faster, or it was just deleted.
+                Err(e) => tracing::debug!(%id, error = %e, "did not take over the session"),
+            }
+        }
+    }
+}
