@@ -207,6 +207,18 @@ pub const ALL: &[Metric] = &[
         labels: &[],
     },
     Metric {
+        name: "tiller_lease_renewal_failures_total",
+        kind: Kind::Counter,
+        help: "Lease renewals that failed (the store did not answer; cluster).",
+        labels: &[],
+    },
+    Metric {
+        name: "tiller_leases_lost_total",
+        kind: Kind::Counter,
+        help: "Sessions another node took over from this one (it was paused or cut off; cluster).",
+        labels: &[],
+    },
+    Metric {
         name: "tiller_loop_detected_total",
         kind: Kind::Counter,
         help: "Turns stopped by loop protection, by loop type and origin.",
@@ -270,27 +282,15 @@ pub const ALL: &[Metric] = &[
         labels: &[],
     },
     Metric {
-        name: "tiller_sessions_taken_over_total",
-        kind: Kind::Counter,
-        help: "Sessions this node took from another node (one that went away or let go; cluster).",
-        labels: &[],
-    },
-    Metric {
-        name: "tiller_leases_lost_total",
-        kind: Kind::Counter,
-        help: "Sessions another node took over from this one (it was paused or cut off; cluster).",
-        labels: &[],
-    },
-    Metric {
-        name: "tiller_lease_renewal_failures_total",
-        kind: Kind::Counter,
-        help: "Lease renewals that failed (the store did not answer; cluster).",
-        labels: &[],
-    },
-    Metric {
         name: "tiller_sessions_deleted_total",
         kind: Kind::Counter,
         help: "Sessions deleted.",
+        labels: &[],
+    },
+    Metric {
+        name: "tiller_sessions_taken_over_total",
+        kind: Kind::Counter,
+        help: "Sessions this node took from another node (one that went away or let go; cluster).",
         labels: &[],
     },
     Metric {
