@@ -201,4 +201,41 @@ describe("cluster over PostgreSQL", { skip }, () => {
     assert.deepEqual(events.map((e) => e.seq), events.map((_, i) => i + 1), "no gap, no repeat");
     assert.equal(events.filter((e) => e.type === "turn_complete").length, 2);
   });
+
+  test("background notifications: each owner queues and runs its own, a non-owner refuses, ids never collide", async () => {
+    const schema = `cluster_${randomBytes(6).toString("hex")}`;
+    const a = await startNode(schema, "node-a");
+    const b = await startNode(schema, "node-b");
+    const sa = (await api(a, "POST", "/api/sessions", { cwd: "/tmp" })).body.id;
+    const sb = (await api(b, "POST", "/api/sessions", { cwd: "/tmp" })).body.id;
+    const notify = (d, sid, taskId) =>
+      api(d, "POST", `/api/sessions/${sid}/notifications`, { taskId, text: script([{ say: `done ${taskId}` }]) });
+    // Not the owner: refused before anything is queued.
+    const refused = await notify(b, sa, "t0");
+    assert.equal(refused.status, 503, JSON.stringify(refused.body));
+    assert.equal(refused.body.error.errorKind, "owned_elsewhere");
+    // Both sessions busy, so their notifications wait side by side in the
+    // shared table: each owner numbers its rows from the store (one counter
+    // per node would give both nodes' first rows the same id).
+    for (const [d, sid] of [[a, sa], [b, sb]]) {
+      const r = await api(d, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ sleep_ms: 1500 }]) });
+      assert.equal(r.status, 202);
+    }
+    for (let i = 1; i <= 3; i++) {
+      for (const [d, sid] of [[a, sa], [b, sb]]) {
+        const r = await notify(d, sid, `t${i}`);
+        assert.equal(r.status, 202, JSON.stringify(r.body));
+      }
+    }
+    for (const [d, sid] of [[a, sa], [b, sb]]) {
+      await until("three notification turns ran", async () => {
+        const ev = await history(d, sid);
+        return ev.filter((e) => e.type === "turn_complete").length === 4;
+      });
+      const ev = await history(d, sid);
+      const starts = ev.filter((e) => e.type === "prompt_started");
+      assert.deepEqual(starts.map((e) => e.data.origin), ["interactive", "notification", "notification", "notification"]);
+      assert.ok(!JSON.stringify(ev).includes("done t0"), "the refused notification never ran");
+    }
+  });
 });

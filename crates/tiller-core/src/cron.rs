@@ -180,6 +180,12 @@ impl Fires {
         f
     }
 
+    /// The next new fire's id is at least `from` (see
+    /// [`crate::notify::Queues::reserve_ids`]).
+    pub fn reserve_ids(&mut self, from: i64) {
+        self.next_id = self.next_id.max(from);
+    }
+
     /// Job `job_id` of `session` fired at `now`.
     pub fn fire(
         &mut self,

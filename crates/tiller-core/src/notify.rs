@@ -89,6 +89,12 @@ impl Queues {
         q
     }
 
+    /// The next new item's id is at least `from` (a store shared by
+    /// several nodes hands out ids, so no two nodes use the same one).
+    pub fn reserve_ids(&mut self, from: i64) {
+        self.next_id = self.next_id.max(from);
+    }
+
     /// Queues a notification: replaces a queued one of the same task,
     /// else appends it and evicts the oldest over the cap.
     pub fn enqueue(

@@ -232,6 +232,14 @@ impl CronState {
             let Some(next) = due(schedule, job.next_fire_ms, now) else {
                 continue;
             };
+            match self.store.fresh_id(tiller_store::IdQueue::CronFires).await {
+                Ok(Some(id)) => self.fires.reserve_ids(id),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!(job = %job.id, error = %e, "cannot number a cron fire; it fires at the next tick");
+                    continue;
+                }
+            }
             let before = self.fires.session(job.session);
             let change = self.fires.fire(job.session, &job.id, &job.prompt, now);
             if let Err(e) = self.store.cron_fire(change, job.id.clone(), next).await {

@@ -96,6 +96,19 @@ impl Actor for NotifyActor {
                 reply,
             } => {
                 let now = crate::clock::unix_ms();
+                // A shared store numbers the rows (nodes never collide).
+                match st
+                    .store
+                    .fresh_id(tiller_store::IdQueue::Notifications)
+                    .await
+                {
+                    Ok(Some(id)) => st.queues.reserve_ids(id),
+                    Ok(None) => {}
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return Ok(());
+                    }
+                }
                 let before = st.queues.session(session);
                 let out = st.queues.enqueue(session, &task_id, &text, now);
                 let r = match st.store.notification_changes(out.changes).await {

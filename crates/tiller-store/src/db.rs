@@ -75,6 +75,11 @@ pub(crate) trait Db: Send {
     fn clustered(&self) -> bool {
         false
     }
+    /// A fresh id for a queue's next item when several nodes share the
+    /// store (`None`: the caller's own counter is the only one).
+    fn fresh_id(&mut self, _queue: crate::IdQueue) -> R<Option<i64>> {
+        Ok(None)
+    }
     /// Records (or refreshes) this node in the cluster.
     fn join(&mut self, _node: &NodeInfo) -> R<()> {
         Ok(())

@@ -43,7 +43,7 @@ pub enum StoreError {
     #[error("the store is unavailable (injected failure)")]
     Injected,
     /// A PostgreSQL statement or connection failed.
-    #[error("PostgreSQL: {0}")]
+    #[error("PostgreSQL: {}", pg_message(.0))]
     Pg(#[from] postgres::Error),
     /// The store's configuration cannot work (a bad schema name, a
     /// database newer than this Tiller).
@@ -122,5 +122,14 @@ impl StoreError {
             | StoreError::Injected
             | StoreError::Closed => true,
         }
+    }
+}
+
+/// The server's own message when there is one (`db error` alone says
+/// nothing), else the client's.
+fn pg_message(e: &postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(d) => format!("{} ({})", d.message(), d.code().code()),
+        None => e.to_string(),
     }
 }

@@ -80,6 +80,8 @@ pub(crate) struct Shared {
     pub(crate) fail_appends: AtomicBool,
     /// Set by a test to hold appends back (a store that falls behind).
     pub(crate) pause_appends: AtomicBool,
+    /// Whether several daemons may share the store (PostgreSQL).
+    pub(crate) clustered: AtomicBool,
 }
 
 impl Shared {
@@ -154,6 +156,7 @@ impl Store {
         let (tx, rx) = std_mpsc::channel();
         let (ready_tx, ready) = std_mpsc::channel();
         let shared = Arc::new(Shared::default());
+        shared.clustered.store(true, Ordering::Relaxed);
         let thread_shared = shared.clone();
         let (url, schema) = (url.to_owned(), schema.to_owned());
         // The client blocks on its own runtime: connect on the store
@@ -290,6 +293,16 @@ impl Store {
     /// session is then written only by the node holding its lease.
     pub async fn clustered(&self) -> Result<bool, StoreError> {
         self.call(|c| Ok(c.clustered())).await
+    }
+
+    /// A queue id no other node uses, when the store is shared (`None`
+    /// on SQLite without asking the store thread: one daemon numbers its
+    /// own rows).
+    pub async fn fresh_id(&self, queue: IdQueue) -> Result<Option<i64>, StoreError> {
+        if !self.shared.clustered.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        self.call(move |c| c.fresh_id(queue)).await
     }
 
     /// Records this node in the cluster (its address for the others and

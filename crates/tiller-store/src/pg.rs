@@ -118,6 +118,11 @@ const MIGRATIONS: &[&str] = &[
         previous TEXT
     );
     CREATE INDEX leases_node ON leases (node_id);",
+    // Queue ids are handed out by the store: nodes never reuse each other's.
+    "CREATE SEQUENCE notification_ids;
+    SELECT setval('notification_ids', COALESCE((SELECT max(n) FROM notifications), 0) + 1, false);
+    CREATE SEQUENCE cron_fire_ids;
+    SELECT setval('cron_fire_ids', COALESCE((SELECT max(n) FROM cron_fires), 0) + 1, false);",
 ];
 
 /// The store server's clock in ms: leases are timed by one clock, never
@@ -1027,6 +1032,17 @@ impl Db for PgDb {
 
     fn clustered(&self) -> bool {
         true
+    }
+
+    fn fresh_id(&mut self, queue: crate::IdQueue) -> R<Option<i64>> {
+        let sql = match queue {
+            crate::IdQueue::Notifications => "SELECT nextval('notification_ids')",
+            crate::IdQueue::CronFires => "SELECT nextval('cron_fire_ids')",
+        };
+        self.client()?;
+        let PgDb { client, stmts, .. } = self;
+        let q = prep(client, stmts, sql)?;
+        Ok(Some(client.query_one(&q, &[])?.get(0)))
     }
 
     fn join(&mut self, node: &NodeInfo) -> R<()> {

@@ -263,6 +263,15 @@ pub struct SessionPage {
     pub next_cursor: Option<String>,
 }
 
+/// A queue whose rows are numbered (see [`crate::Store::fresh_id`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdQueue {
+    /// Background notifications.
+    Notifications,
+    /// Waiting cron fires.
+    CronFires,
+}
+
 /// A node of a cluster sharing one PostgreSQL schema.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeInfo {

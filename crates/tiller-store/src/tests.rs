@@ -1077,3 +1077,37 @@ mod cluster {
         }
     }
 }
+
+mod ids {
+    use crate::*;
+
+    /// Two nodes never get the same queue id from a shared store; one
+    /// SQLite daemon numbers its own rows.
+    #[tokio::test]
+    async fn queue_ids_are_unique_across_nodes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let a = super::open_store(&path).unwrap();
+        if std::env::var("TILLER_TEST_POSTGRES_URL").is_ok_and(|u| !u.is_empty()) {
+            let b = super::open_store(&path).unwrap();
+            let mut seen = std::collections::BTreeSet::new();
+            for _ in 0..5 {
+                for s in [&a, &b] {
+                    for q in [IdQueue::Notifications, IdQueue::CronFires] {
+                        let id = s
+                            .fresh_id(q)
+                            .await
+                            .unwrap()
+                            .expect("a shared store numbers rows");
+                        assert!(
+                            seen.insert((q == IdQueue::Notifications, id)),
+                            "{q:?} {id} twice"
+                        );
+                    }
+                }
+            }
+        } else {
+            assert_eq!(a.fresh_id(IdQueue::Notifications).await.unwrap(), None);
+        }
+    }
+}
