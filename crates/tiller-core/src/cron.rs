@@ -215,6 +215,15 @@ impl Fires {
         FireChange::Insert { session, fire }
     }
 
+    /// The sessions with a waiting fire.
+    pub fn sessions(&self) -> Vec<crate::SessionId> {
+        self.by_session
+            .iter()
+            .filter(|(_, w)| !w.is_empty())
+            .map(|(s, _)| *s)
+            .collect()
+    }
+
     /// The session's oldest waiting fire (it stays waiting).
     pub fn next(&self, session: crate::SessionId) -> Option<&Waiting> {
         self.by_session.get(&session)?.first()

@@ -62,6 +62,10 @@ pub enum CronMsg {
     /// The session was deleted (its rows are gone): forget its jobs and
     /// fires.
     Forget(SessionId),
+    /// Reads the jobs and waiting fires again from a store other nodes
+    /// share (jobs they added, fires they recorded); the answer is the
+    /// sessions with a waiting fire.
+    Reload(oneshot::Sender<Vec<SessionId>>),
 }
 
 /// See the module docs.
@@ -94,26 +98,7 @@ impl Actor for CronActor {
         _myself: ActorRef<CronMsg>,
         store: Store,
     ) -> Result<CronState, ActorProcessingErr> {
-        let mut jobs = HashMap::new();
-        for job in store.cron_list().await? {
-            match Schedule::parse(&job.schedule, &job.tz) {
-                Ok(s) => {
-                    jobs.insert(job.id.clone(), (job, s));
-                }
-                Err(e) => tracing::error!(job = %job.id, error = %e, "skipping a stored cron job"),
-            }
-        }
-        let fires = Fires::restore(store.cron_fires().await?.into_iter().map(|f| {
-            (
-                f.session,
-                Waiting {
-                    id: f.id,
-                    job_id: f.job_id,
-                    prompt: f.prompt,
-                    fired_ms: f.fired_ms,
-                },
-            )
-        }));
+        let (jobs, fires) = load(&store).await?;
         Ok(CronState {
             store,
             jobs,
@@ -177,6 +162,15 @@ impl Actor for CronActor {
                 inbox.offer(Origin::Cron, poll, work);
             }
             CronMsg::Started { session, id } => st.fires.consumed(session, id),
+            CronMsg::Reload(reply) => {
+                match st.reload().await {
+                    Ok(()) => {
+                        let _ = reply.send(st.fires.sessions());
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cannot reload the cron jobs"),
+                }
+                st.arm(&myself);
+            }
             CronMsg::Forget(session) => {
                 st.jobs.retain(|_, (job, _)| job.session != session);
                 st.fires.put_back(session, None);
@@ -197,7 +191,42 @@ impl Actor for CronActor {
     }
 }
 
+/// The jobs (with their parsed schedules) and waiting fires the store holds.
+async fn load(
+    store: &Store,
+) -> Result<(HashMap<String, (CronJob, Schedule)>, Fires), tiller_store::StoreError> {
+    let mut jobs = HashMap::new();
+    for job in store.cron_list().await? {
+        match Schedule::parse(&job.schedule, &job.tz) {
+            Ok(s) => {
+                jobs.insert(job.id.clone(), (job, s));
+            }
+            Err(e) => tracing::error!(job = %job.id, error = %e, "skipping a stored cron job"),
+        }
+    }
+    let fires = Fires::restore(store.cron_fires().await?.into_iter().map(|f| {
+        (
+            f.session,
+            Waiting {
+                id: f.id,
+                job_id: f.job_id,
+                prompt: f.prompt,
+                fired_ms: f.fired_ms,
+            },
+        )
+    }));
+    Ok((jobs, fires))
+}
+
 impl CronState {
+    /// Follows the store: jobs and fires other nodes changed.
+    async fn reload(&mut self) -> Result<(), tiller_store::StoreError> {
+        let (jobs, fires) = load(&self.store).await?;
+        self.jobs = jobs;
+        self.fires = fires;
+        Ok(())
+    }
+
     async fn add(
         &mut self,
         session: SessionId,
@@ -228,6 +257,7 @@ impl CronState {
     async fn tick(&mut self, myself: &ActorRef<CronMsg>) {
         let now = now_ms();
         let mut fired = Vec::new();
+        let mut stale = false;
         for (job, schedule) in self.jobs.values_mut() {
             let Some(next) = due(schedule, job.next_fire_ms, now) else {
                 continue;
@@ -242,14 +272,30 @@ impl CronState {
             }
             let before = self.fires.session(job.session);
             let change = self.fires.fire(job.session, &job.id, &job.prompt, now);
-            if let Err(e) = self.store.cron_fire(change, job.id.clone(), next).await {
-                tracing::error!(job = %job.id, error = %e, "cannot record a cron fire");
-                self.fires.put_back(job.session, before);
-                continue;
+            match self
+                .store
+                .cron_fire(change, job.id.clone(), (job.next_fire_ms, next))
+                .await
+            {
+                Ok(()) => {}
+                // Another node fired this due time: follow the store.
+                Err(tiller_store::StoreError::AlreadyClaimed) => {
+                    self.fires.put_back(job.session, before);
+                    stale = true;
+                    continue;
+                }
+                Err(e) => {
+                    tracing::error!(job = %job.id, error = %e, "cannot record a cron fire");
+                    self.fires.put_back(job.session, before);
+                    continue;
+                }
             }
             job.next_fire_ms = next;
             metrics::counter!("tiller_cron_fires_total").increment(1);
             fired.push((job.session, job.id.clone()));
+        }
+        if stale && let Err(e) = self.reload().await {
+            tracing::warn!(error = %e, "cannot reload the cron jobs");
         }
         if let Some(sessions) = &self.sessions {
             for (session, job) in fired {

@@ -7,8 +7,8 @@ use super::*;
 #[derive(Clone)]
 pub struct Sessions {
     pub(crate) registry: ActorRef<RegistryMsg>,
-    notify: ActorRef<notify::NotifyMsg>,
-    cron: ActorRef<cron::CronMsg>,
+    pub(crate) notify: ActorRef<notify::NotifyMsg>,
+    pub(crate) cron: ActorRef<cron::CronMsg>,
     goal: ActorRef<goal::GoalMsg>,
     pub(crate) store: Store,
     engines: Engines,

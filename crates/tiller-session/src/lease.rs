@@ -30,6 +30,33 @@ impl Sessions {
                 }
             }
             self.adopt_orphans().await;
+            self.follow_queues().await;
+        }
+    }
+
+    /// The queue actors read what other nodes queued or fired (for
+    /// sessions this node serves, a notification posted elsewhere before
+    /// it took them, a cron fire another node recorded); the sessions
+    /// served here with work waiting poll for it.
+    async fn follow_queues(&self) {
+        let mut waiting = Vec::new();
+        let (tx, rx) = oneshot::channel();
+        if self
+            .notify
+            .send_message(notify::NotifyMsg::Reload(tx))
+            .is_ok()
+            && let Ok(s) = rx.await
+        {
+            waiting.extend(s);
+        }
+        let (tx, rx) = oneshot::channel();
+        if self.cron.send_message(cron::CronMsg::Reload(tx)).is_ok()
+            && let Ok(s) = rx.await
+        {
+            waiting.extend(s);
+        }
+        if !waiting.is_empty() {
+            let _ = self.registry.send_message(RegistryMsg::Kick(waiting));
         }
     }
 

@@ -35,15 +35,41 @@ pub enum NotifyMsg {
     Started { session: SessionId, id: i64 },
     /// The session was deleted (its rows are gone): forget its queue.
     Forget(SessionId),
+    /// Reads the queues again from a store other nodes share (what they
+    /// queued for sessions this node now serves); the answer is the
+    /// sessions with a queued notification.
+    Reload(oneshot::Sender<Vec<SessionId>>),
 }
 
 /// See the module docs.
 pub struct NotifyActor;
 
+/// The queues the store holds.
+async fn load(store: &Store, cap: usize) -> Result<Queues, StoreError> {
+    let rows = store.notifications().await?;
+    let queues = Queues::restore(
+        cap,
+        rows.into_iter().map(|n| {
+            (
+                n.session,
+                Queued {
+                    id: n.id,
+                    task_id: n.task_id,
+                    text: n.text,
+                    created_ms: n.created_ms,
+                },
+            )
+        }),
+    );
+    Ok(queues)
+}
+
 /// The actor's state.
 pub struct NotifyState {
     store: Store,
     queues: Queues,
+    /// Most notifications queued per session.
+    cap: usize,
 }
 
 impl NotifyState {
@@ -62,22 +88,8 @@ impl Actor for NotifyActor {
         _myself: ActorRef<NotifyMsg>,
         (store, cap): (Store, usize),
     ) -> Result<NotifyState, ActorProcessingErr> {
-        let rows = store.notifications().await?;
-        let queues = Queues::restore(
-            cap,
-            rows.into_iter().map(|n| {
-                (
-                    n.session,
-                    Queued {
-                        id: n.id,
-                        task_id: n.task_id,
-                        text: n.text,
-                        created_ms: n.created_ms,
-                    },
-                )
-            }),
-        );
-        let st = NotifyState { store, queues };
+        let queues = load(&store, cap).await?;
+        let st = NotifyState { store, queues, cap };
         st.gauge();
         Ok(st)
     }
@@ -149,6 +161,14 @@ impl Actor for NotifyActor {
                 st.queues.put_back(session, None);
                 st.gauge();
             }
+            NotifyMsg::Reload(reply) => match load(&st.store, st.cap).await {
+                Ok(queues) => {
+                    st.queues = queues;
+                    st.gauge();
+                    let _ = reply.send(st.queues.sessions().collect());
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot reload the notification queues"),
+            },
         }
         Ok(())
     }

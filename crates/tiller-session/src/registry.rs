@@ -36,6 +36,9 @@ pub enum RegistryMsg {
         reply: oneshot::Sender<Result<Option<ActorRef<SessionMsg>>, SessionError>>,
     },
     EndDelete(SessionId),
+    /// Queued work may wait for these sessions: the live ones poll their
+    /// queues (the others are not served here).
+    Kick(Vec<SessionId>),
     /// Another node took these sessions over: their actors stop at once,
     /// settling nothing (the new owner settles what was in flight).
     LeasesLost(Vec<SessionId>),
@@ -126,6 +129,13 @@ impl Actor for Registry {
             }
             RegistryMsg::EndDelete(id) => {
                 st.deleting.remove(&id);
+            }
+            RegistryMsg::Kick(ids) => {
+                for id in ids {
+                    if let Some(actor) = st.live.get(&id) {
+                        let _ = actor.send_message(SessionMsg::Kick);
+                    }
+                }
             }
             RegistryMsg::LeasesLost(ids) => {
                 for id in ids {

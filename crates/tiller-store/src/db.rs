@@ -49,11 +49,13 @@ pub(crate) trait Db: Send {
     fn cron_add(&mut self, job: &CronJob) -> R<()>;
     fn cron_list(&mut self) -> R<Vec<CronJob>>;
     fn cron_remove(&mut self, id: &str) -> R<bool>;
+    /// Records a fire and moves its job from due time `.0` to `.1`;
+    /// `AlreadyClaimed` (nothing written) if it was no longer due at `.0`.
     fn cron_fire(
         &mut self,
         change: &tiller_core::cron::FireChange,
         job_id: &str,
-        next_fire_ms: i64,
+        from_to: (i64, i64),
     ) -> R<()>;
     fn cron_fires(&mut self) -> R<Vec<CronFire>>;
     fn cron_backlog(&mut self) -> R<Vec<SessionId>>;
@@ -197,9 +199,12 @@ impl Db for rusqlite::Connection {
         &mut self,
         change: &tiller_core::cron::FireChange,
         job_id: &str,
-        next_fire_ms: i64,
+        from_to: (i64, i64),
     ) -> R<()> {
-        Ok(queues::cron_fire(self, change, job_id, next_fire_ms)?)
+        match queues::cron_fire(self, change, job_id, from_to)? {
+            true => Ok(()),
+            false => Err(StoreError::AlreadyClaimed),
+        }
     }
     fn cron_fires(&mut self) -> R<Vec<CronFire>> {
         Ok(queues::cron_fires(self)?)

@@ -647,14 +647,17 @@ impl Store {
     }
 
     /// Stores what the cron core decided for a fire of job `job_id` and
-    /// moves the job to its next fire time (durable when this returns).
+    /// moves the job from its due time `from_to.0` to its next,
+    /// `from_to.1` (durable when this returns).
+    /// [`StoreError::AlreadyClaimed`], with nothing written, when the job
+    /// was no longer due at `from_to.0`: another node fired it.
     pub async fn cron_fire(
         &self,
         change: tiller_core::cron::FireChange,
         job_id: String,
-        next_fire_ms: i64,
+        from_to: (i64, i64),
     ) -> Result<(), StoreError> {
-        self.call(move |c| c.cron_fire(&change, &job_id, next_fire_ms))
+        self.call(move |c| c.cron_fire(&change, &job_id, from_to))
             .await
     }
 

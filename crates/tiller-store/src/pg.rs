@@ -884,10 +884,19 @@ impl Db for PgDb {
         &mut self,
         change: &tiller_core::cron::FireChange,
         job_id: &str,
-        next_fire_ms: i64,
+        (from, to): (i64, i64),
     ) -> R<()> {
         use tiller_core::cron::FireChange;
         let mut tx = self.client()?.transaction()?;
+        // Once per due time across nodes: only the node that moves the
+        // job from this due time records the fire.
+        let moved = tx.execute(
+            "UPDATE cron_jobs SET next_fire_ms = $2 WHERE id = $1 AND next_fire_ms = $3",
+            &[&job_id, &to, &from],
+        )?;
+        if moved != 1 {
+            return Err(StoreError::AlreadyClaimed);
+        }
         match change {
             FireChange::Insert { session, fire } => {
                 tx.execute(
@@ -913,10 +922,6 @@ impl Db for PgDb {
                 )?;
             }
         }
-        tx.execute(
-            "UPDATE cron_jobs SET next_fire_ms = $2 WHERE id = $1",
-            &[&job_id, &next_fire_ms],
-        )?;
         tx.commit()?;
         Ok(())
     }

@@ -117,16 +117,24 @@ pub(crate) fn cron_list(conn: &Connection) -> rusqlite::Result<Vec<CronJob>> {
     Ok(out)
 }
 
-/// Stores what the cron core decided for a fire, and the job's next fire
-/// time, in one transaction.
+/// Stores what the cron core decided for a fire, and moves the job from
+/// its due time `from` to `to`, in one transaction. `Ok(false)`, nothing
+/// written: the job was no longer due at `from` (another node fired it).
 pub(crate) fn cron_fire(
     conn: &mut Connection,
     change: &tiller_core::cron::FireChange,
     job_id: &str,
-    next_fire_ms: i64,
-) -> rusqlite::Result<()> {
+    (from, to): (i64, i64),
+) -> rusqlite::Result<bool> {
     use tiller_core::cron::FireChange;
     let tx = conn.transaction()?;
+    let moved = tx.execute(
+        "UPDATE cron_jobs SET next_fire_ms = ?2 WHERE id = ?1 AND next_fire_ms = ?3",
+        params![job_id, to, from],
+    )?;
+    if moved != 1 {
+        return Ok(false);
+    }
     match change {
         FireChange::Insert { session, fire } => {
             tx.execute(
@@ -145,11 +153,8 @@ pub(crate) fn cron_fire(
             )?;
         }
     }
-    tx.execute(
-        "UPDATE cron_jobs SET next_fire_ms = ?2 WHERE id = ?1",
-        params![job_id, next_fire_ms],
-    )?;
-    tx.commit()
+    tx.commit()?;
+    Ok(true)
 }
 
 /// Every waiting fire (the cron core is rebuilt from them at start).

@@ -696,7 +696,7 @@ mod durability {
             };
             store.cron_add(job.clone()).await.unwrap();
             let change = fires.fire(s, &job.id, "tick", 5);
-            store.cron_fire(change, job.id, 60_000).await.unwrap();
+            store.cron_fire(change, job.id, (0, 60_000)).await.unwrap();
             store
                 .goal_put(GoalRow {
                     session: s,
@@ -824,13 +824,20 @@ mod durability {
         let mut fires = tiller_core::cron::Fires::default();
         let change = fires.fire(s, &job.id, &job.prompt, 5);
         store
-            .cron_fire(change, job.id.clone(), 60_000)
+            .cron_fire(change, job.id.clone(), (0, 60_000))
             .await
             .unwrap();
+        // The same due time again (another node that fired it too): refused,
+        // nothing written.
+        let again = fires.fire(s, &job.id, "twice", 5);
+        assert!(matches!(
+            store.cron_fire(again, job.id.clone(), (0, 60_000)).await,
+            Err(StoreError::AlreadyClaimed)
+        ));
         // A second fire coalesces into the waiting one.
         let change = fires.fire(s, &job.id, &job.prompt, 6);
         store
-            .cron_fire(change, job.id.clone(), 120_000)
+            .cron_fire(change, job.id.clone(), (60_000, 120_000))
             .await
             .unwrap();
         let all = store.cron_fires().await.unwrap();
