@@ -7,6 +7,7 @@ pub mod api;
 pub mod auth;
 pub mod channels;
 pub mod delivery;
+pub mod forward;
 pub mod openapi;
 pub mod serve;
 mod web;
@@ -117,6 +118,12 @@ pub fn router(state: AppState) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(state.max_body_bytes))
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
             state.body_timeout,
+        ))
+        // After the checks: a request for a session another node serves
+        // goes there.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            forward::forward,
         ))
         // Outermost: nothing runs, and no body is read, before the checks.
         .layer(axum::middleware::from_fn_with_state(auth, auth::check))

@@ -26,6 +26,18 @@ pub struct Sessions {
 }
 
 impl Sessions {
+    /// The node (id, address) serving the session when it is another one
+    /// of the cluster; `None` when this node serves it (it takes the
+    /// lease if nobody holds it) or the answer is some other error, which
+    /// the request's own handling reports.
+    pub async fn served_elsewhere(&self, id: SessionId) -> Option<(String, String)> {
+        self.cluster.as_ref()?;
+        match self.open(id).await {
+            Err(SessionError::Elsewhere { node, address, .. }) => Some((node, address)),
+            _ => None,
+        }
+    }
+
     /// Whether the store answers (for `/readyz`).
     pub async fn store_answers(&self) -> Result<(), StoreError> {
         self.store.ping().await
