@@ -982,7 +982,7 @@ mod cluster {
         assert_eq!(previous, None);
         match b.acquire_lease(s.id, "b".into(), 300).await.unwrap() {
             Lease::Held { node, address, .. } => {
-                assert_eq!((node.as_str(), address.as_str()), ("a", "http://a:1"))
+                assert_eq!((node.as_str(), address.as_str()), ("a", "http://a:1"));
             }
             other => panic!("a live lease was taken: {other:?}"),
         }
@@ -1039,10 +1039,8 @@ mod cluster {
         };
         assert!(f3 > f2);
         assert_eq!(previous.as_deref(), Some("b"));
-        assert!(matches!(
-            b.append_durable(ev(s.id, 3, "b"), None).await,
-            Err(_)
-        ));
+        let e = b.append_durable(ev(s.id, 3, "b"), None).await.unwrap_err();
+        assert_eq!(e.fenced(), Some(s.id), "{e:?}");
         let status = b.cluster_status().await.unwrap();
         let by: Vec<(&str, i64)> = status.iter().map(|n| (n.id.as_str(), n.leases)).collect();
         assert_eq!(by, vec![("a", 1), ("b", 0)]);
