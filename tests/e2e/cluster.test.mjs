@@ -7,7 +7,19 @@ import { spawnSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { after, describe, test } from "node:test";
 
-import { api, bin, openStream, script, startDaemon, tempDir } from "./lib/daemon.mjs";
+import {
+  agentText,
+  api,
+  bin,
+  connectStdio,
+  connectWs,
+  initialize,
+  openStream,
+  script,
+  startDaemon,
+  tempDir,
+  textPrompt,
+} from "./lib/daemon.mjs";
 
 const pg = process.env.TILLER_TEST_POSTGRES_URL;
 const skip = pg ? false : "needs PostgreSQL (the PostgreSQL pass of scripts/test runs it)";
@@ -293,5 +305,47 @@ describe("cluster over PostgreSQL", { skip }, () => {
       assert.equal(ends.length, 1, `prompt ${s.promptId} has ${ends.length} terminals`);
     }
     assert.deepEqual(events.map((e) => e.seq), events.map((_, i) => i + 1), "no gap, no repeat");
+  });
+
+  test("an ACP client on node B prompts a session node A serves and sees exactly what A's clients see", async () => {
+    const schema = `cluster_${randomBytes(6).toString("hex")}`;
+    const a = await startNode(schema, "node-a");
+    const b = await startNode(schema, "node-b");
+    const sid = (await api(a, "POST", "/api/sessions", { cwd: "/tmp" })).body.id;
+    const first = await api(a, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ say: "earlier turn" }]) });
+    assert.equal(first.status, 202);
+    await until("the earlier turn completes", async () =>
+      terminalsOf(await history(a, sid), first.body.promptId).length === 1,
+    );
+
+    const onA = await connectWs(a);
+    await initialize(onA);
+    await onA.request("session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+    // Two clients of node B, over WebSocket and over stdio (`tiller acp`
+    // relaying to B's unix socket): both are handed to A.
+    for (const connect of [connectWs, connectStdio]) {
+      const viaB = await connect(b);
+      try {
+        await initialize(viaB);
+        const before = agentText(onA, sid);
+        await viaB.request("session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+        assert.equal(agentText(viaB, sid), before, "the load replays A's history");
+        const said = `through ${connect.name}`;
+        const answer = await viaB.request("session/prompt", textPrompt(sid, script([{ say: said }])));
+        assert.equal(answer.stopReason, "end_turn");
+        assert.equal(agentText(viaB, sid), `${before}${said}`);
+        await onA.until(() => agentText(onA, sid).endsWith(said));
+      } finally {
+        viaB.close();
+      }
+    }
+    // What B's clients saw is what A's client saw.
+    assert.equal(agentText(onA, sid), "earlier turnthrough connectWsthrough connectStdio");
+    onA.close();
+    // A served every turn: B never took the session.
+    const nodes = status(schema);
+    assert.deepEqual(nodes.map((n) => [n.node, n.leases]), [["node-a", 1], ["node-b", 0]]);
+    const events = await history(a, sid);
+    assert.equal(events.filter((e) => e.type === "turn_complete").length, 3);
   });
 });

@@ -62,6 +62,9 @@ pub struct AcpConfig {
     pub subscriber_queue: usize,
     /// Reported in `initialize`.
     pub version: String,
+    /// In a cluster: opens a connection to the node serving a session, to
+    /// hand a connection over (see [`crate::splice`]).
+    pub forward: Option<crate::splice::Forwarder>,
 }
 
 /// Messages into the connection's writer task.
@@ -228,6 +231,11 @@ struct Shared {
     compaction: Arc<AtomicBool>,
     /// The client's requests that `$/cancel_request` can cancel, by id.
     cancellable: std::sync::Mutex<HashMap<String, Cancellable>>,
+    /// The client's `initialize` parameters (repeated to the owner when the
+    /// connection is handed over).
+    initialize: std::sync::Mutex<Option<Value>>,
+    /// Asks the connection's loop to hand the connection over.
+    handover: mpsc::Sender<crate::splice::Handover>,
 }
 
 /// A request of the client's under way that it may cancel.
@@ -313,6 +321,17 @@ impl Shared {
             .contains_key(&id.to_string())
     }
 
+    /// The node serving `session` when it is another one and this
+    /// connection can be handed to it (a cluster, the session not served
+    /// here).
+    async fn elsewhere(&self, session: SessionId) -> Option<(String, String)> {
+        self.config.forward.as_ref()?;
+        if self.attached.lock().await.contains_key(&session) {
+            return None;
+        }
+        self.sessions.served_elsewhere(session).await
+    }
+
     fn settled(&self, id: &Value) {
         self.cancellable
             .lock()
@@ -344,6 +363,7 @@ pub async fn serve(
     metrics::gauge!("tiller_connections_active", "transport" => transport).increment(1.0);
     let (tx, rx) = mpsc::channel::<Out>(config.subscriber_queue.max(16));
     let (call_tx, mut call_rx) = mpsc::channel::<String>(64);
+    let (handover_tx, mut handover_rx) = mpsc::channel::<crate::splice::Handover>(1);
     let lag = Arc::new(Lag::default());
     let asked = Arc::new(std::sync::Mutex::new(HashMap::new()));
     let all_turns = Arc::new(AtomicBool::new(false));
@@ -362,6 +382,8 @@ pub async fn serve(
         calls: Calls::new(call_tx),
         asked: asked.clone(),
         me: me.clone(),
+        initialize: std::sync::Mutex::new(None),
+        handover: handover_tx,
     });
     let writer = Writer {
         sessions,
@@ -405,6 +427,29 @@ pub async fn serve(
             },
             Some(msg) = call_rx.recv() => {
                 if outgoing.send(msg).await.is_err() {
+                    break;
+                }
+            }
+            Some(h) = handover_rx.recv() => {
+                // Only a connection serving no session here is handed over
+                // (its other sessions would be cut off).
+                let alone = shared.attached.lock().await.is_empty();
+                let init = shared.initialize.lock().expect("poisoned").clone();
+                let why = match (&shared.config.forward, alone) {
+                    (Some(f), true) => {
+                        match crate::splice::run(f, &h, init, &mut incoming, &outgoing).await {
+                            Ok(()) => break,
+                            Err(why) => why,
+                        }
+                    }
+                    _ => "this connection serves other sessions here".to_owned(),
+                };
+                let e = RpcError::new(
+                    code::INTERNAL_ERROR,
+                    format!("the session is served by node {} ({}): {why}; connect there", h.node, h.address),
+                )
+                .with_data(json!({ "errorKind": "owned_elsewhere", "retryable": true, "node": h.node, "address": h.address }));
+                if outgoing.send(jsonrpc::error(&h.id, &e)).await.is_err() {
                     break;
                 }
             }
@@ -1099,6 +1144,25 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
             }
             tokio::spawn(async move {
                 let _inflight = inflight;
+                if let Some(session) = params_session
+                    && method != "session/new"
+                    && let Some((node, address)) = shared.elsewhere(session).await
+                {
+                    shared.settled(&id);
+                    let request =
+                        json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params })
+                            .to_string();
+                    let _ = shared
+                        .handover
+                        .send(crate::splice::Handover {
+                            node,
+                            address,
+                            id,
+                            request,
+                        })
+                        .await;
+                    return;
+                }
                 let result = handle(&shared, &id, &method, params).await;
                 if let Ok(v) = &result
                     && method == "session/new"
@@ -1462,6 +1526,7 @@ impl Shared {
 async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result<Value, Reply> {
     match method {
         "initialize" => {
+            *shared.initialize.lock().expect("poisoned") = Some(raw.clone());
             shared.calls.set_caps(ClientCaps::from_initialize(&raw));
             let all_turns = raw["clientCapabilities"]["_meta"]["tiller"]["allTurns"] == json!(true);
             shared.all_turns.store(all_turns, Ordering::Relaxed);

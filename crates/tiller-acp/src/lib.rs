@@ -9,6 +9,7 @@ pub mod client;
 pub mod conn;
 pub mod jsonrpc;
 pub mod map;
+pub mod splice;
 
 use std::sync::Arc;
 

@@ -52,6 +52,7 @@ async fn app(auth: AuthConfig, subscriber_queue: usize) -> App {
             max_message_bytes: 1 << 20,
             subscriber_queue: 64,
             version: "test".into(),
+            forward: None,
         },
         metrics: Some({
             let handle = PrometheusBuilder::new().build_recorder().handle();

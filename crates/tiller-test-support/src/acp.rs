@@ -34,6 +34,7 @@ impl AcpClient {
             max_message_bytes: 1 << 20,
             subscriber_queue: 1024,
             version: "test".into(),
+            forward: None,
         };
         let task = tokio::spawn(tiller_acp::serve(
             sessions.clone(),

@@ -107,6 +107,7 @@ fn acp_config(cfg: &Config) -> AcpConfig {
         max_message_bytes: cfg.limits.max_message_bytes,
         subscriber_queue: cfg.limits.subscriber_queue,
         version: env!("CARGO_PKG_VERSION").to_owned(),
+        forward: None,
     }
 }
 
@@ -290,7 +291,14 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
         Some(format!("http://{bound}")),
     )
     .await?;
-    let acp = acp_config(&cfg);
+    let mut acp = acp_config(&cfg);
+    if cfg.store.kind == "postgres" {
+        // A cluster: connections naming a session another node serves are
+        // handed to it (every node shares the token).
+        acp.forward = Some(crate::handover::forwarder(
+            token.as_ref().map(|(t, _)| t.clone()),
+        ));
+    }
     let permits = Arc::new(Semaphore::new(cfg.limits.max_connections));
     let ready = Arc::new(AtomicBool::new(false));
     let (stop_tx, stop_rx) = watch::channel(false);

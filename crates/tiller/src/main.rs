@@ -6,6 +6,7 @@ mod cluster;
 mod config;
 mod daemon;
 mod doctor;
+mod handover;
 mod metrics;
 mod relay;
 mod stdio;
