@@ -55,11 +55,7 @@ async fn connect(address: &str, token: Option<&str>) -> Result<Pipe, String> {
     tokio::spawn(async move {
         while let Some(Ok(m)) = stream.next().await {
             match m {
-                Message::Text(t) => {
-                    if down_tx.send(t.to_string()).await.is_err() {
-                        return;
-                    }
-                }
+                Message::Text(t) if down_tx.send(t.to_string()).await.is_err() => return,
                 Message::Close(_) => return,
                 _ => {}
             }
