@@ -337,7 +337,23 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
         auth: tiller_http::auth::Auth::new(tiller_http::auth::AuthConfig {
             token: token.as_ref().map(|(t, _)| t.clone()),
             bind: Some(bound),
-            allowed_hosts: cfg.server.allowed_hosts.clone(),
+            allowed_hosts: {
+                // The other nodes of a cluster name this one by the
+                // address it advertises.
+                let mut hosts = cfg.server.allowed_hosts.clone();
+                let advertised = cfg
+                    .cluster
+                    .advertise
+                    .split_once("://")
+                    .map(|(_, rest)| rest);
+                if let Some(host) = advertised.and_then(|r| r.split('/').next())
+                    && cfg.store.kind == "postgres"
+                    && !host.is_empty()
+                {
+                    hosts.push(host.to_owned());
+                }
+                hosts
+            },
             allowed_origins: cfg.server.allowed_origins.clone(),
         }),
         max_body_bytes: cfg.limits.max_message_bytes,
