@@ -39,8 +39,8 @@ function clusterEnv(schema) {
 }
 
 const nodes = [];
-async function startNode(schema, name, dataDir = tempDir()) {
-  const d = await startDaemon({ dataDir, env: { ...clusterEnv(schema), TILLER_CLUSTER__NODE_ID: name } });
+async function startNode(schema, name, dataDir = tempDir(), env = {}) {
+  const d = await startDaemon({ dataDir, env: { ...clusterEnv(schema), TILLER_CLUSTER__NODE_ID: name, ...env } });
   d.name = name;
   nodes.push(d);
   return d;
@@ -305,6 +305,38 @@ describe("cluster over PostgreSQL", { skip }, () => {
       assert.equal(ends.length, 1, `prompt ${s.promptId} has ${ends.length} terminals`);
     }
     assert.deepEqual(events.map((e) => e.seq), events.map((_, i) => i + 1), "no gap, no repeat");
+  });
+
+  test("a node that advertises a wrong address gets an error back, not an endless chain of hand-overs", async () => {
+    const schema = `cluster_${randomBytes(6).toString("hex")}`;
+    const b = await startNode(schema, "node-b", tempDir(), { TILLER_LIMITS__MAX_CONNECTIONS: "8" });
+    // A misconfigured node: it advertises B's address (as a loopback or
+    // copied address would on several machines).
+    const a = await startNode(schema, "node-a", tempDir(), { TILLER_CLUSTER__ADVERTISE: b.http });
+    const sid = (await api(a, "POST", "/api/sessions", { cwd: "/tmp" })).body.id;
+    const viaB = await connectWs(b);
+    try {
+      await initialize(viaB);
+      // B hands the connection to "A" (itself); the connection handed over
+      // is never handed on again: the client gets owned_elsewhere.
+      const err = await viaB.request("session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] }).then(
+        () => assert.fail("a session served by no reachable node was loaded"),
+        (e) => e,
+      );
+      assert.equal(err.data?.errorKind, "owned_elsewhere", JSON.stringify(err));
+      assert.equal(err.data?.node, "node-a");
+      // B spent two of its eight connections on it, not all of them.
+      const other = await connectWs(b);
+      try {
+        await initialize(other);
+        const made = await other.request("session/new", { cwd: "/tmp", mcpServers: [] });
+        assert.ok(made.sessionId);
+      } finally {
+        other.close();
+      }
+    } finally {
+      viaB.close();
+    }
   });
 
   test("an ACP client on node B prompts a session node A serves and sees exactly what A's clients see", async () => {

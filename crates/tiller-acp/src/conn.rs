@@ -1314,7 +1314,14 @@ fn session_error(e: SessionError) -> Reply {
             RpcError::new(code::OVERLOADED, e.to_string())
                 .with_data(json!({ "errorKind": "overloaded", "retryable": true })),
         ),
-        SessionError::Store(e) if e.is_unavailable() => store_unavailable(e.to_string()),
+        SessionError::Store(e) => {
+            tracing::warn!(error = %e, "a request failed in the store");
+            if e.is_unavailable() {
+                store_unavailable(e.for_client())
+            } else {
+                Reply::Error(RpcError::new(code::INTERNAL_ERROR, e.for_client()))
+            }
+        }
         SessionError::Elsewhere {
             ref node,
             ref address,

@@ -143,14 +143,14 @@ pub enum FireChange {
         fire: Waiting,
     },
     /// A fire of a job that already had one waiting: that one is kept in
-    /// its place and refreshed (fires coalesce per job).
+    /// its place and refreshed (fires coalesce per job). The whole fire: a
+    /// store shared by several nodes may no longer hold it (another node
+    /// ran it meanwhile), and then it waits again.
     Refresh {
-        /// The waiting fire's id.
-        id: i64,
-        /// The job's prompt now.
-        prompt: String,
-        /// The newer fire time.
-        fired_ms: i64,
+        /// The session it prompts.
+        session: crate::SessionId,
+        /// The waiting fire, with the job's prompt now and the newer time.
+        fire: Waiting,
     },
 }
 
@@ -199,9 +199,8 @@ impl Fires {
             w.prompt = prompt.to_owned();
             w.fired_ms = now;
             return FireChange::Refresh {
-                id: w.id,
-                prompt: prompt.to_owned(),
-                fired_ms: now,
+                session,
+                fire: w.clone(),
             };
         }
         let fire = Waiting {
@@ -290,10 +289,11 @@ mod fires_tests {
                     FireChange::Insert { session, fire } => {
                         prop_assert!(rows.insert(fire.id, (session, fire)).is_none());
                     }
-                    FireChange::Refresh { id, prompt, fired_ms } => {
-                        let r = &mut rows.get_mut(&id).expect("stored").1;
-                        r.prompt = prompt;
-                        r.fired_ms = fired_ms;
+                    FireChange::Refresh { session, fire } => {
+                        let r = rows.get_mut(&fire.id).expect("stored");
+                        prop_assert_eq!(r.0, session);
+                        prop_assert_eq!(&r.1.job_id, &fire.job_id);
+                        r.1 = fire;
                     }
                 }
                 for s in 0..2 {

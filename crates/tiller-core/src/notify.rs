@@ -33,12 +33,14 @@ pub enum Change {
         /// The row.
         item: Queued,
     },
-    /// A queued row's text replaced (dedup).
+    /// A queued row's text replaced (dedup). The whole row: a store
+    /// shared by several nodes may no longer hold it (another node ran it
+    /// meanwhile), and then it is queued again.
     Replace {
-        /// The row.
-        id: i64,
-        /// Its new text.
-        text: String,
+        /// The session it prompts.
+        session: SessionId,
+        /// The row, with its new text.
+        item: Queued,
     },
     /// A row evicted over the cap.
     Evict {
@@ -111,8 +113,8 @@ impl Queues {
                 deduplicated: true,
                 evicted: Vec::new(),
                 changes: vec![Change::Replace {
-                    id: item.id,
-                    text: text.to_owned(),
+                    session,
+                    item: item.clone(),
                 }],
             };
         }
@@ -240,8 +242,11 @@ mod tests {
                                 Change::Insert { session, item } => {
                                     prop_assert!(rows.insert(item.id, (session, item)).is_none());
                                 }
-                                Change::Replace { id, text } => {
-                                    rows.get_mut(&id).expect("stored").1.text = text;
+                                Change::Replace { session, item } => {
+                                    let row = rows.get_mut(&item.id).expect("stored");
+                                    prop_assert_eq!(row.0, session);
+                                    prop_assert_eq!(&row.1.task_id, &item.task_id);
+                                    row.1.text = item.text;
                                 }
                                 Change::Evict { id } => {
                                     prop_assert!(rows.remove(&id).is_some());

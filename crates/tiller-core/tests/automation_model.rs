@@ -303,8 +303,8 @@ impl World {
                         self.created.insert(id, Origin::Cron);
                     }
                     // Coalesced into the job's waiting fire: no new work.
-                    FireChange::Refresh { id, .. } => {
-                        assert!(self.created.contains_key(&(id as u32 + CRON)));
+                    FireChange::Refresh { fire, .. } => {
+                        assert!(self.created.contains_key(&(fire.id as u32 + CRON)));
                     }
                 }
                 self.bus.push_back(Msg::Kick);

@@ -55,7 +55,17 @@ impl From<SessionError> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 json!({ "errorKind": "overloaded", "retryable": true, "message": e.to_string() }),
             ),
-            SessionError::Store(e) if e.is_unavailable() => store_unavailable(e.to_string()),
+            SessionError::Store(e) => {
+                tracing::warn!(error = %e, "a request failed in the store");
+                if e.is_unavailable() {
+                    store_unavailable(e.for_client())
+                } else {
+                    ApiError(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        json!({ "errorKind": "internal", "message": e.for_client() }),
+                    )
+                }
+            }
             SessionError::Elsewhere {
                 ref node,
                 ref address,

@@ -181,7 +181,11 @@ async fn metrics(State(st): State<AppState>) -> Response {
         .into_response()
 }
 
-async fn acp_upgrade(State(st): State<AppState>, ws: WebSocketUpgrade) -> Response {
+async fn acp_upgrade(
+    State(st): State<AppState>,
+    headers: axum::http::HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Response {
     let Ok(permit) = st.permits.clone().try_acquire_owned() else {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -192,10 +196,16 @@ async fn acp_upgrade(State(st): State<AppState>, ws: WebSocketUpgrade) -> Respon
     // The transport's limits are ours: nothing larger is ever buffered. A
     // message over them still gets a JSON-RPC error before the close.
     let cap = st.acp.max_message_bytes;
+    let mut acp = st.acp;
+    // A connection another node handed over is never handed on again (a
+    // node advertising a wrong address would start an endless chain).
+    if headers.contains_key(forward::FORWARDED) {
+        acp.forward = None;
+    }
     ws.max_message_size(cap)
         .max_frame_size(cap)
         .on_upgrade(move |socket| async move {
-            serve_ws(socket, st.sessions, st.acp).await;
+            serve_ws(socket, st.sessions, acp).await;
             drop(permit);
         })
 }

@@ -148,6 +148,21 @@ impl Actor for CronActor {
                 poll,
                 inbox,
             } => {
+                // Nodes sharing the store: the session's fires are read
+                // again first (see the notification actor's poll).
+                if st.store.shared_by_nodes() {
+                    match st.store.cron_fires_of(session).await {
+                        Ok(rows) => st.fires.put_back(
+                            session,
+                            (!rows.is_empty()).then(|| rows.into_iter().map(waiting).collect()),
+                        ),
+                        Err(e) => {
+                            tracing::warn!(%session, error = %e, "cannot read the session's cron fires");
+                            inbox.offer(Origin::Cron, poll, None);
+                            return Ok(());
+                        }
+                    }
+                }
                 // The fire stays waiting until the prompt that runs it is
                 // stored; a refused or lost offer needs no hand-back.
                 let work = st.fires.next(session).map(|w| {
@@ -204,18 +219,23 @@ async fn load(
             Err(e) => tracing::error!(job = %job.id, error = %e, "skipping a stored cron job"),
         }
     }
-    let fires = Fires::restore(store.cron_fires().await?.into_iter().map(|f| {
-        (
-            f.session,
-            Waiting {
-                id: f.id,
-                job_id: f.job_id,
-                prompt: f.prompt,
-                fired_ms: f.fired_ms,
-            },
-        )
-    }));
+    let fires = Fires::restore(
+        store
+            .cron_fires()
+            .await?
+            .into_iter()
+            .map(|f| (f.session, waiting(f))),
+    );
     Ok((jobs, fires))
+}
+
+fn waiting(f: CronFire) -> Waiting {
+    Waiting {
+        id: f.id,
+        job_id: f.job_id,
+        prompt: f.prompt,
+        fired_ms: f.fired_ms,
+    }
 }
 
 impl CronState {

@@ -6,17 +6,32 @@ use super::*;
 
 impl Sessions {
     /// Renews this node's leases every `renew_every` (stopping the
-    /// sessions another node took over) and adopts orphaned sessions,
-    /// until shutdown.
+    /// sessions another node took over) and, on a task of its own so a
+    /// slow takeover never delays a renewal, adopts orphaned sessions and
+    /// follows the queues, until shutdown.
     pub(crate) async fn keep_leases(self) {
         let Some(c) = self.cluster.clone() else {
             return;
         };
         let ttl = c.lease_ttl.as_millis() as i64;
+        let tend = {
+            let this = self.clone();
+            let every = c.renew_every;
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    this.adopt_orphans().await;
+                    this.follow_queues().await;
+                }
+            })
+        };
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(c.renew_every) => {}
-                _ = self.stop_leases.notified() => return,
+                _ = self.stop_leases.notified() => {
+                    tend.abort();
+                    return;
+                }
             }
             match self.store.renew_leases(c.node.clone(), ttl).await {
                 Ok(lost) if !lost.is_empty() => {
@@ -29,8 +44,6 @@ impl Sessions {
                     tracing::warn!(error = %e, "cannot renew this node's leases");
                 }
             }
-            self.adopt_orphans().await;
-            self.follow_queues().await;
         }
     }
 

@@ -47,21 +47,17 @@ pub struct NotifyActor;
 /// The queues the store holds.
 async fn load(store: &Store, cap: usize) -> Result<Queues, StoreError> {
     let rows = store.notifications().await?;
-    let queues = Queues::restore(
-        cap,
-        rows.into_iter().map(|n| {
-            (
-                n.session,
-                Queued {
-                    id: n.id,
-                    task_id: n.task_id,
-                    text: n.text,
-                    created_ms: n.created_ms,
-                },
-            )
-        }),
-    );
+    let queues = Queues::restore(cap, rows.into_iter().map(|n| (n.session, queued(n))));
     Ok(queues)
+}
+
+fn queued(n: Notification) -> Queued {
+    Queued {
+        id: n.id,
+        task_id: n.task_id,
+        text: n.text,
+        created_ms: n.created_ms,
+    }
 }
 
 /// The actor's state.
@@ -142,6 +138,23 @@ impl Actor for NotifyActor {
                 poll,
                 inbox,
             } => {
+                // Nodes sharing the store: what is queued for the session
+                // is read again first (the node that served it before may
+                // have run some, or queued more); this node holds its
+                // lease, so nobody else consumes its rows meanwhile.
+                if st.store.shared_by_nodes() {
+                    match st.store.notifications_of(session).await {
+                        Ok(rows) => st.queues.put_back(
+                            session,
+                            (!rows.is_empty()).then(|| rows.into_iter().map(queued).collect()),
+                        ),
+                        Err(e) => {
+                            tracing::warn!(%session, error = %e, "cannot read the session's notifications");
+                            inbox.offer(Origin::Notification, poll, None);
+                            return Ok(());
+                        }
+                    }
+                }
                 let work = st.queues.next(session).map(|q| {
                     Work::Notification(Notification {
                         id: q.id,

@@ -39,9 +39,11 @@ pub enum RegistryMsg {
     /// Queued work may wait for these sessions: the live ones poll their
     /// queues (the others are not served here).
     Kick(Vec<SessionId>),
-    /// Another node took these sessions over: their actors stop at once,
-    /// settling nothing (the new owner settles what was in flight).
-    LeasesLost(Vec<SessionId>),
+    /// Another node took these sessions over (the leases this node held
+    /// at these fences): their actors stop at once, settling nothing (the
+    /// new owner settles what was in flight). An actor started since on a
+    /// newer lease of the same session is not one of them.
+    LeasesLost(Vec<(SessionId, i64)>),
     /// Cancel every running turn and wait (bounded) until all are idle.
     Shutdown(oneshot::Sender<()>),
 }
@@ -65,6 +67,8 @@ pub struct RegistryState {
     config: Arc<SessionConfig>,
     /// Live sessions.
     live: HashMap<SessionId, ActorRef<SessionMsg>>,
+    /// The fence of the lease each live session runs on (a cluster).
+    fences: HashMap<SessionId, i64>,
     /// Reverse map for supervision events.
     by_actor: HashMap<ActorId, SessionId>,
     /// Failed sessions whose prompts could not be settled yet (the store
@@ -96,6 +100,7 @@ impl Actor for Registry {
             engines: args.engines,
             config: args.config,
             live: HashMap::new(),
+            fences: HashMap::new(),
             by_actor: HashMap::new(),
             unreconciled: HashMap::new(),
             deleting: Default::default(),
@@ -138,7 +143,11 @@ impl Actor for Registry {
                 }
             }
             RegistryMsg::LeasesLost(ids) => {
-                for id in ids {
+                for (id, fence) in ids {
+                    if st.fences.get(&id) != Some(&fence) {
+                        continue; // it runs on a newer lease
+                    }
+                    st.fences.remove(&id);
                     if let Some(actor) = st.live.remove(&id) {
                         tracing::warn!(%id, "another node took this session over; it stops here");
                         st.by_actor.remove(&actor.get_id());
@@ -219,6 +228,7 @@ impl RegistryState {
     fn forget(&mut self, actor: ActorId) -> Option<SessionId> {
         let id = self.by_actor.remove(&actor)?;
         self.live.remove(&id);
+        self.fences.remove(&id);
         metrics::gauge!("tiller_sessions_active").set(self.live.len() as f64);
         Some(id)
     }
@@ -239,16 +249,19 @@ impl RegistryState {
     /// Makes this node the session's owner (when the store is shared) and
     /// settles what was left in flight: by a failed actor here (its
     /// recorded kind), by this node's earlier run (`daemon_restarted`) or
-    /// by another node that went away (`node_lost`).
-    async fn take(&mut self, id: SessionId) -> Result<(), SessionError> {
+    /// by another node that went away (`node_lost`). The answer is the
+    /// lease's fence (a cluster); on an error the lease is let go.
+    async fn take(&mut self, id: SessionId) -> Result<Option<i64>, SessionError> {
         use tiller_core::ErrorKind;
         let hint = self.unreconciled.get(&id).copied();
+        let mut fence = None;
         let kind = match &self.cluster {
             None => hint,
             Some(c) => {
                 let ttl = c.lease_ttl.as_millis() as i64;
                 match self.store.acquire_lease(id, c.node.clone(), ttl).await? {
-                    tiller_store::Lease::Acquired { previous, .. } => {
+                    tiller_store::Lease::Acquired { previous, fence: f } => {
+                        fence = Some(f);
                         Some(hint.unwrap_or(match previous {
                             Some(p) if p != c.node => {
                                 metrics::counter!("tiller_sessions_taken_over_total").increment(1);
@@ -264,13 +277,21 @@ impl RegistryState {
             }
         };
         if let Some(kind) = kind {
-            let n = crate::reconcile(&self.store, Some(id), kind).await?;
-            if n > 0 {
-                tracing::warn!(%id, prompts = n, kind = kind.as_str(), "settled prompts left in flight");
+            match crate::reconcile(&self.store, Some(id), kind).await {
+                Ok(n) if n > 0 => {
+                    tracing::warn!(%id, prompts = n, kind = kind.as_str(), "settled prompts left in flight");
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    // Settled by whoever takes it next, as this kind.
+                    self.unreconciled.insert(id, kind);
+                    self.release(id).await;
+                    return Err(e);
+                }
             }
             self.unreconciled.remove(&id);
         }
-        Ok(())
+        Ok(fence)
     }
 
     async fn spawn(
@@ -347,24 +368,49 @@ impl RegistryState {
             )
             .await?;
         metrics::counter!("tiller_sessions_created_total").increment(1);
+        let mut fence = None;
         if let Some(c) = &self.cluster {
             let ttl = c.lease_ttl.as_millis() as i64;
-            if let tiller_store::Lease::Held { node, .. } =
-                self.store.acquire_lease(id, c.node.clone(), ttl).await?
-            {
-                return Err(SessionError::Internal(format!(
-                    "node {node} holds the lease of session {id}, which was just created"
-                )));
+            match self.store.acquire_lease(id, c.node.clone(), ttl).await? {
+                tiller_store::Lease::Acquired { fence: f, .. } => fence = Some(f),
+                tiller_store::Lease::Held { node, .. } => {
+                    return Err(SessionError::Internal(format!(
+                        "node {node} holds the lease of session {id}, which was just created"
+                    )));
+                }
             }
         }
         let extras = SessionExtras {
             engine: Some(engine_name),
             ..SessionExtras::default()
         };
-        let actor = self
+        let spawned = self
             .spawn(myself, id, LogHead::default(), (cwd, given), extras)
-            .await?;
+            .await;
+        let actor = self.running(id, fence, spawned).await?;
         Ok((id, actor))
+    }
+
+    /// A session's actor started on the lease at `fence` (a cluster), or
+    /// could not start: then its lease is let go at once, so it does not
+    /// sit on a session no node serves until it expires.
+    async fn running(
+        &mut self,
+        id: SessionId,
+        fence: Option<i64>,
+        spawned: Result<ActorRef<SessionMsg>, SessionError>,
+    ) -> Result<ActorRef<SessionMsg>, SessionError> {
+        match (spawned, fence) {
+            (Ok(actor), Some(f)) => {
+                self.fences.insert(id, f);
+                Ok(actor)
+            }
+            (Ok(actor), None) => Ok(actor),
+            (Err(e), _) => {
+                self.release(id).await;
+                Err(e)
+            }
+        }
     }
 
     async fn open(
@@ -378,14 +424,21 @@ impl RegistryState {
         if let Some(actor) = self.live.get(&id) {
             return Ok(actor.clone());
         }
+        if self.live.len() >= self.config.max_sessions {
+            return Err(SessionError::TooManySessions(self.config.max_sessions));
+        }
         match self.store.get_session(id).await? {
             Some((rec, _)) if !rec.closed => {
-                self.take(id).await?;
-                // A failed actor may have left its log refusing appends.
-                let head = self.store.reopen_log(id).await?;
-                let extras = self.store.load_state(id).await?;
-                self.spawn(myself, id, head, (rec.cwd, rec.title), extras)
-                    .await
+                let fence = self.take(id).await?;
+                let spawned = async {
+                    // A failed actor may have left its log refusing appends.
+                    let head = self.store.reopen_log(id).await?;
+                    let extras = self.store.load_state(id).await?;
+                    self.spawn(myself, id, head, (rec.cwd, rec.title), extras)
+                        .await
+                }
+                .await;
+                self.running(id, fence, spawned).await
             }
             _ => Err(SessionError::Unknown(id)),
         }

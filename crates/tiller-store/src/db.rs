@@ -44,7 +44,8 @@ pub(crate) trait Db: Send {
     -> R<Vec<StoredEvent>>;
     fn unsettled(&mut self) -> R<Vec<Unsettled>>;
     fn notification_changes(&mut self, changes: &[tiller_core::notify::Change]) -> R<()>;
-    fn notifications(&mut self) -> R<Vec<Notification>>;
+    /// Every queued notification, or `only` one session's.
+    fn notifications(&mut self, only: Option<SessionId>) -> R<Vec<Notification>>;
     fn notification_backlog(&mut self) -> R<(Vec<SessionId>, usize)>;
     fn cron_add(&mut self, job: &CronJob) -> R<()>;
     fn cron_list(&mut self) -> R<Vec<CronJob>>;
@@ -57,7 +58,8 @@ pub(crate) trait Db: Send {
         job_id: &str,
         from_to: (i64, i64),
     ) -> R<()>;
-    fn cron_fires(&mut self) -> R<Vec<CronFire>>;
+    /// Every waiting fire, or `only` one session's.
+    fn cron_fires(&mut self, only: Option<SessionId>) -> R<Vec<CronFire>>;
     fn cron_backlog(&mut self) -> R<Vec<SessionId>>;
     fn goal_get(&mut self, session: SessionId) -> R<Option<GoalRow>>;
     fn goal_put(&mut self, goal: &GoalRow) -> R<()>;
@@ -94,8 +96,9 @@ pub(crate) trait Db: Send {
         })
     }
     /// Renews every lease this node holds; the answer is the sessions
-    /// whose lease another node took meanwhile (dropped from those held).
-    fn renew_leases(&mut self, _node: &str, _ttl_ms: i64) -> R<Vec<SessionId>> {
+    /// whose lease another node took meanwhile (dropped from those held),
+    /// with the fence this node held.
+    fn renew_leases(&mut self, _node: &str, _ttl_ms: i64) -> R<Vec<(SessionId, i64)>> {
         Ok(Vec::new())
     }
     /// Lets go of leases (all of the node's when `only` is `None`) and,
@@ -180,8 +183,8 @@ impl Db for rusqlite::Connection {
     fn notification_changes(&mut self, changes: &[tiller_core::notify::Change]) -> R<()> {
         Ok(queues::notification_changes(self, changes)?)
     }
-    fn notifications(&mut self) -> R<Vec<Notification>> {
-        Ok(queues::notifications(self)?)
+    fn notifications(&mut self, only: Option<SessionId>) -> R<Vec<Notification>> {
+        Ok(queues::notifications(self, only)?)
     }
     fn notification_backlog(&mut self) -> R<(Vec<SessionId>, usize)> {
         Ok(queues::notification_backlog(self)?)
@@ -206,8 +209,8 @@ impl Db for rusqlite::Connection {
             false => Err(StoreError::AlreadyClaimed),
         }
     }
-    fn cron_fires(&mut self) -> R<Vec<CronFire>> {
-        Ok(queues::cron_fires(self)?)
+    fn cron_fires(&mut self, only: Option<SessionId>) -> R<Vec<CronFire>> {
+        Ok(queues::cron_fires(self, only)?)
     }
     fn cron_backlog(&mut self) -> R<Vec<SessionId>> {
         Ok(queues::session_ids(self, queues::CRON_BACKLOG)?)

@@ -125,6 +125,38 @@ impl StoreError {
     }
 }
 
+impl StoreError {
+    /// What a client is told: the database's own words (names of tables,
+    /// values, the server's host) stay in the daemon's log; a client gets
+    /// what happened and the SQLSTATE or SQLite code to quote.
+    pub fn for_client(&self) -> String {
+        match self {
+            StoreError::Pg(e) => match e.as_db_error() {
+                Some(d) => format!(
+                    "the database refused the operation (SQLSTATE {}); the daemon's log has the details",
+                    d.code().code()
+                ),
+                None if self.is_unavailable() => {
+                    "the connection to PostgreSQL failed; retry shortly".to_owned()
+                }
+                None => {
+                    "the database operation failed; the daemon's log has the details".to_owned()
+                }
+            },
+            StoreError::Sql(e) => match e.sqlite_error_code() {
+                Some(code) => format!(
+                    "the database refused the operation ({code:?}); the daemon's log has the details"
+                ),
+                None => {
+                    "the database operation failed; the daemon's log has the details".to_owned()
+                }
+            },
+            StoreError::Append(e) => format!("cannot append to the log: {}", e.for_client()),
+            other => other.to_string(),
+        }
+    }
+}
+
 /// The server's own message when there is one (`db error` alone says
 /// nothing), else the client's.
 fn pg_message(e: &postgres::Error) -> String {

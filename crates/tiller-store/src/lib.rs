@@ -37,6 +37,11 @@ use tokio::sync::oneshot;
 
 pub use error::StoreError;
 
+/// How long a node that took a due webhook delivery keeps it from the
+/// others (a store shared by a cluster): its attempt ends long before,
+/// and if the node dies meanwhile another one retries it after this.
+pub const DELIVERY_HOLD_MS: i64 = 120_000;
+
 /// `PRAGMA integrity_check` of the store at `path`, opened read-only and
 /// apart from any daemon (a running daemon holds the file exclusively:
 /// that is [`StoreError::is_unavailable`]). `Ok` holds SQLite's findings,
@@ -295,6 +300,12 @@ impl Store {
         self.call(|c| Ok(c.clustered())).await
     }
 
+    /// Whether several nodes share this store (known once it is open):
+    /// what one node holds in memory of the queues may then be stale.
+    pub fn shared_by_nodes(&self) -> bool {
+        self.shared.clustered.load(Ordering::Relaxed)
+    }
+
     /// A queue id no other node uses, when the store is shared (`None`
     /// on SQLite without asking the store thread: one daemon numbers its
     /// own rows).
@@ -326,12 +337,13 @@ impl Store {
     }
 
     /// Renews the node's heartbeat and every lease it holds; the answer
-    /// is the sessions it lost (another node took them over).
+    /// is the sessions it lost (another node took them over, or deleted
+    /// them), each with the fence this node held.
     pub async fn renew_leases(
         &self,
         node: String,
         ttl_ms: i64,
-    ) -> Result<Vec<SessionId>, StoreError> {
+    ) -> Result<Vec<(SessionId, i64)>, StoreError> {
         self.call(move |c| c.renew_leases(&node, ttl_ms)).await
     }
 
@@ -623,7 +635,15 @@ impl Store {
 
     /// Every queued notification, oldest first.
     pub async fn notifications(&self) -> Result<Vec<Notification>, StoreError> {
-        self.call(|c| c.notifications()).await
+        self.call(|c| c.notifications(None)).await
+    }
+
+    /// One session's queued notifications, oldest first.
+    pub async fn notifications_of(
+        &self,
+        session: SessionId,
+    ) -> Result<Vec<Notification>, StoreError> {
+        self.call(move |c| c.notifications(Some(session))).await
     }
 
     /// Sessions that have queued notifications, and how many are queued.
@@ -663,7 +683,12 @@ impl Store {
 
     /// Every waiting fire, oldest first.
     pub async fn cron_fires(&self) -> Result<Vec<CronFire>, StoreError> {
-        self.call(|c| c.cron_fires()).await
+        self.call(|c| c.cron_fires(None)).await
+    }
+
+    /// One session's waiting fires, oldest first.
+    pub async fn cron_fires_of(&self, session: SessionId) -> Result<Vec<CronFire>, StoreError> {
+        self.call(move |c| c.cron_fires(Some(session))).await
     }
 
     /// Sessions with waiting fires.
@@ -691,7 +716,10 @@ impl Store {
         self.call(|c| c.goals_active()).await
     }
 
-    /// Deliveries due at `now_ms`, oldest first.
+    /// Deliveries due at `now_ms`, oldest first. On a store shared by a
+    /// cluster they are taken: no other node sees them for
+    /// [`DELIVERY_HOLD_MS`] (or until [`Store::delivery_done`]). One
+    /// daemon on SQLite keeps track of its attempts itself.
     pub async fn deliveries_due(&self, now_ms: i64) -> Result<Vec<Delivery>, StoreError> {
         self.call(move |c| c.deliveries_due(now_ms)).await
     }

@@ -220,10 +220,17 @@ impl PgDb {
     }
 }
 
+/// How long a transaction may sit idle (its client stalled) before the
+/// server ends it and releases its locks: well under any lease.
+const STALL_BOUND_MS: u64 = 1_500;
+/// The longest a statement waits for a lock (a stalled holder's is
+/// released after `STALL_BOUND_MS`).
+const LOCK_BOUND_MS: u64 = 10_000;
+
 /// Connects and selects the schema. Several daemons (nodes) may share
 /// it: who writes a session's log is decided by its lease (see
 /// `acquire_lease`), not by the connection.
-fn open(url: &str, schema: &str) -> R<Client> {
+pub(crate) fn open(url: &str, schema: &str) -> R<Client> {
     let mut cfg: postgres::Config = url.parse()?;
     // A server that vanished (no FIN) must not hold the store thread for
     // the kernel's retransmission limit: bounded connects, keepalives.
@@ -238,8 +245,15 @@ fn open(url: &str, schema: &str) -> R<Client> {
         cfg.keepalives_idle(std::time::Duration::from_secs(30));
     }
     let mut client = cfg.connect(NoTls).map_err(StoreError::Pg)?;
+    // A node that stalls inside a transaction (paused, or cut off) would
+    // hold the locks its write took (a lease row's, see `check_fence`)
+    // and freeze every node that takes a lease: the server ends such a
+    // transaction after a moment (this store never waits on anything
+    // else inside one), and no statement waits on a lock for long.
     client.batch_execute(&format!(
-        "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema};"
+        "CREATE SCHEMA IF NOT EXISTS {schema}; SET search_path TO {schema};
+         SET idle_in_transaction_session_timeout = {STALL_BOUND_MS};
+         SET lock_timeout = {LOCK_BOUND_MS};"
     ))?;
     Ok(client)
 }
@@ -248,7 +262,8 @@ fn open(url: &str, schema: &str) -> R<Client> {
 /// does not hold (a newer owner took it over). The row stays share-locked
 /// until the transaction ends, so a takeover waits for this write and
 /// then sees it. A session without a lease row (one daemon, or a store
-/// used without a cluster) is anyone's.
+/// used without a cluster) is anyone's, unless this node held it: then
+/// the row went with the session, deleted by the node that took it over.
 fn check_fence(
     tx: &mut impl GenericClient,
     stmts: &mut HashMap<&'static str, Statement>,
@@ -261,10 +276,13 @@ fn check_fence(
         "SELECT fence FROM leases WHERE session_id = $1 FOR SHARE",
     )?;
     let id = session.to_string();
-    match tx.query_opt(&q, &[&id])? {
-        Some(row) if held.get(&id) != Some(&row.get::<_, i64>(0)) => {
+    match (tx.query_opt(&q, &[&id])?, held.contains_key(&id)) {
+        (Some(row), _) if held.get(&id) != Some(&row.get::<_, i64>(0)) => {
             Err(StoreError::Fenced(session))
         }
+        // Held here, and its row went with the session (deleted by the
+        // node that took it over).
+        (None, true) => Err(StoreError::Fenced(session)),
         _ => Ok(()),
     }
 }
@@ -655,6 +673,7 @@ impl Db for PgDb {
         tx.execute("DELETE FROM leases WHERE session_id = $1", &[&id])?;
         let n = tx.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
         tx.commit()?;
+        self.held.remove(&id);
         Ok(n > 0)
     }
 
@@ -777,10 +796,13 @@ impl Db for PgDb {
         let mut tx = self.client()?.transaction()?;
         for c in changes {
             match c {
-                Change::Insert { session, item } => {
+                // A replaced row may be gone (another node ran it): queued
+                // again. One that another node queued meanwhile is updated.
+                Change::Insert { session, item } | Change::Replace { session, item } => {
                     tx.execute(
                         "INSERT INTO notifications (n, session_id, task_id, text, created_ms)
-                         VALUES ($1, $2, $3, $4, $5)",
+                         VALUES ($1, $2, $3, $4, $5)
+                         ON CONFLICT (session_id, task_id) DO UPDATE SET text = excluded.text",
                         &[
                             &item.id,
                             &session.to_string(),
@@ -788,12 +810,6 @@ impl Db for PgDb {
                             &item.text,
                             &item.created_ms,
                         ],
-                    )?;
-                }
-                Change::Replace { id, text } => {
-                    tx.execute(
-                        "UPDATE notifications SET text = $2 WHERE n = $1",
-                        &[id, text],
                     )?;
                 }
                 Change::Evict { id } => {
@@ -805,10 +821,11 @@ impl Db for PgDb {
         Ok(())
     }
 
-    fn notifications(&mut self) -> R<Vec<Notification>> {
+    fn notifications(&mut self, only: Option<SessionId>) -> R<Vec<Notification>> {
         let rows = self.client()?.query(
-            "SELECT n, session_id, task_id, text, created_ms FROM notifications ORDER BY n",
-            &[],
+            "SELECT n, session_id, task_id, text, created_ms FROM notifications
+             WHERE $1::TEXT IS NULL OR session_id = $1 ORDER BY n",
+            &[&only.map(|s| s.to_string())],
         )?;
         Ok(rows
             .iter()
@@ -897,39 +914,30 @@ impl Db for PgDb {
         if moved != 1 {
             return Err(StoreError::AlreadyClaimed);
         }
-        match change {
-            FireChange::Insert { session, fire } => {
-                tx.execute(
-                    "INSERT INTO cron_fires (n, job_id, session_id, prompt, fired_ms)
-                     VALUES ($1, $2, $3, $4, $5)",
-                    &[
-                        &fire.id,
-                        &fire.job_id,
-                        &session.to_string(),
-                        &fire.prompt,
-                        &fire.fired_ms,
-                    ],
-                )?;
-            }
-            FireChange::Refresh {
-                id,
-                prompt,
-                fired_ms,
-            } => {
-                tx.execute(
-                    "UPDATE cron_fires SET prompt = $2, fired_ms = $3 WHERE n = $1",
-                    &[id, prompt, fired_ms],
-                )?;
-            }
-        }
+        // A refreshed fire may be gone (another node ran it): it waits
+        // again. One another node recorded meanwhile is refreshed.
+        let (FireChange::Insert { session, fire } | FireChange::Refresh { session, fire }) = change;
+        tx.execute(
+            "INSERT INTO cron_fires (n, job_id, session_id, prompt, fired_ms)
+             VALUES ($1, $2, $3, $4, $5)
+             ON CONFLICT (job_id) DO UPDATE SET prompt = excluded.prompt, fired_ms = excluded.fired_ms",
+            &[
+                &fire.id,
+                &fire.job_id,
+                &session.to_string(),
+                &fire.prompt,
+                &fire.fired_ms,
+            ],
+        )?;
         tx.commit()?;
         Ok(())
     }
 
-    fn cron_fires(&mut self) -> R<Vec<CronFire>> {
+    fn cron_fires(&mut self, only: Option<SessionId>) -> R<Vec<CronFire>> {
         let rows = self.client()?.query(
-            "SELECT n, session_id, job_id, prompt, fired_ms FROM cron_fires ORDER BY n",
-            &[],
+            "SELECT n, session_id, job_id, prompt, fired_ms FROM cron_fires
+             WHERE $1::TEXT IS NULL OR session_id = $1 ORDER BY n",
+            &[&only.map(|s| s.to_string())],
         )?;
         Ok(rows
             .iter()
@@ -1005,12 +1013,19 @@ impl Db for PgDb {
     }
 
     fn deliveries_due(&mut self, now_ms: i64) -> R<Vec<Delivery>> {
+        // Taken, not just read: held from the other nodes for a while (the
+        // attempt's outcome then sets the row's next time); rows another
+        // node is taking right now are skipped, not waited for.
         let rows = self.client()?.query(
-            "SELECT id, url, session_id, prompt_id, text, stop_reason, attempts, next_at_ms
-             FROM deliveries WHERE next_at_ms <= $1 ORDER BY id LIMIT 100",
-            &[&now_ms],
+            "UPDATE deliveries d SET next_at_ms = $2
+             FROM (SELECT id FROM deliveries WHERE next_at_ms <= $1
+                   ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED) due
+             WHERE d.id = due.id
+             RETURNING d.id, d.url, d.session_id, d.prompt_id, d.text, d.stop_reason,
+                 d.attempts, d.next_at_ms",
+            &[&now_ms, &now_ms.saturating_add(crate::DELIVERY_HOLD_MS)],
         )?;
-        Ok(rows
+        let mut due: Vec<Delivery> = rows
             .iter()
             .filter_map(|r| {
                 Some(Delivery {
@@ -1024,7 +1039,9 @@ impl Db for PgDb {
                     next_at_ms: r.get(7),
                 })
             })
-            .collect())
+            .collect();
+        due.sort_by_key(|d| d.id);
+        Ok(due)
     }
 
     fn ping(&mut self) -> R<()> {
@@ -1124,7 +1141,7 @@ impl Db for PgDb {
         }
     }
 
-    fn renew_leases(&mut self, node: &str, ttl_ms: i64) -> R<Vec<SessionId>> {
+    fn renew_leases(&mut self, node: &str, ttl_ms: i64) -> R<Vec<(SessionId, i64)>> {
         self.client()?;
         let PgDb {
             client,
@@ -1161,9 +1178,9 @@ impl Db for PgDb {
             .filter(|(s, f)| held.get(s) == Some(f))
             .collect();
         let lost = held
-            .keys()
-            .filter(|s| !still.contains_key(*s))
-            .filter_map(|s| SessionId::parse(s))
+            .iter()
+            .filter(|(s, _)| !still.contains_key(*s))
+            .filter_map(|(s, f)| Some((SessionId::parse(s)?, *f)))
             .collect();
         *held = still;
         Ok(lost)

@@ -17,10 +17,12 @@ pub(crate) fn notification_changes(
     let tx = conn.transaction()?;
     for c in changes {
         match c {
-            Change::Insert { session, item } => {
+            // A replaced row may be gone (run meanwhile): queued again.
+            Change::Insert { session, item } | Change::Replace { session, item } => {
                 tx.execute(
                     "INSERT INTO notifications (n, session_id, task_id, text, created_ms)
-                     VALUES (?1, ?2, ?3, ?4, ?5)",
+                     VALUES (?1, ?2, ?3, ?4, ?5)
+                     ON CONFLICT (session_id, task_id) DO UPDATE SET text = excluded.text",
                     params![
                         item.id,
                         session.to_string(),
@@ -28,12 +30,6 @@ pub(crate) fn notification_changes(
                         item.text,
                         item.created_ms
                     ],
-                )?;
-            }
-            Change::Replace { id, text } => {
-                tx.execute(
-                    "UPDATE notifications SET text = ?2 WHERE n = ?1",
-                    params![id, text],
                 )?;
             }
             Change::Evict { id } => {
@@ -44,11 +40,17 @@ pub(crate) fn notification_changes(
     tx.commit()
 }
 
-/// Every queued notification (the core is rebuilt from them at start).
-pub(crate) fn notifications(conn: &Connection) -> rusqlite::Result<Vec<Notification>> {
+/// Every queued notification (the core is rebuilt from them at start),
+/// or `only` one session's.
+pub(crate) fn notifications(
+    conn: &Connection,
+    only: Option<SessionId>,
+) -> rusqlite::Result<Vec<Notification>> {
     queue_rows(
         conn,
-        "SELECT n, session_id, task_id, text, created_ms FROM notifications ORDER BY n",
+        "SELECT n, session_id, task_id, text, created_ms FROM notifications
+         WHERE ?1 IS NULL OR session_id = ?1 ORDER BY n",
+        only,
         |id, session, task_id, text, created_ms| Notification {
             id,
             session,
@@ -65,10 +67,11 @@ pub(crate) fn notifications(conn: &Connection) -> rusqlite::Result<Vec<Notificat
 fn queue_rows<T>(
     conn: &Connection,
     sql: &str,
+    only: Option<SessionId>,
     make: impl Fn(i64, SessionId, String, String, i64) -> T,
 ) -> rusqlite::Result<Vec<T>> {
-    let mut stmt = conn.prepare(sql)?;
-    let rows = stmt.query_map([], |r| {
+    let mut stmt = conn.prepare_cached(sql)?;
+    let rows = stmt.query_map([only.map(|s| s.to_string())], |r| {
         Ok((
             r.get::<_, i64>(0)?,
             r.get::<_, String>(1)?,
@@ -135,33 +138,27 @@ pub(crate) fn cron_fire(
     if moved != 1 {
         return Ok(false);
     }
-    match change {
-        FireChange::Insert { session, fire } => {
-            tx.execute(
-                "INSERT INTO cron_fires (n, job_id, session_id, prompt, fired_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![fire.id, fire.job_id, session.to_string(), fire.prompt, fire.fired_ms],
-            )?;
-        }
-        FireChange::Refresh {
-            id,
-            prompt,
-            fired_ms,
-        } => {
-            tx.execute(
-                "UPDATE cron_fires SET prompt = ?2, fired_ms = ?3 WHERE n = ?1",
-                params![id, prompt, fired_ms],
-            )?;
-        }
-    }
+    // A refreshed fire may be gone (run meanwhile): it waits again.
+    let (FireChange::Insert { session, fire } | FireChange::Refresh { session, fire }) = change;
+    tx.execute(
+        "INSERT INTO cron_fires (n, job_id, session_id, prompt, fired_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT (job_id) DO UPDATE SET prompt = excluded.prompt, fired_ms = excluded.fired_ms",
+        params![fire.id, fire.job_id, session.to_string(), fire.prompt, fire.fired_ms],
+    )?;
     tx.commit()?;
     Ok(true)
 }
 
 /// Every waiting fire (the cron core is rebuilt from them at start).
-pub(crate) fn cron_fires(conn: &Connection) -> rusqlite::Result<Vec<CronFire>> {
+pub(crate) fn cron_fires(
+    conn: &Connection,
+    only: Option<SessionId>,
+) -> rusqlite::Result<Vec<CronFire>> {
     queue_rows(
         conn,
-        "SELECT n, session_id, job_id, prompt, fired_ms FROM cron_fires ORDER BY n",
+        "SELECT n, session_id, job_id, prompt, fired_ms FROM cron_fires
+         WHERE ?1 IS NULL OR session_id = ?1 ORDER BY n",
+        only,
         |id, session, job_id, prompt, fired_ms| CronFire {
             id,
             job_id,

@@ -10,16 +10,19 @@ use std::path::Path;
 /// so opening the same path again opens the same data.
 pub(crate) fn open_store(path: &Path) -> Result<crate::Store, crate::StoreError> {
     match std::env::var("TILLER_TEST_POSTGRES_URL") {
-        Ok(url) if !url.is_empty() => {
-            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-            for b in path.as_os_str().as_encoded_bytes() {
-                h ^= u64::from(*b);
-                h = h.wrapping_mul(0x0100_0000_01b3);
-            }
-            crate::Store::open_postgres(&url, &format!("t_{h:016x}"))
-        }
+        Ok(url) if !url.is_empty() => crate::Store::open_postgres(&url, &pg_schema(path)),
         _ => crate::Store::open(path),
     }
+}
+
+/// The PostgreSQL schema a test's store path stands for.
+pub(crate) fn pg_schema(path: &Path) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in path.as_os_str().as_encoded_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("t_{h:016x}")
 }
 
 mod basics {
@@ -1014,7 +1017,10 @@ mod cluster {
             a.save_state(s.id, StateColumn::Settings, "{}".into()).await,
             Err(StoreError::Fenced(_))
         ));
-        assert_eq!(a.renew_leases("a".into(), 300).await.unwrap(), vec![s.id]);
+        assert_eq!(
+            a.renew_leases("a".into(), 300).await.unwrap(),
+            vec![(s.id, f1)]
+        );
         assert_eq!(a.renew_leases("a".into(), 300).await.unwrap(), vec![]);
         // b continues from what was stored.
         let head = b.reopen_log(s.id).await.unwrap();
@@ -1044,6 +1050,123 @@ mod cluster {
         let status = b.cluster_status().await.unwrap();
         let by: Vec<(&str, i64)> = status.iter().map(|n| (n.id.as_str(), n.leases)).collect();
         assert_eq!(by, vec![("a", 1), ("b", 0)]);
+    }
+
+    /// A node stalled inside a transaction (paused, or cut off from the
+    /// store) holds the lock its write took on a lease row; the server
+    /// ends that transaction, so the other nodes go on taking the lease
+    /// instead of freezing behind it, and the stalled write never lands.
+    #[tokio::test]
+    async fn a_stalled_transaction_does_not_freeze_the_others() {
+        let (dir, a, b) = two_nodes();
+        let path = dir.path().join("t.db");
+        let s = rec();
+        a.create_session(s.clone()).await.unwrap();
+        let url = match std::env::var("TILLER_TEST_POSTGRES_URL") {
+            Ok(url) if !url.is_empty() => url,
+            _ => {
+                // One daemon per SQLite file: there is nobody to stall.
+                assert!(!b.clustered().await.unwrap());
+                return;
+            }
+        };
+        assert!(matches!(
+            a.acquire_lease(s.id, "a".into(), 1).await.unwrap(),
+            Lease::Acquired { .. }
+        ));
+        // a's connection, as the store makes it, in the middle of a write
+        // (the fence checked, the row share-locked), and then it stalls.
+        let (locked, go_on) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+        let schema = super::pg_schema(&path);
+        let id = s.id.to_string();
+        let stalled = std::thread::spawn(move || {
+            let mut c = pg::open(&url, &schema).unwrap();
+            let mut tx = c.transaction().unwrap();
+            tx.query_one(
+                "SELECT fence FROM leases WHERE session_id = $1 FOR SHARE",
+                &[&id],
+            )
+            .unwrap();
+            locked.0.send(()).unwrap();
+            let _ = go_on.1.recv_timeout(std::time::Duration::from_secs(60));
+            tx.execute("UPDATE sessions SET title = 'stale' WHERE id = $1", &[&id])
+                .and_then(|_| tx.commit())
+        });
+        locked.1.recv().unwrap();
+        let took = tokio::time::timeout(
+            std::time::Duration::from_secs(20),
+            b.acquire_lease(s.id, "b".into(), 60_000),
+        )
+        .await;
+        let _ = go_on.0.send(());
+        assert!(
+            matches!(took, Ok(Ok(Lease::Acquired { .. }))),
+            "the lease could not be taken past a stalled node: {took:?}"
+        );
+        assert!(stalled.join().unwrap().is_err(), "the stalled write landed");
+        let (rec, _) = b.get_session(s.id).await.unwrap().unwrap();
+        assert_eq!(rec.title, None);
+    }
+
+    /// A webhook delivery is attempted by one node at a time; if that
+    /// node dies mid-attempt another one retries it after a while.
+    #[tokio::test]
+    async fn a_delivery_is_attempted_by_one_node_at_a_time() {
+        let (_dir, a, b) = two_nodes();
+        let (s, p) = (SessionId::new(), PromptId::new());
+        let settle = Some(LedgerOp::Settle {
+            prompt: p,
+            delivery: Some(Delivery {
+                id: 0,
+                url: "https://example.invalid/hook".into(),
+                session: s,
+                prompt: p,
+                text: "final".into(),
+                stop_reason: "end_turn".into(),
+                attempts: 0,
+                next_at_ms: 7,
+            }),
+        });
+        a.append_durable(ev(s, 1, "end"), settle).await.unwrap();
+        assert_eq!(a.deliveries_due(1_000).await.unwrap().len(), 1);
+        let second = b.deliveries_due(1_000).await.unwrap();
+        if a_cluster() {
+            assert_eq!(second, vec![], "two nodes attempt the same delivery");
+            let later = b
+                .deliveries_due(1_000 + DELIVERY_HOLD_MS + 1)
+                .await
+                .unwrap();
+            assert_eq!(later.len(), 1, "a delivery held by a dead node stays stuck");
+        } else {
+            // One daemon: its worker keeps track of what is under way.
+            assert_eq!(second.len(), 1);
+        }
+    }
+
+    /// A session its new owner deleted refuses the old owner's writes as
+    /// a live one does (the lease row went with the session).
+    #[tokio::test]
+    async fn a_deleted_session_refuses_its_old_owners_writes() {
+        let (_dir, a, b) = two_nodes();
+        let s = rec();
+        a.create_session(s.clone()).await.unwrap();
+        if !a_cluster() {
+            assert!(!a.clustered().await.unwrap());
+            return;
+        }
+        assert!(matches!(
+            a.acquire_lease(s.id, "a".into(), 1).await.unwrap(),
+            Lease::Acquired { .. }
+        ));
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(matches!(
+            b.acquire_lease(s.id, "b".into(), 60_000).await.unwrap(),
+            Lease::Acquired { .. }
+        ));
+        assert!(b.delete_session(s.id).await.unwrap());
+        let e = a.append_durable(ev(s.id, 1, "a"), None).await.unwrap_err();
+        assert_eq!(e.fenced(), Some(s.id), "{e:?}");
+        assert!(b.events_after(s.id, 0, 10).await.unwrap().is_empty());
     }
 
     /// Two nodes offering the same queued notification: the first start
@@ -1079,6 +1202,143 @@ mod cluster {
         } else {
             // One daemon: its queue actor never offers a row twice.
             assert!(second.is_ok());
+        }
+    }
+}
+
+/// What a node knows of the queues can be stale (another node ran a row
+/// meanwhile); the store never loses work because of it.
+mod stale {
+    use crate::*;
+    use tiller_core::PromptId;
+
+    fn ev(session: SessionId, seq: u64) -> StoredEvent {
+        StoredEvent {
+            session,
+            seq,
+            ts_ms: 1,
+            kind: "prompt_started".into(),
+            prompt: None,
+            turn: None,
+            data: "{}".into(),
+        }
+    }
+
+    fn start(claim: Claim) -> Option<LedgerOp> {
+        Some(LedgerOp::Admit {
+            prompt: PromptId::new(),
+            origin: "cron".into(),
+            consumes: Some(claim),
+        })
+    }
+
+    /// A fire coalesced into a waiting fire that another node already
+    /// started is a waiting fire again, not an update of nothing.
+    #[tokio::test]
+    async fn a_fire_coalesced_into_a_fire_run_elsewhere_waits() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
+        let s = SessionId::new();
+        store
+            .cron_add(CronJob {
+                id: "j".into(),
+                session: s,
+                schedule: "* * * * *".into(),
+                tz: "UTC".into(),
+                prompt: "tick".into(),
+                next_fire_ms: 0,
+                created_ms: 0,
+            })
+            .await
+            .unwrap();
+        let mut fires = tiller_core::cron::Fires::default();
+        let change = fires.fire(s, "j", "tick", 5);
+        store.cron_fire(change, "j".into(), (0, 60)).await.unwrap();
+        let id = store.cron_fires().await.unwrap()[0].id;
+        // Run by another node: this one's queue still shows it waiting.
+        store
+            .append_durable(ev(s, 1), start(Claim::CronFire(id)))
+            .await
+            .unwrap();
+        assert!(store.cron_fires().await.unwrap().is_empty());
+        let change = fires.fire(s, "j", "tock", 65);
+        assert!(matches!(
+            change,
+            tiller_core::cron::FireChange::Refresh { .. }
+        ));
+        store
+            .cron_fire(change, "j".into(), (60, 120))
+            .await
+            .unwrap();
+        let waiting = store.cron_fires().await.unwrap();
+        assert_eq!(
+            waiting
+                .iter()
+                .map(|f| (f.session, f.job_id.as_str(), f.prompt.as_str(), f.fired_ms))
+                .collect::<Vec<_>>(),
+            vec![(s, "j", "tock", 65)],
+            "the second fire was lost"
+        );
+    }
+
+    /// The same for a notification that replaces one already run.
+    #[tokio::test]
+    async fn a_notification_replacing_one_run_elsewhere_is_queued() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
+        let s = SessionId::new();
+        let mut q = tiller_core::notify::Queues::new(10);
+        store
+            .notification_changes(q.enqueue(s, "build", "failed", 1).changes)
+            .await
+            .unwrap();
+        let id = store.notifications().await.unwrap()[0].id;
+        store
+            .append_durable(ev(s, 1), start(Claim::Notification(id)))
+            .await
+            .unwrap();
+        let out = q.enqueue(s, "build", "passed", 2);
+        assert!(out.deduplicated);
+        store.notification_changes(out.changes).await.unwrap();
+        let queued = store.notifications().await.unwrap();
+        assert_eq!(
+            queued
+                .iter()
+                .map(|n| (n.session, n.task_id.as_str(), n.text.as_str()))
+                .collect::<Vec<_>>(),
+            vec![(s, "build", "passed")],
+            "the second notification was lost"
+        );
+    }
+}
+
+mod errors {
+    use crate::*;
+
+    /// A client is told what failed, not the database's own words.
+    #[tokio::test]
+    async fn a_client_never_sees_the_databases_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
+        let job = CronJob {
+            id: "j".into(),
+            session: SessionId::new(),
+            schedule: "* * * * *".into(),
+            tz: "UTC".into(),
+            prompt: "tick".into(),
+            next_fire_ms: 0,
+            created_ms: 0,
+        };
+        store.cron_add(job.clone()).await.unwrap();
+        let e = store.cron_add(job).await.unwrap_err();
+        assert!(
+            e.to_string().contains("cron_jobs") || e.to_string().contains("duplicate"),
+            "{e}"
+        );
+        let told = e.for_client();
+        assert!(told.contains("the daemon's log has the details"), "{told}");
+        for leak in ["cron_jobs", "duplicate", "UNIQUE", "unique"] {
+            assert!(!told.contains(leak), "{told}");
         }
     }
 }

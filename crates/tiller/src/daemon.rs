@@ -223,6 +223,23 @@ async fn start_sessions(
         }),
         None => None,
     };
+    if let Some(c) = &cluster {
+        let host = c
+            .address
+            .split_once("://")
+            .map_or("", |(_, rest)| rest)
+            .split(['/', ':'])
+            .next()
+            .unwrap_or("");
+        if c.address.is_empty() {
+            tracing::warn!(
+                "this node advertises no address: the others cannot send it requests for its sessions (set [cluster] advertise)"
+            );
+        } else if host == "localhost" || host.starts_with("127.") || c.address.contains("://[::1]")
+        {
+            tracing::warn!(address = %c.address, "this node advertises a loopback address: only nodes on this machine can reach it (set [cluster] advertise)");
+        }
+    }
     let schema = cfg.store.schema.clone();
     let store = {
         let db = db.to_owned();

@@ -31,6 +31,11 @@ async fn connect(address: &str, token: Option<&str>) -> Result<Pipe, String> {
         _ => return Err(format!("`{address}` is not an http:// or https:// address")),
     };
     let mut req = url.into_client_request().map_err(|e| e.to_string())?;
+    // Handed over once, never on again.
+    req.headers_mut().insert(
+        tiller_http::forward::FORWARDED,
+        tokio_tungstenite::tungstenite::http::HeaderValue::from_static("1"),
+    );
     if let Some(t) = token {
         let value = format!("Bearer {t}")
             .parse()
