@@ -307,6 +307,33 @@ describe("cluster over PostgreSQL", { skip }, () => {
     assert.deepEqual(events.map((e) => e.seq), events.map((_, i) => i + 1), "no gap, no repeat");
   });
 
+  test("a node that cannot start a session (it is full) does not keep it from the others", async () => {
+    const schema = `cluster_${randomBytes(6).toString("hex")}`;
+    const a = await startNode(schema, "node-a");
+    const full = await startNode(schema, "node-b", tempDir(), { TILLER_LIMITS__MAX_SESSIONS: "1" });
+    assert.equal((await api(full, "POST", "/api/sessions", { cwd: "/tmp" })).status, 201);
+    const sid = (await api(a, "POST", "/api/sessions", { cwd: "/tmp" })).body.id;
+    a.child.kill("SIGKILL");
+    await a.exited;
+    // A's lease lapses; the full node is asked first and cannot serve it.
+    await until("node a's lease lapses", async () =>
+      status(schema).find((n) => n.node === "node-a")?.leases === 0,
+    );
+    const refused = await api(full, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ say: "x" }]) });
+    assert.equal(refused.status, 503);
+    assert.match(refused.body.error.message, /limits\.max_sessions/);
+    // Another node serves it at once: the full node took no lease.
+    const c = await startNode(schema, "node-c");
+    const r = await api(c, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ say: "served by c" }]) });
+    assert.equal(r.status, 202, JSON.stringify(r.body));
+    await until("the prompt completes on node c", async () =>
+      terminalsOf(await history(c, sid), r.body.promptId).length === 1,
+    );
+    const leases = Object.fromEntries(status(schema).map((n) => [n.node, n.leases]));
+    assert.equal(leases["node-b"], 1, "the full node holds only its own session");
+    assert.equal(leases["node-c"], 1);
+  });
+
   test("a node that advertises a wrong address gets an error back, not an endless chain of hand-overs", async () => {
     const schema = `cluster_${randomBytes(6).toString("hex")}`;
     const b = await startNode(schema, "node-b", tempDir(), { TILLER_LIMITS__MAX_CONNECTIONS: "8" });
