@@ -5,6 +5,7 @@
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
+import { readdirSync, readFileSync } from "node:fs";
 import { after, describe, test } from "node:test";
 
 import {
@@ -85,6 +86,23 @@ async function until(what, pred, ms = 15000) {
     if (Date.now() > end) throw new Error(`${what}: not in ${ms} ms${last ? ` (last: ${last.message})` : ""}`);
     await sleep(50);
   }
+}
+
+/**
+ * SIGSTOP, then wait until every thread of the process has stopped: kill()
+ * returns once the signal is pending, and under load the other threads go
+ * on running (and answering requests) until one of them takes it.
+ */
+async function pause(child) {
+  child.kill("SIGSTOP");
+  const tasks = `/proc/${child.pid}/task`;
+  await until("the process stops", () =>
+    readdirSync(tasks).every((t) => {
+      // The state follows the command name, which is in parentheses.
+      const stat = readFileSync(`${tasks}/${t}/stat`, "utf8");
+      return stat.slice(stat.lastIndexOf(")") + 2)[0] === "T";
+    }),
+  );
 }
 
 const terminalsOf = (events, pid) =>
@@ -194,7 +212,7 @@ describe("cluster over PostgreSQL", { skip }, () => {
       terminalsOf(await history(a, sid), first.body.promptId).length === 1,
     );
 
-    a.child.kill("SIGSTOP");
+    await pause(a.child);
     // A prompt sent to the paused node waits in its socket. (Marked as
     // sent on by another node, so a resumed a serves it or refuses it,
     // and never sends it on: this test is about a's own writes.)
@@ -211,7 +229,9 @@ describe("cluster over PostgreSQL", { skip }, () => {
     const refused = await stale;
     assert.equal(refused.status, 503, JSON.stringify(refused.body));
     assert.ok(
-      ["owned_elsewhere", "store_unavailable"].includes(refused.body.error.errorKind),
+      // Refused by the fence, by the lease, or the actor stopped under it
+      // (its lease was found lost while the prompt waited in its mailbox).
+      ["owned_elsewhere", "store_unavailable", "session_stopped"].includes(refused.body.error.errorKind),
       JSON.stringify(refused.body),
     );
     // The resumed node learns it lost the lease and stops serving it.

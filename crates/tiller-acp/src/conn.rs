@@ -1329,6 +1329,10 @@ fn session_error(e: SessionError) -> Reply {
         } => Reply::Error(RpcError::new(code::INTERNAL_ERROR, e.to_string()).with_data(
             json!({ "errorKind": "owned_elsewhere", "retryable": true, "node": node, "address": address }),
         )),
+        SessionError::Stopped => Reply::Error(
+            RpcError::new(code::INTERNAL_ERROR, e.to_string())
+                .with_data(json!({ "errorKind": "session_stopped", "retryable": false })),
+        ),
         other => Reply::Error(RpcError::new(code::INTERNAL_ERROR, other.to_string())),
     }
 }

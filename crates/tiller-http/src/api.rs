@@ -75,6 +75,10 @@ impl From<SessionError> for ApiError {
                 json!({ "errorKind": "owned_elsewhere", "retryable": true, "message": e.to_string(),
                         "node": node, "address": address }),
             ),
+            SessionError::Stopped => ApiError(
+                StatusCode::SERVICE_UNAVAILABLE,
+                json!({ "errorKind": "session_stopped", "retryable": false, "message": e.to_string() }),
+            ),
             other => ApiError(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 json!({ "errorKind": "internal", "message": other.to_string() }),
@@ -933,5 +937,22 @@ struct AbortOnDrop(tokio::task::JoinHandle<()>);
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A session whose actor went away mid-request (its lease moved, or
+    /// it failed) is the service's condition, not a bug: 503, and not
+    /// retryable blindly, since the request may have been carried out.
+    #[test]
+    fn a_session_that_stopped_mid_request_is_unavailable_not_internal() {
+        let ApiError(status, body) = SessionError::Stopped.into();
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(body["errorKind"], "session_stopped");
+        assert_eq!(body["retryable"], false);
+        assert!(body["message"].as_str().unwrap().contains("may or may not"));
     }
 }

@@ -119,7 +119,13 @@ pub enum SessionError {
     TooManySessions(usize),
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("the session stopped; open it again")]
+    /// The session's actor went away while it handled the request (its
+    /// lease moved to another node, or it failed and reloads): the request
+    /// may or may not have been carried out.
+    #[error(
+        "the session stopped while handling the request (it moved to another node, or restarts); \
+         it may or may not have been carried out: read the session's events before sending it again"
+    )]
     Stopped,
     #[error("internal error: {0}")]
     Internal(String),
