@@ -1,7 +1,9 @@
 #![allow(clippy::print_stdout)] // a load generator prints its figures
 //! Load generator: what an idle session costs. Creates N live sessions
 //! (default 100,000) through the registry with a real store, then prints the
-//! resident memory per session and the creation rate.
+//! resident memory per session and the creation rate, beside its floor:
+//! what the same number of bare ractor actors (no state, no messages)
+//! costs in the same process.
 //! Run: `cargo bench -p tiller-session --bench idle_sessions [-- N]`.
 
 use std::sync::Arc;
@@ -55,6 +57,9 @@ async fn main() {
     // Warm up allocator and runtime.
     let warm = sessions.create("/w".into(), None).await.expect("create");
     drop(warm);
+    // The floor first, kept alive: memory freed and reused would flatter
+    // whichever is measured second.
+    let (bare, floor) = bare_actors(n).await;
     let before = rss_bytes();
     let t0 = Instant::now();
     let mut handles = Vec::with_capacity(n);
@@ -79,5 +84,38 @@ async fn main() {
         "per idle session:     {:.0} bytes",
         (after.saturating_sub(before)) as f64 / n as f64
     );
+    println!("reference:            a bare ractor actor costs {floor:.0} bytes");
     sessions.shutdown().await;
+    for a in bare {
+        a.stop(None);
+    }
+}
+
+/// An actor with nothing in it: what ractor and tokio cost per actor.
+struct Bare;
+
+impl ractor::Actor for Bare {
+    type Msg = ();
+    type State = ();
+    type Arguments = ();
+
+    async fn pre_start(
+        &self,
+        _: ractor::ActorRef<()>,
+        _: (),
+    ) -> Result<(), ractor::ActorProcessingErr> {
+        Ok(())
+    }
+}
+
+/// `n` live bare actors and the resident bytes each costs.
+async fn bare_actors(n: usize) -> (Vec<ractor::ActorRef<()>>, f64) {
+    let mut actors = Vec::with_capacity(n);
+    let before = rss_bytes();
+    for _ in 0..n {
+        let (a, _) = ractor::Actor::spawn(None, Bare, ()).await.expect("spawn");
+        actors.push(a);
+    }
+    let per = rss_bytes().saturating_sub(before) as f64 / n as f64;
+    (actors, per)
 }
