@@ -21,7 +21,9 @@ pub struct ErrorBody {
     /// `invalid_params`, `unauthorized`, `forbidden`, `unknown_session`,
     /// `session_closed`, `overloaded`, `store_unavailable`, `no_goal`,
     /// `unknown_cron_job`, `unknown_permission_request`, `owned_elsewhere`
-    /// (another node of the cluster serves the session), `internal`.
+    /// (another node of the cluster serves the session), `session_stopped`
+    /// (the session stopped while handling the request, which may or may
+    /// not have been carried out), `internal`.
     pub error_kind: String,
     /// In English, for people.
     pub message: String,

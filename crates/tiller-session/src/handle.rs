@@ -85,7 +85,7 @@ impl SessionHandle {
         match admitted {
             Ok(a) => Ok(a.map(|p| (p, srx))),
             // The actor is gone: a prompt racing a close gets the close's
-            // answer, not "open it again".
+            // answer, not `Stopped`.
             Err(e) => match self.store.get_session(self.id).await {
                 Ok(Some((rec, _))) if rec.closed => Ok(Err(PromptRefused::SessionClosed)),
                 _ => Err(e),

@@ -461,7 +461,7 @@ async fn a_prompt_racing_a_close_is_refused_as_closed() {
     let h = s.create("/tmp".into(), None).await.unwrap();
     h.close().await.unwrap();
     // The actor stops once closed; a handle taken before still answers
-    // with the close, never "open it again".
+    // with the close, never `Stopped`.
     for _ in 0..50 {
         match h.prompt("hello".into(), Origin::Interactive).await {
             Ok(Err(PromptRefused::SessionClosed)) => {}
