@@ -105,7 +105,9 @@ describe("bounded engine work", () => {
       const before = kb("VmRSS");
       // A cancel in the middle of the flood settles at once.
       const first = c.request("session/prompt", textPrompt(sid, flood));
-      await new Promise((r) => setTimeout(r, 300));
+      // Once the flood shows (a fixed wait could outlast the bound on a
+      // fast run, and the turn would end turn_too_long before the cancel).
+      await c.until(() => c.updates.some((u) => u.sessionId === sid));
       const t0 = Date.now();
       await c.notify("session/cancel", { sessionId: sid });
       assert.equal((await first).stopReason, "cancelled");
