@@ -1532,6 +1532,21 @@ impl Shared {
         let id = session_id(raw)?;
         self.sessions.open(id).await.map_err(session_error)
     }
+
+    /// The session a request names, attached to this connection: the
+    /// handle the connection holds while its actor runs (no round trip
+    /// through the registry per prompt), else opened and attached.
+    async fn open_attached(&self, raw: &str) -> Result<SessionHandle, Reply> {
+        let id = session_id(raw)?;
+        if let Some((handle, _)) = self.attached.lock().await.get(&id)
+            && handle.is_running()
+        {
+            return Ok(handle.clone());
+        }
+        let handle = self.sessions.open(id).await.map_err(session_error)?;
+        self.attach(&handle).await?;
+        Ok(handle)
+    }
 }
 
 async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result<Value, Reply> {
@@ -1630,8 +1645,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
         }
         "session/set_mode" => {
             let req: SetSessionModeRequest = params(raw)?;
-            let handle = shared.open(&req.session_id.0).await?;
-            shared.attach(&handle).await?;
+            let handle = shared.open_attached(&req.session_id.0).await?;
             handle
                 .set_option("permission_mode".into(), req.mode_id.0.to_string())
                 .await
@@ -1653,8 +1667,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Value) -> Result
                 },
                 _ => String::new(),
             };
-            let handle = shared.open(&req.session_id.0).await?;
-            shared.attach(&handle).await?;
+            let handle = shared.open_attached(&req.session_id.0).await?;
             let options = handle
                 .set_option(req.config_id.0.to_string(), value)
                 .await
@@ -1799,8 +1812,7 @@ async fn prompt(
     mine: PromptId,
     cancel: &CancelFlags,
 ) -> Result<Value, Reply> {
-    let handle = shared.open(&req.session_id.0).await?;
-    shared.attach(&handle).await?;
+    let handle = shared.open_attached(&req.session_id.0).await?;
     let (text, images) = map::prompt_content(&req.prompt).map_err(Reply::Error)?;
     // Tiller's slash commands are the daemon's, whatever the engine.
     if let Some(cmd) = tiller_session::commands::parse(&text) {
@@ -1896,8 +1908,7 @@ async fn steering(shared: &Shared, raw: Value) -> Result<Value, Reply> {
             ));
         }
     };
-    let handle = shared.open(&req.session_id).await?;
-    shared.attach(&handle).await?;
+    let handle = shared.open_attached(&req.session_id).await?;
     let answer = handle
         .steer(steer_text(&req.prompt)?, prompt_required)
         .await

@@ -25,6 +25,13 @@ impl SessionHandle {
         self.actor.get_id() == other.actor.get_id()
     }
 
+    /// Whether the session's actor still runs. A handle to one that
+    /// stopped (failed, closed, its lease lost) is stale: the session is
+    /// opened again through the registry.
+    pub fn is_running(&self) -> bool {
+        self.actor.get_status() == ractor::ActorStatus::Running
+    }
+
     pub(crate) fn send(&self, msg: SessionMsg) -> Result<(), SessionError> {
         self.actor
             .send_message(msg)

@@ -408,10 +408,15 @@ async fn a_failed_session_settles_its_prompt_with_session_restarted_and_reloads(
         .await
         .unwrap()
         .unwrap();
+    assert!(h.is_running());
     h.crash();
     assert!(rx.await.is_err(), "the owner learns the actor is gone");
+    // A handle to the failed actor says so (an edge holding it opens the
+    // session again instead of sending to the dead actor).
+    assert!(!h.is_running());
     // The registry settled the in-flight prompt before the session reopens.
     let reopened = s.open(h.id()).await.unwrap();
+    assert!(reopened.is_running() && !reopened.same_actor(&h));
     let log = s.events_after(h.id(), 0, 1000).await.unwrap();
     let errors: Vec<_> = log
         .iter()

@@ -75,9 +75,11 @@ async function measure(name, command, args, prompt) {
   const cpu = cpuNs(child.pid) - cpu0;
   if (chunks !== 3 * prompts) throw new Error(`${name}: ${chunks} chunks for ${prompts} prompts`);
 
+  const newCpu0 = cpuNs(child.pid);
   const s0 = performance.now();
   for (let i = 0; i < sessions; i++) await agent.request("session/new", { cwd: "/tmp", mcpServers: [] });
   const perSecond = (sessions / (performance.now() - s0)) * 1000;
+  const newCpu = cpuNs(child.pid) - newCpu0;
 
   child.stdin.end();
   await new Promise((resolve) => {
@@ -95,6 +97,7 @@ async function measure(name, command, args, prompt) {
     p99_us: pct(rtt, 99),
     prompts_per_s: (prompts / wall) * 1000,
     sessions_per_s: perSecond,
+    new_cpu_us: newCpu / sessions / 1000,
   };
 }
 
@@ -111,10 +114,10 @@ for (const [name, command, args, prompt] of agents) rows.push(await measure(name
 const by = Object.fromEntries(rows.map((r) => [r.agent, r]));
 const f = (x, d = 0) => x.toLocaleString("en-US", { maximumFractionDigits: d, minimumFractionDigits: d });
 console.log(`per prompt (${prompts} sequential 3-chunk prompts, official ACP TS client over stdio; ${sessions} session/new for the rate)`);
-console.log("agent   CPU/prompt  p50 round trip  p99 round trip  prompts/s  sessions/s");
+console.log("agent   CPU/prompt  p50 round trip  p99 round trip  prompts/s  sessions/s  CPU/session");
 for (const r of rows) {
   console.log(
-    `${r.agent.padEnd(7)} ${(f(r.cpu_us, 1) + " us").padStart(10)}  ${(f(r.p50_us) + " us").padStart(14)}  ${(f(r.p99_us) + " us").padStart(14)}  ${f(r.prompts_per_s).padStart(9)}  ${f(r.sessions_per_s).padStart(10)}`,
+    `${r.agent.padEnd(7)} ${(f(r.cpu_us, 1) + " us").padStart(10)}  ${(f(r.p50_us) + " us").padStart(14)}  ${(f(r.p99_us) + " us").padStart(14)}  ${f(r.prompts_per_s).padStart(9)}  ${f(r.sessions_per_s).padStart(10)}  ${(f(r.new_cpu_us, 1) + " us").padStart(11)}`,
   );
 }
 if (by.tiller && by.node && by.floor) {
