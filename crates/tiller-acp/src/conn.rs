@@ -838,18 +838,18 @@ impl Writer {
     fn messages(&mut self, rec: &EventRecord, live_from: u64) -> Vec<String> {
         if rec.seq <= live_from {
             let message = self.message_id(rec);
-            map::session_update(
+            map::update_line(
                 rec,
                 message.as_deref(),
                 self.booleans.load(Ordering::Relaxed),
             )
             .into_iter()
-            .chain(map::compaction_update(
-                rec,
-                self.compaction.load(Ordering::Relaxed),
-            ))
-            .chain(map::extra_updates(rec))
-            .map(|n| update_message(&n))
+            .chain(
+                map::compaction_update(rec, self.compaction.load(Ordering::Relaxed))
+                    .into_iter()
+                    .chain(map::extra_updates(rec))
+                    .map(|n| update_message(&n)),
+            )
             .collect()
         } else {
             self.live(rec)
@@ -907,13 +907,13 @@ impl Writer {
         let mut msgs = Vec::new();
         if shown
             && !echo
-            && let Some(n) = map::session_update(
+            && let Some(line) = map::update_line(
                 rec,
                 message.as_deref(),
                 self.booleans.load(Ordering::Relaxed),
             )
         {
-            msgs.push(update_message(&n));
+            msgs.push(line);
         }
         let compaction = self.compaction.load(Ordering::Relaxed);
         if shown && !echo {

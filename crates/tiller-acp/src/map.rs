@@ -20,6 +20,60 @@ use tiller_tools::McpServerConfig;
 
 use crate::jsonrpc::{RpcError, code};
 
+/// The `session/update` line (a JSON-RPC notification) an event shows as,
+/// if any: [`session_update`] serialized, with streamed text chunks, nearly
+/// every event of a turn, written straight to the line instead
+/// ([`chunk_line`]: the same bytes at a fraction of the cost).
+pub fn update_line(rec: &EventRecord, message: Option<&str>, booleans: bool) -> Option<String> {
+    chunk_line(rec, message).or_else(|| {
+        session_update(rec, message, booleans)
+            .map(|n| crate::jsonrpc::notification_of("session/update", &n))
+    })
+}
+
+/// The `session/update` line of an agent message or thought chunk, written
+/// directly: byte for byte what serializing [`session_update`]'s
+/// notification gives (property-tested against it), without building the
+/// schema's types and a `_meta` map for each chunk.
+fn chunk_line(rec: &EventRecord, message: Option<&str>) -> Option<String> {
+    use std::io::Write as _;
+    let (kind, text) = match &rec.body {
+        EventBody::AgentMessageChunk { text } => ("agent_message_chunk", text),
+        EventBody::AgentThoughtChunk { text } => ("agent_thought_chunk", text),
+        _ => return None,
+    };
+    let mut out: Vec<u8> = Vec::with_capacity(text.len() + 300);
+    let wrote: std::io::Result<()> = (|| {
+        write!(
+            out,
+            r#"{{"jsonrpc":"2.0","method":"session/update","params":{{"sessionId":"{}","update":{{"sessionUpdate":"{kind}","content":{{"type":"text","text":"#,
+            rec.session
+        )?;
+        serde_json::to_writer(&mut out, text)?;
+        out.push(b'}');
+        if let Some(m) = message {
+            out.extend_from_slice(br#","messageId":"#);
+            serde_json::to_writer(&mut out, m)?;
+        }
+        out.push(b'}');
+        if rec.prompt.is_some() || rec.turn.is_some() {
+            out.extend_from_slice(br#","_meta":{"tiller":{"#);
+            if let Some(p) = rec.prompt {
+                write!(out, r#""promptId":"{p}""#)?;
+            }
+            if let Some(t) = rec.turn {
+                let comma = if rec.prompt.is_some() { "," } else { "" };
+                write!(out, r#"{comma}"turnId":{}"#, t.0)?;
+            }
+            out.extend_from_slice(b"}}");
+        }
+        out.extend_from_slice(b"}}");
+        Ok(())
+    })();
+    wrote.expect("writing to memory does not fail");
+    Some(String::from_utf8(out).expect("JSON is UTF-8"))
+}
+
 /// The `session/update` an event shows as, if any. Message chunks carry
 /// `message` as their `messageId` (a user message: its prompt's id), and
 /// every update names its prompt and turn in `_meta.tiller`.
@@ -471,16 +525,18 @@ pub const COMPACTION_NOTIFICATION: &str = "_tiller/compaction";
 
 /// `_tiller/*` notifications an event produces for live subscribers.
 pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)> {
-    let session = rec.session.to_string();
-    let prompt = rec.prompt.map(|p| p.to_string());
+    // Formatted only for the events that have a notification (not for
+    // every streamed chunk).
+    let session = || rec.session.to_string();
+    let prompt = || rec.prompt.map(|p| p.to_string());
     match &rec.body {
         // Its text comes first in every turn.
         EventBody::UserMessage { .. } => Some((
             "_tiller/turn_started",
-            json!({ "sessionId": session, "promptId": prompt, "turnId": rec.turn.map(|t| t.0) }),
+            json!({ "sessionId": session(), "promptId": prompt(), "turnId": rec.turn.map(|t| t.0) }),
         )),
         EventBody::SessionClosed => {
-            Some(("_tiller/session_closed", json!({ "sessionId": session })))
+            Some(("_tiller/session_closed", json!({ "sessionId": session() })))
         }
         EventBody::Compaction {
             compaction_id,
@@ -489,16 +545,16 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
             message,
         } => Some((
             COMPACTION_NOTIFICATION,
-            json!({ "sessionId": session, "promptId": prompt, "compactionId": compaction_id,
+            json!({ "sessionId": session(), "promptId": prompt(), "compactionId": compaction_id,
                     "status": status, "summary": summary, "message": message }),
         )),
         EventBody::Roots { roots } => Some((
             "_tiller/roots_changed",
-            json!({ "sessionId": session, "additionalDirectories": roots }),
+            json!({ "sessionId": session(), "additionalDirectories": roots }),
         )),
         EventBody::TurnComplete { stop_reason } => Some((
             "_tiller/turn_settled",
-            json!({ "sessionId": session, "promptId": prompt, "stopReason": stop_reason }),
+            json!({ "sessionId": session(), "promptId": prompt(), "stopReason": stop_reason }),
         )),
         EventBody::TurnError {
             error_kind,
@@ -515,7 +571,7 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
             }
             Some((
                 "_tiller/turn_settled",
-                json!({ "sessionId": session, "promptId": prompt, "error": error }),
+                json!({ "sessionId": session(), "promptId": prompt(), "error": error }),
             ))
         }
         EventBody::SteerDropped {
@@ -525,7 +581,7 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
         } => Some((
             "_tiller/steer_dropped",
             json!({
-                "sessionId": session,
+                "sessionId": session(),
                 "steerId": steer_id,
                 "prompt": [{ "type": "text", "text": text }],
                 "reason": reason,
@@ -706,7 +762,60 @@ pub fn shown(body: &EventBody) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tiller_core::ErrorKind;
+    use proptest::prelude::*;
+    use tiller_core::{ErrorKind, TurnId};
+
+    proptest! {
+        /// A chunk written straight to its line is, byte for byte, the
+        /// schema's serialization of the same update: any text (quotes,
+        /// control characters, any Unicode), thought or message, with or
+        /// without a message id, a prompt, a turn.
+        #[test]
+        fn a_chunk_line_is_the_serialized_update(
+            text in any::<String>(),
+            thought in any::<bool>(),
+            message in proptest::option::of("\\PC{0,12}"),
+            prompt in any::<bool>(),
+            turn in proptest::option::of(any::<u64>()),
+        ) {
+            let rec = EventRecord {
+                session: SessionId::new(),
+                seq: 7,
+                ts_ms: 0,
+                prompt: prompt.then(PromptId::new),
+                turn: turn.map(TurnId),
+                body: if thought {
+                    EventBody::AgentThoughtChunk { text }
+                } else {
+                    EventBody::AgentMessageChunk { text }
+                },
+            };
+            let fast = chunk_line(&rec, message.as_deref()).expect("a chunk has a line");
+            let slow = crate::jsonrpc::notification_of(
+                "session/update",
+                &session_update(&rec, message.as_deref(), false).expect("a chunk shows"),
+            );
+            prop_assert_eq!(fast, slow);
+        }
+    }
+
+    #[test]
+    fn only_chunks_take_the_direct_line() {
+        let rec = EventRecord {
+            session: SessionId::new(),
+            seq: 1,
+            ts_ms: 0,
+            prompt: Some(PromptId::new()),
+            turn: Some(TurnId(1)),
+            body: EventBody::UserMessage {
+                text: "hi".into(),
+                images: Vec::new(),
+            },
+        };
+        assert!(chunk_line(&rec, None).is_none());
+        let line = update_line(&rec, None, false).expect("a user message shows");
+        assert!(line.contains("user_message_chunk"), "{line}");
+    }
 
     #[test]
     fn a_failed_prompt_says_whether_sending_it_again_may_work() {

@@ -421,6 +421,8 @@ pub struct SessionState {
     agent: Option<Box<AgentOptions>>,
     /// Answered at the next idle (daemon shutdown).
     drained: Vec<oneshot::Sender<()>>,
+    /// `tiller_events_published_total`, looked up once (not per event).
+    published: metrics::Counter,
     /// The session span.
     span: Span,
 }
@@ -528,6 +530,7 @@ impl Actor for SessionActor {
                 })
             }),
             drained: Vec::new(),
+            published: metrics::counter!("tiller_events_published_total"),
             span,
         })
     }

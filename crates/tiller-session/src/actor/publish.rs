@@ -151,7 +151,7 @@ impl SessionState {
 
     pub(super) fn fan_out(&mut self, rec: &Arc<EventRecord>) {
         self.remember(rec);
-        metrics::counter!("tiller_events_published_total").increment(1);
+        self.published.increment(1);
         let before = self.subscribers.len();
         self.subscribers.retain(|(_, s)| s.deliver(rec));
         let evicted = before - self.subscribers.len();
