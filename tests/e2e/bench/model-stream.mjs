@@ -3,15 +3,21 @@
 // (the official SDK over the unix socket) receives it through the daemon.
 //   cargo build --release
 //   TILLER_BIN=target/release/tiller node bench/model-stream.mjs [runs] [chunks]
-// Prints, against reading the same stream straight from the server:
-// time to first chunk and chunks per second; then session/cancel latency
-// with a model stream open. Asserts nothing about speed.
+// Prints, against reading the same stream straight from the server (bytes
+// only, and with every chunk's JSON parsed, as a client using it would):
+// time to first chunk and chunks per second through the daemon, for the
+// official SDK's client and for a raw client that parses each line (the
+// SDK validates every message, which bounds its rate), with the daemon's
+// CPU per chunk; then session/cancel latency with a model stream open.
+// Asserts nothing about speed.
 
 import { writeFileSync } from "node:fs";
+import net from "node:net";
 import path from "node:path";
 
 import { initialize, startDaemon, tempDir, textPrompt, transports } from "../lib/daemon.mjs";
 import { openai, startMockModel } from "../lib/mockmodel.mjs";
+import { cpuNs } from "./proc.mjs";
 
 const runs = Number(process.argv[2] ?? 20);
 const chunks = Number(process.argv[3] ?? 2000);
@@ -47,8 +53,36 @@ for (let i = 0; i < runs; i++) {
   direct.rate.push(chunks / ((performance.now() - t0) / 1000));
 }
 
+// Straight from the server, every chunk's JSON parsed.
+const parsed = { first: [], rate: [] };
+for (let i = 0; i < runs; i++) {
+  mock.reply({ events: openai.text(text) });
+  const t0 = performance.now();
+  const res = await fetch(`${mock.url}/v1/chat/completions`, { method: "POST", body: "{}" });
+  const decoder = new TextDecoderStream();
+  const reader = res.body.pipeThrough(decoder).getReader();
+  let first;
+  let seen = 0;
+  let rest = "";
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    const lines = (rest + value).split("\n");
+    rest = lines.pop();
+    for (const line of lines) {
+      if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+      if (JSON.parse(line.slice(6)).choices?.[0]?.delta?.content) seen++;
+      first ??= performance.now() - t0;
+    }
+  }
+  if (seen !== chunks) throw new Error(`parsed ${seen} chunks of ${chunks}`);
+  parsed.first.push(first);
+  parsed.rate.push(chunks / ((performance.now() - t0) / 1000));
+}
+
 // Through the daemon.
 const viaTiller = { first: [], rate: [] };
+const cpu0 = cpuNs(daemon.child.pid);
 for (let i = 0; i < runs; i++) {
   const { sessionId } = await c.request("session/new", { cwd: dir, mcpServers: [] });
   mock.reply({ events: openai.text(text) });
@@ -70,6 +104,28 @@ for (let i = 0; i < runs; i++) {
   viaTiller.first.push(first);
   viaTiller.rate.push(chunks / (elapsed / 1000));
 }
+viaTiller.cpu = (cpuNs(daemon.child.pid) - cpu0) / (runs * chunks) / 1000;
+
+// Through the daemon, read by a raw client: JSON lines over the unix
+// socket, each parsed once (what the SDK's client adds is its own).
+const raw = await rawClient(daemon.socket);
+await raw.request("initialize", { protocolVersion: 1, clientCapabilities: {} });
+const viaRaw = { first: [], rate: [] };
+const rawCpu0 = cpuNs(daemon.child.pid);
+for (let i = 0; i < runs; i++) {
+  const { sessionId } = await raw.request("session/new", { cwd: dir, mcpServers: [] });
+  mock.reply({ events: openai.text(text) });
+  raw.chunks = 0;
+  raw.first = undefined;
+  const t0 = performance.now();
+  raw.t0 = t0;
+  await raw.request("session/prompt", textPrompt(sessionId, "go"));
+  if (raw.chunks !== chunks) throw new Error(`raw client saw ${raw.chunks} chunks of ${chunks}`);
+  viaRaw.first.push(raw.first);
+  viaRaw.rate.push(chunks / ((performance.now() - t0) / 1000));
+}
+viaRaw.cpu = (cpuNs(daemon.child.pid) - rawCpu0) / (runs * chunks) / 1000;
+raw.close();
 
 // Cancel mid-stream: session/cancel -> `cancelled`, the HTTP stream dropped.
 const cancels = [];
@@ -92,10 +148,56 @@ const fmt = (r) => {
   return `first chunk p50 ${f.p50.toFixed(2)} ms (max ${f.max.toFixed(2)}), ${Math.round(x.p50)} chunks/s p50`;
 };
 console.log(`${chunks}-chunk reply, ${runs} runs`);
-console.log(`  straight from the server: ${fmt(direct)}`);
-console.log(`  through tiller (ACP):     ${fmt(viaTiller)}`);
+const ratio = (a, b) => (stats(a.rate).p50 / stats(b.rate).p50).toFixed(2);
+console.log(`  straight from the server, bytes only:    ${fmt(direct)}`);
+console.log(`  straight from the server, chunks parsed: ${fmt(parsed)}`);
+console.log(`  through tiller, official SDK client:     ${fmt(viaTiller)}; daemon CPU ${viaTiller.cpu.toFixed(1)} us per chunk`);
+console.log(`  through tiller, raw JSON-lines client:   ${fmt(viaRaw)}; daemon CPU ${viaRaw.cpu.toFixed(1)} us per chunk`);
+console.log(`  raw client through tiller / parsed straight = ${ratio(viaRaw, parsed)} (goal >= 0.5); / bytes only = ${ratio(viaRaw, direct)}`);
 const cs = stats(cancels);
 console.log(`  cancel mid-stream -> cancelled: p50 ${cs.p50.toFixed(2)} ms (max ${cs.max.toFixed(2)})`);
 c.close();
 await daemon.stop();
 await mock.close();
+
+/** A minimal ACP client: JSON lines over the unix socket, each parsed once;
+ * counts agent message chunks (and when the first came, from `t0`). */
+async function rawClient(socket) {
+  const sock = net.connect(socket);
+  await new Promise((resolve, reject) => {
+    sock.once("connect", resolve);
+    sock.once("error", reject);
+  });
+  const waiting = new Map();
+  let next = 1;
+  let rest = "";
+  const c = {
+    chunks: 0,
+    first: undefined,
+    t0: 0,
+    request(method, params) {
+      const id = next++;
+      sock.write(JSON.stringify({ jsonrpc: "2.0", id, method, params }) + "\n");
+      return new Promise((resolve, reject) => waiting.set(id, { resolve, reject }));
+    },
+    close: () => sock.destroy(),
+  };
+  sock.setEncoding("utf8");
+  sock.on("data", (data) => {
+    const lines = (rest + data).split("\n");
+    rest = lines.pop();
+    for (const line of lines) {
+      const m = JSON.parse(line);
+      if (m.method === "session/update" && m.params.update.sessionUpdate === "agent_message_chunk") {
+        c.chunks++;
+        c.first ??= performance.now() - c.t0;
+      } else if (m.id !== undefined && waiting.has(m.id)) {
+        const w = waiting.get(m.id);
+        waiting.delete(m.id);
+        if (m.error) w.reject(new Error(JSON.stringify(m.error)));
+        else w.resolve(m.result);
+      }
+    }
+  });
+  return c;
+}

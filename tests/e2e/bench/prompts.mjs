@@ -11,13 +11,15 @@
 // Asserts nothing about speed.
 
 import { spawn } from "node:child_process";
-import { mkdtempSync, readdirSync, readFileSync } from "node:fs";
+import { mkdtempSync } from "node:fs";
 import os from "node:os";
 import path from "node:path";
 import { Readable, Writable } from "node:stream";
 import { fileURLToPath } from "node:url";
 
 import { client, ndJsonStream } from "@agentclientprotocol/sdk";
+
+import { cpuNs } from "./proc.mjs";
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 const repo = path.resolve(here, "../../..");
@@ -26,23 +28,6 @@ const prompts = Number(process.argv[2] ?? 3000);
 const sessions = Number(process.argv[3] ?? 1000);
 const json = process.argv.includes("--json");
 const only = process.env.BENCH_AGENTS?.split(",");
-
-const TICK_NS = 1e7; // USER_HZ = 100
-
-/** CPU the process has used, in ns: every live thread's schedstat, or its
- * utime+stime (which also counts threads that ended) when that is larger. */
-function cpuNs(pid) {
-  let sched = 0;
-  for (const tid of readdirSync(`/proc/${pid}/task`)) {
-    try {
-      sched += Number(readFileSync(`/proc/${pid}/task/${tid}/schedstat`, "utf8").split(" ")[0]);
-    } catch {}
-  }
-  const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
-  const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-  const ticks = Number(fields[11]) + Number(fields[12]);
-  return Math.max(sched, ticks * TICK_NS);
-}
 
 const pct = (sorted, p) => sorted[Math.min(sorted.length - 1, Math.floor((sorted.length * p) / 100))];
 
