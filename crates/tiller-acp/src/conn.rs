@@ -704,7 +704,7 @@ impl Writer {
                 }
                 if loaded {
                     let n = map::available_commands(session);
-                    self.write(update_message(&n)).await?;
+                    self.write(map::update_message(&n)).await?;
                 }
             }
             Out::Event(sub, rec) => {
@@ -848,7 +848,7 @@ impl Writer {
                 map::compaction_update(rec, self.compaction.load(Ordering::Relaxed))
                     .into_iter()
                     .chain(map::extra_updates(rec))
-                    .map(|n| update_message(&n)),
+                    .map(|n| map::update_message(&n)),
             )
             .collect()
         } else {
@@ -917,8 +917,8 @@ impl Writer {
         }
         let compaction = self.compaction.load(Ordering::Relaxed);
         if shown && !echo {
-            msgs.extend(map::compaction_update(rec, compaction).map(|n| update_message(&n)));
-            msgs.extend(map::extra_updates(rec).iter().map(update_message));
+            msgs.extend(map::compaction_update(rec, compaction).map(|n| map::update_message(&n)));
+            msgs.extend(map::extra_updates(rec).iter().map(map::update_message));
         }
         if shown
             && let Some((method, params)) = map::extension_notification(rec)
@@ -1010,10 +1010,6 @@ fn merge(into: &mut EventRecord, next: &EventRecord) -> bool {
     a.push_str(b);
     into.seq = next.seq;
     true
-}
-
-fn update_message(n: &agent_client_protocol_schema::v1::SessionNotification) -> String {
-    jsonrpc::notification_of("session/update", n)
 }
 
 /// Requests of one connection handled at once.
@@ -1245,7 +1241,7 @@ fn prompt_capabilities(sessions: &Sessions) -> PromptCapabilities {
 async fn commands_for(shared: &Shared, session: &Option<SessionId>) {
     if let Some(s) = session {
         let n = map::available_commands(*s);
-        let _ = shared.tx.send(Out::Raw(update_message(&n))).await;
+        let _ = shared.tx.send(Out::Raw(map::update_message(&n))).await;
     }
 }
 
@@ -1832,7 +1828,7 @@ async fn prompt(
             }
         };
         let note = map::agent_text(handle.id(), &message);
-        let _ = shared.tx.send(Out::Raw(update_message(&note))).await;
+        let _ = shared.tx.send(Out::Raw(map::update_message(&note))).await;
         return Ok(to_value(
             agent_client_protocol_schema::v1::PromptResponse::new(
                 agent_client_protocol_schema::v1::StopReason::EndTurn,

@@ -25,10 +25,13 @@ use crate::jsonrpc::{RpcError, code};
 /// every event of a turn, written straight to the line instead
 /// ([`chunk_line`]: the same bytes at a fraction of the cost).
 pub fn update_line(rec: &EventRecord, message: Option<&str>, booleans: bool) -> Option<String> {
-    chunk_line(rec, message).or_else(|| {
-        session_update(rec, message, booleans)
-            .map(|n| crate::jsonrpc::notification_of("session/update", &n))
-    })
+    chunk_line(rec, message)
+        .or_else(|| session_update(rec, message, booleans).map(|n| update_message(&n)))
+}
+
+/// A `session/update` notification, serialized.
+pub fn update_message(n: &SessionNotification) -> String {
+    crate::jsonrpc::notification_of("session/update", n)
 }
 
 /// The `session/update` line of an agent message or thought chunk, written
@@ -791,8 +794,7 @@ mod tests {
                 },
             };
             let fast = chunk_line(&rec, message.as_deref()).expect("a chunk has a line");
-            let slow = crate::jsonrpc::notification_of(
-                "session/update",
+            let slow = update_message(
                 &session_update(&rec, message.as_deref(), false).expect("a chunk shows"),
             );
             prop_assert_eq!(fast, slow);
