@@ -124,27 +124,32 @@ fn insert_batch(
         }
     }
     // Each session's events, in order, as segments after what it holds.
-    for s in sessions_of(batch) {
-        let events = batch.iter().map(|p| &p.event).filter(|e| e.session == s);
+    for (s, events) in by_session(batch) {
         let head = match next.cached(s).or_else(|| heads.cached(s)) {
             Some(h) => h,
             None => head_seq(tx, s)?,
         };
-        let last = insert_events(tx, s, head, events)?;
+        let last = insert_events(tx, s, head, events.into_iter())?;
         next.set(s, last);
     }
     Ok(())
 }
 
-/// The sessions of a batch, in the order they first appear.
-pub(crate) fn sessions_of(batch: &[Pending]) -> Vec<SessionId> {
-    let mut sessions: Vec<SessionId> = Vec::new();
+/// The batch's events grouped by session (each session's in order), the
+/// sessions in the order they first appear. Linear in the batch: a batch
+/// may hold a thousand sessions' streams.
+pub(crate) fn by_session(batch: &[Pending]) -> Vec<(SessionId, Vec<&StoredEvent>)> {
+    let mut at: std::collections::HashMap<SessionId, usize> = std::collections::HashMap::new();
+    let mut groups: Vec<(SessionId, Vec<&StoredEvent>)> = Vec::new();
     for p in batch {
-        if !sessions.contains(&p.event.session) {
-            sessions.push(p.event.session);
-        }
+        let s = p.event.session;
+        let i = *at.entry(s).or_insert_with(|| {
+            groups.push((s, Vec::new()));
+            groups.len() - 1
+        });
+        groups[i].1.push(&p.event);
     }
-    sessions
+    groups
 }
 
 /// The last sequence number once `events` (one session's, in order) follow

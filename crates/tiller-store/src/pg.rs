@@ -361,8 +361,9 @@ impl Db for PgDb {
         let mut next = Heads::default();
         let done = (|| {
             let mut tx = client.transaction()?;
-            for s in crate::log::sessions_of(batch) {
-                check_fence(&mut tx, stmts, held, s)?;
+            let sessions = crate::log::by_session(batch);
+            for (s, _) in &sessions {
+                check_fence(&mut tx, stmts, held, *s)?;
             }
             for p in batch {
                 let e = &p.event;
@@ -412,17 +413,12 @@ impl Db for PgDb {
                     None => {}
                 }
             }
-            for s in crate::log::sessions_of(batch) {
+            for (s, events) in sessions {
                 let id = s.to_string();
                 let head = match next.cached(s).or_else(|| heads.cached(s)) {
                     Some(h) => h,
                     None => head_seq(&mut tx, stmts, &id)?,
                 };
-                let events: Vec<&StoredEvent> = batch
-                    .iter()
-                    .map(|p| &p.event)
-                    .filter(|e| e.session == s)
-                    .collect();
                 let last = crate::log::follows(s, head, &events).map_err(StoreError::Corrupt)?;
                 let q = prep(
                     &mut tx,

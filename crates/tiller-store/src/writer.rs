@@ -73,14 +73,17 @@ pub(crate) struct Writer {
 const MAX_BATCH: usize = 4096;
 
 /// The thread's loop. Appends are taken off the channel as they come and
-/// written in batches; a batch with an awaited append (a durable event:
-/// an admission, a terminal) goes first, with everything its session sent
-/// before it, ahead of other sessions' streamed events: a session's own
-/// order is kept, and a cancel's terminal never waits behind every other
-/// session's stream. Any other command waits for every append sent before
-/// it (a reader sees them).
+/// written in batches (see [`next_batch`]): an awaited append (a durable
+/// event: an admission, a terminal) is committed with what its session
+/// sent before it, ahead of other sessions' streamed events; those go in
+/// slices of at most [`Db::sessions_per_commit`] sessions, since a
+/// commit's time is what an awaited append may wait for the commit under
+/// way. A session's own order is kept, and a cancel's terminal never waits
+/// behind every other session's stream. Any other command waits for every
+/// append sent before it (a reader sees them).
 pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
     let mut queued: VecDeque<Pending> = VecDeque::new();
+    let mut urgent_last = false;
     loop {
         let first = if queued.is_empty() {
             match rx.recv() {
@@ -124,15 +127,25 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
             w.write_all(&mut queued);
             return;
         }
-        if let Some(batch) = next_batch(&mut queued) {
+        let slice = w.conn.sessions_per_commit();
+        if let Some(batch) = next_batch(&mut queued, slice, &mut urgent_last) {
             w.append_timed(batch);
         }
     }
 }
 
 /// The next batch to write: the sessions with an awaited append, each up
-/// to its last awaited one, if any; else the oldest appends.
-fn next_batch(queued: &mut VecDeque<Pending>) -> Option<Vec<Pending>> {
+/// to its last awaited one, alone; else the oldest streamed appends of at
+/// most `sessions` sessions (a session's events per segment do not
+/// change: its next slice comes about when its next whole batch would).
+/// After a batch of awaited appends the next one is streamed if any waits
+/// (`urgent_last`): a steady flow of admissions and terminals cannot
+/// starve the streams.
+fn next_batch(
+    queued: &mut VecDeque<Pending>,
+    sessions: usize,
+    urgent_last: &mut bool,
+) -> Option<Vec<Pending>> {
     if queued.is_empty() {
         return None;
     }
@@ -143,17 +156,33 @@ fn next_batch(queued: &mut VecDeque<Pending>) -> Option<Vec<Pending>> {
             urgent.insert(p.event.session, i);
         }
     }
-    if urgent.values().all(|&last| last < MAX_BATCH) {
-        // The oldest appends (which hold every awaited one, if any).
-        let n = batch_len(queued, MAX_BATCH);
-        return Some(queued.drain(..n).collect());
-    }
     let mut batch = Vec::new();
     let mut rest = VecDeque::with_capacity(queued.len());
-    for (i, p) in queued.drain(..).enumerate() {
-        match urgent.get(&p.event.session) {
-            Some(&last) if i <= last => batch.push(p),
-            _ => rest.push_back(p),
+    if !urgent.is_empty() && !*urgent_last {
+        *urgent_last = true;
+        for (i, p) in queued.drain(..).enumerate() {
+            match urgent.get(&p.event.session) {
+                Some(&last) if i <= last => batch.push(p),
+                _ => rest.push_back(p),
+            }
+        }
+        *queued = rest;
+        return Some(batch);
+    }
+    *urgent_last = false;
+    // Each taken session's appends are a prefix of its queued ones: once
+    // the batch is full (never between joined appends) nothing more is.
+    let mut taken: HashSet<SessionId> = HashSet::new();
+    let mut full = false;
+    for p in queued.drain(..) {
+        let s = p.event.session;
+        full =
+            full || (batch.len() >= MAX_BATCH && !batch.last().is_some_and(|b: &Pending| b.joined));
+        if !full && (taken.contains(&s) || taken.len() < sessions) {
+            taken.insert(s);
+            batch.push(p);
+        } else {
+            rest.push_back(p);
         }
     }
     *queued = rest;
@@ -296,6 +325,8 @@ fn reply_err(batch: Vec<Pending>, err: impl Fn() -> StoreError) {
 mod tests {
     use super::*;
 
+    const SLICE: usize = 64;
+
     /// `(session, durable)` per queued append, in the order sent.
     fn queue(spec: &[(usize, bool)], sessions: &[SessionId]) -> VecDeque<Pending> {
         let mut seq: HashMap<usize, u64> = HashMap::new();
@@ -341,7 +372,7 @@ mod tests {
         for p in q.iter_mut().skip(MAX_BATCH - 2).take(3) {
             p.joined = true;
         }
-        let batch = next_batch(&mut q).unwrap();
+        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
         assert_eq!(batch.len(), MAX_BATCH + 2, "the group ends the batch");
         assert!(!batch.last().unwrap().joined);
         let mut w = q;
@@ -363,11 +394,11 @@ mod tests {
                 (1..=MAX_BATCH as u64).map(|q| (0, q)).collect(),
                 88,
             ),
-            // Awaited within the first batch: plain order.
+            // Awaited: its session's appends up to it, alone.
             (
                 [vec![(1, false), (0, false), (1, true)], many(0, 3)].concat(),
-                vec![(1, 1), (0, 1), (1, 2), (0, 2), (0, 3), (0, 4)],
-                0,
+                vec![(1, 1), (1, 2)],
+                4,
             ),
             // Awaited past a batch of another session's stream: that
             // session's appends up to its awaited one, first, in order.
@@ -384,7 +415,7 @@ mod tests {
         ];
         for (spec, first, left) in cases {
             let mut q = queue(&spec, &sessions);
-            let batch = next_batch(&mut q).unwrap();
+            let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
             assert_eq!(names(&batch, &sessions), first, "{spec:?}");
             assert_eq!(q.len(), left, "{spec:?}");
             // What is left keeps each session's order.
@@ -398,5 +429,56 @@ mod tests {
                 assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{spec:?}: {rest:?}");
             }
         }
+    }
+
+    #[test]
+    fn streamed_appends_commit_in_slices_of_sessions_each_in_order() {
+        let sessions: Vec<SessionId> = (0..SLICE + 5).map(|_| SessionId::new()).collect();
+        // Every session streams three events, interleaved.
+        let spec: Vec<(usize, bool)> = (0..3)
+            .flat_map(|_| (0..sessions.len()).map(|s| (s, false)))
+            .collect();
+        let mut q = queue(&spec, &sessions);
+        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+        let got = names(&batch, &sessions);
+        // The first SLICE sessions, all three events each, in the
+        // order they were sent; the other five wait, whole.
+        let want: Vec<(usize, u64)> = (1..=3)
+            .flat_map(|seq| (0..SLICE).map(move |s| (s, seq)))
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(q.len(), 5 * 3);
+        assert!(
+            q.iter()
+                .all(|p| sessions[SLICE..].contains(&p.event.session))
+        );
+        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+        assert_eq!(batch.len(), 5 * 3);
+        assert!(q.is_empty());
+    }
+
+    #[test]
+    fn awaited_appends_cannot_starve_the_streams() {
+        let sessions = [SessionId::new(), SessionId::new()];
+        let mut urgent_last = false;
+        // Session 1 streams; session 0 keeps admitting and settling.
+        let mut q = queue(&[(1, false), (0, true)], &sessions);
+        let first = next_batch(&mut q, SLICE, &mut urgent_last).unwrap();
+        assert_eq!(
+            names(&first, &sessions),
+            vec![(0, 1)],
+            "the awaited one first"
+        );
+        q.extend(queue(&[(0, true)], &sessions).into_iter().map(|mut p| {
+            p.event.seq = 2;
+            p
+        }));
+        let second = next_batch(&mut q, SLICE, &mut urgent_last).unwrap();
+        assert_eq!(
+            names(&second, &sessions),
+            vec![(1, 1), (0, 2)],
+            "then the stream, with what is queued after it"
+        );
+        assert!(q.is_empty());
     }
 }
