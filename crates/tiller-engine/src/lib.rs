@@ -296,7 +296,14 @@ pub type SignalSink = Arc<dyn Fn(EngineSignal) + Send + Sync>;
 /// event waits for the store about `HIGH / commit rate` at most (a
 /// tenth of a second at 150,000 events/s), under any number of sessions.
 /// Durable events (admissions, terminals) are not counted: a cancel is
-/// never held back.
+/// never held back. A session with nothing in flight that has waited
+/// [`Pace::PATIENCE`] for it goes on: every stream makes progress, and a
+/// prompt's first chunk never queues long behind the streams that filled
+/// the budget (it once waited seconds, when a thousand engines raced for
+/// each drained budget and a new one lost every race). That lets one
+/// event per session past the bound at most; the streams that keep the
+/// budget full still wait for it to drain, so they go on in bursts (which
+/// the store commits as whole segments).
 #[derive(Debug, Default)]
 pub struct Budget {
     /// Signals and events in flight, every session's.
@@ -357,6 +364,9 @@ impl Pace {
     pub const HELD_HIGH: usize = 256;
     /// The uncommitted events at which they go on.
     pub const HELD_LOW: usize = 64;
+    /// How long a session with nothing in flight waits for the daemon's
+    /// [`Budget`] at most.
+    pub const PATIENCE: std::time::Duration = std::time::Duration::from_millis(50);
 
     /// A session's pace within the daemon's `budget`.
     pub fn new(budget: Arc<Budget>) -> Pace {
@@ -406,22 +416,30 @@ impl Pace {
         self.waiting.load(std::sync::atomic::Ordering::Acquire)
     }
 
-    fn waits(&self) -> bool {
-        self.backlog() >= Self::HIGH
-            || self.uncommitted.load(std::sync::atomic::Ordering::Acquire) >= Self::HELD_HIGH
-            || self.budget.used() >= Budget::HIGH
+    /// Whether an engine must wait; `patient`: it has waited
+    /// [`Pace::PATIENCE`] already.
+    fn waits(&self, patient: bool) -> bool {
+        let (waiting, held) = (
+            self.backlog(),
+            self.uncommitted.load(std::sync::atomic::Ordering::Acquire),
+        );
+        waiting >= Self::HIGH
+            || held >= Self::HELD_HIGH
+            || (self.budget.used() >= Budget::HIGH && !(patient && waiting + held == 0))
     }
 
     /// Returns once the session's backlogs and the daemon's budget are
     /// below their high marks.
     pub async fn room(&self) {
-        while self.waits() {
+        let since = tokio::time::Instant::now();
+        let patient = || since.elapsed() >= Self::PATIENCE;
+        while self.waits(patient()) {
             let mine = self.drained.notified();
             let all = self.budget.drained.notified();
             tokio::pin!(mine, all);
             mine.as_mut().enable();
             all.as_mut().enable();
-            if !self.waits() {
+            if !self.waits(patient()) {
                 return;
             }
             // Bounded, in case the session went away without handling.
@@ -600,4 +618,53 @@ pub trait Engine: Send + Sync + 'static {
 
     /// The daemon stops: end every process the engine runs.
     fn shutdown(&self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_budget_holds_a_session_with_nothing_in_flight_back_a_while_only() {
+        let budget = Arc::new(Budget::default());
+        let busy = Pace::new(budget.clone());
+        busy.held(Budget::HIGH); // one session filled the daemon's budget
+        assert!(
+            busy.waits(false) && busy.waits(true),
+            "the session that filled it waits"
+        );
+        let quiet = Pace::new(budget.clone());
+        assert!(quiet.waits(false), "nothing in flight: it waits a while");
+        assert!(!quiet.waits(true), "then its next event goes on");
+        quiet.held(1);
+        assert!(quiet.waits(true), "with an event in flight it waits on");
+        quiet.held(0);
+        quiet.sent();
+        assert!(
+            quiet.waits(true),
+            "a signal not yet handled counts as in flight"
+        );
+        quiet.handled();
+        quiet.held(1);
+        busy.held(0);
+        assert!(!quiet.waits(false), "until the budget drains");
+        drop((busy, quiet));
+        assert_eq!(
+            budget.used(),
+            0,
+            "dropped paces take what they held with them"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_with_nothing_in_flight_gets_past_a_full_budget_after_its_patience() {
+        let budget = Arc::new(Budget::default());
+        let busy = Pace::new(budget.clone());
+        busy.held(Budget::HIGH);
+        let quiet = Pace::new(budget);
+        let t0 = tokio::time::Instant::now();
+        quiet.room().await;
+        assert!(t0.elapsed() >= Pace::PATIENCE, "{:?}", t0.elapsed());
+        assert!(t0.elapsed() < Pace::PATIENCE * 3, "{:?}", t0.elapsed());
+    }
 }
