@@ -300,8 +300,10 @@ pub type SignalSink = Arc<dyn Fn(EngineSignal) + Send + Sync>;
 /// [`Pace::PATIENCE`] for it goes on: every stream makes progress, and a
 /// prompt's first chunk never queues long behind the streams that filled
 /// the budget (it once waited seconds, when a thousand engines raced for
-/// each drained budget and a new one lost every race). That lets one
-/// event per session past the bound at most; the streams that keep the
+/// each drained budget and a new one lost every race). That lets what one
+/// engine step sends (a signal or a few, and the events the session
+/// publishes for them) per session past the bound at most; the streams
+/// that keep the
 /// budget full still wait for it to drain, so they go on in bursts (which
 /// the store commits as whole segments).
 #[derive(Debug, Default)]
@@ -663,7 +665,9 @@ mod tests {
         busy.held(Budget::HIGH);
         let quiet = Pace::new(budget);
         let t0 = tokio::time::Instant::now();
-        quiet.room().await;
+        tokio::time::timeout(Pace::PATIENCE * 3, quiet.room())
+            .await
+            .expect("it went on after its patience");
         assert!(t0.elapsed() >= Pace::PATIENCE, "{:?}", t0.elapsed());
         assert!(t0.elapsed() < Pace::PATIENCE * 3, "{:?}", t0.elapsed());
     }

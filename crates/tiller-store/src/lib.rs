@@ -4,8 +4,9 @@
 //! All SQLite work runs on one dedicated thread that owns the connection
 //! ([`writer`]); callers talk to it through a channel, so blocking I/O
 //! never runs on the async workers. Commands are executed in the order they
-//! are sent, appends that arrive together are committed in one
-//! transaction, and a reader always sees every append sent before it.
+//! are sent, queued appends are committed in batches (awaited ones first,
+//! each session's in order), and a reader always sees every append sent
+//! before it.
 //!
 //! Durability is typed: an append either commits with everything it
 //! implies ([`LedgerOp`]) or returns an error, and once a session's log
@@ -456,12 +457,13 @@ impl Store {
 
     /// Sets (or clears) a session's title.
     pub async fn set_title(&self, id: SessionId, title: Option<String>) -> Result<(), StoreError> {
-        self.call(move |c| c.set_title(id, title.as_deref())).await
+        self.call_for(id, move |c| c.set_title(id, title.as_deref()))
+            .await
     }
 
     /// Marks a session closed.
     pub async fn close_session(&self, id: SessionId) -> Result<(), StoreError> {
-        self.call(move |c| c.close_session(id)).await
+        self.call_for(id, move |c| c.close_session(id)).await
     }
 
     /// Removes a session and everything kept for it (see

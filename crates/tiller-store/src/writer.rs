@@ -1,7 +1,7 @@
 //! The store thread: the one owner of the connection. Commands run in the
-//! order they are sent; appends that arrive together commit in one
-//! transaction (one per session when a shared one fails, so one session's
-//! failure never costs another its events).
+//! order they are sent; queued appends commit in batches (see
+//! [`next_batch`]; one transaction per session when a shared one fails, so
+//! one session's failure never costs another its events).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -41,15 +41,6 @@ pub(crate) struct Pending {
     /// Commits in the same transaction as the event queued right after it
     /// (what a durable append carries before it: a start and its message).
     pub(crate) joined: bool,
-}
-
-/// The first `max` queued appends, or more: never cut between joined ones.
-fn batch_len(queued: &VecDeque<Pending>, max: usize) -> usize {
-    let mut n = queued.len().min(max);
-    while n < queued.len() && n > 0 && queued[n - 1].joined {
-        n += 1;
-    }
-    n
 }
 
 /// What the thread owns.
@@ -149,11 +140,13 @@ fn next_batch(
     if queued.is_empty() {
         return None;
     }
-    // Each urgent session's position of its last awaited append.
+    // Each urgent session's position of its last awaited append, for the
+    // first `sessions` of them (a burst of admissions is sliced too).
     let mut urgent: HashMap<SessionId, usize> = HashMap::new();
     for (i, p) in queued.iter().enumerate() {
-        if p.reply.is_some() {
-            urgent.insert(p.event.session, i);
+        let s = p.event.session;
+        if p.reply.is_some() && (urgent.len() < sessions || urgent.contains_key(&s)) {
+            urgent.insert(s, i);
         }
     }
     let mut batch = Vec::new();
@@ -233,11 +226,12 @@ impl Writer {
         self.shared.done(n);
     }
 
-    /// Writes everything queued, in order.
+    /// Writes everything queued (each session's in order), in the batches
+    /// [`next_batch`] cuts.
     fn write_all(&mut self, queued: &mut VecDeque<Pending>) {
-        while !queued.is_empty() {
-            let n = batch_len(queued, MAX_BATCH);
-            let batch = queued.drain(..n).collect();
+        let sessions = self.conn.sessions_per_commit();
+        let mut urgent_last = false;
+        while let Some(batch) = next_batch(queued, sessions, &mut urgent_last) {
             self.append_timed(batch);
         }
     }
@@ -375,10 +369,7 @@ mod tests {
         let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
         assert_eq!(batch.len(), MAX_BATCH + 2, "the group ends the batch");
         assert!(!batch.last().unwrap().joined);
-        let mut w = q;
-        assert_eq!(batch_len(&w, MAX_BATCH), 8);
-        w.clear();
-        assert_eq!(batch_len(&w, MAX_BATCH), 0);
+        assert_eq!(q.len(), 8);
     }
 
     #[test]
@@ -455,6 +446,20 @@ mod tests {
         let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
         assert_eq!(batch.len(), 5 * 3);
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn a_burst_of_awaited_appends_is_sliced_too() {
+        let sessions: Vec<SessionId> = (0..SLICE + 2).map(|_| SessionId::new()).collect();
+        let spec: Vec<(usize, bool)> = (0..sessions.len()).map(|s| (s, true)).collect();
+        let mut q = queue(&spec, &sessions);
+        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+        let want: Vec<(usize, u64)> = (0..SLICE).map(|s| (s, 1)).collect();
+        assert_eq!(names(&batch, &sessions), want);
+        assert_eq!(
+            names(q.make_contiguous(), &sessions),
+            vec![(SLICE, 1), (SLICE + 1, 1)]
+        );
     }
 
     #[test]
