@@ -63,6 +63,9 @@ pub(crate) struct Writer {
 /// Most appends committed in one transaction.
 const MAX_BATCH: usize = 4096;
 
+/// Most queued appends a batch of streamed ones is chosen from.
+const SCAN: usize = 4 * MAX_BATCH;
+
 /// The thread's loop. Appends are taken off the channel as they come and
 /// written in batches (see [`next_batch`]): an awaited append (a durable
 /// event: an admission, a terminal) is committed with what its session
@@ -150,9 +153,9 @@ fn next_batch(
         }
     }
     let mut batch = Vec::new();
-    let mut rest = VecDeque::with_capacity(queued.len());
     if !urgent.is_empty() && !*urgent_last {
         *urgent_last = true;
+        let mut rest = VecDeque::with_capacity(queued.len());
         for (i, p) in queued.drain(..).enumerate() {
             match urgent.get(&p.event.session) {
                 Some(&last) if i <= last => batch.push(p),
@@ -163,11 +166,19 @@ fn next_batch(
         return Some(batch);
     }
     *urgent_last = false;
+    // Only the oldest appends are looked at (never cut between joined
+    // ones): a batch costs its size, not the queue's, however long the
+    // queue (a store that fell behind, a caller that does not wait).
+    let mut window = queued.len().min(SCAN);
+    while window < queued.len() && queued[window - 1].joined {
+        window += 1;
+    }
+    let mut rest = VecDeque::with_capacity(window);
     // Each taken session's appends are a prefix of its queued ones: once
     // the batch is full (never between joined appends) nothing more is.
     let mut taken: HashSet<SessionId> = HashSet::new();
     let mut full = false;
-    for p in queued.drain(..) {
+    for p in queued.drain(..window) {
         let s = p.event.session;
         full =
             full || (batch.len() >= MAX_BATCH && !batch.last().is_some_and(|b: &Pending| b.joined));
@@ -178,7 +189,10 @@ fn next_batch(
             rest.push_back(p);
         }
     }
-    *queued = rest;
+    // What was looked at and not taken goes back in front, in order.
+    while let Some(p) = rest.pop_back() {
+        queued.push_front(p);
+    }
     Some(batch)
 }
 
@@ -446,6 +460,59 @@ mod tests {
         let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
         assert_eq!(batch.len(), 5 * 3);
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn a_batch_is_chosen_from_the_oldest_appends_and_never_cuts_a_joined_group() {
+        let sessions: Vec<SessionId> = (0..SLICE + 1).map(|_| SessionId::new()).collect();
+        // Session 0 streams past the window; a joined group of session 1
+        // straddles the window's end; the last session shows up after it.
+        let mut spec = vec![(0, false); SCAN - 2];
+        spec.extend([(1, false); 4]);
+        spec.push((SLICE, false));
+        spec.extend([(0, false); 3]);
+        let mut q = queue(&spec, &sessions);
+        for p in q.iter_mut().skip(SCAN - 2).take(3) {
+            p.joined = true;
+        }
+        let batch = next_batch(&mut q, 2, &mut false).unwrap();
+        // Session 0 up to a batch; session 1 is not taken (the batch is
+        // full first), nor what lies past the window.
+        assert_eq!(batch.len(), MAX_BATCH);
+        let rest = names(q.make_contiguous(), &sessions);
+        assert_eq!(rest.len(), spec.len() - MAX_BATCH);
+        for s in [0, 1, SLICE] {
+            let seqs: Vec<u64> = rest
+                .iter()
+                .filter(|(x, _)| *x == s)
+                .map(|(_, q)| *q)
+                .collect();
+            assert!(
+                seqs.windows(2).all(|w| w[1] == w[0] + 1),
+                "session {s} in order: {seqs:?}"
+            );
+        }
+        // The order of the queue is the order sent, but for what was taken.
+        let want: Vec<(usize, u64)> = names(queue(&spec, &sessions).make_contiguous(), &sessions)
+            .into_iter()
+            .filter(|(s, q)| !(*s == 0 && *q <= MAX_BATCH as u64))
+            .collect();
+        assert_eq!(rest, want);
+        // A joined group across the window's end is taken whole: session
+        // 0 is the one taken (a slice of one), session 1 fills the window.
+        let mut spec = vec![(0, false)];
+        spec.extend(vec![(1, false); SCAN - 2]);
+        spec.extend([(0, false); 3]);
+        let mut q = queue(&spec, &sessions);
+        for p in q.iter_mut().skip(SCAN - 1).take(2) {
+            p.joined = true;
+        }
+        let batch = next_batch(&mut q, 1, &mut false).unwrap();
+        assert_eq!(
+            names(&batch, &sessions),
+            vec![(0, 1), (0, 2), (0, 3), (0, 4)]
+        );
+        assert!(!batch.last().unwrap().joined);
     }
 
     #[test]
