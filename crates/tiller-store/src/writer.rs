@@ -152,18 +152,13 @@ fn next_batch(
             urgent.insert(s, i);
         }
     }
-    let mut batch = Vec::new();
-    if !urgent.is_empty() && !*urgent_last {
+    if let Some(&end) = urgent.values().max()
+        && !*urgent_last
+    {
         *urgent_last = true;
-        let mut rest = VecDeque::with_capacity(queued.len());
-        for (i, p) in queued.drain(..).enumerate() {
-            match urgent.get(&p.event.session) {
-                Some(&last) if i <= last => batch.push(p),
-                _ => rest.push_back(p),
-            }
-        }
-        *queued = rest;
-        return Some(batch);
+        return Some(take_front(queued, end + 1, |i, p| {
+            urgent.get(&p.event.session).is_some_and(|&last| i <= last)
+        }));
     }
     *urgent_last = false;
     // Only the oldest appends are looked at (never cut between joined
@@ -173,27 +168,42 @@ fn next_batch(
     while window < queued.len() && queued[window - 1].joined {
         window += 1;
     }
-    let mut rest = VecDeque::with_capacity(window);
     // Each taken session's appends are a prefix of its queued ones: once
     // the batch is full (never between joined appends) nothing more is.
     let mut taken: HashSet<SessionId> = HashSet::new();
-    let mut full = false;
-    for p in queued.drain(..window) {
+    let (mut n, mut last_joined, mut full) = (0, false, false);
+    Some(take_front(queued, window, |_, p| {
         let s = p.event.session;
-        full =
-            full || (batch.len() >= MAX_BATCH && !batch.last().is_some_and(|b: &Pending| b.joined));
-        if !full && (taken.contains(&s) || taken.len() < sessions) {
+        full = full || (n >= MAX_BATCH && !last_joined);
+        let take = !full && (taken.contains(&s) || taken.len() < sessions);
+        if take {
             taken.insert(s);
+            (n, last_joined) = (n + 1, p.joined);
+        }
+        take
+    }))
+}
+
+/// Takes the appends `take` picks (by position, in order) among the first
+/// `n` queued; the others stay in front, in order.
+fn take_front(
+    queued: &mut VecDeque<Pending>,
+    n: usize,
+    mut take: impl FnMut(usize, &Pending) -> bool,
+) -> Vec<Pending> {
+    let mut batch = Vec::new();
+    let mut rest = VecDeque::with_capacity(n);
+    for (i, p) in queued.drain(..n).enumerate() {
+        if take(i, &p) {
             batch.push(p);
         } else {
             rest.push_back(p);
         }
     }
-    // What was looked at and not taken goes back in front, in order.
     while let Some(p) = rest.pop_back() {
         queued.push_front(p);
     }
-    Some(batch)
+    batch
 }
 
 /// Runs one command on the caller's thread (an inline store); the writer
