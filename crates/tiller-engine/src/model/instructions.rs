@@ -41,6 +41,9 @@ const GIT_LINES: usize = 30;
 /// How long `git status` may take.
 const GIT_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// The `PATH` `git` runs with (its environment is cleared).
+const GIT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+
 /// The rules files looked for, in order: the first one present is used.
 pub const RULES_FILES: [&str; 2] = ["AGENTS.md", "CLAUDE.md"];
 
@@ -68,11 +71,15 @@ impl Environment {
             (None, None)
         } else {
             let dir = cwd.clone();
-            let rules = tokio::task::spawn_blocking(move || read_rules(&dir))
-                .await
-                .ok()
-                .flatten();
-            (rules, git_status(&cwd).await)
+            let (rules, repository) =
+                tokio::task::spawn_blocking(move || (read_rules(&dir), in_repository(&dir)))
+                    .await
+                    .unwrap_or((None, false));
+            let git = match repository {
+                true => git_status(&cwd).await,
+                false => None,
+            };
+            (rules, git)
         };
         let now = jiff::Zoned::now();
         Environment {
@@ -168,10 +175,38 @@ fn read_bounded(path: &Path) -> Option<String> {
     Some(text)
 }
 
+/// Whether `dir` or a directory above it has a `.git`. Without one, `git`
+/// (its environment cleared: no `GIT_DIR`) finds no work tree and would
+/// only say so, so it is not run: a turn in such a directory costs no
+/// process.
+fn in_repository(dir: &Path) -> bool {
+    dir.ancestors()
+        .any(|d| d.join(".git").symlink_metadata().is_ok())
+}
+
+/// `git` in [`GIT_PATH`], found once. Started by its path, the child is
+/// spawned without a copy of the daemon's page tables (`posix_spawn`; a
+/// lookup under a changed `PATH` makes the standard library fork).
+fn git_program() -> Option<&'static Path> {
+    use std::os::unix::fs::PermissionsExt;
+    static GIT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    if let Some(g) = GIT.get() {
+        return Some(g);
+    }
+    let found = GIT_PATH
+        .split(':')
+        .map(|d| Path::new(d).join("git"))
+        .find(|p| {
+            p.metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })?;
+    Some(GIT.get_or_init(|| found))
+}
+
 /// `git status --branch --porcelain` of `dir`, bounded; `None` when it is
 /// not a repository (or git is missing, slow or refuses).
 async fn git_status(dir: &Path) -> Option<String> {
-    let mut cmd = tokio::process::Command::new("git");
+    let mut cmd = tokio::process::Command::new(git_program()?);
     cmd.args([
         "-c",
         "core.fsmonitor=false",
@@ -184,7 +219,7 @@ async fn git_status(dir: &Path) -> Option<String> {
     ])
     .current_dir(dir)
     .env_clear()
-    .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+    .env("PATH", GIT_PATH)
     .env("LC_ALL", "C")
     .env("GIT_CONFIG_NOSYSTEM", "1")
     .env("GIT_CONFIG_GLOBAL", "/dev/null")
@@ -359,5 +394,27 @@ mod tests {
         let git = Environment::gather(&host).await.git.unwrap();
         assert!(git.contains("trunk"), "{git}");
         assert!(git.contains("?? new.txt"), "{git}");
+        // From a directory below the work tree's top too.
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        let below = HostInfo {
+            cwd: dir.path().join("sub"),
+            ..Default::default()
+        };
+        let git = Environment::gather(&below).await.git.unwrap();
+        assert!(git.contains("?? new.txt"), "{git}");
+    }
+
+    /// A `.git` file (a linked work tree, a submodule) marks a repository
+    /// as a `.git` directory does; no `.git` anywhere above, none.
+    #[test]
+    fn a_repository_is_found_by_its_dot_git_above() {
+        let dir = tempfile::tempdir().unwrap();
+        let deep = dir.path().join("a/b");
+        std::fs::create_dir_all(&deep).unwrap();
+        // The temporary directory is not in a repository.
+        assert!(!in_repository(&deep));
+        std::fs::write(dir.path().join("a/.git"), "gitdir: /elsewhere\n").unwrap();
+        assert!(in_repository(&deep));
+        assert!(!in_repository(dir.path()));
     }
 }

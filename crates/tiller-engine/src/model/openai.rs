@@ -1,6 +1,9 @@
 //! OpenAI Chat Completions (and the servers compatible with it: Ollama,
 //! vLLM, llama.cpp): request body and streaming parser.
 
+use std::borrow::Cow;
+
+use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::{Delta, Finish, ModelConfig, Parser, RawCall, Stop};
@@ -95,6 +98,47 @@ impl Parser for OpenAiParser {
             self.done = true;
             return Ok(Vec::new());
         }
+        // Nearly every chunk has the common shape, read without a `Value`;
+        // anything else (an error, a field of another type) takes the
+        // general path, which reads every input the same way.
+        if data.starts_with('{')
+            && let Ok(chunk) = serde_json::from_str::<Chunk<'_>>(data)
+            && !chunk.error
+        {
+            return Ok(self.chunk(chunk));
+        }
+        self.value(data)
+    }
+
+    fn finish(&mut self, ended: bool) -> Option<Finish> {
+        // Usage comes after the finish reason, so `[DONE]` ends a response;
+        // some compatible servers close the stream without it, and a finish
+        // reason is then the sign of a complete response.
+        if !(self.done || ended && self.stop.is_some()) {
+            return None;
+        }
+        let calls: Vec<RawCall> = std::mem::take(&mut self.calls)
+            .into_iter()
+            .map(|(_, c)| c)
+            .collect();
+        let stop = match self.stop {
+            // A server that says `stop` while calling tools still called them.
+            Some(Stop::EndTurn) | None if !calls.is_empty() => Stop::ToolUse,
+            Some(s) => s,
+            None => Stop::EndTurn,
+        };
+        Some(Finish {
+            reasoning: Vec::new(),
+            stop,
+            calls,
+            usage: self.usage,
+        })
+    }
+}
+
+impl OpenAiParser {
+    /// Any chunk, read as a `Value`: the general path.
+    fn value(&mut self, data: &str) -> Result<Vec<Delta>, String> {
         let v: Value = serde_json::from_str(data)
             .map_err(|e| format!("the model sent a chunk that is not JSON ({e})"))?;
         if let Some(err) = v.get("error") {
@@ -122,15 +166,7 @@ impl Parser for OpenAiParser {
                 out.push(Delta::Text(r.to_owned()));
             }
             for tc in delta["tool_calls"].as_array().into_iter().flatten() {
-                let index = tc["index"].as_u64().unwrap_or(0) as usize;
-                let pos = match self.calls.iter().position(|(i, _)| *i == index) {
-                    Some(p) => p,
-                    None => {
-                        self.calls.push((index, RawCall::default()));
-                        self.calls.len() - 1
-                    }
-                };
-                let call = &mut self.calls[pos].1;
+                let call = self.call(tc["index"].as_u64().unwrap_or(0) as usize);
                 if let Some(id) = tc["id"].as_str() {
                     call.id.push_str(id);
                 }
@@ -143,39 +179,333 @@ impl Parser for OpenAiParser {
                 out.push(Delta::ToolProgress);
             }
             if let Some(reason) = choice["finish_reason"].as_str() {
-                self.stop = Some(match reason {
-                    "length" => Stop::MaxTokens,
-                    "content_filter" => Stop::Refusal,
-                    "tool_calls" | "function_call" => Stop::ToolUse,
-                    _ => Stop::EndTurn,
-                });
+                self.stop = Some(stop(reason));
             }
         }
         Ok(out)
     }
 
-    fn finish(&mut self, ended: bool) -> Option<Finish> {
-        // Usage comes after the finish reason, so `[DONE]` ends a response;
-        // some compatible servers close the stream without it, and a finish
-        // reason is then the sign of a complete response.
-        if !(self.done || ended && self.stop.is_some()) {
-            return None;
+    /// A chunk of the common shape: the same reading as [`Self::value`].
+    fn chunk(&mut self, chunk: Chunk<'_>) -> Vec<Delta> {
+        if let Some(Obj(u)) = chunk.usage {
+            self.usage = (
+                u.prompt_tokens.unwrap_or(0),
+                u.completion_tokens.unwrap_or(0),
+            );
         }
-        let calls: Vec<RawCall> = std::mem::take(&mut self.calls)
-            .into_iter()
-            .map(|(_, c)| c)
-            .collect();
-        let stop = match self.stop {
-            // A server that says `stop` while calling tools still called them.
-            Some(Stop::EndTurn) | None if !calls.is_empty() => Stop::ToolUse,
-            Some(s) => s,
-            None => Stop::EndTurn,
+        let mut out = Vec::new();
+        for Obj(choice) in chunk.choices.into_iter().flatten() {
+            if let Some(Obj(d)) = choice.delta {
+                let text =
+                    |t: Option<Cow<'_, str>>| t.filter(|t| !t.is_empty()).map(Cow::into_owned);
+                if let Some(t) = text(d.content) {
+                    out.push(Delta::Text(t));
+                }
+                for t in [d.reasoning_content, d.reasoning] {
+                    if let Some(t) = text(t) {
+                        out.push(Delta::Thought(t));
+                    }
+                }
+                if let Some(t) = text(d.refusal) {
+                    out.push(Delta::Text(t));
+                }
+                for Obj(tc) in d.tool_calls.into_iter().flatten() {
+                    let call = self.call(tc.index.unwrap_or(0) as usize);
+                    if let Some(id) = tc.id {
+                        call.id.push_str(&id);
+                    }
+                    if let Some(Obj(f)) = tc.function {
+                        if let Some(name) = f.name {
+                            call.name.push_str(&name);
+                        }
+                        if let Some(args) = f.arguments {
+                            call.args.push_str(&args);
+                        }
+                    }
+                    out.push(Delta::ToolProgress);
+                }
+            }
+            if let Some(reason) = choice.finish_reason {
+                self.stop = Some(stop(&reason));
+            }
+        }
+        out
+    }
+
+    /// The call streamed at `index` (made at its first piece).
+    fn call(&mut self, index: usize) -> &mut RawCall {
+        let pos = match self.calls.iter().position(|(i, _)| *i == index) {
+            Some(p) => p,
+            None => {
+                self.calls.push((index, RawCall::default()));
+                self.calls.len() - 1
+            }
         };
-        Some(Finish {
-            reasoning: Vec::new(),
-            stop,
-            calls,
-            usage: self.usage,
+        &mut self.calls[pos].1
+    }
+}
+
+fn stop(reason: &str) -> Stop {
+    match reason {
+        "length" => Stop::MaxTokens,
+        "content_filter" => Stop::Refusal,
+        "tool_calls" | "function_call" => Stop::ToolUse,
+        _ => Stop::EndTurn,
+    }
+}
+
+/// A streamed chunk of the common shape. Strings are borrowed from the
+/// event where they have no escapes. A field of another type fails the
+/// whole read (and the chunk takes the general path).
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(borrow, default)]
+    choices: Option<Vec<Obj<Choice<'a>>>>,
+    #[serde(default)]
+    usage: Option<Obj<Usage>>,
+    /// Present at all (even `null`): the general path reports it.
+    #[serde(default, deserialize_with = "present")]
+    error: bool,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(borrow, default)]
+    delta: Option<Obj<ChunkDelta<'a>>>,
+    #[serde(borrow, default)]
+    finish_reason: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct ChunkDelta<'a> {
+    #[serde(borrow, default)]
+    content: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    reasoning: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    refusal: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    tool_calls: Option<Vec<Obj<ToolCallPiece<'a>>>>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallPiece<'a> {
+    #[serde(default)]
+    index: Option<u64>,
+    #[serde(borrow, default)]
+    id: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    function: Option<Obj<FunctionPiece<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct FunctionPiece<'a> {
+    #[serde(borrow, default)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    arguments: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
+/// `T` read from a JSON object only (serde reads a struct from an array
+/// too, by position, which the general path does not).
+struct Obj<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Object<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Object<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        d.deserialize_map(Object(std::marker::PhantomData)).map(Obj)
+    }
+}
+
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    serde::de::IgnoredAny::deserialize(d).map(|_| true)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use serde_json::{Map, Value, json};
+
+    use super::{Chunk, OpenAiParser, Parser};
+
+    /// Anything a server might put where a field is expected.
+    fn junk() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            Just(json!(18446744073709551615u64)),
+            Just(json!(1e30)),
+            Just(json!(-1)),
+            Just(json!(2.5)),
+            text(),
+        ];
+        leaf.prop_recursive(2, 8, 3, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..3).prop_map(Value::from),
+                prop::collection::btree_map("[a-z_]{1,6}", inner, 0..3)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
         })
+    }
+
+    /// Text, escapes and non-ASCII included.
+    fn text() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            Just(String::new()),
+            "[a-z ]{1,8}",
+            "[\"\\\\\n\t/é€😀a]{1,6}",
+        ]
+        .prop_map(Value::from)
+    }
+
+    fn text_or_junk() -> impl Strategy<Value = Value> {
+        prop_oneof![4 => text(), 1 => junk()]
+    }
+
+    /// An object with each of `fields` present or not.
+    fn object(fields: Vec<(&'static str, BoxedStrategy<Value>)>) -> BoxedStrategy<Value> {
+        let parts: Vec<_> = fields
+            .into_iter()
+            .map(|(k, v)| proptest::option::weighted(0.6, v).prop_map(move |v| (k, v)))
+            .collect();
+        parts
+            .prop_map(|kvs| {
+                let mut m = Map::new();
+                for (k, v) in kvs {
+                    if let Some(v) = v {
+                        m.insert(k.to_owned(), v);
+                    }
+                }
+                Value::Object(m)
+            })
+            .boxed()
+    }
+
+    fn chunk() -> BoxedStrategy<Value> {
+        let function = prop_oneof![
+            4 => object(vec![("name", text_or_junk().boxed()), ("arguments", text_or_junk().boxed())]),
+            1 => junk(),
+        ];
+        let index = prop_oneof![4 => (0u64..3).prop_map(Value::from), 1 => junk()];
+        let call = prop_oneof![
+            4 => object(vec![
+                ("index", index.boxed()),
+                ("id", text_or_junk().boxed()),
+                ("function", function.boxed()),
+                ("type", text().boxed()),
+            ]),
+            1 => junk(),
+        ];
+        let calls = prop_oneof![
+            4 => prop::collection::vec(call, 0..3).prop_map(Value::from),
+            1 => junk(),
+        ];
+        let delta = prop_oneof![
+            6 => object(vec![
+                ("role", text().boxed()),
+                ("content", text_or_junk().boxed()),
+                ("reasoning_content", text_or_junk().boxed()),
+                ("reasoning", text_or_junk().boxed()),
+                ("refusal", text_or_junk().boxed()),
+                ("tool_calls", calls.boxed()),
+            ]),
+            1 => junk(),
+        ];
+        let reason = prop_oneof![
+            Just(json!("stop")),
+            Just(json!("length")),
+            Just(json!("tool_calls")),
+            Just(json!("content_filter")),
+            Just(json!("function_call")),
+            junk(),
+        ];
+        let choice = prop_oneof![
+            6 => object(vec![
+                ("index", Just(json!(0)).boxed()),
+                ("delta", delta.boxed()),
+                ("finish_reason", reason.boxed()),
+            ]),
+            1 => junk(),
+        ];
+        let choices = prop_oneof![
+            6 => prop::collection::vec(choice, 0..3).prop_map(Value::from),
+            1 => junk(),
+        ];
+        let count = prop_oneof![4 => (0u64..100_000).prop_map(Value::from), 1 => junk()];
+        let usage = prop_oneof![
+            4 => object(vec![("prompt_tokens", count.clone().boxed()), ("completion_tokens", count.boxed())]),
+            1 => junk(),
+        ];
+        let error = prop_oneof![
+            Just(json!({"type": "server_error", "message": "overloaded"})),
+            junk(),
+        ];
+        prop_oneof![
+            20 => object(vec![
+                ("id", text().boxed()),
+                ("choices", choices.boxed()),
+                ("usage", usage.boxed()),
+                ("error", proptest::option::weighted(0.1, error).prop_map(|e| e.unwrap_or(Value::Null)).boxed()),
+            ]),
+            1 => junk(),
+        ]
+        .boxed()
+    }
+
+    proptest! {
+        /// The common shape's reader gives what the general path gives,
+        /// chunk by chunk and in the end, for any chunk.
+        #[test]
+        fn the_fast_path_reads_every_chunk_as_the_general_path_does(
+            chunks in prop::collection::vec(chunk(), 1..6),
+        ) {
+            let mut general = OpenAiParser::default();
+            let mut fast = OpenAiParser::default();
+            for c in &chunks {
+                let data = c.to_string();
+                prop_assert_eq!(fast.event("", &data), general.value(&data), "{}", data);
+                prop_assert_eq!(format!("{fast:?}"), format!("{general:?}"));
+            }
+            prop_assert_eq!(format!("{:?}", fast.finish(true)), format!("{:?}", general.finish(true)));
+        }
+    }
+
+    /// The fast path is taken for what servers send (else the property
+    /// above would hold trivially).
+    #[test]
+    fn real_chunks_take_the_fast_path() {
+        for data in [
+            r#"{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel\"lo\n"},"logprobs":null,"finish_reason":null}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"reasoning_content":"hmm"},"finish_reason":null}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"read","arguments":"{\"pa"}}]},"finish_reason":null}]}"#,
+            r#"{"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            r#"{"id":"c","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15}}"#,
+        ] {
+            let chunk = serde_json::from_str::<Chunk<'_>>(data);
+            assert!(chunk.is_ok_and(|c| !c.error), "{data}");
+        }
+        // An error goes the general way.
+        let err = r#"{"error":{"type":"server_error","message":"overloaded"}}"#;
+        assert!(serde_json::from_str::<Chunk<'_>>(err).is_ok_and(|c| c.error));
     }
 }
