@@ -43,6 +43,38 @@ pub(crate) struct Pending {
     pub(crate) joined: bool,
 }
 
+/// The appends waiting to be written, in the order sent, and how many of
+/// them are awaited: a batch looks for those only when there are some (a
+/// long queue of streamed appends is not read through for each batch).
+#[derive(Default)]
+pub(crate) struct Queue {
+    items: VecDeque<Pending>,
+    awaited: usize,
+}
+
+impl Queue {
+    fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+
+impl Extend<Pending> for Queue {
+    fn extend<I: IntoIterator<Item = Pending>>(&mut self, appends: I) {
+        for p in appends {
+            self.awaited += usize::from(p.reply.is_some());
+            self.items.push_back(p);
+        }
+    }
+}
+
+impl FromIterator<Pending> for Queue {
+    fn from_iter<I: IntoIterator<Item = Pending>>(appends: I) -> Self {
+        let mut q = Queue::default();
+        q.extend(appends);
+        q
+    }
+}
+
 /// What the thread owns.
 pub(crate) struct Writer {
     pub(crate) conn: Box<dyn Db>,
@@ -76,7 +108,7 @@ const SCAN: usize = 4 * MAX_BATCH;
 /// behind every other session's stream. Any other command waits for every
 /// append sent before it (a reader sees them).
 pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
-    let mut queued: VecDeque<Pending> = VecDeque::new();
+    let mut queued = Queue::default();
     let mut urgent_last = false;
     loop {
         let first = if queued.is_empty() {
@@ -135,26 +167,22 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
 /// After a batch of awaited appends the next one is streamed if any waits
 /// (`urgent_last`): a steady flow of admissions and terminals cannot
 /// starve the streams.
-fn next_batch(
-    queued: &mut VecDeque<Pending>,
-    sessions: usize,
-    urgent_last: &mut bool,
-) -> Option<Vec<Pending>> {
+fn next_batch(queued: &mut Queue, sessions: usize, urgent_last: &mut bool) -> Option<Vec<Pending>> {
     if queued.is_empty() {
         return None;
     }
     // Each urgent session's position of its last awaited append, for the
     // first `sessions` of them (a burst of admissions is sliced too).
     let mut urgent: HashMap<SessionId, usize> = HashMap::new();
-    for (i, p) in queued.iter().enumerate() {
-        let s = p.event.session;
-        if p.reply.is_some() && (urgent.len() < sessions || urgent.contains_key(&s)) {
-            urgent.insert(s, i);
+    if queued.awaited > 0 && !*urgent_last {
+        for (i, p) in queued.items.iter().enumerate() {
+            let s = p.event.session;
+            if p.reply.is_some() && (urgent.len() < sessions || urgent.contains_key(&s)) {
+                urgent.insert(s, i);
+            }
         }
     }
-    if let Some(&end) = urgent.values().max()
-        && !*urgent_last
-    {
+    if let Some(&end) = urgent.values().max() {
         *urgent_last = true;
         return Some(take_front(queued, end + 1, |i, p| {
             urgent.get(&p.event.session).is_some_and(|&last| i <= last)
@@ -164,20 +192,25 @@ fn next_batch(
     // Only the oldest appends are looked at (never cut between joined
     // ones): a batch costs its size, not the queue's, however long the
     // queue (a store that fell behind, a caller that does not wait).
-    let mut window = queued.len().min(SCAN);
-    while window < queued.len() && queued[window - 1].joined {
+    let mut window = queued.items.len().min(SCAN);
+    while window < queued.items.len() && queued.items[window - 1].joined {
         window += 1;
     }
     // Each taken session's appends are a prefix of its queued ones: once
     // the batch is full (never between joined appends) nothing more is.
     let mut taken: HashSet<SessionId> = HashSet::new();
     let (mut n, mut last_joined, mut full) = (0, false, false);
+    // The session taken last (a stream's appends come in runs).
+    let mut last = None;
     Some(take_front(queued, window, |_, p| {
         let s = p.event.session;
         full = full || (n >= MAX_BATCH && !last_joined);
-        let take = !full && (taken.contains(&s) || taken.len() < sessions);
+        let take = !full
+            && (last == Some(s)
+                || taken.contains(&s)
+                || (taken.len() < sessions && taken.insert(s)));
         if take {
-            taken.insert(s);
+            last = Some(s);
             (n, last_joined) = (n + 1, p.joined);
         }
         take
@@ -185,23 +218,33 @@ fn next_batch(
 }
 
 /// Takes the appends `take` picks (by position, in order) among the first
-/// `n` queued; the others stay in front, in order.
+/// `n` queued; the others stay in front, in order. Only the queue up to
+/// the last one taken moves.
 fn take_front(
-    queued: &mut VecDeque<Pending>,
+    queued: &mut Queue,
     n: usize,
     mut take: impl FnMut(usize, &Pending) -> bool,
 ) -> Vec<Pending> {
-    let mut batch = Vec::new();
-    let mut rest = VecDeque::with_capacity(n);
-    for (i, p) in queued.drain(..n).enumerate() {
-        if take(i, &p) {
+    let picked: Vec<bool> = queued
+        .items
+        .iter()
+        .take(n)
+        .enumerate()
+        .map(|(i, p)| take(i, p))
+        .collect();
+    let end = picked.iter().rposition(|&t| t).map_or(0, |last| last + 1);
+    let mut batch = Vec::with_capacity(picked.iter().filter(|&&t| t).count());
+    let mut rest = Vec::new();
+    for (p, t) in queued.items.drain(..end).zip(picked) {
+        if t {
+            queued.awaited -= usize::from(p.reply.is_some());
             batch.push(p);
         } else {
-            rest.push_back(p);
+            rest.push(p);
         }
     }
-    while let Some(p) = rest.pop_back() {
-        queued.push_front(p);
+    while let Some(p) = rest.pop() {
+        queued.items.push_front(p);
     }
     batch
 }
@@ -252,7 +295,7 @@ impl Writer {
 
     /// Writes everything queued (each session's in order), in the batches
     /// [`next_batch`] cuts.
-    fn write_all(&mut self, queued: &mut VecDeque<Pending>) {
+    fn write_all(&mut self, queued: &mut Queue) {
         let sessions = self.conn.sessions_per_commit();
         let mut urgent_last = false;
         while let Some(batch) = next_batch(queued, sessions, &mut urgent_last) {
@@ -261,12 +304,13 @@ impl Writer {
     }
 
     /// Writes what is queued for one session, in order (the others wait).
-    fn write_session(&mut self, queued: &mut VecDeque<Pending>, session: SessionId) {
-        if !queued.iter().any(|p| p.event.session == session) {
+    fn write_session(&mut self, queued: &mut Queue, session: SessionId) {
+        if !queued.items.iter().any(|p| p.event.session == session) {
             return;
         }
-        let (mine, rest): (VecDeque<Pending>, VecDeque<Pending>) =
-            queued.drain(..).partition(|p| p.event.session == session);
+        let (mine, rest): (Queue, Queue) = std::mem::take(&mut queued.items)
+            .into_iter()
+            .partition(|p| p.event.session == session);
         *queued = rest;
         let mut mine = mine;
         self.write_all(&mut mine);
@@ -346,7 +390,7 @@ mod tests {
     const SLICE: usize = 64;
 
     /// `(session, durable)` per queued append, in the order sent.
-    fn queue(spec: &[(usize, bool)], sessions: &[SessionId]) -> VecDeque<Pending> {
+    fn queue(spec: &[(usize, bool)], sessions: &[SessionId]) -> Queue {
         let mut seq: HashMap<usize, u64> = HashMap::new();
         spec.iter()
             .map(|&(s, durable)| {
@@ -381,19 +425,40 @@ mod tests {
             .collect()
     }
 
+    /// The count of awaited appends follows the queue through every kind
+    /// of batch (an awaited append it missed would wait behind streams).
+    #[test]
+    fn the_awaited_count_follows_the_queue() {
+        let sessions: Vec<SessionId> = (0..5).map(|_| SessionId::new()).collect();
+        let spec: Vec<(usize, bool)> = (0..400).map(|i| (i * 7 % 5, i % 9 == 0)).collect();
+        let mut q = queue(&spec, &sessions);
+        let mut urgent_last = false;
+        let mut awaited_batches = 0;
+        loop {
+            let count = q.items.iter().filter(|p| p.reply.is_some()).count();
+            assert_eq!(q.awaited, count);
+            let Some(batch) = next_batch(&mut q, 2, &mut urgent_last) else {
+                break;
+            };
+            awaited_batches += usize::from(urgent_last);
+            assert!(!batch.is_empty());
+        }
+        assert!(awaited_batches > 0);
+    }
+
     #[test]
     fn a_batch_is_never_cut_between_joined_appends() {
         let sessions = [SessionId::new()];
         let mut q = queue(&vec![(0, false); MAX_BATCH + 10], &sessions);
         // A durable append that carries three events before it, straddling
         // the batch limit (a start, its message...).
-        for p in q.iter_mut().skip(MAX_BATCH - 2).take(3) {
+        for p in q.items.iter_mut().skip(MAX_BATCH - 2).take(3) {
             p.joined = true;
         }
         let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
         assert_eq!(batch.len(), MAX_BATCH + 2, "the group ends the batch");
         assert!(!batch.last().unwrap().joined);
-        assert_eq!(q.len(), 8);
+        assert_eq!(q.items.len(), 8);
     }
 
     #[test]
@@ -432,9 +497,9 @@ mod tests {
             let mut q = queue(&spec, &sessions);
             let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
             assert_eq!(names(&batch, &sessions), first, "{spec:?}");
-            assert_eq!(q.len(), left, "{spec:?}");
+            assert_eq!(q.items.len(), left, "{spec:?}");
             // What is left keeps each session's order.
-            let rest = names(q.make_contiguous(), &sessions);
+            let rest = names(q.items.make_contiguous(), &sessions);
             for s in 0..sessions.len() {
                 let seqs: Vec<u64> = rest
                     .iter()
@@ -462,9 +527,10 @@ mod tests {
             .flat_map(|seq| (0..SLICE).map(move |s| (s, seq)))
             .collect();
         assert_eq!(got, want);
-        assert_eq!(q.len(), 5 * 3);
+        assert_eq!(q.items.len(), 5 * 3);
         assert!(
-            q.iter()
+            q.items
+                .iter()
                 .all(|p| sessions[SLICE..].contains(&p.event.session))
         );
         let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
@@ -482,14 +548,14 @@ mod tests {
         spec.push((SLICE, false));
         spec.extend([(0, false); 3]);
         let mut q = queue(&spec, &sessions);
-        for p in q.iter_mut().skip(SCAN - 2).take(3) {
+        for p in q.items.iter_mut().skip(SCAN - 2).take(3) {
             p.joined = true;
         }
         let batch = next_batch(&mut q, 2, &mut false).unwrap();
         // Session 0 up to a batch; session 1 is not taken (the batch is
         // full first), nor what lies past the window.
         assert_eq!(batch.len(), MAX_BATCH);
-        let rest = names(q.make_contiguous(), &sessions);
+        let rest = names(q.items.make_contiguous(), &sessions);
         assert_eq!(rest.len(), spec.len() - MAX_BATCH);
         for s in [0, 1, SLICE] {
             let seqs: Vec<u64> = rest
@@ -503,10 +569,11 @@ mod tests {
             );
         }
         // The order of the queue is the order sent, but for what was taken.
-        let want: Vec<(usize, u64)> = names(queue(&spec, &sessions).make_contiguous(), &sessions)
-            .into_iter()
-            .filter(|(s, q)| !(*s == 0 && *q <= MAX_BATCH as u64))
-            .collect();
+        let want: Vec<(usize, u64)> =
+            names(queue(&spec, &sessions).items.make_contiguous(), &sessions)
+                .into_iter()
+                .filter(|(s, q)| !(*s == 0 && *q <= MAX_BATCH as u64))
+                .collect();
         assert_eq!(rest, want);
         // A joined group across the window's end is taken whole: session
         // 0 is the one taken (a slice of one), session 1 fills the window.
@@ -514,7 +581,7 @@ mod tests {
         spec.extend(vec![(1, false); SCAN - 2]);
         spec.extend([(0, false); 3]);
         let mut q = queue(&spec, &sessions);
-        for p in q.iter_mut().skip(SCAN - 1).take(2) {
+        for p in q.items.iter_mut().skip(SCAN - 1).take(2) {
             p.joined = true;
         }
         let batch = next_batch(&mut q, 1, &mut false).unwrap();
@@ -534,7 +601,7 @@ mod tests {
         let want: Vec<(usize, u64)> = (0..SLICE).map(|s| (s, 1)).collect();
         assert_eq!(names(&batch, &sessions), want);
         assert_eq!(
-            names(q.make_contiguous(), &sessions),
+            names(q.items.make_contiguous(), &sessions),
             vec![(SLICE, 1), (SLICE + 1, 1)]
         );
     }
@@ -551,10 +618,15 @@ mod tests {
             vec![(0, 1)],
             "the awaited one first"
         );
-        q.extend(queue(&[(0, true)], &sessions).into_iter().map(|mut p| {
-            p.event.seq = 2;
-            p
-        }));
+        q.extend(
+            queue(&[(0, true)], &sessions)
+                .items
+                .into_iter()
+                .map(|mut p| {
+                    p.event.seq = 2;
+                    p
+                }),
+        );
         let second = next_batch(&mut q, SLICE, &mut urgent_last).unwrap();
         assert_eq!(
             names(&second, &sessions),
