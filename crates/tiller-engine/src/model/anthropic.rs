@@ -1,8 +1,11 @@
 //! Anthropic Messages: request body and streaming parser.
 
+use std::borrow::Cow;
+
+use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{Delta, Finish, ModelConfig, Parser, RawCall, Stop};
+use super::{Delta, Finish, ModelConfig, Obj, Parser, RawCall, Stop};
 use crate::{Message, ToolSpec};
 
 /// `max_tokens` is required by the Messages API.
@@ -128,6 +131,51 @@ pub(super) struct AnthropicParser {
 
 impl Parser for AnthropicParser {
     fn event(&mut self, event: &str, data: &str) -> Result<Vec<Delta>, String> {
+        // Nearly every event is a block's delta, read without a `Value`;
+        // any other event, or a field of another type, takes the general
+        // path, which reads every input the same way.
+        if data.trim_start().starts_with('{')
+            && let Ok(e) = serde_json::from_str::<BlockDelta<'_>>(data)
+            && e.kind == "content_block_delta"
+        {
+            let d = e.delta.map(|Obj(d)| d).unwrap_or_default();
+            let mut out = self.block_delta(e.index.unwrap_or(0), d.kind.as_deref(), |key| {
+                match key {
+                    "text" => d.text.as_deref(),
+                    "thinking" => d.thinking.as_deref(),
+                    "signature" => d.signature.as_deref(),
+                    _ => d.partial_json.as_deref(),
+                }
+                .unwrap_or("")
+            });
+            out.retain(|d| !matches!(d, Delta::Text(t) | Delta::Thought(t) if t.is_empty()));
+            return Ok(out);
+        }
+        self.value(event, data)
+    }
+
+    fn finish(&mut self, _ended: bool) -> Option<Finish> {
+        if !self.done {
+            return None;
+        }
+        let calls = std::mem::take(&mut self.calls);
+        let stop = match self.stop {
+            Some(s) => s,
+            None if !calls.is_empty() => Stop::ToolUse,
+            None => Stop::EndTurn,
+        };
+        Some(Finish {
+            stop,
+            calls,
+            reasoning: std::mem::take(&mut self.reasoning),
+            usage: self.usage,
+        })
+    }
+}
+
+impl AnthropicParser {
+    /// Any event, read as a `Value`: the general path.
+    fn value(&mut self, event: &str, data: &str) -> Result<Vec<Delta>, String> {
         let v: Value = serde_json::from_str(data)
             .map_err(|e| format!("the model sent an event that is not JSON ({e})"))?;
         let kind = v["type"].as_str().unwrap_or(event);
@@ -173,37 +221,12 @@ impl Parser for AnthropicParser {
                 self.blocks.push((index, block));
             }
             "content_block_delta" => {
-                let index = v["index"].as_u64().unwrap_or(0);
                 let d = &v["delta"];
-                let block = self
-                    .blocks
-                    .iter()
-                    .find(|(i, _)| *i == index)
-                    .map(|(_, b)| b);
-                match (block, d["type"].as_str()) {
-                    (Some(Block::Text), Some("text_delta")) => {
-                        out.push(Delta::Text(d["text"].as_str().unwrap_or("").to_owned()));
-                    }
-                    (Some(Block::Thinking(r)), Some("thinking_delta")) => {
-                        let t = d["thinking"].as_str().unwrap_or("");
-                        let b = &mut self.reasoning[*r]["thinking"];
-                        *b = json!(format!("{}{t}", b.as_str().unwrap_or("")));
-                        out.push(Delta::Thought(t.to_owned()));
-                    }
-                    (Some(Block::Thinking(r)), Some("signature_delta")) => {
-                        let s = d["signature"].as_str().unwrap_or("");
-                        let b = &mut self.reasoning[*r]["signature"];
-                        *b = json!(format!("{}{s}", b.as_str().unwrap_or("")));
-                    }
-                    (Some(Block::Tool(c)), Some("input_json_delta")) => {
-                        let c = *c;
-                        self.calls[c]
-                            .args
-                            .push_str(d["partial_json"].as_str().unwrap_or(""));
-                        out.push(Delta::ToolProgress);
-                    }
-                    _ => {}
-                }
+                out = self.block_delta(
+                    v["index"].as_u64().unwrap_or(0),
+                    d["type"].as_str(),
+                    |key| d[key].as_str().unwrap_or(""),
+                );
             }
             "message_delta" => {
                 if let Some(reason) = v["delta"]["stop_reason"].as_str() {
@@ -226,21 +249,159 @@ impl Parser for AnthropicParser {
         Ok(out)
     }
 
-    fn finish(&mut self, _ended: bool) -> Option<Finish> {
-        if !self.done {
-            return None;
+    /// A `content_block_delta` to the block at `index`, of delta type
+    /// `kind`; `field` reads the delta's string fields ("" when absent).
+    fn block_delta<'d>(
+        &mut self,
+        index: u64,
+        kind: Option<&str>,
+        field: impl Fn(&str) -> &'d str,
+    ) -> Vec<Delta> {
+        let block = self
+            .blocks
+            .iter()
+            .find(|(i, _)| *i == index)
+            .map(|(_, b)| b);
+        match (block, kind) {
+            (Some(Block::Text), Some("text_delta")) => vec![Delta::Text(field("text").to_owned())],
+            (Some(Block::Thinking(r)), Some("thinking_delta")) => {
+                let t = field("thinking");
+                let b = &mut self.reasoning[*r]["thinking"];
+                *b = json!(format!("{}{t}", b.as_str().unwrap_or("")));
+                vec![Delta::Thought(t.to_owned())]
+            }
+            (Some(Block::Thinking(r)), Some("signature_delta")) => {
+                let s = field("signature");
+                let b = &mut self.reasoning[*r]["signature"];
+                *b = json!(format!("{}{s}", b.as_str().unwrap_or("")));
+                Vec::new()
+            }
+            (Some(Block::Tool(c)), Some("input_json_delta")) => {
+                let c = *c;
+                self.calls[c].args.push_str(field("partial_json"));
+                vec![Delta::ToolProgress]
+            }
+            _ => Vec::new(),
         }
-        let calls = std::mem::take(&mut self.calls);
-        let stop = match self.stop {
-            Some(s) => s,
-            None if !calls.is_empty() => Stop::ToolUse,
-            None => Stop::EndTurn,
-        };
-        Some(Finish {
-            stop,
-            calls,
-            reasoning: std::mem::take(&mut self.reasoning),
-            usage: self.usage,
-        })
+    }
+}
+
+/// A block's delta event, the common shape (strings borrowed where they
+/// have no escapes). A field of another type fails the whole read.
+#[derive(Deserialize)]
+struct BlockDelta<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Cow<'a, str>,
+    #[serde(default)]
+    index: Option<u64>,
+    #[serde(borrow, default)]
+    delta: Option<Obj<DeltaBody<'a>>>,
+}
+
+#[derive(Default, Deserialize)]
+struct DeltaBody<'a> {
+    #[serde(rename = "type", borrow, default)]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    thinking: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    signature: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    partial_json: Option<Cow<'a, str>>,
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
+
+    use super::{AnthropicParser, BlockDelta, Parser};
+    use crate::model::tests::{junk, object, text, text_or_junk};
+
+    /// The blocks a response opens (text, thinking, a tool call), at
+    /// indexes 0 to 2.
+    fn starts() -> Vec<Value> {
+        vec![
+            json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            json!({"type": "content_block_start", "index": 1, "content_block": {"type": "thinking", "thinking": ""}}),
+            json!({"type": "content_block_start", "index": 2, "content_block": {"type": "tool_use", "id": "t", "name": "read"}}),
+        ]
+    }
+
+    fn event() -> BoxedStrategy<Value> {
+        let kind = prop_oneof![
+            6 => Just(json!("content_block_delta")),
+            1 => Just(json!("message_delta")),
+            1 => Just(json!("ping")),
+            1 => junk(),
+        ];
+        let delta_kind = prop_oneof![
+            Just(json!("text_delta")),
+            Just(json!("thinking_delta")),
+            Just(json!("signature_delta")),
+            Just(json!("input_json_delta")),
+            junk(),
+        ];
+        let delta = prop_oneof![
+            6 => object(vec![
+                ("type", delta_kind.boxed()),
+                ("text", text_or_junk().boxed()),
+                ("thinking", text_or_junk().boxed()),
+                ("signature", text_or_junk().boxed()),
+                ("partial_json", text_or_junk().boxed()),
+                ("stop_reason", text().boxed()),
+            ]),
+            1 => junk(),
+        ];
+        let index = prop_oneof![4 => (0u64..4).prop_map(Value::from), 1 => junk()];
+        prop_oneof![
+            20 => object(vec![
+                ("type", kind.boxed()),
+                ("index", index.boxed()),
+                ("delta", delta.boxed()),
+            ]),
+            1 => junk(),
+        ]
+        .boxed()
+    }
+
+    proptest! {
+        /// The delta reader gives what the general path gives, event by
+        /// event and in the end, for any event.
+        #[test]
+        fn the_fast_path_reads_every_event_as_the_general_path_does(
+            events in prop::collection::vec(event(), 1..8),
+        ) {
+            let mut general = AnthropicParser::default();
+            let mut fast = AnthropicParser::default();
+            for e in starts() {
+                let data = e.to_string();
+                prop_assert_eq!(fast.event("", &data), general.value("", &data));
+            }
+            for e in &events {
+                let data = e.to_string();
+                prop_assert_eq!(fast.event("content_block_delta", &data), general.value("content_block_delta", &data), "{}", data);
+                prop_assert_eq!(format!("{fast:?}"), format!("{general:?}"));
+            }
+            let stop = r#"{"type":"message_stop"}"#;
+            prop_assert_eq!(fast.event("", stop), general.value("", stop));
+            prop_assert_eq!(format!("{:?}", fast.finish(true)), format!("{:?}", general.finish(true)));
+        }
+    }
+
+    /// The fast path is taken for what the API sends.
+    #[test]
+    fn real_deltas_take_the_fast_path() {
+        for data in [
+            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hel\"lo\n"}}"#,
+            r#"{"type":"content_block_delta","index":1,"delta":{"type":"thinking_delta","thinking":"hmm"}}"#,
+            r#"{"type":"content_block_delta","index":1,"delta":{"type":"signature_delta","signature":"EqQB"}}"#,
+            r#"{"type":"content_block_delta","index":2,"delta":{"type":"input_json_delta","partial_json":"{\"pa"}}"#,
+        ] {
+            let e = serde_json::from_str::<BlockDelta<'_>>(data);
+            assert!(e.is_ok_and(|e| e.kind == "content_block_delta"), "{data}");
+        }
     }
 }

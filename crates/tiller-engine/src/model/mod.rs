@@ -196,6 +196,26 @@ impl Engine for ModelEngine {
     }
 }
 
+/// `T` read from a JSON object only (serde reads a struct from an array
+/// too, by position, which the general path does not).
+pub(super) struct Obj<T>(pub(super) T);
+
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for Obj<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Object<T>(std::marker::PhantomData<T>);
+        impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for Object<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        d.deserialize_map(Object(std::marker::PhantomData)).map(Obj)
+    }
+}
+
 /// Content streamed by a response.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Delta {

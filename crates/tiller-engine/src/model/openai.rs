@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::{Delta, Finish, ModelConfig, Parser, RawCall, Stop};
+use super::{Delta, Finish, ModelConfig, Obj, Parser, RawCall, Stop};
 use crate::{Message, ToolSpec};
 
 /// The request body for one model call.
@@ -316,26 +316,6 @@ struct Usage {
     completion_tokens: Option<u64>,
 }
 
-/// `T` read from a JSON object only (serde reads a struct from an array
-/// too, by position, which the general path does not).
-struct Obj<T>(T);
-
-impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Object<T>(std::marker::PhantomData<T>);
-        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Object<T> {
-            type Value = T;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("an object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
-                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
-            }
-        }
-        d.deserialize_map(Object(std::marker::PhantomData)).map(Obj)
-    }
-}
-
 fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
     serde::de::IgnoredAny::deserialize(d).map(|_| true)
 }
@@ -343,63 +323,10 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
-    use serde_json::{Map, Value, json};
+    use serde_json::{Value, json};
 
     use super::{Chunk, OpenAiParser, Parser};
-
-    /// Anything a server might put where a field is expected.
-    fn junk() -> impl Strategy<Value = Value> {
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
-            Just(json!(18446744073709551615u64)),
-            Just(json!(1e30)),
-            Just(json!(-1)),
-            Just(json!(2.5)),
-            text(),
-        ];
-        leaf.prop_recursive(2, 8, 3, |inner| {
-            prop_oneof![
-                prop::collection::vec(inner.clone(), 0..3).prop_map(Value::from),
-                prop::collection::btree_map("[a-z_]{1,6}", inner, 0..3)
-                    .prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        })
-    }
-
-    /// Text, escapes and non-ASCII included.
-    fn text() -> impl Strategy<Value = Value> {
-        prop_oneof![
-            Just(String::new()),
-            "[a-z ]{1,8}",
-            "[\"\\\\\n\t/é€😀a]{1,6}",
-        ]
-        .prop_map(Value::from)
-    }
-
-    fn text_or_junk() -> impl Strategy<Value = Value> {
-        prop_oneof![4 => text(), 1 => junk()]
-    }
-
-    /// An object with each of `fields` present or not.
-    fn object(fields: Vec<(&'static str, BoxedStrategy<Value>)>) -> BoxedStrategy<Value> {
-        let parts: Vec<_> = fields
-            .into_iter()
-            .map(|(k, v)| proptest::option::weighted(0.6, v).prop_map(move |v| (k, v)))
-            .collect();
-        parts
-            .prop_map(|kvs| {
-                let mut m = Map::new();
-                for (k, v) in kvs {
-                    if let Some(v) = v {
-                        m.insert(k.to_owned(), v);
-                    }
-                }
-                Value::Object(m)
-            })
-            .boxed()
-    }
+    use crate::model::tests::{junk, object, text, text_or_junk};
 
     fn chunk() -> BoxedStrategy<Value> {
         let function = prop_oneof![

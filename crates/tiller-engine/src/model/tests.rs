@@ -332,3 +332,61 @@ fn args_parse_leniently() {
     assert_eq!(parse_args("{\"a\":1}"), json!({"a": 1}));
     assert_eq!(parse_args("{\"a\":"), json!("{\"a\":"));
 }
+
+// Strategies for the parsers' property tests: what a server might send.
+
+/// Anything a server might put where a field is expected.
+pub(super) fn junk() -> impl Strategy<Value = serde_json::Value> {
+    let leaf = prop_oneof![
+        Just(serde_json::Value::Null),
+        any::<bool>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        Just(json!(18446744073709551615u64)),
+        Just(json!(1e30)),
+        Just(json!(-1)),
+        Just(json!(2.5)),
+        text(),
+    ];
+    leaf.prop_recursive(2, 8, 3, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..3).prop_map(serde_json::Value::from),
+            prop::collection::btree_map("[a-z_]{1,6}", inner, 0..3)
+                .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+/// Text, escapes and non-ASCII included.
+pub(super) fn text() -> impl Strategy<Value = serde_json::Value> {
+    prop_oneof![
+        Just(String::new()),
+        "[a-z ]{1,8}",
+        "[\"\\\\\n\t/é€😀a]{1,6}",
+    ]
+    .prop_map(serde_json::Value::from)
+}
+
+pub(super) fn text_or_junk() -> impl Strategy<Value = serde_json::Value> {
+    prop_oneof![4 => text(), 1 => junk()]
+}
+
+/// An object with each of `fields` present or not.
+pub(super) fn object(
+    fields: Vec<(&'static str, BoxedStrategy<serde_json::Value>)>,
+) -> BoxedStrategy<serde_json::Value> {
+    let parts: Vec<_> = fields
+        .into_iter()
+        .map(|(k, v)| proptest::option::weighted(0.6, v).prop_map(move |v| (k, v)))
+        .collect();
+    parts
+        .prop_map(|kvs| {
+            let mut m = serde_json::Map::new();
+            for (k, v) in kvs {
+                if let Some(v) = v {
+                    m.insert(k.to_owned(), v);
+                }
+            }
+            serde_json::Value::Object(m)
+        })
+        .boxed()
+}
