@@ -475,3 +475,53 @@ async fn a_prompt_racing_a_close_is_refused_as_closed() {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
+
+/// A slow stream's chunks linger before they go to the store together
+/// (at most `LINGER`): the last ones are shown while the turn still runs,
+/// with no later event to carry them.
+#[tokio::test]
+async fn a_slow_stream_s_lingering_chunks_are_shown_while_the_turn_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    h.subscribe(s.subscriber_id(), Box::new(Collect(seen.clone())))
+        .await
+        .unwrap();
+    // A turn that ends while its last chunks linger (its terminal takes
+    // them to the store; the linger's flush then finds nothing).
+    let ends =
+        r#"{"script": [{"repeat": {"times": 20, "steps": [{"say": "x"}, {"sleep_ms": 5}]}}]}"#;
+    let (_, first) = h
+        .prompt(ends.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    let t = first.await.unwrap();
+    assert_eq!(t.terminal, Terminal::Completed(StopReason::EndTurn));
+    // Then, past the turn's first (eager) events, a chunk every 5 ms and
+    // a long silence.
+    let script = r#"{"script": [{"repeat": {"times": 20, "steps": [{"say": "x"}, {"sleep_ms": 5}]}}, {"sleep_ms": 60000}]}"#;
+    seen.lock().unwrap().clear();
+    let (_, settled) = h
+        .prompt(script.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    let chunks = || {
+        kinds(&seen.lock().unwrap())
+            .iter()
+            .filter(|k| **k == "agent_message_chunk")
+            .count()
+    };
+    let all = tokio::time::timeout(Duration::from_secs(10), async {
+        while chunks() < 20 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert!(all.is_ok(), "only {} of 20 chunks shown", chunks());
+    h.cancel().unwrap();
+    let t = settled.await.unwrap();
+    assert_eq!(t.terminal, Terminal::Completed(StopReason::Cancelled));
+}

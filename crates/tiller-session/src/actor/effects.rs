@@ -186,6 +186,8 @@ impl SessionState {
             tracing::error!(%prompt, "started a prompt with no content");
             return;
         };
+        // The turn's first events go to the store at once.
+        self.eager = LINGER_AFTER;
         let span = tracing::info_span!(parent: &self.span, "turn", %turn, %prompt, origin = origin.as_str());
         span.in_scope(|| tracing::info!("turn started"));
         let message = EventBody::UserMessage {

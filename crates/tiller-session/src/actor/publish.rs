@@ -192,9 +192,27 @@ impl SessionState {
         self.unconfirmed.push((rec, op));
         self.pace.held(self.unconfirmed.len());
         if self.unsent == 0 {
-            let _ = self.myself.send_message(SessionMsg::Flush);
+            // A slow stream (a model's pace) lingers: its events go to the
+            // store together, at most every `LINGER`, so a commit carries
+            // several of them (each commit costs a page of the log per
+            // session, however few events it holds). A turn's first
+            // events, the first after a pause and a stream that fills
+            // `LINGER_MAX` go at once.
+            let since = crate::clock::instant().saturating_duration_since(self.last_flush);
+            if since >= LINGER || self.eager > 0 {
+                let _ = self.myself.send_message(SessionMsg::Flush);
+            } else if !self.lingering {
+                self.lingering = true;
+                // The message finds the events sent already if the
+                // stream filled up meanwhile: then it does nothing.
+                self.myself.send_after(LINGER - since, || SessionMsg::Flush);
+            }
         }
         self.unsent += 1;
+        self.eager = self.eager.saturating_sub(1);
+        if self.lingering && self.unsent as usize == LINGER_MAX {
+            let _ = self.myself.send_message(SessionMsg::Flush);
+        }
     }
 
     /// What was published and not yet sent to the store, oldest first.
@@ -209,9 +227,14 @@ impl SessionState {
 
     /// Sends the store what was published and not sent yet, in one batch.
     pub(super) fn flush(&mut self) {
+        // Whatever `Flush` this is, a linger's is no longer needed: the
+        // next slow event arms one afresh (never a linger without its
+        // `Flush` on the way, even after a durable append took the events).
+        self.lingering = false;
         if self.unsent == 0 {
             return;
         }
+        self.last_flush = crate::clock::instant();
         let events = self.take_unsent();
         let tell = self.on_commit();
         self.store.append_many(events, tell);
