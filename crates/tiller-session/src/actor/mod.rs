@@ -29,7 +29,7 @@ mod pipeline;
 mod publish;
 
 use effects::core_signal;
-use publish::Ledger;
+use publish::{LINGER_AFTER, Ledger, unlingered};
 
 use crate::event::ConfigOption;
 use crate::event::{EventBody, EventRecord};
@@ -314,24 +314,6 @@ impl Pending {
     }
 }
 
-/// Most time a streamed event waits for the events after it before it is
-/// sent to the store, when the one before was sent less than this ago.
-const LINGER: Duration = Duration::from_millis(50);
-
-/// Events that end a linger early.
-const LINGER_MAX: usize = 32;
-
-/// A turn's first events, which never linger (its start, its first
-/// chunks: what a person waits for).
-const LINGER_AFTER: u8 = 8;
-
-/// A `last_flush` that lets the next event go at once (a new session, a
-/// new turn: its first chunk is not held back).
-fn unlingered() -> tokio::time::Instant {
-    let now = crate::clock::instant();
-    now.checked_sub(LINGER).unwrap_or(now)
-}
-
 /// The running engine and the turn it serves.
 struct RunningEngine {
     turn: TurnId,
@@ -400,7 +382,7 @@ pub struct SessionState {
     unsent: u32,
     /// A `Flush` was put back once (see `SessionMsg::Flush`).
     flush_deferred: bool,
-    /// When events were last sent to the store (see [`LINGER`]).
+    /// When events were last sent to the store (see `publish::LINGER`).
     last_flush: tokio::time::Instant,
     /// A `Flush` is due at the end of a linger.
     lingering: bool,

@@ -3,6 +3,24 @@
 
 use super::*;
 
+/// Most time a streamed event waits for the events after it before it is
+/// sent to the store, when the one before was sent less than this ago.
+pub(super) const LINGER: Duration = Duration::from_millis(50);
+
+/// Events that end a linger early.
+pub(super) const LINGER_MAX: usize = 32;
+
+/// A turn's first events, which never linger (its start, its first
+/// chunks: what a person waits for).
+pub(super) const LINGER_AFTER: u8 = 8;
+
+/// A `last_flush` that lets the next event go at once (a new session, a
+/// new turn: its first chunk is not held back).
+pub(super) fn unlingered() -> tokio::time::Instant {
+    let now = crate::clock::instant();
+    now.checked_sub(LINGER).unwrap_or(now)
+}
+
 impl SessionState {
     pub(super) async fn settle(
         &mut self,
