@@ -180,7 +180,10 @@ fn read_bounded(path: &Path) -> Option<String> {
 /// only say so, so it is not run: a turn in such a directory costs no
 /// process.
 fn in_repository(dir: &Path) -> bool {
-    dir.ancestors()
+    // Git looks up from the real directory: a link into a repository's
+    // subdirectory is in that repository.
+    let real = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
+    real.ancestors()
         .any(|d| d.join(".git").symlink_metadata().is_ok())
 }
 
@@ -188,17 +191,17 @@ fn in_repository(dir: &Path) -> bool {
 /// spawned without a copy of the daemon's page tables (`posix_spawn`; a
 /// lookup under a changed `PATH` makes the standard library fork).
 fn git_program() -> Option<&'static Path> {
-    use std::os::unix::fs::PermissionsExt;
     static GIT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     if let Some(g) = GIT.get() {
         return Some(g);
     }
+    // As a `PATH` lookup would: the first this process may run.
     let found = GIT_PATH
         .split(':')
         .map(|d| Path::new(d).join("git"))
         .find(|p| {
-            p.metadata()
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            p.metadata().is_ok_and(|m| m.is_file())
+                && rustix::fs::access(p, rustix::fs::Access::EXEC_OK).is_ok()
         })?;
     Some(GIT.get_or_init(|| found))
 }
@@ -416,5 +419,9 @@ mod tests {
         std::fs::write(dir.path().join("a/.git"), "gitdir: /elsewhere\n").unwrap();
         assert!(in_repository(&deep));
         assert!(!in_repository(dir.path()));
+        // A link to a directory inside the repository, from outside it.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&deep, &link).unwrap();
+        assert!(in_repository(&link));
     }
 }

@@ -202,6 +202,12 @@ impl SessionState {
             }
             _ => {}
         }
+        // Only streamed text lingers; any other event goes at once, with
+        // what lingers before it.
+        let streamed = matches!(
+            body,
+            EventBody::AgentMessageChunk { .. } | EventBody::AgentThoughtChunk { .. }
+        );
         let rec = self.record(prompt, turn, body);
         let op = rec.ledger_op();
         // Sent at the next `Flush` (or with the next durable event), and
@@ -210,14 +216,14 @@ impl SessionState {
         self.unconfirmed.push((rec, op));
         self.pace.held(self.unconfirmed.len());
         if self.unsent == 0 {
-            // A slow stream (a model's pace) lingers: its events go to the
+            // A slow stream (a model's pace) lingers: its chunks go to the
             // store together, at most every `LINGER`, so a commit carries
             // several of them (each commit costs a page of the log per
             // session, however few events it holds). A turn's first
             // events, the first after a pause and a stream that fills
             // `LINGER_MAX` go at once.
             let since = crate::clock::instant().saturating_duration_since(self.last_flush);
-            if since >= LINGER || self.eager > 0 {
+            if !streamed || self.eager > 0 || since >= LINGER {
                 let _ = self.myself.send_message(SessionMsg::Flush);
             } else if !self.lingering {
                 self.lingering = true;
@@ -225,6 +231,8 @@ impl SessionState {
                 // stream filled up meanwhile: then it does nothing.
                 self.myself.send_after(LINGER - since, || SessionMsg::Flush);
             }
+        } else if self.lingering && !streamed {
+            let _ = self.myself.send_message(SessionMsg::Flush);
         }
         self.unsent += 1;
         self.eager = self.eager.saturating_sub(1);
