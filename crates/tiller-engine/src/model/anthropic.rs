@@ -318,7 +318,7 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::{AnthropicParser, BlockDelta, Parser};
-    use crate::model::tests::{junk, object, text, text_or_junk};
+    use crate::model::tests::{junk, object, taken_of_1000, text, text_or_junk, with_key};
 
     /// The blocks a response opens (text, thinking, a tool call), at
     /// indexes 0 to 2.
@@ -358,16 +358,11 @@ mod tests {
         let index = prop_oneof![4 => (0u64..4).prop_map(Value::from), 1 => junk()];
         prop_oneof![
             // A `type` in nearly every event, as the API sends.
-            20 => (
+            20 => with_key(
                 object(vec![("index", index.boxed()), ("delta", delta.boxed())]),
+                "type",
                 proptest::option::weighted(0.95, kind),
-            )
-                .prop_map(|(mut event, kind)| {
-                    if let (Value::Object(m), Some(k)) = (&mut event, kind) {
-                        m.insert("type".into(), k);
-                    }
-                    event
-                }),
+            ),
             1 => junk(),
         ]
         .boxed()
@@ -377,20 +372,9 @@ mod tests {
     /// would test the general path against itself).
     #[test]
     fn many_generated_events_take_the_fast_path() {
-        use proptest::strategy::ValueTree;
-        let mut runner = proptest::test_runner::TestRunner::deterministic();
-        let strategy = event();
-        let fast = (0..1000)
-            .filter(|_| {
-                let data = strategy
-                    .new_tree(&mut runner)
-                    .unwrap()
-                    .current()
-                    .to_string();
-                serde_json::from_str::<BlockDelta>(&data)
-                    .is_ok_and(|e| e.kind == "content_block_delta")
-            })
-            .count();
+        let fast = taken_of_1000(&event(), |data| {
+            serde_json::from_str::<BlockDelta>(data).is_ok_and(|e| e.kind == "content_block_delta")
+        });
         assert!(fast > 300, "{fast} of 1000");
     }
 

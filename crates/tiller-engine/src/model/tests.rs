@@ -390,3 +390,40 @@ pub(super) fn object(
         })
         .boxed()
 }
+
+/// `object` with `key` set to a value of `value` (when it gives one).
+pub(super) fn with_key(
+    object: BoxedStrategy<serde_json::Value>,
+    key: &'static str,
+    value: impl Strategy<Value = Option<serde_json::Value>> + 'static,
+) -> BoxedStrategy<serde_json::Value> {
+    (object, value)
+        .prop_map(move |(mut o, v)| {
+            if let (serde_json::Value::Object(m), Some(v)) = (&mut o, v) {
+                m.insert(key.into(), v);
+            }
+            o
+        })
+        .boxed()
+}
+
+/// How many of 1,000 values of `strategy` (deterministic), as JSON text,
+/// `fast` takes.
+pub(super) fn taken_of_1000(
+    strategy: &BoxedStrategy<serde_json::Value>,
+    fast: impl Fn(&str) -> bool,
+) -> usize {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    (0..1000)
+        .filter(|_| {
+            fast(
+                &strategy
+                    .new_tree(&mut runner)
+                    .unwrap()
+                    .current()
+                    .to_string(),
+            )
+        })
+        .count()
+}
