@@ -7,7 +7,8 @@
 //! without following links and only when it is a regular file (a FIFO
 //! would block, a link could point anywhere), read up to [`RULES_MAX`];
 //! `git` runs with a cleared environment, no system or global config, no
-//! fsmonitor and no optional locks, bounded in time and output.
+//! fsmonitor, no filter drivers, no submodules and no optional locks,
+//! bounded in time and output.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -206,39 +207,91 @@ fn git_program() -> Option<&'static Path> {
     Some(GIT.get_or_init(|| found))
 }
 
-/// `git status --branch --porcelain` of `dir`, bounded; `None` when it is
-/// not a repository (or git is missing, slow or refuses).
-async fn git_status(dir: &Path) -> Option<String> {
+/// `git` in `dir`: its environment cleared, no system or global config,
+/// its output read whole within [`GIT_TIMEOUT`]; `None` when it is missing,
+/// slow or fails.
+async fn git(dir: &Path, overrides: &[(String, &str)], args: &[&str]) -> Option<Vec<u8>> {
     let mut cmd = tokio::process::Command::new(git_program()?);
-    cmd.args([
-        "-c",
-        "core.fsmonitor=false",
-        "-c",
-        "core.untrackedCache=false",
-        "--no-optional-locks",
-        "status",
-        "--branch",
-        "--porcelain=v1",
-    ])
-    .current_dir(dir)
-    .env_clear()
-    .env("PATH", GIT_PATH)
-    .env("LC_ALL", "C")
-    .env("GIT_CONFIG_NOSYSTEM", "1")
-    .env("GIT_CONFIG_GLOBAL", "/dev/null")
-    .env("GIT_TERMINAL_PROMPT", "0")
-    .stdin(std::process::Stdio::null())
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::null())
-    .kill_on_drop(true);
+    cmd.args(args)
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", GIT_PATH)
+        .env("LC_ALL", "C")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_TERMINAL_PROMPT", "0")
+        // Given as the command line's `-c` would be, above the repository's
+        // own config, but each key whole: a name may hold `=`.
+        .env("GIT_CONFIG_COUNT", overrides.len().to_string());
+    for (i, (key, value)) in overrides.iter().enumerate() {
+        cmd.env(format!("GIT_CONFIG_KEY_{i}"), key)
+            .env(format!("GIT_CONFIG_VALUE_{i}"), value);
+    }
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true);
     let out = tokio::time::timeout(GIT_TIMEOUT, cmd.output())
         .await
         .ok()?
         .ok()?;
-    if !out.status.success() {
-        return None;
+    out.status.success().then_some(out.stdout)
+}
+
+/// What neutralizes every filter driver the repository's config (with
+/// what it includes) names: status hashes a file whose stat data is stale
+/// through its driver, which is a command from a hostile document. `None`
+/// when the config cannot be read.
+async fn without_filters(dir: &Path) -> Option<Vec<(String, &'static str)>> {
+    let out = git(dir, &[], &["config", "-z", "--list"]).await?;
+    let mut names: Vec<&[u8]> = out
+        .split(|b| *b == 0)
+        .filter_map(|entry| {
+            let key = entry.split(|b| *b == b'\n').next()?;
+            let key = key.strip_prefix(b"filter.")?;
+            let dot = key.iter().rposition(|b| *b == b'.')?;
+            Some(&key[..dot])
+        })
+        .collect();
+    names.sort_unstable();
+    names.dedup();
+    let mut overrides = Vec::with_capacity(names.len() * 4);
+    for name in names {
+        let name = std::str::from_utf8(name).ok()?;
+        for (var, value) in [
+            ("clean", ""),
+            ("smudge", ""),
+            ("process", ""),
+            ("required", "false"),
+        ] {
+            overrides.push((format!("filter.{name}.{var}"), value));
+        }
     }
-    let text = String::from_utf8_lossy(&out.stdout);
+    Some(overrides)
+}
+
+/// `git status --branch --porcelain` of `dir`, bounded; `None` when it is
+/// not a repository (or git is missing, slow or refuses). The repository
+/// is a hostile document: its filter drivers are emptied, its fsmonitor
+/// off, its submodules (each with a config of its own) not entered, and
+/// no index is written (so no hook runs).
+async fn git_status(dir: &Path) -> Option<String> {
+    let mut overrides = without_filters(dir).await?;
+    overrides.push(("core.fsmonitor".into(), "false"));
+    overrides.push(("core.untrackedCache".into(), "false"));
+    let out = git(
+        dir,
+        &overrides,
+        &[
+            "--no-optional-locks",
+            "status",
+            "--branch",
+            "--porcelain=v1",
+            "--ignore-submodules=all",
+        ],
+    )
+    .await?;
+    let text = String::from_utf8_lossy(&out);
     let mut lines = text.lines();
     let mut summary: Vec<String> = lines
         .by_ref()
@@ -405,6 +458,66 @@ mod tests {
         };
         let git = Environment::gather(&below).await.git.unwrap();
         assert!(git.contains("?? new.txt"), "{git}");
+    }
+
+    /// A hostile repository (copied from an archive, its `.git` included)
+    /// names filter drivers in its config, an included file and
+    /// `info/attributes`, and its file's stat data is stale, so status
+    /// hashes it again: no driver runs, and the change is still shown.
+    #[tokio::test]
+    async fn a_hostile_repository_s_filters_never_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path().join("repo");
+        let pwned = dir.path().join("pwned");
+        std::fs::create_dir(&repo).unwrap();
+        let git = |args: &[&str]| {
+            let ok = std::process::Command::new("git")
+                .args(args)
+                .current_dir(&repo)
+                .env("GIT_CONFIG_NOSYSTEM", "1")
+                .env("GIT_CONFIG_GLOBAL", "/dev/null")
+                .status()
+                .unwrap();
+            assert!(ok.success(), "git {args:?}");
+        };
+        git(&["init", "-q", "-b", "main"]);
+        std::fs::write(repo.join("a.txt"), "hi\n").unwrap();
+        std::fs::write(repo.join(".gitattributes"), "* filter=Ev.il=x\n").unwrap();
+        git(&["add", "."]);
+        git(&[
+            "-c",
+            "user.name=a",
+            "-c",
+            "user.email=a@b",
+            "commit",
+            "-qm",
+            "x",
+        ]);
+        let touch = format!("touch {}; cat", pwned.display());
+        for (key, value) in [
+            ("filter.Ev.il=x.clean", touch.as_str()),
+            ("filter.Ev.il=x.process", touch.as_str()),
+            ("include.path", "more"),
+        ] {
+            git(&["config", key, value]);
+        }
+        std::fs::write(
+            repo.join(".git/more"),
+            format!("[filter \"two\"]\n\tclean = {touch}\n\trequired = true\n"),
+        )
+        .unwrap();
+        std::fs::create_dir_all(repo.join(".git/info")).unwrap();
+        std::fs::write(repo.join(".git/info/attributes"), "*.txt filter=two\n").unwrap();
+        // Stale stat data: status reads the file again.
+        std::fs::write(repo.join("a.txt"), "hi\nthere\n").unwrap();
+        let host = HostInfo {
+            cwd: repo.clone(),
+            ..Default::default()
+        };
+        let status = Environment::gather(&host).await.git;
+        assert!(!pwned.exists(), "a filter driver ran");
+        let status = status.expect("status");
+        assert!(status.contains(" M a.txt"), "{status}");
     }
 
     /// A `.git` file (a linked work tree, a submodule) marks a repository
