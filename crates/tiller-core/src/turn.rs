@@ -598,6 +598,20 @@ impl<P, S: Clone> SessionCore<P, S> {
         self.active.as_mut().map(|a| &mut a.payload)
     }
 
+    /// True when nothing is in flight or due: no turn, no queued prompt,
+    /// no poll round, no timer, not closing. Every prompt admitted so far
+    /// has its terminal, so the session may be stopped and started again
+    /// from the store (parked while idle) with nothing lost: work queued
+    /// for it meanwhile wakes it, as it wakes a session after a restart.
+    pub fn parkable(&self) -> bool {
+        self.active.is_none()
+            && self.queue.is_empty()
+            && self.polling.is_none()
+            && !self.rekick
+            && self.armed.is_none()
+            && !self.closing
+    }
+
     /// True once the session is closing (nothing starts any more).
     pub fn is_closing(&self) -> bool {
         self.closing

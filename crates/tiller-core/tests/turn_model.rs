@@ -727,6 +727,22 @@ impl Sut {
         for (p, t) in &self.terminals {
             assert_eq!(t.len(), 1, "prompt {p:?} got {t:?}");
         }
+        // A parkable core has nothing in flight: every admitted prompt has
+        // its terminal, every offered work started or went back.
+        if self.core.parkable() {
+            for p in &self.admitted {
+                assert!(
+                    self.terminals.contains_key(p),
+                    "parkable with {p:?} unsettled"
+                );
+            }
+            for p in &self.offered {
+                assert!(
+                    self.turn_of.contains_key(p) || self.handed_back.contains(p),
+                    "parkable with offered work {p:?} neither started nor handed back"
+                );
+            }
+        }
         // The delivered batch goes into the pipeline.
         if let Some(turn) = deliver_batch {
             self.start_batch(turn);
