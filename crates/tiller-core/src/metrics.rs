@@ -272,7 +272,7 @@ pub const ALL: &[Metric] = &[
     Metric {
         name: "tiller_sessions_active",
         kind: Kind::Gauge,
-        help: "Sessions loaded in memory.",
+        help: "Sessions running in memory (with an actor).",
         labels: &[],
     },
     Metric {
@@ -285,6 +285,12 @@ pub const ALL: &[Metric] = &[
         name: "tiller_sessions_deleted_total",
         kind: Kind::Counter,
         help: "Sessions deleted.",
+        labels: &[],
+    },
+    Metric {
+        name: "tiller_sessions_parked",
+        kind: Kind::Gauge,
+        help: "Idle sessions parked: no actor, a record kept until a message wakes them.",
         labels: &[],
     },
     Metric {

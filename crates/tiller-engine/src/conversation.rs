@@ -121,6 +121,12 @@ impl Conversation {
         self.lock().msgs.clone()
     }
 
+    /// Whether everything is stored (nothing for [`Conversation::take_changes`]).
+    pub fn is_saved(&self) -> bool {
+        let inner = self.lock();
+        inner.dirty == CLEAN && inner.saved_base == inner.base
+    }
+
     /// What changed since the last call (`None`: nothing). The owner
     /// stores it; if that fails it hands it back with
     /// [`Conversation::unsaved`].

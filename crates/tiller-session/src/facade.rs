@@ -175,7 +175,7 @@ impl Sessions {
         let handle = self.open(id).await?;
         let (ack, stored) = oneshot::channel();
         let publish = goal::Publish {
-            inbox: Arc::new(handle.actor.clone()),
+            inbox: handle.slot.clone(),
             ack,
         };
         let (tx, rx) = oneshot::channel();
@@ -344,16 +344,16 @@ impl Sessions {
                 Err(e) => return Err(SessionError::BadCwd(new.cwd, e.to_string())),
             }
         }
-        let (id, actor) = self
+        let (id, slot) = self
             .ask(|reply| RegistryMsg::Create { new, reply })
             .await??;
-        Ok(self.handle(id, actor))
+        Ok(self.handle(id, slot))
     }
 
-    fn handle(&self, id: SessionId, actor: ActorRef<SessionMsg>) -> SessionHandle {
+    fn handle(&self, id: SessionId, slot: Arc<handle::Slot>) -> SessionHandle {
         SessionHandle {
             id,
-            actor,
+            slot,
             tools: self.tools.clone(),
             store: self.store.clone(),
         }
@@ -387,12 +387,12 @@ impl Sessions {
     async fn delete_begun(
         &self,
         id: SessionId,
-        live: Option<ActorRef<SessionMsg>>,
+        live: Option<registry::Running>,
     ) -> Result<(), SessionError> {
-        if let Some(actor) = live {
+        if let Some((slot, actor)) = live {
             let bound = std::time::Duration::from_millis(self.cancel_grace_ms)
                 + std::time::Duration::from_secs(5);
-            self.handle(id, actor).close_and_stop(bound).await?;
+            self.handle(id, slot).close_and_stop(&actor, bound).await?;
         }
         // A session that is not running is deleted without starting it.
         if !self.store.delete_session(id).await? {
@@ -408,8 +408,8 @@ impl Sessions {
 
     /// Finds a live session or loads it from the store.
     pub async fn open(&self, id: SessionId) -> Result<SessionHandle, SessionError> {
-        let actor = self.ask(|reply| RegistryMsg::Open { id, reply }).await??;
-        Ok(self.handle(id, actor))
+        let slot = self.ask(|reply| RegistryMsg::Open { id, reply }).await??;
+        Ok(self.handle(id, slot))
     }
 
     /// Open sessions, newest first.
@@ -500,9 +500,25 @@ impl Sessions {
         SubscriberId(self.next_subscriber.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// Live sessions.
+    /// Live sessions (running or parked).
     pub async fn live(&self) -> usize {
-        self.ask(RegistryMsg::Live).await.unwrap_or(0)
+        self.ask(RegistryMsg::Live)
+            .await
+            .map_or(0, |(live, _)| live)
+    }
+
+    /// Live sessions parked (no actor until a message wakes them).
+    pub async fn parked(&self) -> usize {
+        self.ask(RegistryMsg::Live)
+            .await
+            .map_or(0, |(_, parked)| parked)
+    }
+
+    /// Parks every session idle for `park_after` now, as the registry's
+    /// timer does every half of it: each one with nothing in flight stops
+    /// its actor and keeps only a record here until a message wakes it.
+    pub fn park_idle(&self) {
+        let _ = self.registry.send_message(RegistryMsg::Sweep);
     }
 
     /// Tests only: stops every actor where it stands, as a killed process

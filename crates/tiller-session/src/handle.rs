@@ -2,11 +2,104 @@
 
 use super::*;
 
+/// Where a session's messages go. The registry changes it; every handle
+/// to the session shares it, so a session may be parked (its actor stopped
+/// while idle, its state in the store) and started again under the handles
+/// edges hold, unseen by them.
+pub(crate) struct Slot {
+    pub(crate) id: SessionId,
+    pub(crate) state: std::sync::Mutex<SlotState>,
+    pub(crate) registry: ActorRef<RegistryMsg>,
+}
+
+/// See [`Slot`]. Messages wait in a queue only while no actor may take
+/// them; the registry moves them, in order and under the slot's lock, to
+/// the actor that then runs, so nothing sent after them overtakes them.
+pub(crate) enum SlotState {
+    Running(ActorRef<SessionMsg>),
+    /// Its actor was asked to park: it parks (and the registry starts
+    /// another at once if messages wait) or stays.
+    Parking(Vec<SessionMsg>),
+    /// No actor. The first message asks the registry to start one.
+    Parked(Vec<SessionMsg>),
+    /// The session is no longer served here (its actor failed or was
+    /// stopped, its lease was lost): handles are stale.
+    Gone,
+}
+
+impl Slot {
+    /// A slot with no actor yet (the registry starts one and hands it
+    /// over before anyone else sees the slot).
+    pub(crate) fn new(id: SessionId, registry: ActorRef<RegistryMsg>) -> Arc<Slot> {
+        Arc::new(Slot {
+            id,
+            state: std::sync::Mutex::new(SlotState::Parked(Vec::new())),
+            registry,
+        })
+    }
+
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        // Nothing panics while holding it; a poisoned lock's state is whole.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn send(&self, msg: SessionMsg) -> Result<(), SessionError> {
+        let mut state = self.lock();
+        match &mut *state {
+            SlotState::Running(actor) => actor.send_message(msg).map_err(|_| SessionError::Stopped),
+            SlotState::Parking(queue) => {
+                queue.push(msg);
+                Ok(())
+            }
+            SlotState::Parked(queue) => {
+                let wake = match msg {
+                    // A client going away does not start a parked session.
+                    SessionMsg::Unsubscribe(sub) if queue.is_empty() => {
+                        return self
+                            .registry
+                            .send_message(RegistryMsg::Unsubscribe { id: self.id, sub })
+                            .map_err(|_| SessionError::Stopped);
+                    }
+                    msg => {
+                        queue.push(msg);
+                        queue.len() == 1
+                    }
+                };
+                if wake
+                    && self
+                        .registry
+                        .send_message(RegistryMsg::Unpark(self.id))
+                        .is_err()
+                {
+                    // Nobody would ever take it: its answers are dropped
+                    // (the caller sees `Stopped`), never left waiting.
+                    queue.clear();
+                    return Err(SessionError::Stopped);
+                }
+                Ok(())
+            }
+            SlotState::Gone => Err(SessionError::Stopped),
+        }
+    }
+}
+
+/// A session's queues answer through its slot, so an answer sent while
+/// it parks waits for its next actor.
+impl ports::Inbox for Slot {
+    fn offer(&self, origin: Origin, poll: u64, work: Option<ports::Work>) {
+        let _ = self.send(SessionMsg::Offer { origin, poll, work });
+    }
+
+    fn event(&self, body: EventBody, kick: bool, ack: Option<ports::Ack>) {
+        let _ = self.send(SessionMsg::Automation { body, kick, ack });
+    }
+}
+
 /// A live session.
 #[derive(Clone)]
 pub struct SessionHandle {
     pub(crate) id: SessionId,
-    pub(crate) actor: ActorRef<SessionMsg>,
+    pub(crate) slot: Arc<Slot>,
     /// The policy its MCP servers are connected under.
     pub(crate) tools: Arc<tiller_tools::ToolsConfig>,
     /// To tell a closed session from a stopped one.
@@ -19,23 +112,26 @@ impl SessionHandle {
         self.id
     }
 
-    /// Whether both handles reach the same actor (a session's actor is
-    /// replaced when it fails and is reopened).
+    /// Whether both handles reach the same run of the session (one that
+    /// failed, or stopped here, and was opened again is another run;
+    /// parking and waking are not).
     pub fn same_actor(&self, other: &SessionHandle) -> bool {
-        self.actor.get_id() == other.actor.get_id()
+        Arc::ptr_eq(&self.slot, &other.slot)
     }
 
-    /// Whether the session's actor still runs. A handle to one that
-    /// stopped (failed, closed, its lease lost) is stale: the session is
-    /// opened again through the registry.
+    /// Whether the session is still served through this handle: running,
+    /// or parked. A handle to one that stopped (failed, closed, its lease
+    /// lost) is stale: the session is opened again through the registry.
     pub fn is_running(&self) -> bool {
-        self.actor.get_status() == ractor::ActorStatus::Running
+        match &*self.slot.lock() {
+            SlotState::Running(a) => a.get_status() == ractor::ActorStatus::Running,
+            SlotState::Parking(_) | SlotState::Parked(_) => true,
+            SlotState::Gone => false,
+        }
     }
 
     pub(crate) fn send(&self, msg: SessionMsg) -> Result<(), SessionError> {
-        self.actor
-            .send_message(msg)
-            .map_err(|_| SessionError::Stopped)
+        self.slot.send(msg)
     }
 
     /// Submits a prompt. Returns once it is stored (or refused), with a
@@ -286,13 +382,14 @@ impl SessionHandle {
     /// running turn settled), so nothing more is written: for deletion.
     pub(crate) async fn close_and_stop(
         &self,
+        actor: &ActorRef<SessionMsg>,
         bound: std::time::Duration,
     ) -> Result<(), SessionError> {
         match self.close().await {
             Ok(()) | Err(SessionError::Stopped) => {}
             Err(e) => return Err(e),
         }
-        self.actor
+        actor
             .get_cell()
             .wait(Some(bound))
             .await

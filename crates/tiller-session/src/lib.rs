@@ -69,6 +69,9 @@ pub struct SessionConfig {
     /// This node's place in a cluster (used when the store is shared:
     /// PostgreSQL). `None`: a node called `local`, default timings.
     pub cluster: Option<ClusterConfig>,
+    /// How long a session with nothing in flight keeps its actor before
+    /// it is parked (`None`: never).
+    pub park_after: Option<std::time::Duration>,
 }
 
 /// A node's identity and lease timings.

@@ -33,6 +33,7 @@ pub fn session_config() -> SessionConfig {
         delivery_wake: None,
         budget: Default::default(),
         cluster: None,
+        park_after: None,
         tools: Default::default(),
     }
 }

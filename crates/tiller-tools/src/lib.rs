@@ -248,6 +248,11 @@ impl Toolbox {
         self
     }
 
+    /// Whether MCP servers are connected (they live only in this process).
+    pub fn has_mcp(&self) -> bool {
+        !self.mcp.is_empty()
+    }
+
     /// The session's directory.
     pub fn root(&self) -> &PathBuf {
         &self.root

@@ -557,6 +557,11 @@ impl Default for Tools {
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     pub max_sessions: usize,
+    /// How long a session with nothing in flight keeps its actor before it
+    /// is parked (stopped, kept as a record, started again by its next
+    /// message); `0s`: never.
+    #[serde(with = "humantime_serde")]
+    pub park_after: Duration,
     pub max_connections: usize,
     pub max_message_bytes: usize,
     pub subscriber_queue: usize,
@@ -664,6 +669,7 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_sessions: 100_000,
+            park_after: Duration::from_secs(600),
             max_connections: 1024,
             max_message_bytes: 4 * 1024 * 1024,
             subscriber_queue: 4096,

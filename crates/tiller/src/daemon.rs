@@ -264,6 +264,7 @@ async fn start_sessions(
             delivery_wake,
             budget: Default::default(),
             cluster,
+            park_after: (!cfg.limits.park_after.is_zero()).then_some(cfg.limits.park_after),
             tools: Arc::new(cfg.tools_config(
                 crate::utf8_env(),
                 // The running binary, even if it is replaced on disk.

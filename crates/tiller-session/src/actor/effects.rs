@@ -140,7 +140,7 @@ impl SessionState {
                 }
                 Effect::ArmTimer { at } => self.arm(myself, at),
                 Effect::Poll { origin, poll } => {
-                    let inbox: Arc<dyn Inbox> = Arc::new(myself.clone());
+                    let inbox: Arc<dyn Inbox> = self.slot.clone();
                     if !self.automation.poll(origin, self.id, poll, inbox) {
                         // No actor for that queue: nothing is due there.
                         let _ = myself.send_message(SessionMsg::Offer {

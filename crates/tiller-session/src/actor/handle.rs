@@ -8,8 +8,15 @@ impl SessionState {
     }
 
     pub(super) async fn handle(&mut self, myself: &ActorRef<SessionMsg>, msg: SessionMsg) {
+        // Not input: the registry asking.
+        match msg {
+            SessionMsg::ParkIfIdle => return self.park_if_idle(myself),
+            SessionMsg::Park => return self.park(myself),
+            _ => {}
+        }
         self.input_at = crate::clock::instant();
         match msg {
+            SessionMsg::ParkIfIdle | SessionMsg::Park => {}
             SessionMsg::Prompt {
                 id,
                 text,

@@ -25,6 +25,7 @@ mod effects;
 mod handle;
 mod hosted;
 mod options;
+mod park;
 mod pipeline;
 mod publish;
 
@@ -64,17 +65,6 @@ impl Automation {
     fn poll(&self, origin: Origin, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool {
         self.queue(origin)
             .is_some_and(|q| q.poll(session, poll, inbox))
-    }
-}
-
-/// A session's mailbox is where its queues answer.
-impl Inbox for ActorRef<SessionMsg> {
-    fn offer(&self, origin: Origin, poll: u64, work: Option<Work>) {
-        let _ = self.send_message(SessionMsg::Offer { origin, poll, work });
-    }
-
-    fn event(&self, body: EventBody, kick: bool, ack: Option<Ack>) {
-        let _ = self.send_message(SessionMsg::Automation { body, kick, ack });
     }
 }
 
@@ -211,6 +201,11 @@ pub enum SessionMsg {
     Close(oneshot::Sender<Result<(), crate::SessionError>>),
     /// Daemon shutdown: cancel what runs; answer once idle.
     Drain(oneshot::Sender<()>),
+    /// The registry's sweep: ask to park if idle for `park_after`.
+    ParkIfIdle,
+    /// The registry holds the session's messages back: park (hand the
+    /// clients over) if still idle, else stay.
+    Park,
     /// Tests only: fail the actor, as a bug would.
     #[cfg(feature = "test-hooks")]
     Crash,
@@ -232,6 +227,10 @@ pub struct SessionArgs {
     pub title: Option<String>,
     /// What the store kept of the session (settings, conversation).
     pub extras: tiller_store::SessionExtras,
+    /// Where its handles and queues send (see [`crate::handle::Slot`]).
+    pub slot: Arc<crate::handle::Slot>,
+    /// Its clients, when it wakes from parking.
+    pub subscribers: crate::registry::Subscribers,
 }
 
 /// Session options kept in the store (`session_state.settings`).
@@ -352,6 +351,8 @@ pub struct SessionState {
     loops: LoopConfig,
     /// This actor (queue actors answer to it).
     myself: ActorRef<SessionMsg>,
+    /// Where its handles and queues send: its queues answer through it.
+    slot: Arc<crate::handle::Slot>,
     /// Session settings (delivery destinations and wake-up).
     config: Arc<SessionConfig>,
     /// The queue actors polled when idle.
@@ -427,6 +428,8 @@ pub struct SessionState {
     agent: Option<Box<AgentOptions>>,
     /// Answered at the next idle (daemon shutdown).
     drained: Vec<oneshot::Sender<()>>,
+    /// The last settings save failed: they live only here until one works.
+    settings_unsaved: bool,
     /// `tiller_events_published_total`, looked up once (not per event).
     published: metrics::Counter,
     /// The session span.
@@ -504,6 +507,7 @@ impl Actor for SessionActor {
             automation: args.automation,
             config: args.config.clone(),
             myself: myself.clone(),
+            slot: args.slot,
             engine: args.engine,
             engines: args.engines,
             store: args.store,
@@ -522,7 +526,7 @@ impl Actor for SessionActor {
             failed: None,
             last_turn_error,
             running: None,
-            subscribers: Vec::new(),
+            subscribers: args.subscribers,
             timer: None,
             epoch: crate::clock::instant(),
             input_at: crate::clock::instant(),
@@ -539,6 +543,7 @@ impl Actor for SessionActor {
                 })
             }),
             drained: Vec::new(),
+            settings_unsaved: false,
             published: metrics::counter!("tiller_events_published_total"),
             span,
         })

@@ -277,6 +277,7 @@ impl SessionState {
         if let Err(e) = &r {
             tracing::error!(error = %e, "cannot store the session's settings");
         }
+        self.settings_unsaved = r.is_err();
         r
     }
 

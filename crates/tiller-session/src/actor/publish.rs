@@ -97,7 +97,7 @@ impl SessionState {
             if turn.is_some()
                 && let Some(q) = self.automation.queue(origin)
             {
-                let inbox: Arc<dyn Inbox> = Arc::new(self.myself.clone());
+                let inbox: Arc<dyn Inbox> = self.slot.clone();
                 q.turn_ended(self.id, loop_stopped, inbox);
             }
         }

@@ -12,28 +12,39 @@ use tokio::sync::oneshot;
 
 use crate::SessionError;
 use crate::actor::{Automation, SessionActor, SessionArgs, SessionMsg};
-use crate::{Engines, SessionConfig};
+use crate::handle::{Slot, SlotState};
+
+mod park;
+use crate::{Engines, SessionConfig, Subscriber, SubscriberId};
+use park::{Live, Run, resume};
+
+/// A running session: its slot and its actor.
+pub(crate) type Running = (Arc<Slot>, ActorRef<SessionMsg>);
+
+/// A parked session's attached clients, kept for its next actor.
+pub(crate) type Subscribers = Vec<(SubscriberId, Box<dyn Subscriber>)>;
 
 /// The closed set of messages the registry handles.
 pub enum RegistryMsg {
     /// Create and start a new session.
     Create {
         new: crate::NewSession,
-        reply: oneshot::Sender<Result<(SessionId, ActorRef<SessionMsg>), SessionError>>,
+        reply: oneshot::Sender<Result<(SessionId, Arc<Slot>), SessionError>>,
     },
     /// Find a live session or load it from the store.
     Open {
         id: SessionId,
-        reply: oneshot::Sender<Result<ActorRef<SessionMsg>, SessionError>>,
+        reply: oneshot::Sender<Result<Arc<Slot>, SessionError>>,
     },
-    /// How many sessions are live.
-    Live(oneshot::Sender<usize>),
+    /// How many sessions are live, and how many of them parked.
+    Live(oneshot::Sender<(usize, usize)>),
     /// A delete starts: the session is not opened again until it ends
-    /// (`EndDelete`); the answer is its live actor, if any. Refused while
+    /// (`EndDelete`); the answer is its live actor (a parked one is
+    /// started, so its clients see it close), if any. Refused while
     /// another delete of it runs.
     BeginDelete {
         id: SessionId,
-        reply: oneshot::Sender<Result<Option<ActorRef<SessionMsg>>, SessionError>>,
+        reply: oneshot::Sender<Result<Option<Running>, SessionError>>,
     },
     EndDelete(SessionId),
     /// Queued work may wait for these sessions: the live ones poll their
@@ -46,6 +57,33 @@ pub enum RegistryMsg {
     LeasesLost(Vec<(SessionId, i64)>),
     /// Cancel every running turn and wait (bounded) until all are idle.
     Shutdown(oneshot::Sender<()>),
+    /// Ask every running session to park if it has been idle for
+    /// `park_after` (sent by the registry's own timer, or by an operator).
+    Sweep,
+    /// A session's actor has been idle for `park_after` and nothing is in
+    /// flight: the registry holds its messages back and asks it to park.
+    Idle {
+        id: SessionId,
+        actor: ActorId,
+    },
+    /// The actor parked (and stops): its clients wait here.
+    Parked {
+        id: SessionId,
+        actor: ActorId,
+        subscribers: Subscribers,
+    },
+    /// The actor got work before it could park: it goes on.
+    Stays {
+        id: SessionId,
+        actor: ActorId,
+    },
+    /// A message waits for a parked session: start its actor.
+    Unpark(SessionId),
+    /// A client detached from a parked session.
+    Unsubscribe {
+        id: SessionId,
+        sub: SubscriberId,
+    },
 }
 
 /// What the registry needs.
@@ -65,8 +103,10 @@ pub struct RegistryState {
     automation: Automation,
     engines: Engines,
     config: Arc<SessionConfig>,
-    /// Live sessions.
-    live: HashMap<SessionId, ActorRef<SessionMsg>>,
+    /// Live sessions, running or parked.
+    live: HashMap<SessionId, Live>,
+    /// How many of them are parked.
+    parked: usize,
     /// The fence of the lease each live session runs on (a cluster).
     fences: HashMap<SessionId, i64>,
     /// Reverse map for supervision events.
@@ -91,15 +131,20 @@ impl Actor for Registry {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<RegistryMsg>,
+        myself: ActorRef<RegistryMsg>,
         args: RegistryArgs,
     ) -> Result<RegistryState, ActorProcessingErr> {
+        if let Some(after) = args.config.park_after {
+            let every = (after / 2).max(Duration::from_secs(1));
+            myself.send_interval(every, || RegistryMsg::Sweep);
+        }
         Ok(RegistryState {
             store: args.store,
             automation: args.automation,
             engines: args.engines,
             config: args.config,
             live: HashMap::new(),
+            parked: 0,
             fences: HashMap::new(),
             by_actor: HashMap::new(),
             unreconciled: HashMap::new(),
@@ -114,63 +159,14 @@ impl Actor for Registry {
         msg: RegistryMsg,
         st: &mut RegistryState,
     ) -> Result<(), ActorProcessingErr> {
-        match msg {
-            RegistryMsg::Create { new, reply } => {
-                let _ = reply.send(st.create(&myself, new).await);
-            }
-            RegistryMsg::Open { id, reply } => {
-                let _ = reply.send(st.open(&myself, id).await);
-            }
-            RegistryMsg::Live(reply) => {
-                let _ = reply.send(st.live.len());
-            }
-            RegistryMsg::BeginDelete { id, reply } => {
-                let r = if st.deleting.insert(id) {
-                    Ok(st.live.get(&id).cloned())
-                } else {
-                    Err(SessionError::Unknown(id))
-                };
-                let _ = reply.send(r);
-            }
-            RegistryMsg::EndDelete(id) => {
-                st.deleting.remove(&id);
-            }
-            RegistryMsg::Kick(ids) => {
-                for id in ids {
-                    if let Some(actor) = st.live.get(&id) {
-                        let _ = actor.send_message(SessionMsg::Kick);
-                    }
+        // What waited for a session to park or stay is handled after it,
+        // in order (it may wait again: a later park).
+        let mut todo = std::collections::VecDeque::from([msg]);
+        while let Some(msg) = todo.pop_front() {
+            if let Some(resumed) = st.on(&myself, msg).await {
+                for m in resumed.into_iter().rev() {
+                    todo.push_front(m);
                 }
-            }
-            RegistryMsg::LeasesLost(ids) => {
-                for (id, fence) in ids {
-                    if st.fences.get(&id) != Some(&fence) {
-                        continue; // it runs on a newer lease
-                    }
-                    st.fences.remove(&id);
-                    if let Some(actor) = st.live.remove(&id) {
-                        tracing::warn!(%id, "another node took this session over; it stops here");
-                        st.by_actor.remove(&actor.get_id());
-                        metrics::gauge!("tiller_sessions_active").set(st.live.len() as f64);
-                        actor.stop(Some("lease lost".into()));
-                    }
-                }
-            }
-            RegistryMsg::Shutdown(reply) => {
-                let mut waits = Vec::new();
-                for actor in st.live.values() {
-                    let (tx, rx) = oneshot::channel();
-                    if actor.send_message(SessionMsg::Drain(tx)).is_ok() {
-                        waits.push(rx);
-                    }
-                }
-                // Every turn settles within cancel_grace; allow a margin.
-                let bound =
-                    Duration::from_millis(st.config.turn.cancel_grace) + Duration::from_secs(1);
-                tokio::spawn(async move {
-                    let _ = tokio::time::timeout(bound, futures_join_all(waits)).await;
-                    let _ = reply.send(());
-                });
             }
         }
         Ok(())
@@ -178,41 +174,35 @@ impl Actor for Registry {
 
     async fn handle_supervisor_evt(
         &self,
-        _myself: ActorRef<RegistryMsg>,
+        myself: ActorRef<RegistryMsg>,
         evt: SupervisionEvent,
         st: &mut RegistryState,
     ) -> Result<(), ActorProcessingErr> {
         // ractor's default stops the supervisor when a child dies; a session
         // failing must never take the others down.
-        match evt {
-            SupervisionEvent::ActorTerminated(cell, _, _) => {
-                if let Some(id) = st.forget(cell.get_id()) {
+        let waiting = match evt {
+            SupervisionEvent::ActorTerminated(cell, _, _) => match st.forget(cell.get_id()) {
+                Some((id, waiting)) => {
                     st.release(id).await;
+                    waiting
                 }
-            }
+                None => None,
+            },
             SupervisionEvent::ActorFailed(cell, err) => {
                 tracing::error!(error = %err, "session actor failed; it reloads from the store on next use");
-                if let Some(id) = st.forget(cell.get_id()) {
-                    // Settle what it had in flight before anyone can open it
-                    // again (this handler runs before the next message).
-                    let kind = match err.downcast_ref::<crate::SessionFailed>() {
-                        Some(crate::SessionFailed::StoreUnavailable) => {
-                            tiller_core::ErrorKind::StoreUnavailable
-                        }
-                        // Its new owner settles them.
-                        Some(crate::SessionFailed::LeaseLost) => return Ok(()),
-                        None => tiller_core::ErrorKind::SessionRestarted,
-                    };
-                    match crate::reconcile(&st.store, Some(id), kind).await {
-                        Ok(_) => st.release(id).await,
-                        Err(e) => {
-                            tracing::error!(%id, error = %e, "cannot settle the failed session's prompts yet; they settle before it reopens");
-                            st.unreconciled.insert(id, kind);
-                        }
+                match st.forget(cell.get_id()) {
+                    Some((id, waiting)) => {
+                        st.failed(id, &err).await;
+                        waiting
                     }
+                    None => None,
                 }
             }
-            _ => {}
+            _ => None,
+        };
+        // What waited for it to park is answered now that it is gone.
+        for msg in waiting.into_iter().flatten() {
+            self.handle(myself.clone(), msg, st).await?;
         }
         Ok(())
     }
@@ -225,12 +215,128 @@ async fn futures_join_all(waits: Vec<oneshot::Receiver<()>>) {
 }
 
 impl RegistryState {
-    fn forget(&mut self, actor: ActorId) -> Option<SessionId> {
-        let id = self.by_actor.remove(&actor)?;
-        self.live.remove(&id);
-        self.fences.remove(&id);
-        metrics::gauge!("tiller_sessions_active").set(self.live.len() as f64);
-        Some(id)
+    /// Handles one message; the answer is what waited for a session that
+    /// just parked or stayed, to handle next.
+    async fn on(
+        &mut self,
+        myself: &ActorRef<RegistryMsg>,
+        msg: RegistryMsg,
+    ) -> Option<Vec<RegistryMsg>> {
+        match msg {
+            RegistryMsg::Create { new, reply } => {
+                let _ = reply.send(self.create(myself, new).await);
+            }
+            RegistryMsg::Open { id, reply } => {
+                let _ = reply.send(self.open(myself, id).await);
+            }
+            RegistryMsg::Live(reply) => {
+                let _ = reply.send((self.live.len(), self.parked));
+            }
+            RegistryMsg::BeginDelete { id, reply } => {
+                if let Some(Live {
+                    run: Run::Parking(_, waiting),
+                    ..
+                }) = self.live.get_mut(&id)
+                {
+                    waiting
+                        .get_mut()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(RegistryMsg::BeginDelete { id, reply });
+                    return None;
+                }
+                let r = if self.deleting.insert(id) {
+                    // A parked session starts, so its clients see the close.
+                    self.wake(myself, id).await;
+                    Ok(self
+                        .live
+                        .get(&id)
+                        .and_then(|l| Some((l.slot.clone(), l.run.actor()?.clone()))))
+                } else {
+                    Err(SessionError::Unknown(id))
+                };
+                let _ = reply.send(r);
+            }
+            RegistryMsg::EndDelete(id) => {
+                self.deleting.remove(&id);
+            }
+            RegistryMsg::Kick(ids) => {
+                for id in ids {
+                    if let Some(l) = self.live.get(&id) {
+                        // A parked session starts to look (`Unpark`).
+                        let _ = l.slot.send(SessionMsg::Kick);
+                    }
+                }
+            }
+            RegistryMsg::LeasesLost(ids) => {
+                let mut resumed = Vec::new();
+                for (id, fence) in ids {
+                    if self.fences.get(&id) != Some(&fence) {
+                        continue; // it runs on a newer lease
+                    }
+                    tracing::warn!(%id, "another node took this session over; it stops here");
+                    if let Some(actor) = self.live.get(&id).and_then(|l| l.run.actor().cloned()) {
+                        actor.stop(Some("lease lost".into()));
+                    }
+                    resumed.extend(self.drop_live(id).into_iter().flatten());
+                }
+                return Some(resumed);
+            }
+            RegistryMsg::Shutdown(reply) => {
+                let mut waits = Vec::new();
+                for actor in self.live.values().filter_map(|l| l.run.actor()) {
+                    let (tx, rx) = oneshot::channel();
+                    if actor.send_message(SessionMsg::Drain(tx)).is_ok() {
+                        waits.push(rx);
+                    }
+                }
+                // Every turn settles within cancel_grace; allow a margin.
+                let bound =
+                    Duration::from_millis(self.config.turn.cancel_grace) + Duration::from_secs(1);
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(bound, futures_join_all(waits)).await;
+                    let _ = reply.send(());
+                });
+            }
+            RegistryMsg::Sweep => self.sweep(),
+            RegistryMsg::Idle { id, actor } => self.idle(id, actor),
+            RegistryMsg::Parked {
+                id,
+                actor,
+                subscribers,
+            } => return self.parked(myself, id, actor, subscribers).await,
+            RegistryMsg::Stays { id, actor } => return self.stays(id, actor),
+            RegistryMsg::Unpark(id) => self.wake(myself, id).await,
+            RegistryMsg::Unsubscribe { id, sub } => self.unsubscribe(id, sub),
+        }
+        None
+    }
+
+    /// The session whose actor stopped, forgotten, and what waited for it
+    /// to park.
+    fn forget(&mut self, actor: ActorId) -> Option<(SessionId, Option<Vec<RegistryMsg>>)> {
+        let id = *self.by_actor.get(&actor)?;
+        let waiting = self.drop_live(id);
+        Some((id, waiting))
+    }
+
+    /// A session's actor failed: settle what it had in flight before
+    /// anyone can open it again (this runs before the next message).
+    async fn failed(&mut self, id: SessionId, err: &ActorProcessingErr) {
+        let kind = match err.downcast_ref::<crate::SessionFailed>() {
+            Some(crate::SessionFailed::StoreUnavailable) => {
+                tiller_core::ErrorKind::StoreUnavailable
+            }
+            // Its new owner settles them.
+            Some(crate::SessionFailed::LeaseLost) => return,
+            None => tiller_core::ErrorKind::SessionRestarted,
+        };
+        match crate::reconcile(&self.store, Some(id), kind).await {
+            Ok(_) => self.release(id).await,
+            Err(e) => {
+                tracing::error!(%id, error = %e, "cannot settle the failed session's prompts yet; they settle before it reopens");
+                self.unreconciled.insert(id, kind);
+            }
+        }
     }
 
     /// Lets go of a session no actor serves here any more, so any node may
@@ -294,17 +400,16 @@ impl RegistryState {
         Ok(fence)
     }
 
-    async fn spawn(
-        &mut self,
-        myself: &ActorRef<RegistryMsg>,
+    /// What a session's actor starts with: its clients (when it wakes) and
+    /// the slot its handles send through.
+    fn args(
+        &self,
         id: SessionId,
         head: LogHead,
         (cwd, title): (String, Option<String>),
         extras: SessionExtras,
-    ) -> Result<ActorRef<SessionMsg>, SessionError> {
-        if self.live.len() >= self.config.max_sessions {
-            return Err(SessionError::TooManySessions(self.config.max_sessions));
-        }
+        (slot, subscribers): (Arc<Slot>, Subscribers),
+    ) -> Result<SessionArgs, SessionError> {
         let engine = match self.engines.get(extras.engine.as_deref()) {
             Ok(e) => e,
             Err(_) => {
@@ -312,7 +417,7 @@ impl RegistryState {
                 self.engines.get(None)?
             }
         };
-        let args = SessionArgs {
+        Ok(SessionArgs {
             id,
             head,
             cwd,
@@ -323,21 +428,56 @@ impl RegistryState {
             store: self.store.clone(),
             config: self.config.clone(),
             automation: self.automation.clone(),
-        };
+            slot,
+            subscribers,
+        })
+    }
+
+    async fn spawn(
+        &mut self,
+        myself: &ActorRef<RegistryMsg>,
+        args: SessionArgs,
+    ) -> Result<ActorRef<SessionMsg>, SessionError> {
+        let id = args.id;
         let (actor, _) = Actor::spawn_linked(None, SessionActor, args, myself.get_cell())
             .await
             .map_err(|e| SessionError::Internal(e.to_string()))?;
         self.by_actor.insert(actor.get_id(), id);
-        self.live.insert(id, actor.clone());
-        metrics::gauge!("tiller_sessions_active").set(self.live.len() as f64);
         Ok(actor)
+    }
+
+    /// A session that was not live here starts: a new slot, a new actor.
+    async fn start(
+        &mut self,
+        myself: &ActorRef<RegistryMsg>,
+        id: SessionId,
+        head: LogHead,
+        cwd_title: (String, Option<String>),
+        extras: SessionExtras,
+    ) -> Result<Arc<Slot>, SessionError> {
+        if self.live.len() >= self.config.max_sessions {
+            return Err(SessionError::TooManySessions(self.config.max_sessions));
+        }
+        let slot = Slot::new(id, myself.clone());
+        let args = self.args(id, head, cwd_title, extras, (slot.clone(), Vec::new()))?;
+        let actor = self.spawn(myself, args).await?;
+        resume(&slot, actor.clone());
+        self.live.insert(
+            id,
+            Live {
+                slot: slot.clone(),
+                run: Run::Running(actor),
+            },
+        );
+        self.gauges();
+        Ok(slot)
     }
 
     async fn create(
         &mut self,
         myself: &ActorRef<RegistryMsg>,
         new: crate::NewSession,
-    ) -> Result<(SessionId, ActorRef<SessionMsg>), SessionError> {
+    ) -> Result<(SessionId, Arc<Slot>), SessionError> {
         let crate::NewSession {
             cwd,
             title,
@@ -384,11 +524,11 @@ impl RegistryState {
             engine: Some(engine_name),
             ..SessionExtras::default()
         };
-        let spawned = self
-            .spawn(myself, id, LogHead::default(), (cwd, given), extras)
+        let started = self
+            .start(myself, id, LogHead::default(), (cwd, given), extras)
             .await;
-        let actor = self.running(id, fence, spawned).await?;
-        Ok((id, actor))
+        let slot = self.running(id, fence, started).await?;
+        Ok((id, slot))
     }
 
     /// A session's actor started on the lease at `fence` (a cluster), or
@@ -398,14 +538,14 @@ impl RegistryState {
         &mut self,
         id: SessionId,
         fence: Option<i64>,
-        spawned: Result<ActorRef<SessionMsg>, SessionError>,
-    ) -> Result<ActorRef<SessionMsg>, SessionError> {
-        match (spawned, fence) {
-            (Ok(actor), Some(f)) => {
+        started: Result<Arc<Slot>, SessionError>,
+    ) -> Result<Arc<Slot>, SessionError> {
+        match (started, fence) {
+            (Ok(slot), Some(f)) => {
                 self.fences.insert(id, f);
-                Ok(actor)
+                Ok(slot)
             }
-            (Ok(actor), None) => Ok(actor),
+            (Ok(slot), None) => Ok(slot),
             (Err(e), _) => {
                 self.release(id).await;
                 Err(e)
@@ -417,12 +557,12 @@ impl RegistryState {
         &mut self,
         myself: &ActorRef<RegistryMsg>,
         id: SessionId,
-    ) -> Result<ActorRef<SessionMsg>, SessionError> {
+    ) -> Result<Arc<Slot>, SessionError> {
         if self.deleting.contains(&id) {
             return Err(SessionError::Unknown(id));
         }
-        if let Some(actor) = self.live.get(&id) {
-            return Ok(actor.clone());
+        if let Some(l) = self.live.get(&id) {
+            return Ok(l.slot.clone());
         }
         if self.live.len() >= self.config.max_sessions {
             return Err(SessionError::TooManySessions(self.config.max_sessions));
@@ -430,15 +570,15 @@ impl RegistryState {
         match self.store.get_session(id).await? {
             Some((rec, _)) if !rec.closed => {
                 let fence = self.take(id).await?;
-                let spawned = async {
+                let started = async {
                     // A failed actor may have left its log refusing appends.
                     let head = self.store.reopen_log(id).await?;
                     let extras = self.store.load_state(id).await?;
-                    self.spawn(myself, id, head, (rec.cwd, rec.title), extras)
+                    self.start(myself, id, head, (rec.cwd, rec.title), extras)
                         .await
                 }
                 .await;
-                self.running(id, fence, spawned).await
+                self.running(id, fence, started).await
             }
             _ => Err(SessionError::Unknown(id)),
         }

@@ -1,0 +1,244 @@
+//! The registry's side of parking (see `actor/park.rs` for the whole
+//! protocol): the sweep, the switch of a session's slot while it parks,
+//! its record while parked, and waking it.
+
+use super::*;
+
+/// A live session: how it runs, and the slot its handles send through.
+pub(super) struct Live {
+    pub(super) slot: Arc<Slot>,
+    pub(super) run: Run,
+}
+
+pub(super) enum Run {
+    Running(ActorRef<SessionMsg>),
+    /// Asked to park; what the registry is asked about the session
+    /// meanwhile waits until it parks or stays.
+    Parking(ActorRef<SessionMsg>, std::sync::Mutex<Vec<RegistryMsg>>),
+    /// No actor: its state is in the store, its clients here (behind a
+    /// lock only so the registry's state may be shared across awaits).
+    Parked(std::sync::Mutex<Subscribers>),
+}
+
+impl Run {
+    pub(super) fn actor(&self) -> Option<&ActorRef<SessionMsg>> {
+        match self {
+            Run::Running(a) | Run::Parking(a, _) => Some(a),
+            Run::Parked(_) => None,
+        }
+    }
+}
+
+/// Hands what waits in a slot to its actor, in order, and lets handles
+/// reach the actor directly again: under the slot's lock, so nothing sent
+/// later overtakes what waited.
+pub(super) fn resume(slot: &Slot, actor: ActorRef<SessionMsg>) {
+    let mut state = slot.lock();
+    let queued = match &mut *state {
+        SlotState::Parking(q) | SlotState::Parked(q) => std::mem::take(q),
+        SlotState::Running(_) | SlotState::Gone => Vec::new(),
+    };
+    for m in queued {
+        // A failed send drops the message: its sender sees `Stopped`.
+        let _ = actor.send_message(m);
+    }
+    *state = SlotState::Running(actor);
+}
+
+impl RegistryState {
+    /// Asks every running session to park if it has been idle long enough.
+    pub(super) fn sweep(&self) {
+        for l in self.live.values() {
+            if let Run::Running(a) = &l.run {
+                let _ = a.send_message(SessionMsg::ParkIfIdle);
+            }
+        }
+    }
+
+    /// A session says it is idle: its slot holds what handles send from
+    /// now on, and it is asked to park.
+    pub(super) fn idle(&mut self, id: SessionId, actor: ActorId) {
+        if let Some(l) = self.live.get_mut(&id)
+            && let Run::Running(a) = &l.run
+            && a.get_id() == actor
+        {
+            let a = a.clone();
+            // From here on no handle reaches the actor: whatever they send
+            // waits in the slot, behind all they sent.
+            *l.slot.lock() = SlotState::Parking(Vec::new());
+            l.run = Run::Parking(a.clone(), Vec::new().into());
+            let _ = a.send_message(SessionMsg::Park);
+        }
+    }
+
+    /// The session parked: its actor stops, its clients stay here, and if
+    /// messages waited meanwhile it starts again at once. The answer is
+    /// what waited in the registry for the outcome.
+    pub(super) async fn parked(
+        &mut self,
+        myself: &ActorRef<RegistryMsg>,
+        id: SessionId,
+        actor: ActorId,
+        mut subscribers: Subscribers,
+    ) -> Option<Vec<RegistryMsg>> {
+        let l = self.live.get_mut(&id)?;
+        let Run::Parking(a, _) = &l.run else {
+            return None;
+        };
+        if a.get_id() != actor {
+            return None;
+        }
+        // Its stop is not a session ending: forgotten first.
+        self.by_actor.remove(&actor);
+        a.stop(Some("parked".into()));
+        let wake = {
+            let mut slot = l.slot.lock();
+            let queued = match &mut *slot {
+                SlotState::Parking(q) => std::mem::take(q),
+                _ => Vec::new(),
+            };
+            // Clients that went away meanwhile start nothing.
+            let mut rest = Vec::new();
+            for m in queued {
+                match m {
+                    SessionMsg::Unsubscribe(sub) => subscribers.retain(|(s, _)| *s != sub),
+                    m => rest.push(m),
+                }
+            }
+            let wake = !rest.is_empty();
+            *slot = SlotState::Parked(rest);
+            wake
+        };
+        let Run::Parking(_, waiting) =
+            std::mem::replace(&mut l.run, Run::Parked(subscribers.into()))
+        else {
+            unreachable!("matched above")
+        };
+        self.parked += 1;
+        self.gauges();
+        tracing::debug!(%id, "session parked");
+        if wake {
+            self.wake(myself, id).await;
+        }
+        Some(waiting.into_inner().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The session got work before it could park: it goes on with what
+    /// waited in its slot. The answer is what waited in the registry.
+    pub(super) fn stays(&mut self, id: SessionId, actor: ActorId) -> Option<Vec<RegistryMsg>> {
+        let l = self.live.get_mut(&id)?;
+        let Run::Parking(a, _) = &l.run else {
+            return None;
+        };
+        if a.get_id() != actor {
+            return None;
+        }
+        let a = a.clone();
+        let Run::Parking(_, waiting) = std::mem::replace(&mut l.run, Run::Running(a.clone()))
+        else {
+            unreachable!("matched above")
+        };
+        resume(&l.slot, a);
+        Some(waiting.into_inner().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// A client detached: from the record of a parked session, else
+    /// through its slot.
+    pub(super) fn unsubscribe(&mut self, id: SessionId, sub: SubscriberId) {
+        if let Some(l) = self.live.get_mut(&id) {
+            match &mut l.run {
+                Run::Parked(subs) => subs
+                    .get_mut()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .retain(|(s, _)| *s != sub),
+                _ => {
+                    let _ = l.slot.send(SessionMsg::Unsubscribe(sub));
+                }
+            }
+        }
+    }
+
+    pub(super) fn gauges(&self) {
+        metrics::gauge!("tiller_sessions_active").set((self.live.len() - self.parked) as f64);
+        metrics::gauge!("tiller_sessions_parked").set(self.parked as f64);
+    }
+
+    /// Starts the actor of a parked session, with its clients, and hands
+    /// it what waits in its slot. If it cannot start (the store is down),
+    /// it is forgotten: what waits is dropped (each sender sees `Stopped`)
+    /// and the next open loads it from the store.
+    pub(super) async fn wake(&mut self, myself: &ActorRef<RegistryMsg>, id: SessionId) {
+        let Some(Live {
+            run: run @ Run::Parked(_),
+            slot,
+        }) = self.live.get_mut(&id)
+        else {
+            return;
+        };
+        let slot = slot.clone();
+        let Run::Parked(subscribers) = std::mem::replace(run, Run::Parked(Vec::new().into()))
+        else {
+            unreachable!("matched above")
+        };
+        let subscribers = subscribers.into_inner().unwrap_or_else(|e| e.into_inner());
+        self.parked -= 1;
+        let started = async {
+            let Some((rec, _)) = self.store.get_session(id).await? else {
+                return Err(SessionError::Unknown(id));
+            };
+            let head = self.store.reopen_log(id).await?;
+            let extras = self.store.load_state(id).await?;
+            let args = self.args(
+                id,
+                head,
+                (rec.cwd, rec.title),
+                extras,
+                (slot.clone(), subscribers),
+            )?;
+            self.spawn(myself, args).await
+        }
+        .await;
+        match started {
+            Ok(actor) => {
+                if let Some(l) = self.live.get_mut(&id) {
+                    l.run = Run::Running(actor.clone());
+                }
+                resume(&slot, actor);
+                tracing::debug!(%id, "session woke");
+            }
+            Err(e) => {
+                // Its handles go stale: what waited, and its clients, see
+                // `Stopped` and open it again through the registry.
+                tracing::error!(%id, error = %e, "a parked session cannot start; it is opened again on next use");
+                self.parked += 1; // counted out again below
+                let _ = self.drop_live(id);
+            }
+        }
+        self.gauges();
+    }
+
+    /// Forgets a live session (its actor stopped, or another node took
+    /// it): its handles are stale from now on. The answer is what waited
+    /// for it to park.
+    pub(super) fn drop_live(&mut self, id: SessionId) -> Option<Vec<RegistryMsg>> {
+        let live = self.live.remove(&id)?;
+        self.fences.remove(&id);
+        *live.slot.lock() = SlotState::Gone;
+        let waiting = match live.run {
+            Run::Running(a) => {
+                self.by_actor.remove(&a.get_id());
+                None
+            }
+            Run::Parking(a, waiting) => {
+                self.by_actor.remove(&a.get_id());
+                Some(waiting.into_inner().unwrap_or_else(|e| e.into_inner()))
+            }
+            Run::Parked(_) => {
+                self.parked -= 1;
+                None
+            }
+        };
+        self.gauges();
+        waiting
+    }
+}

@@ -1,0 +1,236 @@
+//! Parking: an idle session's actor stops and only a record stays; the
+//! handles edges hold keep working, its clients keep receiving, and
+//! nothing sent while it parks is lost, doubled or reordered.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tiller_core::{Origin, StopReason, Terminal};
+use tiller_engine::ScriptedEngine;
+use tiller_session::{EventBody, Sessions};
+use tiller_test_support::{Collect, kinds};
+
+/// Sessions that park as soon as they are idle and the sweep runs.
+async fn sessions(dir: &tempfile::TempDir) -> Sessions {
+    let store = tiller_test_support::Store::open(&dir.path().join("t.db")).unwrap();
+    let mut config = tiller_test_support::session_config();
+    config.park_after = Some(Duration::ZERO);
+    config.max_sessions = 100;
+    Sessions::start(
+        store,
+        tiller_session::Engines::single(Arc::new(ScriptedEngine)),
+        config,
+    )
+    .await
+    .unwrap()
+}
+
+/// Sweeps until `n` sessions are parked (bounded).
+async fn parked(s: &Sessions, n: usize) {
+    for _ in 0..500 {
+        s.park_idle();
+        if s.parked().await == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    panic!("{} sessions parked, not {n}", s.parked().await);
+}
+
+async fn end_turn(h: &tiller_session::SessionHandle, text: &str) {
+    let (_, settled) = h
+        .prompt(text.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(5), settled)
+        .await
+        .expect("settled in time")
+        .unwrap();
+    assert_eq!(done.terminal, Terminal::Completed(StopReason::EndTurn));
+}
+
+/// The event numbers a client saw: each once, in order, none missing.
+fn contiguous(c: &Collect) {
+    let seqs: Vec<u64> = c.events().iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+}
+
+#[tokio::test]
+async fn an_idle_session_parks_and_its_next_prompt_wakes_it_under_the_same_handle() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Collect::default();
+    h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    end_turn(&h, "hello").await;
+    let first = seen.events().len();
+    parked(&s, 1).await;
+    assert_eq!(s.live().await, 1, "a parked session is still live");
+    assert!(h.is_running(), "its handle is not stale");
+    // The same handle wakes it; the attached client sees the next turn.
+    end_turn(&h, "again").await;
+    assert_eq!(s.parked().await, 0);
+    let events = seen.events();
+    assert!(events.len() > first, "the client saw the turn after waking");
+    assert_eq!(
+        kinds(&events[first..])[..2],
+        ["prompt_started", "user_message"]
+    );
+    contiguous(&seen);
+    // What it stored before parking is where it was.
+    let stored = s.events_after(h.id(), 0, 1000).await.unwrap();
+    assert_eq!(stored.len(), events.len());
+    // A handle opened now reaches the same run.
+    assert!(s.open(h.id()).await.unwrap().same_actor(&h));
+}
+
+#[tokio::test]
+async fn a_session_with_a_turn_running_does_not_park() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (_, settled) = h
+        .prompt(
+            r#"{"script": [{"sleep_ms": 60000}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    for _ in 0..20 {
+        s.park_idle();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(s.parked().await, 0);
+    h.cancel().unwrap();
+    let done = tokio::time::timeout(Duration::from_secs(5), settled)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(done.terminal, Terminal::Completed(StopReason::Cancelled));
+    parked(&s, 1).await;
+}
+
+/// Prompts, snapshots and option reads race the sweep: every prompt gets
+/// exactly one terminal, every call an answer, and the client sees every
+/// event once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_sent_while_a_session_parks_is_lost_or_reordered() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Collect::default();
+    h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    let sweeper = {
+        let s = s.clone();
+        tokio::spawn(async move {
+            loop {
+                s.park_idle();
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    let reader = {
+        let h = h.clone();
+        tokio::spawn(async move {
+            for _ in 0..300 {
+                h.snapshot().await.expect("a snapshot");
+                h.options().await.expect("the options");
+            }
+        })
+    };
+    let mut prompts = 0;
+    for i in 0..150 {
+        end_turn(&h, &format!("turn {i}")).await;
+        prompts += 1;
+        if i % 10 == 0 {
+            // Give the sweep a chance to park it between turns.
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    reader.await.unwrap();
+    sweeper.abort();
+    let events = seen.events();
+    let ends = kinds(&events)
+        .iter()
+        .filter(|k| **k == "turn_complete")
+        .count();
+    assert_eq!(ends, prompts, "one terminal per prompt");
+    contiguous(&seen);
+    // The log holds exactly what the client saw.
+    let stored = s.events_after(h.id(), 0, 100_000).await.unwrap();
+    assert_eq!(stored.len(), events.len());
+    // Each turn's user message is the text sent, in order.
+    let texts: Vec<String> = events
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::UserMessage { text, .. } => Some(text.clone()),
+            _ => None,
+        })
+        .collect();
+    let sent: Vec<String> = (0..prompts).map(|i| format!("turn {i}")).collect();
+    assert_eq!(texts, sent);
+}
+
+#[tokio::test]
+async fn a_client_leaving_a_parked_session_does_not_wake_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Collect::default();
+    let sub = s.subscriber_id();
+    h.subscribe(sub, Box::new(seen.clone())).await.unwrap();
+    parked(&s, 1).await;
+    h.unsubscribe(sub);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(s.parked().await, 1, "still parked");
+    end_turn(&h, "after").await;
+    assert!(seen.events().is_empty(), "a client that left gets nothing");
+}
+
+#[tokio::test]
+async fn queued_work_wakes_a_parked_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Collect::default();
+    h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    parked(&s, 1).await;
+    s.notify(h.id(), "task-1".into(), "the build finished".into())
+        .await
+        .unwrap();
+    for _ in 0..500 {
+        if kinds(&seen.events()).contains(&"turn_complete") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let events = seen.events();
+    let started = events.iter().find_map(|e| match &e.body {
+        EventBody::PromptStarted { origin } => Some(origin.clone()),
+        _ => None,
+    });
+    assert_eq!(started.as_deref(), Some("notification"));
+    assert!(kinds(&events).contains(&"turn_complete"));
+}
+
+#[tokio::test]
+async fn a_parked_session_is_deleted_and_its_handles_go_stale() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    end_turn(&h, "hello").await;
+    parked(&s, 1).await;
+    s.delete(h.id()).await.unwrap();
+    assert_eq!(s.live().await, 0);
+    assert_eq!(s.parked().await, 0);
+    assert!(!h.is_running());
+    assert!(s.open(h.id()).await.is_err());
+}
