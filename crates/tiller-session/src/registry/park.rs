@@ -159,7 +159,8 @@ impl RegistryState {
     }
 
     pub(super) fn gauges(&self) {
-        metrics::gauge!("tiller_sessions_active").set((self.live.len() - self.parked) as f64);
+        metrics::gauge!("tiller_sessions_active")
+            .set(self.live.len().saturating_sub(self.parked) as f64);
         metrics::gauge!("tiller_sessions_parked").set(self.parked as f64);
     }
 
