@@ -253,6 +253,12 @@ impl Toolbox {
         !self.mcp.is_empty()
     }
 
+    /// Whether background commands were started: they (and their output)
+    /// live only in this process and die with these tools.
+    pub fn has_jobs(&self) -> bool {
+        self.jobs.get().is_some_and(|j| !j.is_empty())
+    }
+
     /// The session's directory.
     pub fn root(&self) -> &PathBuf {
         &self.root

@@ -136,6 +136,12 @@ impl Jobs {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Whether any command was started (running, or its output still
+    /// readable with `shell_output`).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.list().jobs.is_empty()
+    }
+
     /// Starts `command` in `cwd`; returns what to tell the model.
     pub(crate) async fn start(
         &self,

@@ -18,8 +18,8 @@ impl SessionState {
     /// Nothing in flight here: the core's turns and queues (see
     /// [`tiller_core::SessionCore::parkable`]), events, the conversation
     /// and settings not yet stored, timers, permission requests; and
-    /// nothing that lives only in this process (MCP servers, a hosted
-    /// agent's session).
+    /// nothing that lives only in this process (MCP servers, background
+    /// commands, a hosted agent's session).
     pub(super) fn parkable(&self) -> bool {
         self.core.parkable()
             && self.running.is_none()
@@ -37,6 +37,7 @@ impl SessionState {
             && self.conversation.is_saved()
             && !self.settings_unsaved
             && !self.toolbox.has_mcp()
+            && !self.toolbox.has_jobs()
             && self.upstream.is_none()
             && self.agent.is_none()
     }

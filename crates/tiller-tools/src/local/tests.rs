@@ -1003,6 +1003,7 @@ async fn until_file(file: &Path) {
 async fn background_commands_are_read_later_stopped_and_die_with_the_session() {
     let dir = tempfile::tempdir().unwrap();
     let tb = crate::Toolbox::new(dir.path().to_owned(), Arc::new(ToolsConfig::default()));
+    assert!(!tb.has_jobs());
     // Started: the call returns at once; the output is read later.
     let out = tool(
         &tb,
@@ -1027,6 +1028,9 @@ async fn background_commands_are_read_later_stopped_and_die_with_the_session() {
         last,
         "$ echo one; sleep 0.3; echo two\none\ntwo\n[exit code 0]"
     );
+    // Ended, its output is still readable: the session keeps its tools
+    // (it does not park).
+    assert!(tb.has_jobs());
 
     // Stopped on request, with what it started.
     let out = tool(
