@@ -504,14 +504,22 @@ impl Sessions {
     pub async fn live(&self) -> usize {
         self.ask(RegistryMsg::Live)
             .await
-            .map_or(0, |(live, _)| live)
+            .map_or(0, |(live, ..)| live)
     }
 
     /// Live sessions parked (no actor until a message wakes them).
     pub async fn parked(&self) -> usize {
         self.ask(RegistryMsg::Live)
             .await
-            .map_or(0, |(_, parked)| parked)
+            .map_or(0, |(_, parked, _)| parked)
+    }
+
+    /// How many times a parked session woke since the start (its next
+    /// message, or a delete, started its actor again).
+    pub async fn woken(&self) -> u64 {
+        self.ask(RegistryMsg::Live)
+            .await
+            .map_or(0, |(.., woken)| woken)
     }
 
     /// Parks every session idle for `park_after` now, as the registry's
@@ -519,6 +527,13 @@ impl Sessions {
     /// its actor and keeps only a record here until a message wakes it.
     pub fn park_idle(&self) {
         let _ = self.registry.send_message(RegistryMsg::Sweep);
+    }
+
+    /// Tests only: asks every running session to park now, whatever it
+    /// told the last sweep (it parks only if idle when the ask reaches it).
+    #[cfg(feature = "test-hooks")]
+    pub fn idle_now(&self) {
+        let _ = self.registry.send_message(RegistryMsg::IdleNow);
     }
 
     /// Tests only: stops every actor where it stands, as a killed process

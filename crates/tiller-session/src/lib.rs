@@ -17,6 +17,7 @@ mod notify;
 pub mod ports;
 mod reconcile;
 mod registry;
+mod subscribers;
 mod tools;
 pub mod view;
 

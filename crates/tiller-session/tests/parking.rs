@@ -234,3 +234,59 @@ async fn a_parked_session_is_deleted_and_its_handles_go_stale() {
     assert!(!h.is_running());
     assert!(s.open(h.id()).await.is_err());
 }
+
+#[tokio::test]
+async fn a_message_waiting_for_a_parked_session_is_answered_when_the_registry_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    parked(&s, 1).await;
+    // Its first poll leaves the message in the slot and asks the registry
+    // to wake the session; the registry stops before it can.
+    let mut snapshot = Box::pin(h.snapshot());
+    assert!(futures::poll!(snapshot.as_mut()).is_pending());
+    s.crash().await;
+    let answer = tokio::time::timeout(Duration::from_secs(5), snapshot)
+        .await
+        .expect("answered, not left waiting");
+    assert!(
+        matches!(answer, Err(tiller_session::SessionError::Stopped)),
+        "{answer:?}"
+    );
+    assert!(!h.is_running(), "its handles are stale");
+    assert!(h.cancel().is_err(), "and later sends fail at once");
+}
+
+#[tokio::test]
+async fn a_delete_racing_a_park_waits_for_the_actor_that_closes() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Collect::default();
+    h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    end_turn(&h, "hello").await;
+    // Settled: it would park if asked.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // The delete begins, and the session's answer to a sweep arrives right
+    // behind it: it must not park under the delete.
+    let woken = s.woken().await;
+    let mut delete = Box::pin(s.delete(h.id()));
+    assert!(futures::poll!(delete.as_mut()).is_pending());
+    s.idle_now();
+    delete.await.unwrap();
+    assert_eq!(s.woken().await, woken, "it never parked, so never woke");
+    assert_eq!(s.live().await, 0, "nothing of it runs once deleted");
+    assert!(!h.is_running(), "its handles are stale");
+    // Nothing it wrote outlives the delete.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(s.live().await, 0, "nothing of it started again");
+    let left = s.events_after(h.id(), 0, 100).await.unwrap();
+    assert!(left.is_empty(), "{left:?}");
+    let closed = kinds(&seen.events())
+        .iter()
+        .filter(|k| **k == "session_closed")
+        .count();
+    assert_eq!(closed, 1, "the client saw it close once");
+}

@@ -199,19 +199,13 @@ impl SessionState {
                 subscriber,
                 reply,
             } => {
-                self.subscribers.push((id, subscriber));
-                metrics::gauge!("tiller_subscribers_active").increment(1.0);
+                self.subscribers.attach(id, subscriber);
                 let _ = reply.send(self.snapshot());
             }
             SessionMsg::Snapshot(reply) => {
                 let _ = reply.send(self.snapshot());
             }
-            SessionMsg::Unsubscribe(id) => {
-                let before = self.subscribers.len();
-                self.subscribers.retain(|(s, _)| *s != id);
-                let removed = before - self.subscribers.len();
-                metrics::gauge!("tiller_subscribers_active").decrement(removed as f64);
-            }
+            SessionMsg::Unsubscribe(id) => drop(self.subscribers.detach(id)),
             #[cfg(feature = "test-hooks")]
             SessionMsg::Crash => panic!("session actor crash requested by a test"),
             SessionMsg::Drain(reply) => {

@@ -230,7 +230,7 @@ pub struct SessionArgs {
     /// Where its handles and queues send (see [`crate::handle::Slot`]).
     pub slot: Arc<crate::handle::Slot>,
     /// Its clients, when it wakes from parking.
-    pub subscribers: crate::registry::Subscribers,
+    pub subscribers: crate::subscribers::Subscribers,
 }
 
 /// Session options kept in the store (`session_state.settings`).
@@ -402,7 +402,7 @@ pub struct SessionState {
     /// At most one engine runs.
     running: Option<RunningEngine>,
     /// Attached subscribers.
-    subscribers: Vec<(SubscriberId, Box<dyn Subscriber>)>,
+    subscribers: crate::subscribers::Subscribers,
     /// The wake-up timer the core asked for.
     timer: Option<tokio::task::JoinHandle<Result<(), ractor::MessagingErr<SessionMsg>>>>,
     /// The actor's clock origin (time is an input to the core).

@@ -269,11 +269,7 @@ impl Exec {
     pub(super) fn of(st: &SessionState) -> Exec {
         Exec {
             toolbox: st.toolbox.clone(),
-            client: st
-                .subscribers
-                .iter()
-                .rev()
-                .find_map(|(_, s)| s.client_tools()),
+            client: st.subscribers.iter().rev().find_map(|s| s.client_tools()),
             actor: st.myself.clone(),
             conversation: st.conversation.clone(),
         }

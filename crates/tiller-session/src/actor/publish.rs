@@ -170,12 +170,9 @@ impl SessionState {
     pub(super) fn fan_out(&mut self, rec: &Arc<EventRecord>) {
         self.remember(rec);
         self.published.increment(1);
-        let before = self.subscribers.len();
-        self.subscribers.retain(|(_, s)| s.deliver(rec));
-        let evicted = before - self.subscribers.len();
+        let evicted = self.subscribers.deliver(rec);
         if evicted > 0 {
             metrics::counter!("tiller_subscriber_evictions_total").increment(evicted as u64);
-            metrics::gauge!("tiller_subscribers_active").decrement(evicted as f64);
         }
     }
 

@@ -15,14 +15,13 @@ use crate::actor::{Automation, SessionActor, SessionArgs, SessionMsg};
 use crate::handle::{Slot, SlotState};
 
 mod park;
-use crate::{Engines, SessionConfig, Subscriber, SubscriberId};
+use crate::{Engines, SessionConfig, SubscriberId};
 use park::{Live, Run, resume};
 
 /// A running session: its slot and its actor.
 pub(crate) type Running = (Arc<Slot>, ActorRef<SessionMsg>);
 
-/// A parked session's attached clients, kept for its next actor.
-pub(crate) type Subscribers = Vec<(SubscriberId, Box<dyn Subscriber>)>;
+pub(crate) use crate::subscribers::Subscribers;
 
 /// The closed set of messages the registry handles.
 pub enum RegistryMsg {
@@ -36,8 +35,9 @@ pub enum RegistryMsg {
         id: SessionId,
         reply: oneshot::Sender<Result<Arc<Slot>, SessionError>>,
     },
-    /// How many sessions are live, and how many of them parked.
-    Live(oneshot::Sender<(usize, usize)>),
+    /// How many sessions are live, how many of them parked, and how many
+    /// times one woke.
+    Live(oneshot::Sender<(usize, usize, u64)>),
     /// A delete starts: the session is not opened again until it ends
     /// (`EndDelete`); the answer is its live actor (a parked one is
     /// started, so its clients see it close), if any. Refused while
@@ -84,6 +84,11 @@ pub enum RegistryMsg {
         id: SessionId,
         sub: SubscriberId,
     },
+    /// Tests only: every running session is taken as idle now, as if each
+    /// had just answered a sweep (an actor's `Idle` may arrive behind any
+    /// message).
+    #[cfg(feature = "test-hooks")]
+    IdleNow,
 }
 
 /// What the registry needs.
@@ -107,6 +112,8 @@ pub struct RegistryState {
     live: HashMap<SessionId, Live>,
     /// How many of them are parked.
     parked: usize,
+    /// How many times a parked session woke.
+    woken: u64,
     /// The fence of the lease each live session runs on (a cluster).
     fences: HashMap<SessionId, i64>,
     /// Reverse map for supervision events.
@@ -145,6 +152,7 @@ impl Actor for Registry {
             config: args.config,
             live: HashMap::new(),
             parked: 0,
+            woken: 0,
             fences: HashMap::new(),
             by_actor: HashMap::new(),
             unreconciled: HashMap::new(),
@@ -230,7 +238,7 @@ impl RegistryState {
                 let _ = reply.send(self.open(myself, id).await);
             }
             RegistryMsg::Live(reply) => {
-                let _ = reply.send((self.live.len(), self.parked));
+                let _ = reply.send((self.live.len(), self.parked, self.woken));
             }
             RegistryMsg::BeginDelete { id, reply } => {
                 if let Some(Live {
@@ -307,6 +315,18 @@ impl RegistryState {
             RegistryMsg::Stays { id, actor } => return self.stays(id, actor),
             RegistryMsg::Unpark(id) => self.wake(myself, id).await,
             RegistryMsg::Unsubscribe { id, sub } => self.unsubscribe(id, sub),
+            #[cfg(feature = "test-hooks")]
+            RegistryMsg::IdleNow => {
+                let running: Vec<_> = (self.live.iter())
+                    .filter_map(|(id, l)| match &l.run {
+                        Run::Running(a) => Some((*id, a.get_id())),
+                        _ => None,
+                    })
+                    .collect();
+                for (id, actor) in running {
+                    self.idle(id, actor);
+                }
+            }
         }
         None
     }
@@ -446,21 +466,42 @@ impl RegistryState {
         Ok(actor)
     }
 
+    /// Starts a session's actor on its slot, with its clients: from
+    /// `state` (a new session), else from what the store holds.
+    async fn load(
+        &mut self,
+        myself: &ActorRef<RegistryMsg>,
+        id: SessionId,
+        cwd_title: (String, Option<String>),
+        state: Option<(LogHead, SessionExtras)>,
+        at: (Arc<Slot>, Subscribers),
+    ) -> Result<ActorRef<SessionMsg>, SessionError> {
+        let (head, extras) = match state {
+            Some(state) => state,
+            // A failed actor may have left its log refusing appends.
+            None => (
+                self.store.reopen_log(id).await?,
+                self.store.load_state(id).await?,
+            ),
+        };
+        let args = self.args(id, head, cwd_title, extras, at)?;
+        self.spawn(myself, args).await
+    }
+
     /// A session that was not live here starts: a new slot, a new actor.
     async fn start(
         &mut self,
         myself: &ActorRef<RegistryMsg>,
         id: SessionId,
-        head: LogHead,
         cwd_title: (String, Option<String>),
-        extras: SessionExtras,
+        state: Option<(LogHead, SessionExtras)>,
     ) -> Result<Arc<Slot>, SessionError> {
         if self.live.len() >= self.config.max_sessions {
             return Err(SessionError::TooManySessions(self.config.max_sessions));
         }
         let slot = Slot::new(id, myself.clone());
-        let args = self.args(id, head, cwd_title, extras, (slot.clone(), Vec::new()))?;
-        let actor = self.spawn(myself, args).await?;
+        let at = (slot.clone(), Subscribers::default());
+        let actor = self.load(myself, id, cwd_title, state, at).await?;
         resume(&slot, actor.clone());
         self.live.insert(
             id,
@@ -525,7 +566,7 @@ impl RegistryState {
             ..SessionExtras::default()
         };
         let started = self
-            .start(myself, id, LogHead::default(), (cwd, given), extras)
+            .start(myself, id, (cwd, given), Some((LogHead::default(), extras)))
             .await;
         let slot = self.running(id, fence, started).await?;
         Ok((id, slot))
@@ -570,14 +611,7 @@ impl RegistryState {
         match self.store.get_session(id).await? {
             Some((rec, _)) if !rec.closed => {
                 let fence = self.take(id).await?;
-                let started = async {
-                    // A failed actor may have left its log refusing appends.
-                    let head = self.store.reopen_log(id).await?;
-                    let extras = self.store.load_state(id).await?;
-                    self.start(myself, id, head, (rec.cwd, rec.title), extras)
-                        .await
-                }
-                .await;
+                let started = self.start(myself, id, (rec.cwd, rec.title), None).await;
                 self.running(id, fence, started).await
             }
             _ => Err(SessionError::Unknown(id)),

@@ -45,6 +45,33 @@ pub(super) fn resume(slot: &Slot, actor: ActorRef<SessionMsg>) {
     *state = SlotState::Running(actor);
 }
 
+/// What waited while a session parked, less the clients that left: they
+/// start nothing and are detached from its record now, unless they also
+/// came meanwhile (then both wait for the next actor, in order).
+fn leavers(
+    queued: Vec<SessionMsg>,
+    subscribers: &mut Subscribers,
+) -> (Vec<SessionMsg>, crate::subscribers::Detached) {
+    let mut rest = Vec::new();
+    let mut detached = Vec::new();
+    for m in queued {
+        match m {
+            SessionMsg::Unsubscribe(sub) if !subscribes(&rest, sub) => {
+                detached.extend(subscribers.detach(sub));
+            }
+            m => rest.push(m),
+        }
+    }
+    (rest, detached)
+}
+
+/// Whether a `Subscribe` of this client waits among these messages.
+fn subscribes(queued: &[SessionMsg], sub: SubscriberId) -> bool {
+    queued
+        .iter()
+        .any(|m| matches!(m, SessionMsg::Subscribe { id, .. } if *id == sub))
+}
+
 impl RegistryState {
     /// Asks every running session to park if it has been idle long enough.
     pub(super) fn sweep(&self) {
@@ -58,6 +85,10 @@ impl RegistryState {
     /// A session says it is idle: its slot holds what handles send from
     /// now on, and it is asked to park.
     pub(super) fn idle(&mut self, id: SessionId, actor: ActorId) {
+        // A session being deleted keeps the actor its delete waits on.
+        if self.deleting.contains(&id) {
+            return;
+        }
         if let Some(l) = self.live.get_mut(&id)
             && let Run::Running(a) = &l.run
             && a.get_id() == actor
@@ -91,24 +122,18 @@ impl RegistryState {
         // Its stop is not a session ending: forgotten first.
         self.by_actor.remove(&actor);
         a.stop(Some("parked".into()));
-        let wake = {
+        let (wake, detached) = {
             let mut slot = l.slot.lock();
             let queued = match &mut *slot {
                 SlotState::Parking(q) => std::mem::take(q),
                 _ => Vec::new(),
             };
-            // Clients that went away meanwhile start nothing.
-            let mut rest = Vec::new();
-            for m in queued {
-                match m {
-                    SessionMsg::Unsubscribe(sub) => subscribers.retain(|(s, _)| *s != sub),
-                    m => rest.push(m),
-                }
-            }
+            let (rest, detached) = leavers(queued, &mut subscribers);
             let wake = !rest.is_empty();
             *slot = SlotState::Parked(rest);
-            wake
+            (wake, detached)
         };
+        drop(detached);
         let Run::Parking(_, waiting) =
             std::mem::replace(&mut l.run, Run::Parked(subscribers.into()))
         else {
@@ -147,10 +172,13 @@ impl RegistryState {
     pub(super) fn unsubscribe(&mut self, id: SessionId, sub: SubscriberId) {
         if let Some(l) = self.live.get_mut(&id) {
             match &mut l.run {
-                Run::Parked(subs) => subs
-                    .get_mut()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .retain(|(s, _)| *s != sub),
+                Run::Parked(subs) => {
+                    drop(
+                        subs.get_mut()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .detach(sub),
+                    );
+                }
                 _ => {
                     let _ = l.slot.send(SessionMsg::Unsubscribe(sub));
                 }
@@ -159,6 +187,7 @@ impl RegistryState {
     }
 
     pub(super) fn gauges(&self) {
+        debug_assert!(self.parked <= self.live.len(), "parked count out of step");
         metrics::gauge!("tiller_sessions_active")
             .set(self.live.len().saturating_sub(self.parked) as f64);
         metrics::gauge!("tiller_sessions_parked").set(self.parked as f64);
@@ -177,7 +206,7 @@ impl RegistryState {
             return;
         };
         let slot = slot.clone();
-        let Run::Parked(subscribers) = std::mem::replace(run, Run::Parked(Vec::new().into()))
+        let Run::Parked(subscribers) = std::mem::replace(run, Run::Parked(Default::default()))
         else {
             unreachable!("matched above")
         };
@@ -187,16 +216,8 @@ impl RegistryState {
             let Some((rec, _)) = self.store.get_session(id).await? else {
                 return Err(SessionError::Unknown(id));
             };
-            let head = self.store.reopen_log(id).await?;
-            let extras = self.store.load_state(id).await?;
-            let args = self.args(
-                id,
-                head,
-                (rec.cwd, rec.title),
-                extras,
-                (slot.clone(), subscribers),
-            )?;
-            self.spawn(myself, args).await
+            let at = (slot.clone(), subscribers);
+            self.load(myself, id, (rec.cwd, rec.title), None, at).await
         }
         .await;
         match started {
@@ -205,6 +226,8 @@ impl RegistryState {
                     l.run = Run::Running(actor.clone());
                 }
                 resume(&slot, actor);
+                self.woken += 1;
+                metrics::counter!("tiller_sessions_woken_total").increment(1);
                 tracing::debug!(%id, "session woke");
             }
             Err(e) => {
@@ -213,6 +236,7 @@ impl RegistryState {
                 tracing::error!(%id, error = %e, "a parked session cannot start; it is opened again on next use");
                 self.parked += 1; // counted out again below
                 let _ = self.drop_live(id);
+                self.release(id).await;
             }
         }
         self.gauges();
@@ -241,5 +265,74 @@ impl RegistryState {
         };
         self.gauges();
         waiting
+    }
+}
+
+/// However the registry ends (stopped, or failed), no caller waits on it:
+/// every slot is `Gone`, so what waits in one is dropped (each sender sees
+/// `Stopped`, outside the slot's lock) and later sends fail at once.
+impl Drop for RegistryState {
+    fn drop(&mut self) {
+        for l in self.live.values() {
+            drop(std::mem::replace(&mut *l.slot.lock(), SlotState::Gone));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Subscriber;
+
+    struct Quiet;
+    impl Subscriber for Quiet {
+        fn deliver(&self, _: &Arc<crate::EventRecord>) -> bool {
+            true
+        }
+    }
+
+    fn subscribe(id: u64) -> SessionMsg {
+        SessionMsg::Subscribe {
+            id: SubscriberId(id),
+            subscriber: Box::new(Quiet),
+            reply: oneshot::channel().0,
+        }
+    }
+
+    fn kinds(msgs: &[SessionMsg]) -> Vec<String> {
+        msgs.iter()
+            .map(|m| match m {
+                SessionMsg::Subscribe { id, .. } => format!("subscribe {}", id.0),
+                SessionMsg::Unsubscribe(id) => format!("unsubscribe {}", id.0),
+                SessionMsg::Kick => "kick".into(),
+                _ => "other".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_client_that_left_while_the_session_parked_is_detached_unless_it_came_meanwhile() {
+        let mut subs = Subscribers::default();
+        subs.attach(SubscriberId(1), Box::new(Quiet));
+        subs.attach(SubscriberId(2), Box::new(Quiet));
+        let queued = vec![
+            SessionMsg::Unsubscribe(SubscriberId(1)),
+            subscribe(3),
+            SessionMsg::Kick,
+            SessionMsg::Unsubscribe(SubscriberId(3)),
+        ];
+        let (rest, detached) = leavers(queued, &mut subs);
+        // 1 was attached and left: detached now, starting nothing.
+        assert_eq!(detached.len(), 1);
+        assert_eq!(subs.iter().count(), 1, "2 stays attached");
+        // 3 came and left meanwhile: both wait for the actor, in order.
+        assert_eq!(
+            kinds(&rest),
+            ["subscribe 3", "kick", "unsubscribe 3"].map(String::from)
+        );
+        // Only clients leaving: nothing wakes the session.
+        let (rest, detached) = leavers(vec![SessionMsg::Unsubscribe(SubscriberId(2))], &mut subs);
+        assert!(rest.is_empty());
+        assert_eq!((detached.len(), subs.iter().count()), (1, 0));
     }
 }
