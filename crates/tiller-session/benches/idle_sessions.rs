@@ -32,17 +32,11 @@ fn rss_bytes() -> u64 {
 
 fn config(n: usize, park_after: Option<Duration>) -> SessionConfig {
     SessionConfig {
+        // The daemon's turn bounds, not the tests' short ones.
         turn: TurnConfig::default(),
         max_sessions: n + 1,
-        loops: Default::default(),
-        permission_mode: Default::default(),
-        notification_cap: 32,
-        delivery: Default::default(),
-        delivery_wake: None,
-        budget: Default::default(),
-        cluster: None,
         park_after,
-        tools: Default::default(),
+        ..tiller_test_support::session_config()
     }
 }
 
