@@ -500,26 +500,25 @@ impl Sessions {
         SubscriberId(self.next_subscriber.fetch_add(1, Ordering::Relaxed))
     }
 
+    /// How many sessions are live, parked, and how often one woke.
+    async fn counts(&self) -> (usize, usize, u64) {
+        self.ask(RegistryMsg::Live).await.unwrap_or_default()
+    }
+
     /// Live sessions (running or parked).
     pub async fn live(&self) -> usize {
-        self.ask(RegistryMsg::Live)
-            .await
-            .map_or(0, |(live, ..)| live)
+        self.counts().await.0
     }
 
     /// Live sessions parked (no actor until a message wakes them).
     pub async fn parked(&self) -> usize {
-        self.ask(RegistryMsg::Live)
-            .await
-            .map_or(0, |(_, parked, _)| parked)
+        self.counts().await.1
     }
 
     /// How many times a parked session woke since the start (its next
     /// message, or a delete, started its actor again).
     pub async fn woken(&self) -> u64 {
-        self.ask(RegistryMsg::Live)
-            .await
-            .map_or(0, |(.., woken)| woken)
+        self.counts().await.2
     }
 
     /// Parks every session idle for `park_after` now, as the registry's
