@@ -294,15 +294,15 @@ pub const ALL: &[Metric] = &[
         labels: &[],
     },
     Metric {
-        name: "tiller_sessions_woken_total",
-        kind: Kind::Counter,
-        help: "Parked sessions woken: a message started their actor again from the store.",
-        labels: &[],
-    },
-    Metric {
         name: "tiller_sessions_taken_over_total",
         kind: Kind::Counter,
         help: "Sessions this node took from another node (one that went away or let go; cluster).",
+        labels: &[],
+    },
+    Metric {
+        name: "tiller_sessions_woken_total",
+        kind: Kind::Counter,
+        help: "Parked sessions woken: a message started their actor again from the store.",
         labels: &[],
     },
     Metric {

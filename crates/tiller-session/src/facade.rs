@@ -9,7 +9,7 @@ pub struct Sessions {
     pub(crate) registry: ActorRef<RegistryMsg>,
     pub(crate) notify: ActorRef<notify::NotifyMsg>,
     pub(crate) cron: ActorRef<cron::CronMsg>,
-    goal: ActorRef<goal::GoalMsg>,
+    pub(crate) goal: ActorRef<goal::GoalMsg>,
     pub(crate) store: Store,
     engines: Engines,
     next_subscriber: Arc<AtomicU64>,
@@ -374,9 +374,12 @@ impl Sessions {
         let live = self
             .ask(|reply| RegistryMsg::BeginDelete { id, reply })
             .await??;
-        let r = self.delete_begun(id, live).await;
-        let _ = self.registry.send_message(RegistryMsg::EndDelete(id));
-        r?;
+        // Ends however this ends, even if its caller goes away meanwhile.
+        let registry = self.registry.clone();
+        let _end = scopeguard::guard(id, move |id| {
+            let _ = registry.send_message(RegistryMsg::EndDelete(id));
+        });
+        self.delete_begun(id, live).await?;
         let _ = self.notify.send_message(notify::NotifyMsg::Forget(id));
         let _ = self.cron.send_message(cron::CronMsg::Forget(id));
         let _ = self.deleted.send(id);
@@ -526,30 +529,6 @@ impl Sessions {
     /// its actor and keeps only a record here until a message wakes it.
     pub fn park_idle(&self) {
         let _ = self.registry.send_message(RegistryMsg::Sweep);
-    }
-
-    /// Tests only: asks every running session to park now, whatever it
-    /// told the last sweep (it parks only if idle when the ask reaches it).
-    #[cfg(feature = "test-hooks")]
-    pub fn idle_now(&self) {
-        let _ = self.registry.send_message(RegistryMsg::IdleNow);
-    }
-
-    /// Tests only: stops every actor where it stands, as a killed process
-    /// would (nothing settles), and waits until what the store was given is
-    /// on disk.
-    #[cfg(feature = "test-hooks")]
-    pub async fn crash(&self) {
-        self.registry.stop_children(None);
-        self.registry.stop(None);
-        self.notify.stop(None);
-        self.cron.stop(None);
-        self.goal.stop(None);
-        // Let the stop signals land before the last flush.
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        // What the store was given is on disk, and the database is free
-        // for the next start, as after a killed process.
-        self.store.close().await;
     }
 
     /// Graceful shutdown: cancel running turns, wait (bounded) for them to

@@ -43,10 +43,17 @@ impl Slot {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Sends `msg` to the session's actor, or queues it. What cannot be
+    /// delivered is dropped once the lock is let go: a message's reply or
+    /// a client's drop may do anything, even send here again.
     pub(crate) fn send(&self, msg: SessionMsg) -> Result<(), SessionError> {
         let mut state = self.lock();
         match &mut *state {
-            SlotState::Running(actor) => actor.send_message(msg).map_err(|_| SessionError::Stopped),
+            SlotState::Running(actor) => {
+                let sent = actor.send_message(msg);
+                drop(state);
+                sent.map_err(|_| SessionError::Stopped)
+            }
             SlotState::Parking(queue) => {
                 queue.push(msg);
                 Ok(())
@@ -73,7 +80,9 @@ impl Slot {
                 {
                     // Nobody would ever take it: its answers are dropped
                     // (the caller sees `Stopped`), never left waiting.
-                    queue.clear();
+                    let dropped = std::mem::take(queue);
+                    drop(state);
+                    drop(dropped);
                     return Err(SessionError::Stopped);
                 }
                 Ok(())

@@ -12,6 +12,8 @@ pub mod event;
 mod facade;
 mod goal;
 mod handle;
+#[cfg(feature = "test-hooks")]
+mod hooks;
 mod lease;
 mod notify;
 pub mod ports;

@@ -12,9 +12,15 @@ use tiller_test_support::{Collect, kinds};
 
 /// Sessions that park as soon as they are idle and the sweep runs.
 async fn sessions(dir: &tempfile::TempDir) -> Sessions {
+    parking_after(dir, Duration::ZERO).await
+}
+
+/// Sessions that park once idle for `after` (the registry's own sweep
+/// runs every half of it).
+async fn parking_after(dir: &tempfile::TempDir, after: Duration) -> Sessions {
     let store = tiller_test_support::Store::open(&dir.path().join("t.db")).unwrap();
     let mut config = tiller_test_support::session_config();
-    config.park_after = Some(Duration::ZERO);
+    config.park_after = Some(after);
     config.max_sessions = 100;
     Sessions::start(
         store,
@@ -260,7 +266,8 @@ async fn a_message_waiting_for_a_parked_session_is_answered_when_the_registry_st
 #[tokio::test]
 async fn a_delete_racing_a_park_waits_for_the_actor_that_closes() {
     let dir = tempfile::tempdir().unwrap();
-    let s = sessions(&dir).await;
+    // No sweep of the registry's own meanwhile: only the one below.
+    let s = parking_after(&dir, Duration::from_secs(3600)).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
     let seen = Collect::default();
     h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
@@ -289,4 +296,76 @@ async fn a_delete_racing_a_park_waits_for_the_actor_that_closes() {
         .filter(|k| **k == "session_closed")
         .count();
     assert_eq!(closed, 1, "the client saw it close once");
+}
+
+#[tokio::test]
+async fn a_delete_its_caller_gave_up_on_leaves_the_session_usable() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = parking_after(&dir, Duration::from_secs(3600)).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    // Given up before the registry answered: nothing was deleted.
+    let mut delete = Box::pin(s.delete(h.id()));
+    assert!(futures::poll!(delete.as_mut()).is_pending());
+    drop(delete);
+    let again = s.open(h.id()).await.expect("it opens");
+    assert!(again.same_actor(&h));
+    // Given up while it closes: it may be closed, and it can be deleted.
+    let mut delete = Box::pin(s.delete(h.id()));
+    assert!(futures::poll!(delete.as_mut()).is_pending());
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert!(futures::poll!(delete.as_mut()).is_pending());
+    drop(delete);
+    s.delete(h.id()).await.expect("deleted after all");
+    assert!(s.open(h.id()).await.is_err());
+}
+
+/// A client whose going away detaches it, as a web client's does.
+struct Leaves(
+    Option<tiller_session::SessionHandle>,
+    tiller_session::SubscriberId,
+);
+
+impl tiller_session::Subscriber for Leaves {
+    fn deliver(&self, _: &Arc<tiller_session::EventRecord>) -> bool {
+        true
+    }
+}
+
+impl Drop for Leaves {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            h.unsubscribe(self.1);
+        }
+    }
+}
+
+#[test]
+fn a_client_dropped_with_what_waited_for_a_parked_session_may_call_it() {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let s = sessions(&dir).await;
+            let h = s.create("/tmp".into(), None).await.unwrap();
+            parked(&s, 1).await;
+            // Its attach waits in the slot when the registry stops: it is
+            // dropped, and its drop sends to the session.
+            let sub = s.subscriber_id();
+            let client = Box::new(Leaves(Some(h.clone()), sub));
+            let mut attach = Box::pin(h.subscribe(sub, client));
+            assert!(futures::poll!(attach.as_mut()).is_pending());
+            s.crash().await;
+            let answer = tokio::time::timeout(Duration::from_secs(5), attach).await;
+            assert!(matches!(answer, Ok(Err(_))), "answered `Stopped`");
+        });
+        let _ = done.send(());
+    });
+    // A deadlock would hold this thread forever: the test fails instead.
+    finished
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the session's slot is not locked while a dropped client calls it");
 }

@@ -263,7 +263,10 @@ impl RegistryState {
                 } else {
                     Err(SessionError::Unknown(id))
                 };
-                let _ = reply.send(r);
+                if let Err(Ok(_)) = reply.send(r) {
+                    // Its caller went away: no delete runs.
+                    self.deleting.remove(&id);
+                }
             }
             RegistryMsg::EndDelete(id) => {
                 self.deleting.remove(&id);
@@ -314,7 +317,10 @@ impl RegistryState {
                 subscribers,
             } => return self.parked(myself, id, actor, subscribers).await,
             RegistryMsg::Stays { id, actor } => return self.stays(id, actor),
-            RegistryMsg::Unpark(id) => self.wake(myself, id).await,
+            // Only if a message still waits: an `Unpark` sent to an
+            // earlier run of the session (forgotten since) wakes nothing.
+            RegistryMsg::Unpark(id) if self.waits(id) => self.wake(myself, id).await,
+            RegistryMsg::Unpark(_) => {}
             RegistryMsg::Unsubscribe { id, sub } => self.unsubscribe(id, sub),
             #[cfg(feature = "test-hooks")]
             RegistryMsg::IdleNow => {

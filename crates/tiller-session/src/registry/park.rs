@@ -33,16 +33,22 @@ impl Run {
 /// reach the actor directly again: under the slot's lock, so nothing sent
 /// later overtakes what waited.
 pub(super) fn resume(slot: &Slot, actor: ActorRef<SessionMsg>) {
-    let mut state = slot.lock();
-    let queued = match &mut *state {
-        SlotState::Parking(q) | SlotState::Parked(q) => std::mem::take(q),
-        SlotState::Running(_) | SlotState::Gone => Vec::new(),
-    };
-    for m in queued {
-        // A failed send drops the message: its sender sees `Stopped`.
-        let _ = actor.send_message(m);
+    let mut undelivered = Vec::new();
+    {
+        let mut state = slot.lock();
+        let queued = match &mut *state {
+            SlotState::Parking(q) | SlotState::Parked(q) => std::mem::take(q),
+            SlotState::Running(_) | SlotState::Gone => Vec::new(),
+        };
+        for m in queued {
+            if let Err(e) = actor.send_message(m) {
+                undelivered.push(e);
+            }
+        }
+        *state = SlotState::Running(actor);
     }
-    *state = SlotState::Running(actor);
+    // Dropped outside the lock: each sender sees `Stopped`.
+    drop(undelivered);
 }
 
 /// What waited while a session parked, less the clients that left: they
@@ -167,6 +173,14 @@ impl RegistryState {
         Some(waiting.into_inner().unwrap_or_else(|e| e.into_inner()))
     }
 
+    /// Whether a message waits in the slot of this parked session.
+    pub(super) fn waits(&self, id: SessionId) -> bool {
+        self.live.get(&id).is_some_and(|l| {
+            matches!(l.run, Run::Parked(_))
+                && matches!(&*l.slot.lock(), SlotState::Parked(q) if !q.is_empty())
+        })
+    }
+
     /// A client detached: from the record of a parked session, else
     /// through its slot.
     pub(super) fn unsubscribe(&mut self, id: SessionId, sub: SubscriberId) {
@@ -248,7 +262,8 @@ impl RegistryState {
     pub(super) fn drop_live(&mut self, id: SessionId) -> Option<Vec<RegistryMsg>> {
         let live = self.live.remove(&id)?;
         self.fences.remove(&id);
-        *live.slot.lock() = SlotState::Gone;
+        let queued = std::mem::replace(&mut *live.slot.lock(), SlotState::Gone);
+        drop(queued); // outside the lock
         let waiting = match live.run {
             Run::Running(a) => {
                 self.by_actor.remove(&a.get_id());
@@ -274,7 +289,8 @@ impl RegistryState {
 impl Drop for RegistryState {
     fn drop(&mut self) {
         for l in self.live.values() {
-            drop(std::mem::replace(&mut *l.slot.lock(), SlotState::Gone));
+            let queued = std::mem::replace(&mut *l.slot.lock(), SlotState::Gone);
+            drop(queued); // outside the lock
         }
     }
 }
