@@ -742,6 +742,25 @@ impl Sut {
                     "parkable with offered work {p:?} neither started nor handed back"
                 );
             }
+            // And it waits for no queue's answer: work offered now, even
+            // for the last poll, goes back (a parked session's next actor
+            // numbers its polls afresh).
+            for origin in AUTO {
+                let probe = PromptId::from_u128(u128::MAX);
+                let step = self.core.clone().on(
+                    self.now,
+                    Input::Offer {
+                        origin,
+                        poll: self.last_poll,
+                        work: Some((probe, probe)),
+                    },
+                );
+                assert!(
+                    matches!(step.answer, Answer::OfferRefused { .. }),
+                    "parkable while waiting for {origin:?}'s answer: {:?}",
+                    step.answer
+                );
+            }
         }
         // The delivered batch goes into the pipeline.
         if let Some(turn) = deliver_batch {
