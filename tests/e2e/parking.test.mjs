@@ -5,15 +5,20 @@
 // and another client loads it with its whole history.
 
 import assert from "node:assert/strict";
+import { writeFileSync } from "node:fs";
+import path from "node:path";
 import { after, before, test } from "node:test";
 
 import {
   agentText,
+  api,
   connectUnix,
   initialize,
   newSession,
+  repo,
   script,
   startDaemon,
+  tempDir,
   textPrompt,
 } from "./lib/daemon.mjs";
 
@@ -27,8 +32,8 @@ after(async () => {
   await daemon?.stop();
 });
 
-async function gauge(name) {
-  const res = await fetch(`${daemon.http}/metrics`, { headers: daemon.auth });
+async function gauge(name, d = daemon) {
+  const res = await fetch(`${d.http}/metrics`, { headers: d.auth });
   assert.equal(res.status, 200);
   const text = await res.text();
   const m = text.match(new RegExp(`^${name} (\\d+)`, "m"));
@@ -75,5 +80,48 @@ test("an idle session parks; its attached client's next prompt wakes it and stre
   } finally {
     a.close();
     b.close();
+  }
+});
+
+test("a hosted agent's idle session parks; it wakes with the agent's options and goes on in the same agent session", async () => {
+  // The misbehaving test agent (built with the workspace), over ACP.
+  const dataDir = tempDir();
+  const config = path.join(dataDir, "tiller.toml");
+  writeFileSync(
+    config,
+    `[engine.fake]\nkind = "acp"\ncommand = ${JSON.stringify(path.join(repo, "target/debug/tiller-fake-acp"))}\n`,
+  );
+  const hosting = await startDaemon({ dataDir, args: ["--config", config], env: { TILLER_LIMITS__PARK_AFTER: "1s" } });
+  const c = await connectUnix(hosting);
+  try {
+    await initialize(c);
+    const res = await c.request("session/new", { cwd: tempDir(), mcpServers: [], _meta: { tiller: { engine: "fake" } } });
+    const sid = res.sessionId;
+    const first = await c.request("session/prompt", textPrompt(sid, "options"));
+    assert.equal(first.stopReason, "end_turn");
+    assert.equal(agentText(c, sid), "mode=ask");
+    await until("the hosted session to park", async () => (await gauge("tiller_sessions_parked", hosting)) >= 1);
+    assert.equal(await gauge("tiller_sessions_active", hosting), 0);
+
+    // Setting the agent's option wakes it: the option is known at once.
+    const set = await c.request("session/set_config_option", { sessionId: sid, configId: "agent.mode", value: "auto" });
+    const mode = set.configOptions.find((o) => o.id === "agent.mode");
+    assert.equal(mode?.currentValue, "auto", JSON.stringify(set.configOptions));
+    const second = await c.request("session/prompt", textPrompt(sid, "options"));
+    assert.equal(second.stopReason, "end_turn");
+    await c.until(() => agentText(c, sid) === "mode=askmode=auto");
+
+    // One agent session throughout, never a fresh one.
+    const h = await api(hosting, "GET", `/api/sessions/${sid}/history?limit=500`);
+    assert.equal(h.status, 200);
+    const sessions = h.body.events.filter((e) => e.type === "agent_session").map((e) => e.data);
+    assert.ok(sessions.length >= 1);
+    for (const s of sessions) {
+      assert.equal(s.upstream, sessions[0].upstream);
+      assert.notEqual(s.start, "fresh", JSON.stringify(sessions));
+    }
+  } finally {
+    c.close();
+    await hosting.stop();
   }
 });

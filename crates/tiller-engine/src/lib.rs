@@ -86,7 +86,9 @@ pub enum Hosted {
 }
 
 /// One of a hosted agent's options (ACP `configOptions`, or its modes).
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Kept with the session's settings, so a session that parks or restarts
+/// shows them before the agent reports them again.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct AgentOption {
     /// The agent's id.
     pub id: String,

@@ -33,10 +33,20 @@ fn agent(name: &str, env: &[(&str, &str)]) -> AcpConfig {
 }
 
 async fn start(dir: &tempfile::TempDir, cfg: AcpConfig) -> (Sessions, Arc<AcpEngine>) {
+    start_parking(dir, cfg, None).await
+}
+
+/// Like [`start`], with sessions parking once idle for `park_after`.
+async fn start_parking(
+    dir: &tempfile::TempDir,
+    cfg: AcpConfig,
+    park_after: Option<Duration>,
+) -> (Sessions, Arc<AcpEngine>) {
     let store = Store::open(&dir.path().join("t.db")).unwrap();
     let engine = Arc::new(AcpEngine::new(cfg));
     let mut config = session_config();
     config.max_sessions = 100;
+    config.park_after = park_after;
     let sessions = Sessions::start(store, Engines::single(engine.clone()), config)
         .await
         .unwrap();
@@ -529,6 +539,70 @@ async fn the_agents_options_surface_and_a_change_is_forwarded_before_the_next_pr
         })
         .collect();
     assert_eq!(said, ["mode=ask", "mode=auto"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_hosted_session_parks_and_wakes_with_its_agent_session_and_options() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let (sessions, _engine) = start_parking(&dir, agent("fake", &[]), Some(Duration::ZERO)).await;
+    let (h, seen) = attached(&sessions, &work).await;
+    assert_eq!(
+        run(&h, "options", None).await,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    // Idle, its agent's session and options known: it parks like any other.
+    for _ in 0..500 {
+        sessions.park_idle();
+        if sessions.parked().await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(sessions.parked().await, 1, "the hosted session parked");
+    // Woken by a read: the agent's options are still there.
+    let opts = h.options().await.unwrap();
+    let mode = opts
+        .iter()
+        .find(|o| o.id == "agent.mode")
+        .expect("the agent's option survives the park");
+    assert_eq!(mode.current, "ask");
+    h.set_option("agent.mode".into(), "auto".into())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        run(&h, "options", None).await,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let events = seen.events();
+    let said: Vec<&str> = events
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::AgentMessageChunk { text } if text.starts_with("mode=") => {
+                Some(text.as_str())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(said, ["mode=ask", "mode=auto"]);
+    // The same agent session throughout: never a fresh one.
+    let upstreams: Vec<(&str, &str)> = events
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::AgentSession {
+                upstream, start, ..
+            } => Some((upstream.as_str(), start.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert!(!upstreams.is_empty());
+    assert!(
+        upstreams
+            .iter()
+            .all(|(u, s)| *u == upstreams[0].0 && *s != "fresh"),
+        "{upstreams:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -259,6 +259,9 @@ struct Settings {
     /// Values chosen for a hosted agent's own options, by the agent's id.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     agent_options: std::collections::BTreeMap<String, String>,
+    /// A hosted agent's options as it last reported them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    agent_offered: Vec<tiller_engine::AgentOption>,
 }
 
 /// A hosted agent's options: what it offers, what the session chose.
@@ -423,8 +426,8 @@ pub struct SessionState {
     /// A hosted agent's session id (ACP engines), kept in the settings.
     upstream: Option<String>,
     /// A hosted agent's options as it last reported them (none until its
-    /// first turn), and the values chosen for them (kept in the settings,
-    /// set on the agent at each turn's start).
+    /// first turn), and the values chosen for them (both kept in the
+    /// settings; the values are set on the agent at each turn's start).
     agent: Option<Box<AgentOptions>>,
     /// Answered at the next idle (daemon shutdown).
     drained: Vec<oneshot::Sender<()>>,
@@ -536,12 +539,14 @@ impl Actor for SessionActor {
             usage: settings.usage.map(Box::new),
             switches: settings.switches,
             upstream: settings.upstream,
-            agent: (!settings.agent_options.is_empty()).then(|| {
-                Box::new(AgentOptions {
-                    offered: Vec::new(),
-                    chosen: settings.agent_options,
-                })
-            }),
+            agent: (!settings.agent_options.is_empty() || !settings.agent_offered.is_empty()).then(
+                || {
+                    Box::new(AgentOptions {
+                        offered: settings.agent_offered,
+                        chosen: settings.agent_options,
+                    })
+                },
+            ),
             drained: Vec::new(),
             settings_unsaved: false,
             published: metrics::counter!("tiller_events_published_total"),

@@ -81,6 +81,7 @@ impl SessionState {
             return;
         }
         a.offered = offered;
+        let _ = self.myself.send_message(SessionMsg::SaveSettings);
         let options = self.options();
         self.publish(None, None, EventBody::ConfigOptions { options });
     }
@@ -261,6 +262,11 @@ impl SessionState {
                 .agent
                 .as_ref()
                 .map(|a| a.chosen.clone())
+                .unwrap_or_default(),
+            agent_offered: self
+                .agent
+                .as_ref()
+                .map(|a| a.offered.clone())
                 .unwrap_or_default(),
             roots: self
                 .toolbox

@@ -19,7 +19,8 @@ impl SessionState {
     /// [`tiller_core::SessionCore::parkable`]), events, the conversation
     /// and settings not yet stored, timers, permission requests; and
     /// nothing that lives only in this process (MCP servers, background
-    /// commands, a hosted agent's session).
+    /// commands). A hosted agent's session parks: its id and options are
+    /// in the settings, and the agent's process belongs to the engine.
     pub(super) fn parkable(&self) -> bool {
         self.core.parkable()
             && self.running.is_none()
@@ -38,8 +39,6 @@ impl SessionState {
             && !self.settings_unsaved
             && !self.toolbox.has_mcp()
             && !self.toolbox.has_jobs()
-            && self.upstream.is_none()
-            && self.agent.is_none()
     }
 
     /// The registry's sweep.
