@@ -8,7 +8,7 @@ use std::time::Duration;
 use tiller_core::{Origin, StopReason, Terminal};
 use tiller_engine::ScriptedEngine;
 use tiller_session::{EventBody, Sessions};
-use tiller_test_support::{Collect, kinds};
+use tiller_test_support::{Collect, kinds, parked};
 
 /// Sessions that park as soon as they are idle and the sweep runs.
 async fn sessions(dir: &tempfile::TempDir) -> Sessions {
@@ -29,18 +29,6 @@ async fn parking_after(dir: &tempfile::TempDir, after: Duration) -> Sessions {
     )
     .await
     .unwrap()
-}
-
-/// Sweeps until `n` sessions are parked (bounded).
-async fn parked(s: &Sessions, n: usize) {
-    for _ in 0..500 {
-        s.park_idle();
-        if s.parked().await == n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    panic!("{} sessions parked, not {n}", s.parked().await);
 }
 
 async fn end_turn(h: &tiller_session::SessionHandle, text: &str) {

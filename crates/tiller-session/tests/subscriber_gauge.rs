@@ -57,14 +57,7 @@ async fn the_subscriber_gauge_follows_every_way_a_client_leaves() {
     // Detached from a parked session: the registry holds it then.
     let b = s.subscriber_id();
     h.subscribe(b, Box::new(Collect::default())).await.unwrap();
-    for _ in 0..500 {
-        s.park_idle();
-        if s.parked().await == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    assert_eq!(s.parked().await, 1, "the session parked");
+    tiller_test_support::parked(&s, 1).await;
     reads(&metrics, 1.0, "a parked session's client still counts").await;
     h.unsubscribe(b);
     reads(&metrics, 0.0, "it detached from the parked session").await;

@@ -69,6 +69,19 @@ impl Subscriber for Collect {
     }
 }
 
+/// Sweeps `s` until `n` of its sessions are parked (bounded: fails the
+/// test if they do not park).
+pub async fn parked(s: &Sessions, n: usize) {
+    for _ in 0..2500 {
+        s.park_idle();
+        if s.parked().await == n {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    panic!("{} sessions parked, not {n}", s.parked().await);
+}
+
 /// The kinds of `events`, in order.
 pub fn kinds<E: std::borrow::Borrow<EventRecord>>(events: &[E]) -> Vec<&'static str> {
     events.iter().map(|e| e.borrow().body.kind()).collect()

@@ -85,6 +85,19 @@ async fn run(h: &SessionHandle, text: &str, cancel_after: Option<u64>) -> Termin
         .terminal
 }
 
+/// What the agent said of its `mode` option, turn by turn.
+fn modes_said(events: &[Arc<tiller_session::EventRecord>]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::AgentMessageChunk { text } if text.starts_with("mode=") => {
+                Some(text.clone())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
 fn crashed(t: &Terminal, says: &str) -> bool {
     matches!(t, Terminal::Failed { kind: ErrorKind::EngineCrashed, message } if message.contains(says))
 }
@@ -528,17 +541,7 @@ async fn the_agents_options_surface_and_a_change_is_forwarded_before_the_next_pr
         run(&h, "options", None).await,
         Terminal::Completed(StopReason::EndTurn)
     );
-    let said: Vec<String> = seen
-        .events()
-        .iter()
-        .filter_map(|e| match &e.body {
-            EventBody::AgentMessageChunk { text } if text.starts_with("mode=") => {
-                Some(text.clone())
-            }
-            _ => None,
-        })
-        .collect();
-    assert_eq!(said, ["mode=ask", "mode=auto"]);
+    assert_eq!(modes_said(&seen.events()), ["mode=ask", "mode=auto"]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -552,14 +555,7 @@ async fn an_idle_hosted_session_parks_and_wakes_with_its_agent_session_and_optio
         Terminal::Completed(StopReason::EndTurn)
     );
     // Idle, its agent's session and options known: it parks like any other.
-    for _ in 0..500 {
-        sessions.park_idle();
-        if sessions.parked().await == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert_eq!(sessions.parked().await, 1, "the hosted session parked");
+    tiller_test_support::parked(&sessions, 1).await;
     // Woken by a read: the agent's options are still there.
     let opts = h.options().await.unwrap();
     let mode = opts
@@ -576,16 +572,7 @@ async fn an_idle_hosted_session_parks_and_wakes_with_its_agent_session_and_optio
         Terminal::Completed(StopReason::EndTurn)
     );
     let events = seen.events();
-    let said: Vec<&str> = events
-        .iter()
-        .filter_map(|e| match &e.body {
-            EventBody::AgentMessageChunk { text } if text.starts_with("mode=") => {
-                Some(text.as_str())
-            }
-            _ => None,
-        })
-        .collect();
-    assert_eq!(said, ["mode=ask", "mode=auto"]);
+    assert_eq!(modes_said(&events), ["mode=ask", "mode=auto"]);
     // The same agent session throughout: never a fresh one.
     let upstreams: Vec<(&str, &str)> = events
         .iter()
