@@ -356,6 +356,12 @@ pub const ALL: &[Metric] = &[
         labels: &[],
     },
     Metric {
+        name: "tiller_store_checkpoint_seconds",
+        kind: Kind::Histogram,
+        help: "Time of one checkpoint of SQLite's write-ahead log into the database (its fsyncs included); the store writes nothing meanwhile.",
+        labels: &[],
+    },
+    Metric {
         name: "tiller_store_write_seconds",
         kind: Kind::Histogram,
         help: "Time of one store write transaction.",

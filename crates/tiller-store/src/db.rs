@@ -83,6 +83,11 @@ pub(crate) trait Db: Send {
     fn take_reconnected(&mut self) -> bool {
         false
     }
+    /// Copies SQLite's write-ahead log into the database (nothing to do
+    /// on PostgreSQL, whose server does its own).
+    fn checkpoint(&mut self) -> R<()> {
+        Ok(())
+    }
     /// Whether several daemons may share this store (leases apply).
     fn clustered(&self) -> bool {
         false
@@ -126,6 +131,12 @@ pub(crate) trait Db: Send {
 }
 
 impl Db for rusqlite::Connection {
+    fn checkpoint(&mut self) -> R<()> {
+        // PASSIVE: the store's one connection holds the file, so nothing
+        // can keep it from copying every frame.
+        self.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+        Ok(())
+    }
     fn append_batch(&mut self, heads: &mut Heads, batch: &[Pending]) -> R<()> {
         Ok(log::append_batch(self, heads, batch)?)
     }

@@ -88,6 +88,10 @@ pub(crate) struct Shared {
     pub(crate) pause_appends: AtomicBool,
     /// Whether several daemons may share the store (PostgreSQL).
     pub(crate) clustered: AtomicBool,
+    /// Frames in SQLite's write-ahead log after the last commit (set by
+    /// the connection's WAL hook; 0 on PostgreSQL): the writer checkpoints
+    /// once there are [`writer::CHECKPOINT_FRAMES`].
+    pub(crate) wal_frames: AtomicUsize,
 }
 
 impl Shared {
@@ -212,12 +216,26 @@ impl Store {
             path: path.to_owned(),
             source: e,
         })?;
-        let conn = Connection::open(path).map_err(open_err)?;
+        let mut conn = Connection::open(path).map_err(open_err)?;
         // Every statement the store runs stays prepared (the default of 16
         // is fewer than it has: evicted ones were parsed again per use).
         conn.set_prepared_statement_cache_capacity(256);
         schema::migrate(&conn).map_err(open_err)?;
         let shared = Arc::new(Shared::default());
+        // The writer checkpoints, not SQLite inside a commit: a commit's
+        // callers are answered before the log is copied into the database
+        // (see `Writer::checkpoint_if_due`). The hook replaces SQLite's
+        // automatic checkpoint; it only counts.
+        let frames = shared.clone();
+        conn.wal_hook(Some(
+            move |_: &mut rusqlite::hooks::Wal, n: std::ffi::c_int| {
+                frames
+                    .wal_frames
+                    .store(usize::try_from(n).unwrap_or(0), Ordering::Relaxed);
+                Ok(())
+            },
+        ))
+        .map_err(open_err)?;
         let writer = Writer {
             conn: Box::new(conn),
             broken: Default::default(),

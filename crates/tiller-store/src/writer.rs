@@ -92,6 +92,10 @@ pub(crate) struct Writer {
     pub(crate) reopened: HashSet<SessionId>,
 }
 
+/// Frames in SQLite's write-ahead log that make a checkpoint due (SQLite's
+/// own default for its automatic one).
+pub(crate) const CHECKPOINT_FRAMES: usize = 1000;
+
 /// Most appends committed in one transaction.
 const MAX_BATCH: usize = 4096;
 
@@ -157,6 +161,7 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
         if let Some(batch) = next_batch(&mut queued, slice, &mut urgent_last) {
             w.append_timed(batch);
         }
+        w.checkpoint_if_due();
     }
 }
 
@@ -261,8 +266,10 @@ pub(crate) fn execute(slot: &mut Option<Writer>, cmd: Cmd) -> Result<(), Cmd> {
         Cmd::Close(reply) => {
             *slot = None;
             let _ = reply.send(());
+            return Ok(());
         }
     }
+    w.checkpoint_if_due();
     Ok(())
 }
 
@@ -280,6 +287,27 @@ impl Writer {
 
     fn is_broken(&self, s: SessionId) -> bool {
         self.broken.contains(&s) || (self.all_broken && !self.reopened.contains(&s))
+    }
+
+    /// Checkpoints SQLite's write-ahead log once it holds
+    /// [`CHECKPOINT_FRAMES`], after the commits that filled it were
+    /// answered (SQLite's automatic checkpoint ran inside a commit, so the
+    /// callers waiting for it waited for the copy and its fsyncs too), and
+    /// timed (`tiller_store_checkpoint_seconds`: what a commit queued
+    /// meanwhile waits for). A failed checkpoint loses nothing (the log
+    /// keeps every frame); it is tried again after the next commit.
+    pub(crate) fn checkpoint_if_due(&mut self) {
+        if self.shared.wal_frames.load(Ordering::Relaxed) < CHECKPOINT_FRAMES {
+            return;
+        }
+        let started = Instant::now();
+        // Due again once the next commit reports the log's length.
+        self.shared.wal_frames.store(0, Ordering::Relaxed);
+        if let Err(e) = self.conn.checkpoint() {
+            tracing::warn!(error = %e, "checkpoint of the store's write-ahead log failed");
+        }
+        metrics::histogram!("tiller_store_checkpoint_seconds")
+            .record(started.elapsed().as_secs_f64());
     }
 
     fn append_timed(&mut self, batch: Vec<Pending>) {
