@@ -1,13 +1,23 @@
 // The Node reference agent for bench/prompts.mjs: an ACP agent on the
 // official TypeScript SDK, no storage, that answers every prompt with three
 // `agent_message_chunk`s and `end_turn`. Run by the benchmark, not by hand.
+import { readFileSync } from "node:fs";
 import { Readable, Writable } from "node:stream";
 import { agent, ndJsonStream } from "@agentclientprotocol/sdk";
 
+// With NODE_AGENT_SESSION_NEW (a file: `{result, commands}`), `session/new`
+// answers what Tiller answered (modes, config options) after sending its
+// command list, under a new session id; else just the id.
+const same = process.env.NODE_AGENT_SESSION_NEW && JSON.parse(readFileSync(process.env.NODE_AGENT_SESSION_NEW, "utf8"));
 let next = 0;
 const app = agent()
   .onRequest("initialize", () => ({ protocolVersion: 1, agentCapabilities: {} }))
-  .onRequest("session/new", () => ({ sessionId: `s${next++}` }))
+  .onRequest("session/new", async ({ client }) => {
+    const sessionId = `s${next++}`;
+    if (!same) return { sessionId };
+    await client.notify("session/update", { sessionId, update: same.commands });
+    return { ...same.result, sessionId };
+  })
   .onRequest("session/prompt", async ({ params, client }) => {
     for (const text of ["one ", "two ", "three"]) {
       await client.notify("session/update", {

@@ -4,6 +4,10 @@
 //   floor:  target/release/tiller-echo-agent (bare Rust JSON-RPC, no storage)
 //   node:   bench/node-agent.mjs (the official SDK's agent side, no storage)
 //   tiller: tiller acp --embedded (scripted engine, history durable in SQLite)
+//   node-same: the Node agent again, answering `session/new` with exactly
+//           what Tiller answered (its modes, config options and command
+//           list, captured in this run): the client's own share of a
+//           session's creation, which Tiller's richer answer costs it
 // Agent-side CPU comes from /proc (every thread's schedstat, checked against
 // the process's utime+stime). Prints a table and, with --json, one JSON line.
 //   cargo build --release -p tiller -p tiller-bench
@@ -11,7 +15,7 @@
 // Asserts nothing about speed.
 
 import { spawn } from "node:child_process";
-import { mkdtempSync } from "node:fs";
+import { mkdtempSync, writeFileSync } from "node:fs";
 import os from "node:os";
 import path from "node:path";
 import { Readable, Writable } from "node:stream";
@@ -31,18 +35,27 @@ const only = process.env.BENCH_AGENTS?.split(",");
 
 const pct = (sorted, p) => sorted[Math.min(sorted.length - 1, Math.floor((sorted.length * p) / 100))];
 
-async function measure(name, command, args, prompt) {
-  const child = spawn(command, args, { stdio: ["pipe", "pipe", "inherit"], env: { ...process.env, RUST_LOG: "warn" } });
+// What Tiller answered its first `session/new` (the answer and the command
+// list it sent with it), for the node-same agent.
+const answer = { result: null, commands: null };
+
+async function measure(name, command, args, prompt, env = {}) {
+  const child = spawn(command, args, { stdio: ["pipe", "pipe", "inherit"], env: { ...process.env, RUST_LOG: "warn", ...env } });
   let chunks = 0;
   const conn = client()
-    .onNotification("session/update", () => {
+    .onNotification("session/update", ({ params }) => {
       chunks++;
+      if (name === "tiller" && !answer.commands && params.update.sessionUpdate === "available_commands_update") {
+        answer.commands = params.update;
+      }
     })
     .onRequest("session/request_permission", () => ({ outcome: { outcome: "cancelled" } }))
     .connect(ndJsonStream(Writable.toWeb(child.stdin), Readable.toWeb(child.stdout)));
   const agent = conn.agent;
   await agent.request("initialize", { protocolVersion: 1, clientCapabilities: {} });
-  const { sessionId } = await agent.request("session/new", { cwd: "/tmp", mcpServers: [] });
+  const created = await agent.request("session/new", { cwd: "/tmp", mcpServers: [] });
+  const { sessionId } = created;
+  if (name === "tiller") answer.result = created;
   // Warm up (allocators, SQLite's page cache, the JIT).
   for (let i = 0; i < 200; i++) await agent.request("session/prompt", { sessionId, prompt });
 
@@ -87,27 +100,44 @@ async function measure(name, command, args, prompt) {
 }
 
 const script = JSON.stringify({ script: [{ say: "one " }, { say: "two " }, { say: "three" }] });
+const tmp = mkdtempSync(path.join(os.tmpdir(), "tiller-bench-"));
+const nodeAgent = [process.execPath, [path.join(here, "node-agent.mjs")], [{ type: "text", text: "hi" }]];
 const agents = [
   ["floor", path.join(release, "tiller-echo-agent"), [], [{ type: "text", text: "hi" }]],
-  ["node", process.execPath, [path.join(here, "node-agent.mjs")], [{ type: "text", text: "hi" }]],
-  ["tiller", process.env.TILLER_BIN ?? path.join(release, "tiller"), ["acp", "--embedded", "--data-dir", mkdtempSync(path.join(os.tmpdir(), "tiller-bench-"))], [{ type: "text", text: script }]],
+  ["node", ...nodeAgent],
+  ["tiller", process.env.TILLER_BIN ?? path.join(release, "tiller"), ["acp", "--embedded", "--data-dir", tmp], [{ type: "text", text: script }]],
+  ["node-same", ...nodeAgent],
 ].filter(([name]) => !only || only.includes(name));
 
 const rows = [];
-for (const [name, command, args, prompt] of agents) rows.push(await measure(name, command, args, prompt));
+for (const [name, command, args, prompt] of agents) {
+  let env = {};
+  if (name === "node-same") {
+    if (!answer.result || !answer.commands) throw new Error("node-same runs after tiller, whose session/new answer it repeats");
+    const file = path.join(tmp, "session-new.json");
+    writeFileSync(file, JSON.stringify(answer));
+    env = { NODE_AGENT_SESSION_NEW: file };
+  }
+  rows.push(await measure(name, command, args, prompt, env));
+}
 
 const by = Object.fromEntries(rows.map((r) => [r.agent, r]));
 const f = (x, d = 0) => x.toLocaleString("en-US", { maximumFractionDigits: d, minimumFractionDigits: d });
 console.log(`per prompt (${prompts} sequential 3-chunk prompts, official ACP TS client over stdio; ${sessions} session/new for the rate)`);
-console.log("agent   CPU/prompt  p50 round trip  p99 round trip  prompts/s  sessions/s  CPU/session");
+console.log("agent     CPU/prompt  p50 round trip  p99 round trip  prompts/s  sessions/s  CPU/session");
 for (const r of rows) {
   console.log(
-    `${r.agent.padEnd(7)} ${(f(r.cpu_us, 1) + " us").padStart(10)}  ${(f(r.p50_us) + " us").padStart(14)}  ${(f(r.p99_us) + " us").padStart(14)}  ${f(r.prompts_per_s).padStart(9)}  ${f(r.sessions_per_s).padStart(10)}  ${(f(r.new_cpu_us, 1) + " us").padStart(11)}`,
+    `${r.agent.padEnd(9)} ${(f(r.cpu_us, 1) + " us").padStart(10)}  ${(f(r.p50_us) + " us").padStart(14)}  ${(f(r.p99_us) + " us").padStart(14)}  ${f(r.prompts_per_s).padStart(9)}  ${f(r.sessions_per_s).padStart(10)}  ${(f(r.new_cpu_us, 1) + " us").padStart(11)}`,
   );
 }
 if (by.tiller && by.node && by.floor) {
   console.log(
     `tiller CPU/prompt = ${f(by.tiller.cpu_us / by.node.cpu_us, 2)} x node (goal <= 0.33), ${f(by.tiller.cpu_us / by.floor.cpu_us, 2)} x floor (goal <= 3)`,
+  );
+}
+if (by.tiller && by["node-same"]) {
+  console.log(
+    `session/new: tiller ${f(by.tiller.sessions_per_s)} /s; the Node agent answering the same (free, no storage) ${f(by["node-same"].sessions_per_s)} /s: the official client's reading of the answer bounds both (goal >= 5,000 /s)`,
   );
 }
 if (json) console.log(JSON.stringify({ prompts: rows }));
