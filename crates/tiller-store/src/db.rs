@@ -84,9 +84,10 @@ pub(crate) trait Db: Send {
         false
     }
     /// Copies SQLite's write-ahead log into the database (nothing to do
-    /// on PostgreSQL, whose server does its own).
-    fn checkpoint(&mut self) -> R<()> {
-        Ok(())
+    /// on PostgreSQL, whose server does its own); false when some frames
+    /// could not be copied.
+    fn checkpoint(&mut self) -> R<bool> {
+        Ok(true)
     }
     /// Whether several daemons may share this store (leases apply).
     fn clustered(&self) -> bool {
@@ -131,11 +132,14 @@ pub(crate) trait Db: Send {
 }
 
 impl Db for rusqlite::Connection {
-    fn checkpoint(&mut self) -> R<()> {
+    fn checkpoint(&mut self) -> R<bool> {
         // PASSIVE: the store's one connection holds the file, so nothing
-        // can keep it from copying every frame.
-        self.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
-        Ok(())
+        // should keep it from copying every frame (checked all the same).
+        let (busy, log, copied): (i64, i64, i64) =
+            self.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })?;
+        Ok(busy == 0 && copied >= log)
     }
     fn append_batch(&mut self, heads: &mut Heads, batch: &[Pending]) -> R<()> {
         Ok(log::append_batch(self, heads, batch)?)

@@ -86,12 +86,16 @@ pub(crate) struct Shared {
     pub(crate) fail_appends: AtomicBool,
     /// Set by a test to hold appends back (a store that falls behind).
     pub(crate) pause_appends: AtomicBool,
+    /// Set by a test to make every checkpoint fail.
+    pub(crate) fail_checkpoints: AtomicBool,
     /// Whether several daemons may share the store (PostgreSQL).
     pub(crate) clustered: AtomicBool,
     /// Frames in SQLite's write-ahead log after the last commit (set by
     /// the connection's WAL hook; 0 on PostgreSQL): the writer checkpoints
     /// once there are [`writer::CHECKPOINT_FRAMES`].
     pub(crate) wal_frames: AtomicUsize,
+    /// Checkpoints the writer ran (tests read it).
+    pub(crate) checkpoints: AtomicUsize,
 }
 
 impl Shared {
@@ -131,8 +135,10 @@ impl Store {
     /// runtime (`tiller acp --embedded`): every command runs at once on
     /// the caller's thread (an append commits before `append` returns), so
     /// no message crosses a thread. The cost: the caller's thread blocks
-    /// for each write (page-cache writes; a checkpoint's fsync now and
-    /// then), which in that process only its one client waits for anyway.
+    /// for each write (page-cache writes; now and then a checkpoint with
+    /// its fsyncs, right after the commit that made it due, which the
+    /// caller then waits for too), which in that process only its one
+    /// client waits for anyway.
     pub fn open_inline(path: &Path) -> Result<Store, StoreError> {
         let (writer, shared) = Self::connect(path)?;
         Ok(Store {
@@ -176,17 +182,7 @@ impl Store {
             .spawn(move || match pg::PgDb::connect(&url, &schema) {
                 Ok(db) => {
                     let _ = ready_tx.send(Ok(()));
-                    writer::run(
-                        Writer {
-                            conn: Box::new(db),
-                            broken: Default::default(),
-                            shared: thread_shared,
-                            heads: Default::default(),
-                            all_broken: false,
-                            reopened: Default::default(),
-                        },
-                        rx,
-                    );
+                    writer::run(Writer::new(Box::new(db), thread_shared), rx);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -236,15 +232,7 @@ impl Store {
             },
         ))
         .map_err(open_err)?;
-        let writer = Writer {
-            conn: Box::new(conn),
-            broken: Default::default(),
-            shared: shared.clone(),
-            heads: Default::default(),
-            all_broken: false,
-            reopened: Default::default(),
-        };
-        Ok((writer, shared))
+        Ok((Writer::new(Box::new(conn), shared.clone()), shared))
     }
 
     /// The one command path: runs `f` on the store thread, in order,
@@ -288,6 +276,12 @@ impl Store {
     #[cfg(feature = "test-hooks")]
     pub fn fail_appends(&self, on: bool) {
         self.shared.fail_appends.store(on, Ordering::Relaxed);
+    }
+
+    /// Makes every checkpoint of SQLite's log fail until turned off.
+    #[cfg(feature = "test-hooks")]
+    pub fn fail_checkpoints(&self, on: bool) {
+        self.shared.fail_checkpoints.store(on, Ordering::Relaxed);
     }
 
     /// Holds every append back (as a store that cannot keep up would)

@@ -99,8 +99,89 @@ mod basics {
             );
             let (_, head) = store.get_session(a.id).await.unwrap().unwrap();
             assert_eq!(head.last_seq, 3000, "inline {inline}");
+            // The writer's checkpoints, not SQLite's own, kept it short.
+            assert!(
+                store.shared.checkpoints.load(Ordering::Relaxed) > 0,
+                "inline {inline}: the writer never checkpointed"
+            );
             store.close().await;
         }
+    }
+
+    /// A checkpoint that fails loses nothing and is not tried at every
+    /// commit meanwhile, but once the log grew by another
+    /// [`crate::writer::CHECKPOINT_FRAMES`]; once it works again the log
+    /// is copied and starts over.
+    #[tokio::test]
+    async fn a_failing_checkpoint_is_retried_as_the_log_grows_not_at_every_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let a = rec(1);
+        store.create_session(a.clone()).await.unwrap();
+        store.fail_checkpoints(true);
+        // Each durable append commits alone: a frame or two each, so
+        // about 3,000 commits past the first due checkpoint.
+        for seq in 1..=4000 {
+            store.append_durable(ev(a.id, seq), None).await.unwrap();
+        }
+        let tried = store.shared.checkpoints.load(Ordering::Relaxed);
+        assert!(
+            (1..=10).contains(&tried),
+            "tried {tried} times while the log grew past 1,000 frames"
+        );
+        store.fail_checkpoints(false);
+        for seq in 4001..=6000 {
+            store.append_durable(ev(a.id, seq), None).await.unwrap();
+        }
+        assert!(store.shared.checkpoints.load(Ordering::Relaxed) > tried);
+        assert!(
+            store.shared.wal_frames.load(Ordering::Relaxed) < 2 * writer::CHECKPOINT_FRAMES,
+            "the log started over once a checkpoint worked"
+        );
+        let all = store.events_after(a.id, 0, 10_000).await.unwrap();
+        assert_eq!(all.len(), 6000, "every event is kept");
+        assert_eq!(all.last().map(|e| e.seq), Some(6000));
+        store.close().await;
+    }
+
+    /// Writes the store thread takes off its channel in one go (calls
+    /// that commit themselves, queued while it was busy) are checkpointed
+    /// as they commit, not only once the channel is empty.
+    #[tokio::test]
+    async fn a_burst_of_calls_that_commit_is_checkpointed_as_it_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let store = Store::open(&path).unwrap();
+        let a = rec(1);
+        store.create_session(a.clone()).await.unwrap();
+        // The thread is held in its next append while the calls queue up.
+        store.pause_appends(true);
+        store.append(ev(a.id, 1), None, None);
+        let body = "x".repeat(6000);
+        let calls: Vec<_> = (0..3000)
+            .map(|n| {
+                let (store, value) = (store.clone(), format!("{{\"n\":{n},\"pad\":\"{body}\"}}"));
+                tokio::spawn(
+                    async move { store.save_state(a.id, StateColumn::Settings, value).await },
+                )
+            })
+            .collect();
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        store.pause_appends(false);
+        for c in calls {
+            c.await.unwrap().unwrap();
+        }
+        let wal = std::fs::metadata(dir.path().join("t.db-wal"))
+            .unwrap()
+            .len();
+        let frame = 4096 + 24;
+        assert!(
+            wal < 2 * (writer::CHECKPOINT_FRAMES as u64) * frame,
+            "the log grew to {wal} bytes"
+        );
+        store.close().await;
     }
 
     fn rec(n: i64) -> SessionRecord {

@@ -90,6 +90,9 @@ pub(crate) struct Writer {
     pub(crate) all_broken: bool,
     /// The sessions reopened since `all_broken` was set.
     pub(crate) reopened: HashSet<SessionId>,
+    /// The log's length in frames that makes a checkpoint due: after one
+    /// failed, [`CHECKPOINT_FRAMES`] more (not every commit) before the next try.
+    checkpoint_at: usize,
 }
 
 /// Frames in SQLite's write-ahead log that make a checkpoint due (SQLite's
@@ -144,6 +147,7 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
                     }
                     f(&mut w);
                     w.note_reconnect();
+                    w.checkpoint_if_due();
                 }
                 Cmd::Close(reply) => {
                     w.write_all(&mut queued);
@@ -161,7 +165,6 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
         if let Some(batch) = next_batch(&mut queued, slice, &mut urgent_last) {
             w.append_timed(batch);
         }
-        w.checkpoint_if_due();
     }
 }
 
@@ -274,6 +277,18 @@ pub(crate) fn execute(slot: &mut Option<Writer>, cmd: Cmd) -> Result<(), Cmd> {
 }
 
 impl Writer {
+    pub(crate) fn new(conn: Box<dyn Db>, shared: Arc<Shared>) -> Writer {
+        Writer {
+            conn,
+            broken: Default::default(),
+            shared,
+            heads: Default::default(),
+            all_broken: false,
+            reopened: Default::default(),
+            checkpoint_at: CHECKPOINT_FRAMES,
+        }
+    }
+
     /// After a reconnect: nothing cached of the logs is trusted, and each
     /// session must be reopened before it appends again.
     pub(crate) fn note_reconnect(&mut self) {
@@ -290,21 +305,44 @@ impl Writer {
     }
 
     /// Checkpoints SQLite's write-ahead log once it holds
-    /// [`CHECKPOINT_FRAMES`], after the commits that filled it were
-    /// answered (SQLite's automatic checkpoint ran inside a commit, so the
-    /// callers waiting for it waited for the copy and its fsyncs too), and
-    /// timed (`tiller_store_checkpoint_seconds`: what a commit queued
-    /// meanwhile waits for). A failed checkpoint loses nothing (the log
-    /// keeps every frame); it is tried again after the next commit.
+    /// [`CHECKPOINT_FRAMES`], after each commit that filled it was
+    /// answered: called after every commit the writer makes, so a burst
+    /// taken off the channel at once is checkpointed as it goes. (SQLite's
+    /// automatic checkpoint ran inside a commit, so the callers waiting
+    /// for it waited for the copy and its fsyncs too.) Timed as
+    /// `tiller_store_checkpoint_seconds`: what a commit queued meanwhile
+    /// waits for. A checkpoint that failed or could not copy every frame
+    /// loses nothing (the log keeps every frame); it is tried again once
+    /// the log grew by [`CHECKPOINT_FRAMES`] more.
     pub(crate) fn checkpoint_if_due(&mut self) {
-        if self.shared.wal_frames.load(Ordering::Relaxed) < CHECKPOINT_FRAMES {
+        let frames = self.shared.wal_frames.load(Ordering::Relaxed);
+        if frames < self.checkpoint_at {
             return;
         }
         let started = Instant::now();
-        // Due again once the next commit reports the log's length.
-        self.shared.wal_frames.store(0, Ordering::Relaxed);
-        if let Err(e) = self.conn.checkpoint() {
-            tracing::warn!(error = %e, "checkpoint of the store's write-ahead log failed");
+        self.shared.checkpoints.fetch_add(1, Ordering::Relaxed);
+        let outcome = if self.shared.fail_checkpoints.load(Ordering::Relaxed) {
+            Err(StoreError::Injected)
+        } else {
+            self.conn.checkpoint()
+        };
+        match outcome {
+            Ok(true) => {
+                // The log starts over at the next commit, which reports it.
+                self.shared.wal_frames.store(0, Ordering::Relaxed);
+                self.checkpoint_at = CHECKPOINT_FRAMES;
+            }
+            Ok(false) => {
+                tracing::warn!(
+                    frames,
+                    "checkpoint of the store's write-ahead log left frames behind"
+                );
+                self.checkpoint_at = frames + CHECKPOINT_FRAMES;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, frames, "checkpoint of the store's write-ahead log failed");
+                self.checkpoint_at = frames + CHECKPOINT_FRAMES;
+            }
         }
         metrics::histogram!("tiller_store_checkpoint_seconds")
             .record(started.elapsed().as_secs_f64());
@@ -319,6 +357,7 @@ impl Writer {
         self.append(batch);
         metrics::histogram!("tiller_store_write_seconds").record(started.elapsed().as_secs_f64());
         self.shared.done(n);
+        self.checkpoint_if_due();
     }
 
     /// Writes everything queued (each session's in order), in the batches
