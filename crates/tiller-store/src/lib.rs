@@ -92,7 +92,8 @@ pub(crate) struct Shared {
     pub(crate) clustered: AtomicBool,
     /// Frames in SQLite's write-ahead log after the last commit (set by
     /// the connection's WAL hook; 0 on PostgreSQL): the writer checkpoints
-    /// once there are [`writer::CHECKPOINT_FRAMES`].
+    /// once there are [`writer::CHECKPOINT_FRAMES`] (after a failed
+    /// checkpoint, that many more).
     pub(crate) wal_frames: AtomicUsize,
     /// Checkpoints the writer ran (tests read it).
     pub(crate) checkpoints: AtomicUsize,

@@ -164,6 +164,7 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
         let slice = w.conn.sessions_per_commit();
         if let Some(batch) = next_batch(&mut queued, slice, &mut urgent_last) {
             w.append_timed(batch);
+            w.checkpoint_if_due();
         }
     }
 }
@@ -305,9 +306,11 @@ impl Writer {
     }
 
     /// Checkpoints SQLite's write-ahead log once it holds
-    /// [`CHECKPOINT_FRAMES`], after each commit that filled it was
-    /// answered: called after every commit the writer makes, so a burst
-    /// taken off the channel at once is checkpointed as it goes. (SQLite's
+    /// [`CHECKPOINT_FRAMES`], after the commit that filled it was
+    /// answered and before the next one: after each batch of appends and
+    /// each command (not between a command's preceding writes and the
+    /// command), so a burst taken off the channel at once is checkpointed
+    /// as it goes. (SQLite's
     /// automatic checkpoint ran inside a commit, so the callers waiting
     /// for it waited for the copy and its fsyncs too.) Timed as
     /// `tiller_store_checkpoint_seconds`: what a commit queued meanwhile
@@ -316,6 +319,10 @@ impl Writer {
     /// the log grew by [`CHECKPOINT_FRAMES`] more.
     pub(crate) fn checkpoint_if_due(&mut self) {
         let frames = self.shared.wal_frames.load(Ordering::Relaxed);
+        if frames + CHECKPOINT_FRAMES < self.checkpoint_at {
+            // The log started over since a checkpoint failed.
+            self.checkpoint_at = CHECKPOINT_FRAMES;
+        }
         if frames < self.checkpoint_at {
             return;
         }
@@ -357,15 +364,20 @@ impl Writer {
         self.append(batch);
         metrics::histogram!("tiller_store_write_seconds").record(started.elapsed().as_secs_f64());
         self.shared.done(n);
-        self.checkpoint_if_due();
     }
 
     /// Writes everything queued (each session's in order), in the batches
-    /// [`next_batch`] cuts.
+    /// [`next_batch`] cuts, checkpointing between them when due (not after
+    /// the last: the command these writes come before runs first, and its
+    /// caller does not wait for a checkpoint).
     fn write_all(&mut self, queued: &mut Queue) {
         let sessions = self.conn.sessions_per_commit();
         let mut urgent_last = false;
+        let mut first = true;
         while let Some(batch) = next_batch(queued, sessions, &mut urgent_last) {
+            if !std::mem::take(&mut first) {
+                self.checkpoint_if_due();
+            }
             self.append_timed(batch);
         }
     }
