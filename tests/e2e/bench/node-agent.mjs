@@ -6,16 +6,17 @@ import { Readable, Writable } from "node:stream";
 import { agent, ndJsonStream } from "@agentclientprotocol/sdk";
 
 // With NODE_AGENT_SESSION_NEW (a file: `{result, commands}`), `session/new`
-// answers what Tiller answered (modes, config options) after sending its
-// command list, under a new session id; else just the id.
+// answers what Tiller answered (modes, config options) under a new session
+// id, then sends its command list; else just the id.
 const same = process.env.NODE_AGENT_SESSION_NEW && JSON.parse(readFileSync(process.env.NODE_AGENT_SESSION_NEW, "utf8"));
 let next = 0;
 const app = agent()
   .onRequest("initialize", () => ({ protocolVersion: 1, agentCapabilities: {} }))
-  .onRequest("session/new", async ({ client }) => {
+  .onRequest("session/new", ({ client }) => {
     const sessionId = `s${next++}`;
     if (!same) return { sessionId };
-    await client.notify("session/update", { sessionId, update: same.commands });
+    // After the answer, as Tiller sends it.
+    setImmediate(() => client.notify("session/update", { sessionId, update: same.commands }));
     return { ...same.result, sessionId };
   })
   .onRequest("session/prompt", async ({ params, client }) => {

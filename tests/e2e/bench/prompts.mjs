@@ -36,26 +36,43 @@ const only = process.env.BENCH_AGENTS?.split(",");
 const pct = (sorted, p) => sorted[Math.min(sorted.length - 1, Math.floor((sorted.length * p) / 100))];
 
 // What Tiller answered its first `session/new` (the answer and the command
-// list it sent with it), for the node-same agent.
+// list it sent with it), for the node-same agent: read off the wire as
+// Tiller wrote it, not as the client's validation hands it on.
 const answer = { result: null, commands: null };
+
+function capture(stdout) {
+  let buf = "";
+  const onData = (chunk) => {
+    buf += chunk.toString("utf8");
+    let nl;
+    while ((nl = buf.indexOf("\n")) >= 0) {
+      const line = buf.slice(0, nl);
+      buf = buf.slice(nl + 1);
+      if (!answer.result && line.includes('"sessionId"') && line.includes('"result"')) {
+        const msg = JSON.parse(line);
+        if (msg.result?.sessionId) answer.result = msg.result;
+      } else if (!answer.commands && line.includes('"available_commands_update"')) {
+        answer.commands = JSON.parse(line).params.update;
+      }
+    }
+    if (answer.result && answer.commands) stdout.off("data", onData);
+  };
+  stdout.on("data", onData);
+}
 
 async function measure(name, command, args, prompt, env = {}) {
   const child = spawn(command, args, { stdio: ["pipe", "pipe", "inherit"], env: { ...process.env, RUST_LOG: "warn", ...env } });
+  if (name === "tiller") capture(child.stdout);
   let chunks = 0;
   const conn = client()
-    .onNotification("session/update", ({ params }) => {
+    .onNotification("session/update", () => {
       chunks++;
-      if (name === "tiller" && !answer.commands && params.update.sessionUpdate === "available_commands_update") {
-        answer.commands = params.update;
-      }
     })
     .onRequest("session/request_permission", () => ({ outcome: { outcome: "cancelled" } }))
     .connect(ndJsonStream(Writable.toWeb(child.stdin), Readable.toWeb(child.stdout)));
   const agent = conn.agent;
   await agent.request("initialize", { protocolVersion: 1, clientCapabilities: {} });
-  const created = await agent.request("session/new", { cwd: "/tmp", mcpServers: [] });
-  const { sessionId } = created;
-  if (name === "tiller") answer.result = created;
+  const { sessionId } = await agent.request("session/new", { cwd: "/tmp", mcpServers: [] });
   // Warm up (allocators, SQLite's page cache, the JIT).
   for (let i = 0; i < 200; i++) await agent.request("session/prompt", { sessionId, prompt });
 
