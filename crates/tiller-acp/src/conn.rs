@@ -1217,6 +1217,10 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 shared.settled(&id);
                 let _ = shared.tx.send(Out::Raw(msg)).await;
                 if opened {
+                    // The answer goes out on its own first (the writer runs
+                    // meanwhile): the client waits on it, not on the
+                    // command list, which would otherwise share its write.
+                    tokio::task::yield_now().await;
                     commands_for(&shared, &params_session).await;
                 }
             });
