@@ -91,7 +91,8 @@ pub(crate) struct Writer {
     /// The sessions reopened since `all_broken` was set.
     pub(crate) reopened: HashSet<SessionId>,
     /// The log's length in frames that makes a checkpoint due: after one
-    /// failed, [`CHECKPOINT_FRAMES`] more (not every commit) before the next try.
+    /// failed, [`CHECKPOINT_FRAMES`] more (not every commit) before the
+    /// next try.
     checkpoint_at: usize,
 }
 
@@ -310,13 +311,12 @@ impl Writer {
     /// answered and before the next one: after each batch of appends and
     /// each command (not between a command's preceding writes and the
     /// command), so a burst taken off the channel at once is checkpointed
-    /// as it goes. (SQLite's
-    /// automatic checkpoint ran inside a commit, so the callers waiting
-    /// for it waited for the copy and its fsyncs too.) Timed as
-    /// `tiller_store_checkpoint_seconds`: what a commit queued meanwhile
-    /// waits for. A checkpoint that failed or could not copy every frame
-    /// loses nothing (the log keeps every frame); it is tried again once
-    /// the log grew by [`CHECKPOINT_FRAMES`] more.
+    /// as it goes. (SQLite's automatic checkpoint ran inside a commit, so
+    /// the callers waiting for it waited for the copy and its fsyncs too.)
+    /// Timed as `tiller_store_checkpoint_seconds`: what a commit queued
+    /// meanwhile waits for. A checkpoint that failed or could not copy
+    /// every frame loses nothing (the log keeps every frame); it is tried
+    /// again once the log grew by [`CHECKPOINT_FRAMES`] more.
     pub(crate) fn checkpoint_if_due(&mut self) {
         let frames = self.shared.wal_frames.load(Ordering::Relaxed);
         if frames + CHECKPOINT_FRAMES < self.checkpoint_at {
