@@ -89,14 +89,7 @@ mod basics {
                 e.data = format!("{{\"n\":{seq},\"pad\":\"{body}\"}}");
                 store.append_durable(e, None).await.unwrap();
             }
-            let wal = std::fs::metadata(dir.path().join("t.db-wal"))
-                .unwrap()
-                .len();
-            let frame = 4096 + 24;
-            assert!(
-                wal < 2 * (writer::CHECKPOINT_FRAMES as u64) * frame,
-                "inline {inline}: the log grew to {wal} bytes"
-            );
+            assert_log_bounded(dir.path(), &format!("inline {inline}: "));
             let (_, head) = store.get_session(a.id).await.unwrap().unwrap();
             assert_eq!(head.last_seq, 3000, "inline {inline}");
             // The writer's checkpoints, not SQLite's own, kept it short.
@@ -173,14 +166,7 @@ mod basics {
         tokio::task::yield_now().await;
         store.pause_appends(false);
         flushed.await.unwrap().unwrap();
-        let wal = std::fs::metadata(dir.path().join("t.db-wal"))
-            .unwrap()
-            .len();
-        let frame = 4096 + 24;
-        assert!(
-            wal < 2 * (writer::CHECKPOINT_FRAMES as u64) * frame,
-            "the log grew to {wal} bytes"
-        );
+        assert_log_bounded(dir.path(), "");
         let (_, head) = store.get_session(sessions[2999].id).await.unwrap().unwrap();
         assert_eq!(head.last_seq, 1);
         store.close().await;
@@ -215,15 +201,19 @@ mod basics {
         for c in calls {
             c.await.unwrap().unwrap();
         }
-        let wal = std::fs::metadata(dir.path().join("t.db-wal"))
-            .unwrap()
-            .len();
+        assert_log_bounded(dir.path(), "");
+        store.close().await;
+    }
+
+    /// SQLite's log file in `dir` (`t.db`'s) stayed under two
+    /// checkpoints' worth of frames.
+    fn assert_log_bounded(dir: &Path, context: &str) {
+        let wal = std::fs::metadata(dir.join("t.db-wal")).unwrap().len();
         let frame = 4096 + 24;
         assert!(
             wal < 2 * (writer::CHECKPOINT_FRAMES as u64) * frame,
-            "the log grew to {wal} bytes"
+            "{context}the log grew to {wal} bytes"
         );
-        store.close().await;
     }
 
     fn rec(n: i64) -> SessionRecord {
