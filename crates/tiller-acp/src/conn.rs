@@ -1854,7 +1854,15 @@ async fn prompt(
         ));
     }
     let (prompt, settled) = handle
-        .submit(mine, text, images, Origin::Interactive, delivery)
+        // Its one answer is its result: the admission commits with the
+        // turn's first events.
+        .submit(
+            mine,
+            (text, images),
+            Origin::Interactive,
+            delivery,
+            tiller_session::Acknowledge::Terminal,
+        )
         .await
         .map_err(session_error)?
         .map_err(refused)?;

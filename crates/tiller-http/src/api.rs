@@ -423,7 +423,13 @@ pub async fn post_prompt(
     let delivery = tiller_session::delivery::caller_meta(body.meta.as_ref(), "http");
     // Answered once the prompt is stored; its terminal arrives on the stream.
     let (prompt, _settled) = handle
-        .submit(PromptId::new(), text, images, Origin::Interactive, delivery)
+        .submit(
+            PromptId::new(),
+            (text, images),
+            Origin::Interactive,
+            delivery,
+            tiller_session::Acknowledge::Admission,
+        )
         .await??;
     Ok(accepted(prompt).into_response())
 }
@@ -452,10 +458,10 @@ pub async fn post_compact(
     let (prompt, _settled) = handle
         .submit(
             PromptId::new(),
-            "/compact".to_owned(),
-            Vec::new(),
+            ("/compact".to_owned(), Vec::new()),
             Origin::Interactive,
             None,
+            tiller_session::Acknowledge::Admission,
         )
         .await??;
     Ok(accepted(prompt))

@@ -163,20 +163,27 @@ impl SessionHandle {
         delivery: Option<String>,
     ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
     {
-        self.submit(PromptId::new(), text, Vec::new(), origin, delivery)
-            .await
+        self.submit(
+            PromptId::new(),
+            (text, Vec::new()),
+            origin,
+            delivery,
+            Acknowledge::Admission,
+        )
+        .await
     }
 
     /// Like [`SessionHandle::prompt_with`], under an id the caller chose
     /// (fresh from [`PromptId::new`]), so it can recognize the prompt's
-    /// events before the prompt is acknowledged.
+    /// events before the prompt is acknowledged, with its images, and
+    /// with what acknowledges it to its caller (see [`Acknowledge`]).
     pub async fn submit(
         &self,
         id: PromptId,
-        text: String,
-        images: Vec<Image>,
+        (text, images): (String, Vec<Image>),
         origin: Origin,
         delivery: Option<String>,
+        ack: Acknowledge,
     ) -> Result<Result<(PromptId, oneshot::Receiver<Settlement>), PromptRefused>, SessionError>
     {
         let (atx, arx) = oneshot::channel();
@@ -189,6 +196,7 @@ impl SessionHandle {
             delivery,
             admitted: Some(atx),
             settled: Some(stx),
+            ack,
         });
         let admitted = match sent {
             Ok(()) => arx.await.map_err(|_| SessionError::Stopped),
@@ -404,4 +412,18 @@ impl SessionHandle {
             .await
             .map_err(|_| SessionError::Internal("the session did not stop in time".into()))
     }
+}
+
+/// What tells a prompt's caller that the prompt was accepted, and so
+/// what must be stored before the caller hears anything.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Acknowledge {
+    /// The answer to the submission itself (HTTP 202, a channel's
+    /// receipt): the admission is committed before it.
+    Admission,
+    /// Only the prompt's terminal (ACP `session/prompt`, whose one answer
+    /// is its result). A prompt that starts at once has its admission
+    /// committed with its turn's first events (one commit fewer); one that
+    /// queues is stored first, as it is shown queued.
+    Terminal,
 }

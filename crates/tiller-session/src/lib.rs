@@ -38,7 +38,7 @@ pub use event::{
     UsageTotals,
 };
 pub use facade::Sessions;
-pub use handle::SessionHandle;
+pub use handle::{Acknowledge, SessionHandle};
 pub(crate) use reconcile::reconcile;
 use registry::{Registry, RegistryArgs, RegistryMsg};
 pub use tiller_engine::Image;

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use tiller_core::{ErrorKind, Origin, StopReason, Terminal};
-use tiller_session::{EventBody, PromptRefused};
+use tiller_core::{ErrorKind, Origin, PromptId, StopReason, Terminal};
+use tiller_session::{Acknowledge, EventBody, PromptRefused};
 use tiller_test_support::{Collect, kinds, sessions};
 
 fn contiguous(seqs: &[u64]) -> bool {
@@ -324,4 +324,131 @@ async fn a_store_that_falls_behind_holds_the_engine_back_not_the_memory() {
         .filter(|e| e.body.kind() == "agent_message_chunk")
         .count();
     assert_eq!(chunks, 20_000);
+}
+
+const THREE_CHUNKS: &str = r#"{"script": [{"say": "a"}, {"say": "b"}, {"say": "c"}]}"#;
+
+/// A prompt whose one acknowledgement is its terminal (ACP's
+/// `session/prompt`) is stored with its turn: its admission, content and
+/// terminal take one commit, where a prompt acknowledged on admission (the
+/// HTTP API's 202) takes two. Either way the ledger ends empty and the log
+/// whole.
+#[tokio::test]
+async fn a_prompt_acknowledged_by_its_terminal_commits_once_with_its_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    for (ack, commits) in [
+        (Acknowledge::Terminal, 1),
+        (Acknowledge::Admission, 2),
+        (Acknowledge::Terminal, 1),
+    ] {
+        let before = store.append_commits();
+        let (_, settled) = h
+            .submit(
+                PromptId::new(),
+                (THREE_CHUNKS.into(), Vec::new()),
+                Origin::Interactive,
+                None,
+                ack,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            settled.await.unwrap().terminal,
+            Terminal::Completed(StopReason::EndTurn)
+        );
+        assert_eq!(store.append_commits() - before, commits, "{ack:?}");
+    }
+    assert!(store.unsettled().await.unwrap().is_empty());
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert!(contiguous(&seqs), "{seqs:?}");
+    let started = kinds(&log)
+        .iter()
+        .filter(|k| **k == "prompt_started")
+        .count();
+    assert_eq!(started, 3, "{:?}", kinds(&log));
+}
+
+/// Such a prompt is admitted without waiting for the store, but nothing
+/// of it is shown before it is stored; and one the store cannot keep
+/// ends `store_unavailable` (never a success), leaving nothing in the log
+/// or the ledger.
+#[tokio::test]
+async fn a_prompt_acknowledged_by_its_terminal_is_shown_only_once_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let seen = Collect::default();
+    h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
+        .await
+        .unwrap();
+    let submit = |h: tiller_session::SessionHandle| async move {
+        h.submit(
+            PromptId::new(),
+            (THREE_CHUNKS.into(), Vec::new()),
+            Origin::Interactive,
+            None,
+            Acknowledge::Terminal,
+        )
+        .await
+        .unwrap()
+        .unwrap()
+    };
+    store.pause_appends(true);
+    let Ok((_, settled)) = tokio::time::timeout(Duration::from_secs(5), submit(h.clone())).await
+    else {
+        store.pause_appends(false);
+        panic!("not admitted while the store held its appends back");
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(seen.events().is_empty(), "{:?}", kinds(&seen.events()));
+    store.pause_appends(false);
+    assert_eq!(
+        settled.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    assert_eq!(
+        kinds(&seen.events()),
+        [
+            "prompt_started",
+            "user_message",
+            "session_info", // its first prompt titles the session
+            "agent_message_chunk",
+            "agent_message_chunk",
+            "agent_message_chunk",
+            "turn_complete"
+        ]
+    );
+
+    store.fail_appends(true);
+    let (lost, settled) = submit(h.clone()).await;
+    assert_eq!(
+        settled.await.unwrap().terminal,
+        Terminal::failed(ErrorKind::StoreUnavailable)
+    );
+    assert_eq!(seen.events().len(), 7, "{:?}", kinds(&seen.events()));
+    store.fail_appends(false);
+    let h = s.open(h.id()).await.unwrap();
+    let (_, settled) = submit(h.clone()).await;
+    assert_eq!(
+        settled.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    assert!(store.unsettled().await.unwrap().is_empty());
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert!(contiguous(&seqs), "{seqs:?}");
+    assert!(
+        log.iter().all(|e| e.prompt != Some(lost)),
+        "{:?}",
+        kinds(&log)
+    );
+    for kind in ["prompt_started", "user_message", "turn_complete"] {
+        let n = kinds(&log).iter().filter(|k| **k == kind).count();
+        assert_eq!(n, 2, "{kind}: {:?}", kinds(&log));
+    }
+    assert!(!kinds(&log).contains(&"turn_error"), "{:?}", kinds(&log));
 }

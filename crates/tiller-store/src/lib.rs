@@ -97,6 +97,8 @@ pub(crate) struct Shared {
     pub(crate) wal_frames: AtomicUsize,
     /// Checkpoints the writer ran (tests read it).
     pub(crate) checkpoints: AtomicUsize,
+    /// Transactions of appends committed (tests read it).
+    pub(crate) append_commits: AtomicUsize,
 }
 
 impl Shared {
@@ -283,6 +285,12 @@ impl Store {
     #[cfg(feature = "test-hooks")]
     pub fn fail_checkpoints(&self, on: bool) {
         self.shared.fail_checkpoints.store(on, Ordering::Relaxed);
+    }
+
+    /// How many transactions of appends committed so far.
+    #[cfg(feature = "test-hooks")]
+    pub fn append_commits(&self) -> usize {
+        self.shared.append_commits.load(Ordering::Relaxed)
     }
 
     /// Holds every append back (as a store that cannot keep up would)

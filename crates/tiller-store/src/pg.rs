@@ -365,6 +365,7 @@ impl Db for PgDb {
             for (s, _) in &sessions {
                 check_fence(&mut tx, stmts, held, *s)?;
             }
+            let settled = crate::log::settled_in(batch);
             for p in batch {
                 let e = &p.event;
                 match &p.ledger {
@@ -373,21 +374,23 @@ impl Db for PgDb {
                         origin,
                         consumes,
                     }) => {
-                        let q = prep(
-                            &mut tx,
-                            stmts,
-                            "INSERT INTO prompts (prompt_id, session_id, origin, admitted_ms)
-                             VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
-                        )?;
-                        tx.execute(
-                            &q,
-                            &[
-                                &prompt.to_string(),
-                                &e.session.to_string(),
-                                origin,
-                                &e.ts_ms,
-                            ],
-                        )?;
+                        if !settled.contains(prompt) {
+                            let q = prep(
+                                &mut tx,
+                                stmts,
+                                "INSERT INTO prompts (prompt_id, session_id, origin, admitted_ms)
+                                 VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING",
+                            )?;
+                            tx.execute(
+                                &q,
+                                &[
+                                    &prompt.to_string(),
+                                    &e.session.to_string(),
+                                    origin,
+                                    &e.ts_ms,
+                                ],
+                            )?;
+                        }
                         // Exactly one row: another node may have started
                         // the same work (its start committed first).
                         let claimed = match consumes {

@@ -617,6 +617,65 @@ mod ledger {
         );
     }
 
+    /// A prompt admitted and settled in one commit never enters the
+    /// ledger (its insert is skipped); one admitted beside it, and settled
+    /// in a later commit beside another such prompt, is in the ledger in
+    /// between and leaves it then.
+    #[tokio::test]
+    async fn a_prompt_admitted_and_settled_in_one_commit_leaves_no_ledger_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
+        let s = SessionId::new();
+        let (p1, p2, p3) = (PromptId::new(), PromptId::new(), PromptId::new());
+        let admit = |p| {
+            Some(LedgerOp::Admit {
+                prompt: p,
+                origin: "interactive".into(),
+                consumes: None,
+            })
+        };
+        let settle = |p| {
+            Some(LedgerOp::Settle {
+                prompt: p,
+                delivery: None,
+            })
+        };
+        store
+            .append_durable_after(
+                vec![
+                    (ev(s, 1, "prompt_started"), admit(p1)),
+                    (ev(s, 2, "prompt_queued"), admit(p2)),
+                ],
+                None,
+                ev(s, 3, "turn_complete"),
+                settle(p1),
+            )
+            .await
+            .unwrap();
+        let open: Vec<PromptId> = store
+            .unsettled()
+            .await
+            .unwrap()
+            .iter()
+            .map(|u| u.prompt)
+            .collect();
+        assert_eq!(open, vec![p2]);
+        store
+            .append_durable_after(
+                vec![
+                    (ev(s, 4, "turn_complete"), settle(p2)),
+                    (ev(s, 5, "prompt_started"), admit(p3)),
+                ],
+                None,
+                ev(s, 6, "turn_complete"),
+                settle(p3),
+            )
+            .await
+            .unwrap();
+        assert!(store.unsettled().await.unwrap().is_empty());
+        assert_eq!(store.events_after(s, 0, 10).await.unwrap().len(), 6);
+    }
+
     #[tokio::test]
     async fn the_ledger_finds_unsettled_prompts_across_a_reopen() {
         let dir = tempfile::tempdir().unwrap();

@@ -408,7 +408,7 @@ impl Writer {
             return self.fail(batch, Arc::new(StoreError::Injected));
         }
         let Err(e) = self.conn.append_batch(&mut self.heads, &batch) else {
-            return reply_ok(batch);
+            return self.committed(batch);
         };
         let sessions: HashSet<SessionId> = batch.iter().map(|p| p.event.session).collect();
         if sessions.len() == 1 {
@@ -420,10 +420,16 @@ impl Writer {
                 batch.into_iter().partition(|p| p.event.session == s);
             batch = rest;
             match self.conn.append_batch(&mut self.heads, &mine) {
-                Ok(()) => reply_ok(mine),
+                Ok(()) => self.committed(mine),
                 Err(e) => self.fail(mine, Arc::new(e)),
             }
         }
+    }
+
+    /// Counts a committed batch and answers its waiters.
+    fn committed(&self, batch: Vec<Pending>) {
+        self.shared.append_commits.fetch_add(1, Ordering::Relaxed);
+        reply_ok(batch);
     }
 
     /// Marks the batch's sessions broken and answers every waiter.

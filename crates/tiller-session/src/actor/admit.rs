@@ -15,7 +15,7 @@ impl SessionState {
         myself: &ActorRef<SessionMsg>,
         prompt: PromptId,
         (text, images): (String, Vec<tiller_engine::Image>),
-        origin: Origin,
+        (origin, ack): (Origin, Acknowledge),
         delivery: Option<String>,
         (admitted, settled): Ports,
     ) {
@@ -52,7 +52,11 @@ impl SessionState {
             payload,
         };
         let step = self.core.on(self.now(), input);
-        // Durable before acknowledged: the admission event is committed first.
+        // Durable before acknowledged: the admission event is committed
+        // before the caller hears of it (for `Acknowledge::Terminal`, a start is
+        // committed with the turn's first events, before anything of it is
+        // shown and before its terminal).
+        let mut deferred = false;
         let admission = match step.answer {
             Answer::Rejected { reason, .. } => {
                 return refuse(
@@ -73,11 +77,20 @@ impl SessionState {
                     text: text.clone(),
                 }
             }
-            _ => EventBody::PromptStarted {
-                origin: origin.as_str().into(),
-            },
+            _ => {
+                deferred = ack == Acknowledge::Terminal;
+                EventBody::PromptStarted {
+                    origin: origin.as_str().into(),
+                }
+            }
         };
-        if let Err(e) = self
+        if deferred {
+            // Sent to the store at the next `Flush` with what the turn
+            // published meanwhile (its terminal takes it, if sooner); a
+            // failure to store it reaches the owner as the terminal
+            // `store_unavailable`, as for any event of the turn.
+            self.publish(Some(prompt), None, admission);
+        } else if let Err(e) = self
             .publish_durable(Some(prompt), None, admission, Ledger::Admission)
             .await
         {

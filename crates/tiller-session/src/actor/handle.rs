@@ -25,9 +25,10 @@ impl SessionState {
                 delivery,
                 admitted,
                 settled,
+                ack,
             } => {
                 let ports = (admitted, settled);
-                self.prompt(myself, id, (text, images), origin, delivery, ports)
+                self.prompt(myself, id, (text, images), (origin, ack), delivery, ports)
                     .await;
             }
             SessionMsg::Steer {

@@ -32,6 +32,7 @@ mod publish;
 use effects::core_signal;
 use publish::{LINGER_AFTER, Ledger, unlingered};
 
+use crate::Acknowledge;
 use crate::event::ConfigOption;
 use crate::event::{EventBody, EventRecord};
 pub use crate::ports::Work;
@@ -79,8 +80,9 @@ pub struct Settlement {
 
 /// The closed set of messages a session handles.
 pub enum SessionMsg {
-    /// Run a prompt. `admitted` answers once it is stored (or refused);
-    /// `settled` answers with its terminal.
+    /// Run a prompt. `admitted` answers once it is admitted (or refused):
+    /// stored first unless `ack` is [`Acknowledge::Terminal`]; `settled` answers
+    /// with its terminal.
     Prompt {
         /// Chosen by the caller (fresh).
         id: PromptId,
@@ -92,6 +94,7 @@ pub enum SessionMsg {
         delivery: Option<String>,
         admitted: Option<oneshot::Sender<Result<PromptId, PromptRefused>>>,
         settled: Option<oneshot::Sender<Settlement>>,
+        ack: Acknowledge,
     },
     /// Steer the running turn.
     Steer {
