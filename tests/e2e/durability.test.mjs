@@ -29,7 +29,7 @@ function fill(file) {
 }
 
 describe("a full disk", () => {
-  test("refuses the prompt with a retryable store_unavailable (HTTP 503, ACP -32603) and loses nothing once space is back", async () => {
+  test("answers the prompt with a retryable store_unavailable (HTTP 503 at once; ACP -32603, its turn stopped) and loses nothing once space is back", async () => {
     // A small tmpfs of our own as the data directory (needs root, as CI has).
     const mnt = tempDir();
     execFileSync("mount", ["-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", mnt]);

@@ -3,6 +3,7 @@
 //! it is stored, a terminal is never reported as a success it was not,
 //! and a failed session is rebuilt from its log without gaps.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tiller_core::{ErrorKind, Origin, PromptId, StopReason, Terminal};
@@ -375,30 +376,48 @@ async fn a_prompt_acknowledged_by_its_terminal_commits_once_with_its_turn() {
 /// Such a prompt is admitted without waiting for the store, but nothing
 /// of it is shown before it is stored; and one the store cannot keep
 /// ends `store_unavailable` (never a success), leaving nothing in the log
-/// or the ledger.
+/// or the ledger. Its turn goes no further than streaming content: the
+/// turn's first flush, or a tool batch, fails it at once (not after the
+/// minute its script sleeps).
 #[tokio::test]
 async fn a_prompt_acknowledged_by_its_terminal_is_shown_only_once_stored() {
     let dir = tempfile::tempdir().unwrap();
-    let (s, store) = sessions(&dir).await;
+    let store = tiller_store::Store::open(&dir.path().join("t.db")).unwrap();
+    let mut config = tiller_test_support::session_config();
+    // A silent engine is not stopped for a minute: what ends the turns
+    // below is their admission's failure, not the stall bound.
+    config.turn.stall_timeout = 120_000;
+    let engine = Arc::new(tiller_engine::ScriptedEngine);
+    let s = tiller_session::Sessions::start(
+        store.clone(),
+        tiller_session::Engines::single(engine),
+        config,
+    )
+    .await
+    .unwrap();
     let h = s.create("/tmp".into(), None).await.unwrap();
     let seen = Collect::default();
     h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
         .await
         .unwrap();
-    let submit = |h: tiller_session::SessionHandle| async move {
-        h.submit(
-            PromptId::new(),
-            (THREE_CHUNKS.into(), Vec::new()),
-            Origin::Interactive,
-            None,
-            Acknowledge::Terminal,
-        )
-        .await
-        .unwrap()
-        .unwrap()
+    let submit = |h: tiller_session::SessionHandle, script: &str| {
+        let script = script.to_owned();
+        async move {
+            h.submit(
+                PromptId::new(),
+                (script, Vec::new()),
+                Origin::Interactive,
+                None,
+                Acknowledge::Terminal,
+            )
+            .await
+            .unwrap()
+            .unwrap()
+        }
     };
     store.pause_appends(true);
-    let Ok((_, settled)) = tokio::time::timeout(Duration::from_secs(5), submit(h.clone())).await
+    let Ok((_, settled)) =
+        tokio::time::timeout(Duration::from_secs(5), submit(h.clone(), THREE_CHUNKS)).await
     else {
         store.pause_appends(false);
         panic!("not admitted while the store held its appends back");
@@ -423,16 +442,30 @@ async fn a_prompt_acknowledged_by_its_terminal_is_shown_only_once_stored() {
         ]
     );
 
-    store.fail_appends(true);
-    let (lost, settled) = submit(h.clone()).await;
-    assert_eq!(
-        settled.await.unwrap().terminal,
-        Terminal::failed(ErrorKind::StoreUnavailable)
-    );
+    let mut h = h;
+    let mut lost = Vec::new();
+    for script in [
+        r#"{"script": [{"sleep_ms": 60000}, {"say": "late"}]}"#,
+        r#"{"script": [{"tool": {"name": "probe"}}, {"sleep_ms": 60000}]}"#,
+        THREE_CHUNKS,
+    ] {
+        store.fail_appends(true);
+        let (prompt, settled) = submit(h.clone(), script).await;
+        let done = tokio::time::timeout(Duration::from_secs(20), settled)
+            .await
+            .unwrap_or_else(|_| panic!("{script}: the turn ran on, its admission not stored"))
+            .unwrap();
+        assert_eq!(
+            done.terminal,
+            Terminal::failed(ErrorKind::StoreUnavailable),
+            "{script}"
+        );
+        store.fail_appends(false);
+        h = s.open(h.id()).await.unwrap();
+        lost.push(prompt);
+    }
     assert_eq!(seen.events().len(), 7, "{:?}", kinds(&seen.events()));
-    store.fail_appends(false);
-    let h = s.open(h.id()).await.unwrap();
-    let (_, settled) = submit(h.clone()).await;
+    let (_, settled) = submit(h.clone(), THREE_CHUNKS).await;
     assert_eq!(
         settled.await.unwrap().terminal,
         Terminal::Completed(StopReason::EndTurn)
@@ -442,7 +475,8 @@ async fn a_prompt_acknowledged_by_its_terminal_is_shown_only_once_stored() {
     let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
     assert!(contiguous(&seqs), "{seqs:?}");
     assert!(
-        log.iter().all(|e| e.prompt != Some(lost)),
+        log.iter()
+            .all(|e| !e.prompt.is_some_and(|p| lost.contains(&p))),
         "{:?}",
         kinds(&log)
     );

@@ -85,11 +85,13 @@ impl SessionState {
             }
         };
         if deferred {
-            // Sent to the store at the next `Flush` with what the turn
-            // published meanwhile (its terminal takes it, if sooner); a
-            // failure to store it reaches the owner as the terminal
-            // `store_unavailable`, as for any event of the turn.
+            // Stored with what the turn published meanwhile: by its
+            // terminal, if that comes first, else at the turn's first
+            // `Flush` or before the engine's first signal that is not
+            // content (see `store_admission`). If that fails, the owner's
+            // terminal is `store_unavailable`.
             self.publish(Some(prompt), None, admission);
+            self.admitting = Some(prompt);
         } else if let Err(e) = self
             .publish_durable(Some(prompt), None, admission, Ledger::Admission)
             .await

@@ -81,6 +81,16 @@ impl SessionState {
             }
             SessionMsg::Engine(sig) => {
                 self.pace.handled();
+                // Content may go ahead of a deferred admission; a tool
+                // batch, a hosted agent's call or request, a steer's
+                // receipt may not.
+                let content = matches!(
+                    sig.kind,
+                    SignalKind::Update(_) | SignalKind::Result(_) | SignalKind::Idle
+                );
+                if !content && !self.store_admission().await {
+                    return;
+                }
                 let signal = core_signal(&sig.kind);
                 self.feed(
                     myself,
@@ -101,7 +111,11 @@ impl SessionState {
             }
             SessionMsg::Flush => {
                 self.flush_deferred = false;
-                self.flush();
+                if self.admitting.is_some() {
+                    self.store_admission().await;
+                } else {
+                    self.flush();
+                }
             }
             SessionMsg::ToolDone { turn, id, output } => {
                 let trip = self.tool_done(turn, id, output);

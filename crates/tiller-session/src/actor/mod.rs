@@ -402,6 +402,9 @@ pub struct SessionState {
     on_commit: Option<tiller_store::OnCommit>,
     /// Set when the store failed: the actor fails after this message.
     failed: Option<crate::SessionFailed>,
+    /// A started prompt whose admission is published and not yet stored
+    /// (`Acknowledge::Terminal`; see `SessionState::store_admission`).
+    admitting: Option<PromptId>,
     /// The last `turn_error`, while no newer turn has started (survives a
     /// reload: restored from the log at start).
     last_turn_error: Option<Arc<EventRecord>>,
@@ -530,6 +533,7 @@ impl Actor for SessionActor {
             fanned: args.head.last_seq,
             on_commit: None,
             failed: None,
+            admitting: None,
             last_turn_error,
             running: None,
             subscribers: args.subscribers,

@@ -335,6 +335,7 @@ impl SessionState {
                 Ok(()) => {
                     // Everything before it committed too (appends commit
                     // in order; a lost one would have failed this one).
+                    self.admitting = None;
                     self.committed(rec.seq - 1);
                     self.fan_out(&rec);
                     self.fanned = rec.seq;
@@ -369,6 +370,50 @@ impl SessionState {
 }
 
 impl SessionState {
+    /// Stores what was published and not sent (a deferred admission among
+    /// it, see `Acknowledge::Terminal`) and waits for the commit: a turn
+    /// goes no further than streaming content before its prompt is stored.
+    /// On error the prompt's owner hears `store_unavailable` (nothing of
+    /// it was shown, nothing is in the log) and the session fails; false.
+    pub(super) async fn store_admission(&mut self) -> bool {
+        let Some(prompt) = self.admitting else {
+            return true;
+        };
+        // Every path that sends a deferred admission waits for it, so it
+        // is still unsent here.
+        let mut events = self.take_unsent();
+        let Some((last, op)) = events.pop() else {
+            self.admitting = None;
+            return true;
+        };
+        let seq = last.seq;
+        let tell = self.on_commit();
+        let r = self
+            .store
+            .append_durable_after(events, Some(tell), last, op)
+            .await;
+        self.admitting = None;
+        match r {
+            Ok(()) => {
+                self.committed(seq);
+                true
+            }
+            Err(e) => {
+                tracing::error!(error = %e, %prompt, "a prompt's admission could not be stored; the session stops");
+                self.failed = Some(crate::SessionFailed::of(&e));
+                if let Some(tx) = self
+                    .core
+                    .active_payload_mut()
+                    .and_then(|p| p.settled.take())
+                {
+                    let terminal = Terminal::failed(tiller_core::ErrorKind::StoreUnavailable);
+                    let _ = tx.send(Settlement { prompt, terminal });
+                }
+                false
+            }
+        }
+    }
+
     /// Stores the start of automatic work (its queue row consumed) and the
     /// prompt's message in one commit, then shows both: a start is never
     /// stored without what it asked, whose only other copy was the row it
@@ -397,6 +442,7 @@ impl SessionState {
             .await;
         match r {
             Ok(()) => {
+                self.admitting = None;
                 self.committed(rec.seq - 1);
                 self.fan_out(&rec);
                 self.fan_out(&msg);
