@@ -183,6 +183,8 @@ struct Daemon {
     child: tokio::process::Child,
     pid: u32,
     socket: PathBuf,
+    /// The HTTP listener's address, from the ready line.
+    http: String,
     _dir: PathBuf,
 }
 
@@ -207,20 +209,69 @@ async fn start_daemon() -> Daemon {
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
     let mut err = BufReader::new(child.stderr.take().expect("stderr")).lines();
-    loop {
+    let http = loop {
         match err.next_line().await {
-            Ok(Some(l)) if l.contains("tiller is ready") => break,
+            Ok(Some(l)) if l.contains("tiller is ready") => {
+                break l
+                    .split_whitespace()
+                    .find_map(|f| f.strip_prefix("listen="))
+                    .expect("the ready line names the HTTP listener")
+                    .to_owned();
+            }
             Ok(Some(_)) => {}
             _ => panic!("the daemon did not start"),
         }
-    }
+    };
     tokio::spawn(async move { while let Ok(Some(_)) = err.next_line().await {} });
     let pid = child.id().expect("pid");
     Daemon {
         child,
         pid,
         socket: dir.join("tiller.sock"),
+        http,
         _dir: dir,
+    }
+}
+
+/// The sums and counts of the daemon's store-thread histograms, read from
+/// its `/metrics` (with the data directory's token).
+#[derive(Clone, Copy, Default)]
+struct StoreTimes {
+    /// Seconds and number of commits of appends.
+    writes: (f64, f64),
+    /// Seconds and number of checkpoints of SQLite's log.
+    checkpoints: (f64, f64),
+}
+
+async fn store_times(d: &Daemon) -> StoreTimes {
+    use tokio::io::AsyncReadExt;
+    let token = std::fs::read_to_string(d._dir.join("token")).expect("the daemon's token file");
+    let mut s = tokio::net::TcpStream::connect(&d.http)
+        .await
+        .expect("connect to the daemon's HTTP listener");
+    let req = format!(
+        "GET /metrics HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+        d.http,
+        token.trim()
+    );
+    s.write_all(req.as_bytes()).await.expect("send the request");
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.expect("read /metrics");
+    let sum = |name: &str| -> f64 {
+        body.lines()
+            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    StoreTimes {
+        writes: (
+            sum("tiller_store_write_seconds_sum"),
+            sum("tiller_store_write_seconds_count"),
+        ),
+        checkpoints: (
+            sum("tiller_store_checkpoint_seconds_sum"),
+            sum("tiller_store_checkpoint_seconds_count"),
+        ),
     }
 }
 
@@ -279,36 +330,18 @@ struct Cancels {
     updates_per_s: f64,
     /// The daemon's CPU meanwhile, in cores.
     cores: f64,
+    /// The store thread's commits and checkpoints meanwhile.
+    store: StoreTimes,
+    /// How long the probe ran, in seconds.
+    wall: f64,
 }
 
-/// `session/cancel` -> `cancelled` latency of a prompt on a connection of
-/// its own, `cancels` times, while every session of `groups` runs the
-/// script `background(i)` (its `i`th session); the background is
-/// cancelled and settled before it returns.
-async fn cancel_latency(
-    d: &Daemon,
-    groups: &[(Arc<Conn>, Vec<String>)],
-    background: &dyn Fn(usize) -> Value,
-    cancels: usize,
-) -> Cancels {
-    let mut running = Vec::new();
-    for (i, (c, s)) in groups
-        .iter()
-        .flat_map(|(c, ss)| ss.iter().map(move |s| (c, s)))
-        .enumerate()
-    {
-        let (c, s, script) = (c.clone(), s.clone(), background(i));
-        running.push(tokio::spawn(async move { c.prompt(&s, &script).await }));
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let delivered = || {
-        groups
-            .iter()
-            .map(|(c, _)| c.updates.load(Ordering::Relaxed))
-            .sum::<u64>()
-    };
-    let (updates0, cpu0, t0) = (delivered(), cpu_seconds(d.pid), Instant::now());
-    let probe = Conn::open(&d.socket).await;
+/// On a connection of its own, `cancels` times: a prompt that would
+/// sleep ten seconds after its first chunk is cancelled once that chunk
+/// arrived. Returns the cancels' and the first chunks' latencies in
+/// milliseconds, sorted, and how many prompts ended other than cancelled.
+async fn probe_cancels(socket: &Path, cancels: usize) -> (Vec<f64>, Vec<f64>, usize) {
+    let probe = Conn::open(socket).await;
     let session = probe.new_session().await;
     // The session's command list follows its creation's answer: counted
     // before the first prompt, so the first chunk below is the prompt's.
@@ -346,8 +379,67 @@ async fn cancel_latency(
             missed += 1; // reported: a cancel that did not end the turn
         }
     }
+    times.sort_by(f64::total_cmp);
+    first.sort_by(f64::total_cmp);
+    (times, first, missed)
+}
+
+/// `session/cancel` -> `cancelled` latency of a prompt on a connection of
+/// its own, `cancels` times, while every session of `groups` runs the
+/// script `background(i)` (its `i`th session); the background is
+/// cancelled and settled before it returns.
+async fn cancel_latency(
+    d: &Daemon,
+    groups: &[(Arc<Conn>, Vec<String>)],
+    background: &dyn Fn(usize) -> Value,
+    cancels: usize,
+) -> Cancels {
+    let mut running = Vec::new();
+    for (i, (c, s)) in groups
+        .iter()
+        .flat_map(|(c, ss)| ss.iter().map(move |s| (c, s)))
+        .enumerate()
+    {
+        let (c, s, script) = (c.clone(), s.clone(), background(i));
+        running.push(tokio::spawn(async move { c.prompt(&s, &script).await }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let delivered = || {
+        groups
+            .iter()
+            .map(|(c, _)| c.updates.load(Ordering::Relaxed))
+            .sum::<u64>()
+    };
+    let store0 = store_times(d).await;
+    let (updates0, cpu0, t0) = (delivered(), cpu_seconds(d.pid), Instant::now());
+    // The probe runs on a thread and a runtime of its own: what it times
+    // is the daemon's answer, not its turn among this process's readers
+    // of the background streams.
+    let socket = d.socket.clone();
+    let probe = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("the probe's runtime")
+            .block_on(probe_cancels(&socket, cancels))
+    });
+    let (times, first, missed) = tokio::task::spawn_blocking(move || probe.join())
+        .await
+        .expect("join")
+        .expect("the probe thread");
     let wall = t0.elapsed().as_secs_f64();
     let (updates, cpu) = (delivered() - updates0, cpu_seconds(d.pid) - cpu0);
+    let store1 = store_times(d).await;
+    let store = StoreTimes {
+        writes: (
+            store1.writes.0 - store0.writes.0,
+            store1.writes.1 - store0.writes.1,
+        ),
+        checkpoints: (
+            store1.checkpoints.0 - store0.checkpoints.0,
+            store1.checkpoints.1 - store0.checkpoints.1,
+        ),
+    };
     for (c, sessions) in groups {
         for s in sessions {
             c.send(&json!({ "jsonrpc": "2.0", "method": "session/cancel", "params": { "sessionId": s } }))
@@ -365,14 +457,14 @@ async fn cancel_latency(
         // The figures above then had less background than they say.
         println!("{ended} background streams ended before the cancels did");
     }
-    times.sort_by(f64::total_cmp);
-    first.sort_by(f64::total_cmp);
     Cancels {
         times,
         first,
         missed,
         updates_per_s: updates as f64 / wall,
         cores: cpu / wall,
+        store,
+        wall,
     }
 }
 
@@ -543,6 +635,16 @@ async fn main() {
             "  the same prompts' first chunk: p50 {:.2} ms, p99 {:.2} ms after it was sent",
             pct(&c.first, 50),
             pct(&c.first, 99),
+        );
+        // What a durable append (the cancel's terminal) may wait behind.
+        let (w, wn) = c.store.writes;
+        let (k, kn) = c.store.checkpoints;
+        println!(
+            "  the store thread meanwhile: committing {:.0}% of the time ({wn:.0} commits, {:.2} ms each on average), checkpointing {:.0}% ({kn:.0} checkpoints, {:.2} ms each)",
+            100.0 * w / c.wall,
+            1000.0 * w / wn.max(1.0),
+            100.0 * k / c.wall,
+            1000.0 * k / kn.max(1.0),
         );
     }
     println!(
