@@ -47,6 +47,11 @@ describe("a full disk", () => {
       await watcher.request("session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
       const ok = await c.request("session/prompt", textPrompt(sid, script([{ say: "before" }])));
       assert.equal(ok.stopReason, "end_turn");
+      const admitted = async () => {
+        const text = await (await fetch(`${d.http}/metrics`, { headers: d.auth })).text();
+        return Number(text.match(/^tiller_prompts_admitted_total\{origin="interactive"\} (\d+)/m)?.[1] ?? 0);
+      };
+      const admittedBefore = await admitted();
       fill(path.join(mnt, "filler"));
 
       const http = await api(d, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ say: "while full" }]) });
@@ -67,6 +72,8 @@ describe("a full disk", () => {
       rmSync(path.join(mnt, "filler.tail"));
       const again = await c.request("session/prompt", textPrompt(sid, script([{ say: "after" }])));
       assert.equal(again.stopReason, "end_turn");
+      // Only the prompt that was stored counts as admitted.
+      assert.equal(await admitted(), admittedBefore + 1, "tiller_prompts_admitted_total counts stored admissions only");
       // The session's actor was rebuilt: both connections' attachments were
       // renewed, the prompting one and the one that only watches.
       assert.match(agentText(c, sid), /after/, "the prompting client saw its own turn");

@@ -266,7 +266,7 @@ pub const ALL: &[Metric] = &[
     Metric {
         name: "tiller_prompts_admitted_total",
         kind: Kind::Counter,
-        help: "Prompts admitted, by origin.",
+        help: "Prompts admitted, by origin: counted once the admission is stored (a prompt the store refused is not).",
         labels: &[ORIGIN],
     },
     Metric {

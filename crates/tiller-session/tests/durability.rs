@@ -333,12 +333,18 @@ const THREE_CHUNKS: &str = r#"{"script": [{"say": "a"}, {"say": "b"}, {"say": "c
 /// `session/prompt`) is stored with its turn: its admission, content and
 /// terminal take one commit, where a prompt acknowledged on admission (the
 /// HTTP API's 202) takes two. Either way the ledger ends empty and the log
-/// whole.
+/// whole. (A session's first prompt, which titles it once it is stored,
+/// is not counted.)
 #[tokio::test]
 async fn a_prompt_acknowledged_by_its_terminal_commits_once_with_its_turn() {
     let dir = tempfile::tempdir().unwrap();
     let (s, store) = sessions(&dir).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
+    let (_, settled) = submit(h.clone(), THREE_CHUNKS).await;
+    assert_eq!(
+        settled.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
     for (ack, commits) in [
         (Acknowledge::Terminal, 1),
         (Acknowledge::Admission, 2),
@@ -370,7 +376,7 @@ async fn a_prompt_acknowledged_by_its_terminal_commits_once_with_its_turn() {
         .iter()
         .filter(|k| **k == "prompt_started")
         .count();
-    assert_eq!(started, 3, "{:?}", kinds(&log));
+    assert_eq!(started, 4, "{:?}", kinds(&log));
 }
 
 /// Such a prompt is admitted without waiting for the store, but nothing
@@ -382,39 +388,12 @@ async fn a_prompt_acknowledged_by_its_terminal_commits_once_with_its_turn() {
 #[tokio::test]
 async fn a_prompt_acknowledged_by_its_terminal_is_shown_only_once_stored() {
     let dir = tempfile::tempdir().unwrap();
-    let store = tiller_store::Store::open(&dir.path().join("t.db")).unwrap();
-    let mut config = tiller_test_support::session_config();
-    // A silent engine is not stopped for a minute: what ends the turns
-    // below is their admission's failure, not the stall bound.
-    config.turn.stall_timeout = 120_000;
-    let engine = Arc::new(tiller_engine::ScriptedEngine);
-    let s = tiller_session::Sessions::start(
-        store.clone(),
-        tiller_session::Engines::single(engine),
-        config,
-    )
-    .await
-    .unwrap();
+    let (s, store) = patient_sessions(&dir).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
     let seen = Collect::default();
     h.subscribe(s.subscriber_id(), Box::new(seen.clone()))
         .await
         .unwrap();
-    let submit = |h: tiller_session::SessionHandle, script: &str| {
-        let script = script.to_owned();
-        async move {
-            h.submit(
-                PromptId::new(),
-                (script, Vec::new()),
-                Origin::Interactive,
-                None,
-                Acknowledge::Terminal,
-            )
-            .await
-            .unwrap()
-            .unwrap()
-        }
-    };
     store.pause_appends(true);
     let Ok((_, settled)) =
         tokio::time::timeout(Duration::from_secs(5), submit(h.clone(), THREE_CHUNKS)).await
@@ -485,4 +464,108 @@ async fn a_prompt_acknowledged_by_its_terminal_is_shown_only_once_stored() {
         assert_eq!(n, 2, "{kind}: {:?}", kinds(&log));
     }
     assert!(!kinds(&log).contains(&"turn_error"), "{:?}", kinds(&log));
+}
+
+/// Sessions on a store of their own whose silent turns are not stopped
+/// for two minutes: what ends the turns of the tests below is their
+/// admission's failure, not the stall bound.
+async fn patient_sessions(
+    dir: &tempfile::TempDir,
+) -> (tiller_session::Sessions, tiller_store::Store) {
+    let store = tiller_store::Store::open(&dir.path().join("t.db")).unwrap();
+    let mut config = tiller_test_support::session_config();
+    config.turn.stall_timeout = 120_000;
+    let engine = Arc::new(tiller_engine::ScriptedEngine);
+    let s = tiller_session::Sessions::start(
+        store.clone(),
+        tiller_session::Engines::single(engine),
+        config,
+    )
+    .await
+    .unwrap();
+    (s, store)
+}
+
+/// Submits `script` as an ACP prompt does (acknowledged by its terminal).
+async fn submit(
+    h: tiller_session::SessionHandle,
+    script: &str,
+) -> (
+    PromptId,
+    tokio::sync::oneshot::Receiver<tiller_session::Settlement>,
+) {
+    h.submit(
+        PromptId::new(),
+        (script.to_owned(), Vec::new()),
+        Origin::Interactive,
+        None,
+        Acknowledge::Terminal,
+    )
+    .await
+    .unwrap()
+    .unwrap()
+}
+
+/// A prompt acknowledged by its terminal is not seen before its
+/// admission is stored, and leaves nothing behind when that fails: no
+/// snapshot shows it running while its admission is unstored, and a
+/// session's first prompt titles the session only once it is stored.
+#[tokio::test]
+async fn an_unstored_admission_is_not_in_a_snapshot_and_does_not_title_the_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = patient_sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    // Titled by a first prompt: what waits below is the snapshot itself.
+    let (_, settled) = submit(h.clone(), THREE_CHUNKS).await;
+    assert_eq!(
+        settled.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    store.pause_appends(true);
+    let (prompt, settled) = tokio::time::timeout(
+        Duration::from_secs(5),
+        submit(h.clone(), r#"{"script": [{"sleep_ms": 60000}]}"#),
+    )
+    .await
+    .expect("admitted while the store held its appends back");
+    let snapshot = tokio::spawn({
+        let h = h.clone();
+        async move { h.snapshot().await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let early = snapshot.is_finished();
+    store.pause_appends(false);
+    let snapshot = snapshot.await.unwrap().unwrap();
+    assert!(
+        !early,
+        "a snapshot showed the prompt running before its admission was stored"
+    );
+    assert_eq!(snapshot.active_prompt, Some(prompt));
+    h.cancel().unwrap();
+    assert_eq!(
+        settled.await.unwrap().terminal,
+        Terminal::Completed(StopReason::Cancelled)
+    );
+
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    store.fail_appends(true);
+    let (_, settled) = submit(h.clone(), THREE_CHUNKS).await;
+    let done = tokio::time::timeout(Duration::from_secs(20), settled)
+        .await
+        .expect("the turn ran on, its admission not stored")
+        .unwrap();
+    assert_eq!(done.terminal, Terminal::failed(ErrorKind::StoreUnavailable));
+    store.fail_appends(false);
+    assert_eq!(
+        s.record(h.id()).await.unwrap().title,
+        None,
+        "a prompt that was never stored titled the session"
+    );
+    let h = s.open(h.id()).await.unwrap();
+    let (_, settled) = submit(h.clone(), THREE_CHUNKS).await;
+    assert_eq!(
+        settled.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    assert!(s.record(h.id()).await.unwrap().title.is_some());
 }

@@ -91,7 +91,7 @@ impl SessionState {
             // content (see `store_admission`). If that fails, the owner's
             // terminal is `store_unavailable`.
             self.publish(Some(prompt), None, admission);
-            self.admitting = Some(prompt);
+            self.admitting = Some((prompt, origin));
         } else if let Err(e) = self
             .publish_durable(Some(prompt), None, admission, Ledger::Admission)
             .await
@@ -100,9 +100,9 @@ impl SessionState {
             // is rebuilt from the store (see `publish_durable`).
             tracing::warn!(error = %e, "prompt refused: the store is unavailable");
             return refuse(admitted, PromptRefused::StoreUnavailable);
+        } else {
+            count_admitted(origin);
         }
-        metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
-            .increment(1);
         if let Some(a) = admitted {
             let _ = a.send(Ok(prompt));
         }
@@ -139,11 +139,7 @@ impl SessionState {
             .core
             .on(self.now(), Input::Offer { origin, poll, work });
         // Refused (the session got busy): it stays in its queue, offered
-        // again at the next poll, and counted when it is taken.
-        if let Answer::Started { .. } = step.answer {
-            metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str())
-                .increment(1);
-        }
+        // again at the next poll; counted once its start is stored.
         self.apply(myself, step.effects, None).await;
     }
 
@@ -204,8 +200,6 @@ impl SessionState {
                 .await
             }
             SteerOutcome::StartedNewTurn { prompt } => {
-                metrics::counter!("tiller_prompts_admitted_total", "origin" => "interactive")
-                    .increment(1);
                 self.publish_durable(
                     Some(prompt),
                     None,
@@ -223,10 +217,18 @@ impl SessionState {
             let _ = reply.send(Err(PromptRefused::StoreUnavailable));
             return;
         }
+        if let SteerOutcome::StartedNewTurn { .. } = outcome {
+            count_admitted(Origin::Interactive);
+        }
         let _ = reply.send(Ok(SteerAnswer { steer, outcome }));
         // Forwards the steer to the engine (or starts its turn).
         self.apply(myself, step.effects, None).await;
     }
+}
+
+/// Counts a prompt whose admission is stored.
+pub(super) fn count_admitted(origin: Origin) {
+    metrics::counter!("tiller_prompts_admitted_total", "origin" => origin.as_str()).increment(1);
 }
 
 pub(super) fn steer_outcome_label(o: &SteerOutcome) -> &'static str {

@@ -214,6 +214,7 @@ impl SessionState {
                     if stored.is_err() {
                         return; // the session fails; the work stays queued
                     }
+                    admit::count_admitted(origin);
                     if let (Some(work), Some(q)) = (
                         self.core.active_payload().and_then(|p| p.work.as_ref()),
                         self.automation.queue(origin),
@@ -230,6 +231,12 @@ impl SessionState {
             self.publish(Some(prompt), Some(turn), message);
         }
         if self.title.is_none() {
+            // The prompt names the session once it is stored (a deferred
+            // admission is stored first; if that fails, the turn ends
+            // here, the session fails, and nothing of the prompt stays).
+            if !self.store_admission().await {
+                return;
+            }
             self.title_from(&prepared.text).await;
         }
         let actor = myself.clone();

@@ -218,6 +218,8 @@ impl SessionState {
                 let _ = reply.send(self.snapshot());
             }
             SessionMsg::Snapshot(reply) => {
+                // A prompt is shown running once its admission is stored.
+                self.store_admission().await;
                 let _ = reply.send(self.snapshot());
             }
             SessionMsg::Unsubscribe(id) => drop(self.subscribers.detach(id)),

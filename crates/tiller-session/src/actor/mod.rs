@@ -404,7 +404,8 @@ pub struct SessionState {
     failed: Option<crate::SessionFailed>,
     /// A started prompt whose admission is published and not yet stored
     /// (`Acknowledge::Terminal`; see `SessionState::store_admission`).
-    admitting: Option<PromptId>,
+    /// Counted in `tiller_prompts_admitted_total` once stored.
+    admitting: Option<(PromptId, Origin)>,
     /// The last `turn_error`, while no newer turn has started (survives a
     /// reload: restored from the log at start).
     last_turn_error: Option<Arc<EventRecord>>,

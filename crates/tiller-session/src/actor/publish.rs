@@ -335,7 +335,7 @@ impl SessionState {
                 Ok(()) => {
                     // Everything before it committed too (appends commit
                     // in order; a lost one would have failed this one).
-                    self.admitting = None;
+                    self.admission_stored();
                     self.committed(rec.seq - 1);
                     self.fan_out(&rec);
                     self.fanned = rec.seq;
@@ -376,14 +376,14 @@ impl SessionState {
     /// On error the prompt's owner hears `store_unavailable` (nothing of
     /// it was shown, nothing is in the log) and the session fails; false.
     pub(super) async fn store_admission(&mut self) -> bool {
-        let Some(prompt) = self.admitting else {
+        let Some((prompt, _)) = self.admitting else {
             return true;
         };
         // Every path that sends a deferred admission waits for it, so it
         // is still unsent here.
         let mut events = self.take_unsent();
         let Some((last, op)) = events.pop() else {
-            self.admitting = None;
+            self.admission_stored();
             return true;
         };
         let seq = last.seq;
@@ -392,13 +392,14 @@ impl SessionState {
             .store
             .append_durable_after(events, Some(tell), last, op)
             .await;
-        self.admitting = None;
         match r {
             Ok(()) => {
+                self.admission_stored();
                 self.committed(seq);
                 true
             }
             Err(e) => {
+                self.admitting = None;
                 tracing::error!(error = %e, %prompt, "a prompt's admission could not be stored; the session stops");
                 self.failed = Some(crate::SessionFailed::of(&e));
                 if let Some(tx) = self
@@ -411,6 +412,13 @@ impl SessionState {
                 }
                 false
             }
+        }
+    }
+
+    /// A deferred admission is stored: it counts as admitted.
+    fn admission_stored(&mut self) {
+        if let Some((_, origin)) = self.admitting.take() {
+            admit::count_admitted(origin);
         }
     }
 
@@ -442,7 +450,7 @@ impl SessionState {
             .await;
         match r {
             Ok(()) => {
-                self.admitting = None;
+                self.admission_stored();
                 self.committed(rec.seq - 1);
                 self.fan_out(&rec);
                 self.fan_out(&msg);
