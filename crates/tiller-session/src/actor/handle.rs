@@ -218,9 +218,12 @@ impl SessionState {
                 let _ = reply.send(self.snapshot());
             }
             SessionMsg::Snapshot(reply) => {
-                // A prompt is shown running once its admission is stored.
-                self.store_admission().await;
-                let _ = reply.send(self.snapshot());
+                // A prompt is shown running once its admission is stored;
+                // if that fails the session fails, and the caller hears
+                // that it stopped.
+                if self.store_admission().await {
+                    let _ = reply.send(self.snapshot());
+                }
             }
             SessionMsg::Unsubscribe(id) => drop(self.subscribers.detach(id)),
             #[cfg(feature = "test-hooks")]
