@@ -7,6 +7,7 @@
 
 use tiller_core::SessionId;
 
+use crate::index::Tail;
 use crate::log::Heads;
 use crate::writer::Pending;
 use crate::{
@@ -89,6 +90,11 @@ pub(crate) trait Db: Send {
     fn checkpoint(&mut self) -> R<bool> {
         Ok(true)
     }
+    /// Work the backend defers from commits, done between them when due
+    /// (SQLite's log index, see [`crate::index`]); whether it did any.
+    fn upkeep(&mut self) -> R<bool> {
+        Ok(false)
+    }
     /// Whether several daemons may share this store (leases apply).
     fn clustered(&self) -> bool {
         false
@@ -131,38 +137,87 @@ pub(crate) trait Db: Send {
     }
 }
 
-impl Db for rusqlite::Connection {
+/// The SQLite backend: its one connection, and the log's index entries
+/// not yet written (see [`crate::index`]). What reads a session's log
+/// writes that session's entries first; what reads every session's, all.
+pub(crate) struct Sqlite {
+    conn: rusqlite::Connection,
+    tail: Tail,
+}
+
+impl Sqlite {
+    /// Takes a migrated connection, indexing what a previous run left
+    /// unindexed.
+    pub(crate) fn new(conn: rusqlite::Connection) -> rusqlite::Result<Sqlite> {
+        let tail = Tail::open(&conn)?;
+        Ok(Sqlite { conn, tail })
+    }
+
+    fn indexed(&mut self, session: SessionId) -> R<&mut rusqlite::Connection> {
+        self.tail.write_session(&self.conn, session)?;
+        Ok(&mut self.conn)
+    }
+
+    fn all_indexed(&mut self) -> R<&mut rusqlite::Connection> {
+        self.tail.write_all(&self.conn)?;
+        Ok(&mut self.conn)
+    }
+}
+
+impl Drop for Sqlite {
+    /// A clean close leaves nothing to index at the next open.
+    fn drop(&mut self) {
+        if let Err(e) = self.tail.write_all(&self.conn) {
+            tracing::warn!(error = %e, "the log's index could not be written at close; the next open writes it");
+        }
+    }
+}
+
+impl Db for Sqlite {
     fn checkpoint(&mut self) -> R<bool> {
         // PASSIVE: the store's one connection holds the file, so nothing
         // should keep it from copying every frame (checked all the same).
         let (busy, log, copied): (i64, i64, i64) =
-            self.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })?;
+            self.conn
+                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+                })?;
         Ok(busy == 0 && copied >= log)
     }
+    fn upkeep(&mut self) -> R<bool> {
+        if !self.tail.due() {
+            return Ok(false);
+        }
+        self.tail.write_oldest(&self.conn)?;
+        Ok(true)
+    }
     fn append_batch(&mut self, heads: &mut Heads, batch: &[Pending]) -> R<()> {
-        Ok(log::append_batch(self, heads, batch)?)
+        Ok(log::append_batch(
+            &mut self.conn,
+            heads,
+            &mut self.tail,
+            batch,
+        )?)
     }
     fn sessions_per_commit(&self) -> usize {
-        // Each session costs a commit about a page of the log's index (one
-        // session's entries sit apart from another's), written to the WAL
-        // and later copied by a checkpoint: a thousand sessions streaming
-        // made commits of 20 ms and more; 64 take about a millisecond.
+        // A commit writes its segments one after the other at the log's
+        // end, and no index page (see `crate::index`); what it costs per
+        // session is the segment. 64 sessions' bursts keep a commit, what
+        // an awaited append may wait for, short.
         64
     }
     fn head(&mut self, session: SessionId) -> R<LogHead> {
-        Ok(log::head(self, session)?)
+        Ok(log::head(self.indexed(session)?, session)?)
     }
     fn create_session(&mut self, rec: &SessionRecord, engine: Option<&str>) -> R<()> {
         match engine {
-            Some(engine) => sessions::create_with_engine(self, rec, engine)?,
-            None => sessions::create_session(self, rec)?,
+            Some(engine) => sessions::create_with_engine(&mut self.conn, rec, engine)?,
+            None => sessions::create_session(&self.conn, rec)?,
         }
         Ok(())
     }
     fn get_session(&mut self, id: SessionId) -> R<Option<(SessionRecord, LogHead)>> {
-        Ok(sessions::get_session(self, id)?)
+        Ok(sessions::get_session(self.indexed(id)?, id)?)
     }
     fn list_sessions(
         &mut self,
@@ -170,34 +225,44 @@ impl Db for rusqlite::Connection {
         limit: usize,
         cwd: Option<&str>,
     ) -> R<SessionPage> {
-        Ok(sessions::list_sessions(self, cursor, limit, cwd)?)
+        Ok(sessions::list_sessions(
+            self.all_indexed()?,
+            cursor,
+            limit,
+            cwd,
+        )?)
     }
     fn save_state(&mut self, id: SessionId, column: StateColumn, value: &str) -> R<()> {
-        Ok(sessions::save_state(self, id, column, value)?)
+        Ok(sessions::save_state(&self.conn, id, column, value)?)
     }
     fn save_conversation(&mut self, id: SessionId, write: &ConversationWrite) -> R<()> {
-        Ok(sessions::save_conversation(self, id, write)?)
+        Ok(sessions::save_conversation(&self.conn, id, write)?)
     }
     fn load_state(&mut self, id: SessionId) -> R<SessionExtras> {
-        Ok(sessions::load_state(self, id)?)
+        Ok(sessions::load_state(&self.conn, id)?)
     }
     fn channel_seen(&mut self, key: &str, now_s: i64, window_s: i64) -> R<bool> {
-        Ok(sessions::channel_seen(self, key, now_s, window_s)?)
+        Ok(sessions::channel_seen(&self.conn, key, now_s, window_s)?)
     }
     fn set_title(&mut self, id: SessionId, title: Option<&str>) -> R<()> {
-        Ok(sessions::set_title(self, id, title)?)
+        Ok(sessions::set_title(&self.conn, id, title)?)
     }
     fn close_session(&mut self, id: SessionId) -> R<()> {
-        Ok(sessions::close(self, id)?)
+        Ok(sessions::close(&self.conn, id)?)
     }
     fn delete_session(&mut self, id: SessionId) -> R<bool> {
-        Ok(sessions::delete(self, id)?)
+        Ok(sessions::delete(self.indexed(id)?, id)?)
     }
     fn history(&mut self, session: SessionId, before: u64, limit: usize) -> R<HistoryPage> {
-        Ok(log::history(self, session, before, limit)?)
+        Ok(log::history(
+            self.indexed(session)?,
+            session,
+            before,
+            limit,
+        )?)
     }
     fn last_of_kinds(&mut self, session: SessionId, kinds: &[&str]) -> R<Option<StoredEvent>> {
-        Ok(log::last_of_kinds(self, session, kinds)?)
+        Ok(log::last_of_kinds(self.indexed(session)?, session, kinds)?)
     }
     fn events_after(
         &mut self,
@@ -205,28 +270,33 @@ impl Db for rusqlite::Connection {
         after: u64,
         limit: usize,
     ) -> R<Vec<StoredEvent>> {
-        Ok(log::events_after(self, session, after, limit)?)
+        Ok(log::events_after(
+            self.indexed(session)?,
+            session,
+            after,
+            limit,
+        )?)
     }
     fn unsettled(&mut self) -> R<Vec<Unsettled>> {
-        Ok(log::unsettled(self)?)
+        Ok(log::unsettled(&self.conn)?)
     }
     fn notification_changes(&mut self, changes: &[tiller_core::notify::Change]) -> R<()> {
-        Ok(queues::notification_changes(self, changes)?)
+        Ok(queues::notification_changes(&mut self.conn, changes)?)
     }
     fn notifications(&mut self, only: Option<SessionId>) -> R<Vec<Notification>> {
-        Ok(queues::notifications(self, only)?)
+        Ok(queues::notifications(&self.conn, only)?)
     }
     fn notification_backlog(&mut self) -> R<(Vec<SessionId>, usize)> {
-        Ok(queues::notification_backlog(self)?)
+        Ok(queues::notification_backlog(&self.conn)?)
     }
     fn cron_add(&mut self, job: &CronJob) -> R<()> {
-        Ok(queues::cron_add(self, job)?)
+        Ok(queues::cron_add(&self.conn, job)?)
     }
     fn cron_list(&mut self) -> R<Vec<CronJob>> {
-        Ok(queues::cron_list(self)?)
+        Ok(queues::cron_list(&self.conn)?)
     }
     fn cron_remove(&mut self, id: &str) -> R<bool> {
-        Ok(queues::cron_remove(self, id)?)
+        Ok(queues::cron_remove(&mut self.conn, id)?)
     }
     fn cron_fire(
         &mut self,
@@ -234,36 +304,36 @@ impl Db for rusqlite::Connection {
         job_id: &str,
         from_to: (i64, i64),
     ) -> R<()> {
-        match queues::cron_fire(self, change, job_id, from_to)? {
+        match queues::cron_fire(&mut self.conn, change, job_id, from_to)? {
             true => Ok(()),
             false => Err(StoreError::AlreadyClaimed),
         }
     }
     fn cron_fires(&mut self, only: Option<SessionId>) -> R<Vec<CronFire>> {
-        Ok(queues::cron_fires(self, only)?)
+        Ok(queues::cron_fires(&self.conn, only)?)
     }
     fn cron_backlog(&mut self) -> R<Vec<SessionId>> {
-        Ok(queues::session_ids(self, queues::CRON_BACKLOG)?)
+        Ok(queues::session_ids(&self.conn, queues::CRON_BACKLOG)?)
     }
     fn goal_get(&mut self, session: SessionId) -> R<Option<GoalRow>> {
-        Ok(queues::goal_get(self, session)?)
+        Ok(queues::goal_get(&self.conn, session)?)
     }
     fn goal_put(&mut self, goal: &GoalRow) -> R<()> {
-        Ok(queues::goal_put(self, goal)?)
+        Ok(queues::goal_put(&self.conn, goal)?)
     }
     fn goal_delete(&mut self, session: SessionId) -> R<bool> {
-        Ok(queues::goal_delete(self, session)?)
+        Ok(queues::goal_delete(&self.conn, session)?)
     }
     fn goals_active(&mut self) -> R<Vec<SessionId>> {
-        Ok(queues::session_ids(self, queues::GOALS_ACTIVE)?)
+        Ok(queues::session_ids(&self.conn, queues::GOALS_ACTIVE)?)
     }
     fn deliveries_due(&mut self, now_ms: i64) -> R<Vec<Delivery>> {
-        Ok(deliveries::due(self, now_ms)?)
+        Ok(deliveries::due(&self.conn, now_ms)?)
     }
     fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()> {
-        Ok(deliveries::done(self, id, retry)?)
+        Ok(deliveries::done(&self.conn, id, retry)?)
     }
     fn ping(&mut self) -> R<()> {
-        Ok(self.query_row("SELECT 1", [], |_| Ok(()))?)
+        Ok(self.conn.query_row("SELECT 1", [], |_| Ok(()))?)
     }
 }

@@ -18,6 +18,7 @@
 mod db;
 mod deliveries;
 mod error;
+mod index;
 mod log;
 mod pg;
 mod queues;
@@ -95,6 +96,8 @@ pub(crate) struct Shared {
     /// once there are [`writer::CHECKPOINT_FRAMES`] (after a failed
     /// checkpoint, that many more).
     pub(crate) wal_frames: AtomicUsize,
+    /// Frames written to SQLite's write-ahead log in all (tests read it).
+    pub(crate) frames_written: AtomicUsize,
     /// Checkpoints the writer ran (tests read it).
     pub(crate) checkpoints: AtomicUsize,
     /// Transactions of appends committed (tests read it).
@@ -228,14 +231,17 @@ impl Store {
         let frames = shared.clone();
         conn.wal_hook(Some(
             move |_: &mut rusqlite::hooks::Wal, n: std::ffi::c_int| {
-                frames
-                    .wal_frames
-                    .store(usize::try_from(n).unwrap_or(0), Ordering::Relaxed);
+                let n = usize::try_from(n).unwrap_or(0);
+                let before = frames.wal_frames.swap(n, Ordering::Relaxed);
+                // The log started over (after a checkpoint) when it shrank.
+                let added = n.checked_sub(before).unwrap_or(n);
+                frames.frames_written.fetch_add(added, Ordering::Relaxed);
                 Ok(())
             },
         ))
         .map_err(open_err)?;
-        Ok((Writer::new(Box::new(conn), shared.clone()), shared))
+        let db = db::Sqlite::new(conn).map_err(open_err)?;
+        Ok((Writer::new(Box::new(db), shared.clone()), shared))
     }
 
     /// The one command path: runs `f` on the store thread, in order,
@@ -758,6 +764,8 @@ impl Store {
     }
 }
 
+#[cfg(test)]
+mod index_tests;
 #[cfg(test)]
 mod tests;
 

@@ -4,6 +4,7 @@
 use rusqlite::{Connection, OptionalExtension, params};
 use tiller_core::{PromptId, SessionId};
 
+use crate::index::{Entry, Tail};
 use crate::writer::Pending;
 use crate::{Claim, HistoryPage, LedgerOp, LogHead, StoredEvent, Unsettled, segment};
 
@@ -11,15 +12,25 @@ use crate::{Claim, HistoryPage, LedgerOp, LogHead, StoredEvent, Unsettled, segme
 /// `heads` caches each session's last stored sequence number (read from
 /// the log when missing); it is updated once the batch committed, and
 /// forgets the batch's sessions when it did not.
+/// The segments' index entries wait in `tail` (see [`crate::index`]).
 pub(crate) fn append_batch(
     conn: &mut Connection,
     heads: &mut Heads,
+    tail: &mut Tail,
     batch: &[Pending],
 ) -> rusqlite::Result<()> {
     let mut next = Heads::default();
-    let done = in_transaction(conn, |c| insert_batch(c, heads, &mut next, batch));
+    let mut entries = Vec::new();
+    let done = in_transaction(conn, |c| {
+        insert_batch(c, heads, tail, &mut next, &mut entries, batch)
+    });
     match done {
-        Ok(()) => heads.commit(next),
+        Ok(()) => {
+            heads.commit(next);
+            for (s, e) in entries {
+                tail.add(s, e);
+            }
+        }
         Err(_) => heads.forget(batch.iter().map(|p| p.event.session)),
     }
     done
@@ -96,7 +107,9 @@ pub(crate) fn settled_in(batch: &[Pending]) -> std::collections::HashSet<PromptI
 fn insert_batch(
     tx: &Connection,
     heads: &mut Heads,
+    tail: &mut Tail,
     next: &mut Heads,
+    entries: &mut Vec<(SessionId, Vec<Entry>)>,
     batch: &[Pending],
 ) -> rusqlite::Result<()> {
     let mut admit = tx.prepare_cached(
@@ -146,10 +159,14 @@ fn insert_batch(
     for (s, events) in by_session(batch) {
         let head = match next.cached(s).or_else(|| heads.cached(s)) {
             Some(h) => h,
-            None => head_seq(tx, s)?,
+            None => match tail.last_seq(s) {
+                Some(h) => h,
+                None => head_seq(tx, s)?,
+            },
         };
-        let last = insert_events(tx, s, head, events.into_iter())?;
+        let (last, mine) = insert_events(tx, s, head, events.into_iter(), Some(&mut tail.next_n))?;
         next.set(s, last);
+        entries.push((s, mine));
     }
     Ok(())
 }
@@ -193,19 +210,22 @@ pub(crate) fn follows(
 }
 
 /// Appends one session's events (in order) as segments after `head`, the
-/// last sequence number its log holds; returns the new last one. An event
-/// that does not come after what the log holds (a sequence number reused)
-/// is refused, as the per-event key used to.
+/// last sequence number its log holds; returns the new last one and the
+/// segments' index entries. An event that does not come after what the
+/// log holds (a sequence number reused) is refused, as the per-event key
+/// used to. Segments are numbered from `next_n` (advanced past them), or
+/// by SQLite when it is `None` (a migration before the index moved out).
 pub(crate) fn insert_events<'a>(
     tx: &Connection,
     session: SessionId,
     head: u64,
     events: impl Iterator<Item = &'a StoredEvent>,
-) -> rusqlite::Result<u64> {
+    mut next_n: Option<&mut i64>,
+) -> rusqlite::Result<(u64, Vec<Entry>)> {
     let id = session.to_string();
     let mut insert = tx.prepare_cached(
-        "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        "INSERT INTO log (n, session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     )?;
     let events: Vec<&StoredEvent> = events.collect();
     let last = follows(session, head, &events).map_err(|why| {
@@ -214,8 +234,14 @@ pub(crate) fn insert_events<'a>(
             Some(why),
         )
     })?;
+    let mut entries = Vec::new();
     for seg in segment::split(events) {
+        let n = next_n.as_deref_mut().map(|next| {
+            *next += 1;
+            *next - 1
+        });
         insert.execute(params![
+            n,
             id,
             seg.first_seq as i64,
             seg.last_seq as i64,
@@ -224,14 +250,22 @@ pub(crate) fn insert_events<'a>(
             seg.kinds,
             seg.body,
         ])?;
+        entries.push(Entry {
+            first_seq: seg.first_seq,
+            last_seq: seg.last_seq,
+            last_ts_ms: seg.last_ts_ms,
+            max_turn: seg.max_turn,
+            kinds: seg.kinds,
+            n: n.unwrap_or_else(|| tx.last_insert_rowid()),
+        });
     }
-    Ok(last)
+    Ok((last, entries))
 }
 
 /// The last sequence number of a session's log (0 when empty).
 pub(crate) fn head_seq(conn: &Connection, id: SessionId) -> rusqlite::Result<u64> {
     let mut stmt = conn.prepare_cached(
-        "SELECT last_seq FROM log WHERE session_id = ?1 ORDER BY first_seq DESC LIMIT 1",
+        "SELECT last_seq FROM log_index WHERE session_id = ?1 ORDER BY first_seq DESC LIMIT 1",
     )?;
     let last: Option<i64> = stmt
         .query_row(params![id.to_string()], |r| r.get(0))
@@ -244,7 +278,7 @@ pub(crate) fn head(conn: &Connection, id: SessionId) -> rusqlite::Result<LogHead
     // Turn ids grow with sequence numbers: the newest segment with a turn
     // has the highest.
     let mut stmt = conn.prepare_cached(
-        "SELECT max_turn FROM log WHERE session_id = ?1 AND max_turn IS NOT NULL
+        "SELECT max_turn FROM log_index WHERE session_id = ?1 AND max_turn IS NOT NULL
          ORDER BY first_seq DESC LIMIT 1",
     )?;
     let last_turn: Option<i64> = stmt
@@ -267,7 +301,8 @@ pub(crate) fn history(
     limit: usize,
 ) -> rusqlite::Result<HistoryPage> {
     let mut stmt = conn.prepare_cached(
-        "SELECT body FROM log WHERE session_id = ?1 AND first_seq < ?2 ORDER BY first_seq DESC",
+        "SELECT l.body FROM log_index i JOIN log l ON l.n = i.n
+         WHERE i.session_id = ?1 AND i.first_seq < ?2 ORDER BY i.first_seq DESC",
     )?;
     let mut rows = stmt.query(params![session.to_string(), before as i64])?;
     // Newest first, one more than asked (to tell whether older ones exist).
@@ -292,7 +327,8 @@ pub(crate) fn last_of_kinds(
 ) -> rusqlite::Result<Option<StoredEvent>> {
     let mask = kinds.iter().fold(0, |m, k| m | segment::kind_bit(k));
     let mut stmt = conn.prepare_cached(
-        "SELECT body FROM log WHERE session_id = ?1 AND (kinds & ?2) != 0 ORDER BY first_seq DESC",
+        "SELECT l.body FROM log_index i JOIN log l ON l.n = i.n
+         WHERE i.session_id = ?1 AND (i.kinds & ?2) != 0 ORDER BY i.first_seq DESC",
     )?;
     let mut rows = stmt.query(params![session.to_string(), mask])?;
     while let Some(row) = rows.next()? {
@@ -340,9 +376,11 @@ pub(crate) fn events_after(
     // From the segment holding `after + 1` (the newest starting at or
     // before it), then every later one.
     let mut stmt = conn.prepare_cached(
-        "SELECT body FROM log WHERE session_id = ?1 AND first_seq >= (
-             SELECT COALESCE(MAX(first_seq), 0) FROM log WHERE session_id = ?1 AND first_seq <= ?2
-         ) ORDER BY first_seq",
+        "SELECT l.body FROM log_index i JOIN log l ON l.n = i.n
+         WHERE i.session_id = ?1 AND i.first_seq >= (
+             SELECT COALESCE(MAX(first_seq), 0) FROM log_index
+             WHERE session_id = ?1 AND first_seq <= ?2
+         ) ORDER BY i.first_seq",
     )?;
     let mut rows = stmt.query(params![session.to_string(), after as i64 + 1])?;
     let mut events = Vec::new();

@@ -150,7 +150,8 @@ pub(crate) const SCHEMA: &[&str] = &[
 
 /// Migrations after [`SCHEMA`]'s, written in Rust (each runs in its
 /// version's transaction).
-pub(crate) const RUST_MIGRATIONS: &[fn(&Connection) -> rusqlite::Result<()>] = &[log_segments];
+pub(crate) const RUST_MIGRATIONS: &[fn(&Connection) -> rusqlite::Result<()>] =
+    &[log_segments, crate::index::migrate];
 
 /// v12: the event log in segments (one row per commit and session, see
 /// [`crate::segment`]) instead of one row per event. The rows are in
@@ -178,10 +179,18 @@ fn log_segments(conn: &Connection) -> rusqlite::Result<()> {
         )?;
         let mut rows = read.query([])?;
         let mut run: Vec<crate::StoredEvent> = Vec::new();
-        let flush = |run: &mut Vec<crate::StoredEvent>| -> rusqlite::Result<()> {
+        // The events come in order, by session: a run continues the
+        // previous one's log when it is the same session's.
+        let mut last: Option<(tiller_core::SessionId, u64)> = None;
+        let mut flush = |run: &mut Vec<crate::StoredEvent>| -> rusqlite::Result<()> {
             if let Some(first) = run.first() {
-                let head = crate::log::head_seq(conn, first.session)?;
-                crate::log::insert_events(conn, first.session, head, run.iter())?;
+                let head = match last {
+                    Some((s, h)) if s == first.session => h,
+                    _ => 0,
+                };
+                let (l, _) =
+                    crate::log::insert_events(conn, first.session, head, run.iter(), None)?;
+                last = Some((first.session, l));
             }
             run.clear();
             Ok(())

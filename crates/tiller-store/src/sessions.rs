@@ -39,7 +39,8 @@ pub(crate) fn create_session(conn: &Connection, rec: &SessionRecord) -> rusqlite
 
 /// A session's last activity: the time of its newest event (one index
 /// seek), or its creation. Appends do not write the session row.
-const UPDATED: &str = "COALESCE((SELECT last_ts_ms FROM log l WHERE l.session_id = sessions.id
+const UPDATED: &str =
+    "COALESCE((SELECT last_ts_ms FROM log_index l WHERE l.session_id = sessions.id
     ORDER BY l.first_seq DESC LIMIT 1), updated_ms) AS updated_ms";
 
 fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
@@ -146,7 +147,14 @@ pub(crate) const SESSION_TABLES: [&str; 9] = [
 pub(crate) fn delete(conn: &mut Connection, id: SessionId) -> rusqlite::Result<bool> {
     let id = id.to_string();
     let tx = conn.transaction()?;
-    for table in SESSION_TABLES {
+    // The log has no index of its own (see `crate::index`): its rows are
+    // found through `log_index`, which the caller wrote whole first.
+    tx.execute(
+        "DELETE FROM log WHERE n IN (SELECT n FROM log_index WHERE session_id = ?1)",
+        params![id],
+    )?;
+    tx.execute("DELETE FROM log_index WHERE session_id = ?1", params![id])?;
+    for table in SESSION_TABLES.iter().filter(|t| **t != "log") {
         tx.execute(
             &format!("DELETE FROM {table} WHERE session_id = ?1"),
             params![id],

@@ -148,7 +148,7 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
                     }
                     f(&mut w);
                     w.note_reconnect();
-                    w.checkpoint_if_due();
+                    w.upkeep();
                 }
                 Cmd::Close(reply) => {
                     w.write_all(&mut queued);
@@ -165,7 +165,7 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
         let slice = w.conn.sessions_per_commit();
         if let Some(batch) = next_batch(&mut queued, slice, &mut urgent_last) {
             w.append_timed(batch);
-            w.checkpoint_if_due();
+            w.upkeep();
         }
     }
 }
@@ -274,7 +274,7 @@ pub(crate) fn execute(slot: &mut Option<Writer>, cmd: Cmd) -> Result<(), Cmd> {
             return Ok(());
         }
     }
-    w.checkpoint_if_due();
+    w.upkeep();
     Ok(())
 }
 
@@ -306,6 +306,22 @@ impl Writer {
         self.broken.contains(&s) || (self.all_broken && !self.reopened.contains(&s))
     }
 
+    /// What is done between commits: the backend's deferred work when due
+    /// (timed with the commits, as `tiller_store_write_seconds`: what a
+    /// commit queued meanwhile waits for), then a checkpoint when due.
+    /// Deferred work that failed is tried again after the next commit; it
+    /// loses nothing (see [`crate::index`]).
+    pub(crate) fn upkeep(&mut self) {
+        let started = Instant::now();
+        match self.conn.upkeep() {
+            Ok(true) => metrics::histogram!("tiller_store_write_seconds")
+                .record(started.elapsed().as_secs_f64()),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "the store's deferred upkeep failed"),
+        }
+        self.checkpoint_if_due();
+    }
+
     /// Checkpoints SQLite's write-ahead log once it holds
     /// [`CHECKPOINT_FRAMES`], after the commit that filled it was
     /// answered and before the next one: after each batch of appends and
@@ -317,7 +333,7 @@ impl Writer {
     /// meanwhile waits for. A checkpoint that failed or could not copy
     /// every frame loses nothing (the log keeps every frame); it is tried
     /// again once the log grew by [`CHECKPOINT_FRAMES`] more.
-    pub(crate) fn checkpoint_if_due(&mut self) {
+    fn checkpoint_if_due(&mut self) {
         let frames = self.shared.wal_frames.load(Ordering::Relaxed);
         if frames + CHECKPOINT_FRAMES < self.checkpoint_at {
             // The log started over since a checkpoint failed.
@@ -376,7 +392,7 @@ impl Writer {
         let mut first = true;
         while let Some(batch) = next_batch(queued, sessions, &mut urgent_last) {
             if !std::mem::take(&mut first) {
-                self.checkpoint_if_due();
+                self.upkeep();
             }
             self.append_timed(batch);
         }

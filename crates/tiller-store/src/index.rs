@@ -1,0 +1,265 @@
+//! SQLite's index of the log, written behind the log.
+//!
+//! The log's rows (segments, see [`crate::segment`]) go to the end of the
+//! `log` table, in the order they are committed: a commit writes a few
+//! pages, one after the other. What finds a session's segments is the
+//! `log_index` table, keyed by `(session_id, first_seq)`, and each
+//! session's entries sit on pages of their own: an index kept with every
+//! commit cost a commit one page per session in it (a thousand sessions
+//! streaming wrote about sixty pages per commit, most of them index
+//! pages, and the checkpoints that copied them were most of the store
+//! thread's time). So a commit writes only the log; the entries of its
+//! segments wait here, in memory, and are written later, many of a
+//! session's at once: the oldest sessions' in small transactions between
+//! commits once [`PENDING`] entries wait (or the oldest is [`AGE`] rows
+//! behind), and a session's own before anything reads its log (every
+//! read goes through the index, whole).
+//!
+//! Nothing is lost when the process dies with entries waiting: the
+//! segments are in the log, and the row `log_indexed.upto` says that
+//! every segment numbered up to it is indexed. Opening the store indexes
+//! the segments after it ([`Tail::open`]). Segment numbers are the
+//! writer's ([`Tail::next_n`]), always above every number used before,
+//! so a segment written later is never numbered at or below `upto`.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use rusqlite::{Connection, params};
+use tiller_core::SessionId;
+
+/// Entries waiting that make the oldest sessions' due.
+pub(crate) const PENDING: usize = 8192;
+/// Sessions whose entries one transaction writes (one page each, about).
+pub(crate) const SLICE: usize = 64;
+/// How far (in segments) the oldest waiting entry may fall behind the
+/// newest: it bounds what opening the store reindexes.
+pub(crate) const AGE: i64 = 8 * PENDING as i64;
+
+/// One segment's entry in the index.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Entry {
+    pub(crate) first_seq: u64,
+    pub(crate) last_seq: u64,
+    pub(crate) last_ts_ms: i64,
+    pub(crate) max_turn: Option<u64>,
+    pub(crate) kinds: i64,
+    /// The segment's row in `log`.
+    pub(crate) n: i64,
+}
+
+/// The entries not yet written to `log_index`.
+#[derive(Default)]
+pub(crate) struct Tail {
+    pending: HashMap<SessionId, Vec<Entry>>,
+    /// Each session's first waiting segment number, oldest first (an
+    /// item whose session was written since is stale and skipped).
+    order: VecDeque<(i64, SessionId)>,
+    count: usize,
+    /// The number the next segment takes.
+    pub(crate) next_n: i64,
+}
+
+impl Tail {
+    /// Indexes what a previous run left unindexed, and starts numbering
+    /// segments after every number used.
+    pub(crate) fn open(conn: &Connection) -> rusqlite::Result<Tail> {
+        let upto: i64 = conn.query_row("SELECT upto FROM log_indexed", [], |r| r.get(0))?;
+        let max: i64 = conn.query_row("SELECT COALESCE(MAX(n), 0) FROM log", [], |r| r.get(0))?;
+        let next_n = max.max(upto) + 1;
+        if max > upto {
+            crate::log::in_transaction(conn, |c| {
+                c.execute(
+                    "INSERT OR IGNORE INTO log_index
+                         (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n)
+                     SELECT session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n
+                     FROM log WHERE n > ?1",
+                    params![upto],
+                )?;
+                set_upto(c, next_n - 1)
+            })?;
+        }
+        Ok(Tail {
+            next_n,
+            ..Tail::default()
+        })
+    }
+
+    /// Takes a committed batch's entries (each session's in order).
+    pub(crate) fn add(&mut self, session: SessionId, entries: Vec<Entry>) {
+        let Some(first) = entries.first() else {
+            return;
+        };
+        self.count += entries.len();
+        let mine = self.pending.entry(session).or_default();
+        if mine.is_empty() {
+            self.order.push_back((first.n, session));
+        }
+        mine.extend(entries);
+    }
+
+    /// The last sequence number of a session's waiting entries.
+    pub(crate) fn last_seq(&self, session: SessionId) -> Option<u64> {
+        self.pending
+            .get(&session)
+            .and_then(|e| e.last())
+            .map(|e| e.last_seq)
+    }
+
+    /// Whether the oldest sessions' entries should be written now.
+    pub(crate) fn due(&mut self) -> bool {
+        self.count >= PENDING || self.oldest().is_some_and(|n| n < self.next_n - AGE)
+    }
+
+    /// Writes one session's waiting entries (before a read of its log).
+    pub(crate) fn write_session(
+        &mut self,
+        conn: &Connection,
+        session: SessionId,
+    ) -> rusqlite::Result<()> {
+        if !self.pending.contains_key(&session) {
+            return Ok(());
+        }
+        self.write(conn, &[session])
+    }
+
+    /// Writes every waiting entry.
+    pub(crate) fn write_all(&mut self, conn: &Connection) -> rusqlite::Result<()> {
+        let all: Vec<SessionId> = self.pending.keys().copied().collect();
+        if all.is_empty() {
+            return Ok(());
+        }
+        self.write(conn, &all)
+    }
+
+    /// Writes the entries of the [`SLICE`] sessions waiting longest.
+    pub(crate) fn write_oldest(&mut self, conn: &Connection) -> rusqlite::Result<()> {
+        self.purge();
+        let mut picked = Vec::new();
+        let mut seen = HashSet::new();
+        for &(n, s) in &self.order {
+            if picked.len() == SLICE {
+                break;
+            }
+            if self.is_first(n, s) && seen.insert(s) {
+                picked.push(s);
+            }
+        }
+        if picked.is_empty() {
+            return Ok(());
+        }
+        self.write(conn, &picked)
+    }
+
+    /// Forgets a session's waiting entries (its log is being deleted).
+    pub(crate) fn forget(&mut self, session: SessionId) {
+        if let Some(e) = self.pending.remove(&session) {
+            self.count -= e.len();
+        }
+    }
+
+    /// Writes `sessions`' entries and the new `upto`, in one transaction;
+    /// they stop waiting once it committed.
+    fn write(&mut self, conn: &Connection, sessions: &[SessionId]) -> rusqlite::Result<()> {
+        let mut sorted = sessions.to_vec();
+        sorted.sort_unstable_by_key(|s| s.to_string());
+        let leaving: HashSet<SessionId> = sorted.iter().copied().collect();
+        let upto = self.upto_without(&leaving);
+        crate::log::in_transaction(conn, |c| {
+            let mut insert = c.prepare_cached(
+                "INSERT INTO log_index
+                     (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            )?;
+            for s in &sorted {
+                let id = s.to_string();
+                for e in self.pending.get(s).into_iter().flatten() {
+                    insert.execute(params![
+                        id,
+                        e.first_seq as i64,
+                        e.last_seq as i64,
+                        e.last_ts_ms,
+                        e.max_turn.map(|t| t as i64),
+                        e.kinds,
+                        e.n
+                    ])?;
+                }
+            }
+            set_upto(c, upto)
+        })?;
+        for s in sorted {
+            self.forget(s);
+        }
+        self.purge();
+        Ok(())
+    }
+
+    /// Whether `(n, s)` in `order` is the session's first waiting segment.
+    fn is_first(&self, n: i64, s: SessionId) -> bool {
+        self.pending
+            .get(&s)
+            .and_then(|e| e.first())
+            .is_some_and(|e| e.n == n)
+    }
+
+    /// The oldest waiting segment's number.
+    fn oldest(&mut self) -> Option<i64> {
+        self.purge();
+        self.order.front().map(|(n, _)| *n)
+    }
+
+    /// Drops stale items from the front of `order`, and compacts it when
+    /// stale items elsewhere outnumber the live ones.
+    fn purge(&mut self) {
+        while let Some(&(n, s)) = self.order.front() {
+            if self.is_first(n, s) {
+                break;
+            }
+            self.order.pop_front();
+        }
+        if self.order.len() > 2 * self.pending.len() + 64 {
+            let order = std::mem::take(&mut self.order);
+            self.order = order
+                .into_iter()
+                .filter(|&(n, s)| self.is_first(n, s))
+                .collect();
+        }
+    }
+
+    /// What `upto` is once `leaving`'s entries are written: below the
+    /// oldest segment still waiting, else below the next one.
+    fn upto_without(&self, leaving: &HashSet<SessionId>) -> i64 {
+        self.order
+            .iter()
+            .find(|&&(n, s)| !leaving.contains(&s) && self.is_first(n, s))
+            .map_or(self.next_n - 1, |(n, _)| n - 1)
+    }
+}
+
+fn set_upto(conn: &Connection, upto: i64) -> rusqlite::Result<()> {
+    conn.prepare_cached("UPDATE log_indexed SET upto = ?1")?
+        .execute(params![upto])
+        .map(drop)
+}
+
+/// v13: the log's index moves out of the log into `log_index`, written
+/// behind it (see the module's documentation). Every segment is indexed.
+pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    conn.execute_batch(
+        "CREATE TABLE log_index (
+            session_id TEXT NOT NULL,
+            first_seq INTEGER NOT NULL,
+            last_seq INTEGER NOT NULL,
+            last_ts_ms INTEGER NOT NULL,
+            max_turn INTEGER,
+            kinds INTEGER NOT NULL,
+            n INTEGER NOT NULL,
+            PRIMARY KEY (session_id, first_seq)
+        ) WITHOUT ROWID;
+        INSERT INTO log_index (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n)
+            SELECT session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n FROM log
+            ORDER BY session_id, first_seq;
+        DROP INDEX log_session;
+        CREATE TABLE log_indexed (upto INTEGER NOT NULL);
+        INSERT INTO log_indexed (upto) SELECT COALESCE(MAX(n), 0) FROM log;",
+    )
+}
