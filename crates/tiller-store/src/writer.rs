@@ -96,9 +96,15 @@ pub(crate) struct Writer {
     checkpoint_at: usize,
 }
 
-/// Frames in SQLite's write-ahead log that make a checkpoint due (SQLite's
-/// own default for its automatic one).
-pub(crate) const CHECKPOINT_FRAMES: usize = 1000;
+/// Frames in SQLite's write-ahead log that make a checkpoint due. A
+/// quarter of SQLite's own default for its automatic one: a checkpoint is
+/// a stall of the store thread (what an awaited append queued meanwhile
+/// waits for), and since commits no longer write the log's index (see
+/// [`crate::index`]) most frames are new pages, not the same hot ones
+/// again, so copying them more often costs little more in all. Measured
+/// with `tiller-load`: a checkpoint took 3.5 ms instead of 9 ms, cancels
+/// flat out p50 17 ms instead of 30 ms.
+pub(crate) const CHECKPOINT_FRAMES: usize = 250;
 
 /// Most appends committed in one transaction.
 const MAX_BATCH: usize = 4096;
