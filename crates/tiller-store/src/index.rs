@@ -12,8 +12,8 @@
 //! segments wait here, in memory, and are written later, many of a
 //! session's at once: the oldest sessions' in small transactions between
 //! commits once [`PENDING`] entries wait (or the oldest is [`AGE`] rows
-//! behind), and a session's own before anything reads its log (every
-//! read goes through the index, whole).
+//! behind), at most [`WRITE`] at a time, and a session's own before
+//! anything reads its log (every read goes through the index, whole).
 //!
 //! Nothing is lost when the process dies with entries waiting: the
 //! segments are in the log, and the row `log_indexed.upto` says that
@@ -22,15 +22,20 @@
 //! writer's ([`Tail::next_n`]), always above every number used before,
 //! so a segment written later is never numbered at or below `upto`.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 
 use rusqlite::{Connection, params};
 use tiller_core::SessionId;
 
 /// Entries waiting that make the oldest sessions' due.
 pub(crate) const PENDING: usize = 8192;
-/// Sessions whose entries one transaction writes (one page each, about).
+/// Sessions whose entries one transaction of upkeep writes (one page
+/// each, about).
 pub(crate) const SLICE: usize = 64;
+/// Most entries one transaction of upkeep writes (a few sessions
+/// streaming fast may have thousands each): the stall it is for the
+/// commits queued meanwhile stays short.
+pub(crate) const WRITE: usize = 1024;
 /// How far (in segments) the oldest waiting entry may fall behind the
 /// newest: it bounds what opening the store reindexes.
 pub(crate) const AGE: i64 = 8 * PENDING as i64;
@@ -47,16 +52,18 @@ pub(crate) struct Entry {
     pub(crate) n: i64,
 }
 
-/// The entries not yet written to `log_index`.
+/// The entries not yet written to `log_index`, each session's in order.
 #[derive(Default)]
 pub(crate) struct Tail {
     pending: HashMap<SessionId, Vec<Entry>>,
-    /// Each session's first waiting segment number, oldest first (an
-    /// item whose session was written since is stale and skipped).
-    order: VecDeque<(i64, SessionId)>,
     count: usize,
+    /// The oldest waiting segment's number (kept as entries come: a new
+    /// segment's number is above every other's).
+    oldest: Option<i64>,
     /// The number the next segment takes.
     pub(crate) next_n: i64,
+    /// Most entries one [`Tail::write_oldest`] writes ([`WRITE`]).
+    pub(crate) write_cap: usize,
 }
 
 impl Tail {
@@ -80,6 +87,7 @@ impl Tail {
         }
         Ok(Tail {
             next_n,
+            write_cap: WRITE,
             ..Tail::default()
         })
     }
@@ -90,11 +98,8 @@ impl Tail {
             return;
         };
         self.count += entries.len();
-        let mine = self.pending.entry(session).or_default();
-        if mine.is_empty() {
-            self.order.push_back((first.n, session));
-        }
-        mine.extend(entries);
+        self.oldest.get_or_insert(first.n);
+        self.pending.entry(session).or_default().extend(entries);
     }
 
     /// The last sequence number of a session's waiting entries.
@@ -106,8 +111,8 @@ impl Tail {
     }
 
     /// Whether the oldest sessions' entries should be written now.
-    pub(crate) fn due(&mut self) -> bool {
-        self.count >= PENDING || self.oldest().is_some_and(|n| n < self.next_n - AGE)
+    pub(crate) fn due(&self) -> bool {
+        self.count >= PENDING || self.oldest.is_some_and(|n| n < self.next_n - AGE)
     }
 
     /// Writes one session's waiting entries (before a read of its log).
@@ -116,33 +121,43 @@ impl Tail {
         conn: &Connection,
         session: SessionId,
     ) -> rusqlite::Result<()> {
-        if !self.pending.contains_key(&session) {
-            return Ok(());
+        match self.pending.get(&session) {
+            Some(e) => {
+                let all = e.len();
+                self.write(conn, &[(session, all)])
+            }
+            None => Ok(()),
         }
-        self.write(conn, &[session])
     }
 
     /// Writes every waiting entry.
     pub(crate) fn write_all(&mut self, conn: &Connection) -> rusqlite::Result<()> {
-        let all: Vec<SessionId> = self.pending.keys().copied().collect();
+        let all: Vec<(SessionId, usize)> =
+            self.pending.iter().map(|(s, e)| (*s, e.len())).collect();
         if all.is_empty() {
             return Ok(());
         }
         self.write(conn, &all)
     }
 
-    /// Writes the entries of the [`SLICE`] sessions waiting longest.
+    /// Writes the oldest entries of the [`SLICE`] sessions waiting
+    /// longest, at most `write_cap` ([`WRITE`]) of them.
     pub(crate) fn write_oldest(&mut self, conn: &Connection) -> rusqlite::Result<()> {
-        self.purge();
+        let mut firsts: Vec<(i64, SessionId)> = self
+            .pending
+            .iter()
+            .filter_map(|(s, e)| e.first().map(|f| (f.n, *s)))
+            .collect();
+        firsts.sort_unstable();
+        let mut budget = self.write_cap;
         let mut picked = Vec::new();
-        let mut seen = HashSet::new();
-        for &(n, s) in &self.order {
-            if picked.len() == SLICE {
+        for (_, s) in firsts.into_iter().take(SLICE) {
+            if budget == 0 {
                 break;
             }
-            if self.is_first(n, s) && seen.insert(s) {
-                picked.push(s);
-            }
+            let k = self.pending[&s].len().min(budget);
+            budget -= k;
+            picked.push((s, k));
         }
         if picked.is_empty() {
             return Ok(());
@@ -150,29 +165,39 @@ impl Tail {
         self.write(conn, &picked)
     }
 
-    /// Forgets a session's waiting entries (its log is being deleted).
-    pub(crate) fn forget(&mut self, session: SessionId) {
+    /// Forgets a session's waiting entries.
+    fn forget(&mut self, session: SessionId) {
         if let Some(e) = self.pending.remove(&session) {
             self.count -= e.len();
         }
     }
 
-    /// Writes `sessions`' entries and the new `upto`, in one transaction;
-    /// they stop waiting once it committed.
-    fn write(&mut self, conn: &Connection, sessions: &[SessionId]) -> rusqlite::Result<()> {
-        let mut sorted = sessions.to_vec();
-        sorted.sort_unstable_by_key(|s| s.to_string());
-        let leaving: HashSet<SessionId> = sorted.iter().copied().collect();
-        let upto = self.upto_without(&leaving);
+    /// Writes the first `k` waiting entries of each `(session, k)`, and
+    /// the new `upto`, in one transaction; they stop waiting once it
+    /// committed (nothing changes here when it failed).
+    fn write(&mut self, conn: &Connection, picked: &[(SessionId, usize)]) -> rusqlite::Result<()> {
+        let mut sorted: Vec<(String, SessionId, usize)> = picked
+            .iter()
+            .map(|(s, k)| (s.to_string(), *s, *k))
+            .collect();
+        sorted.sort_unstable();
+        let taken: HashMap<SessionId, usize> = picked.iter().copied().collect();
+        // The oldest segment still waiting afterwards.
+        let left = self
+            .pending
+            .iter()
+            .filter_map(|(s, e)| e.get(taken.get(s).copied().unwrap_or(0)))
+            .map(|e| e.n)
+            .min();
+        let upto = left.map_or(self.next_n - 1, |n| n - 1);
         crate::log::in_transaction(conn, |c| {
             let mut insert = c.prepare_cached(
                 "INSERT INTO log_index
                      (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
             )?;
-            for s in &sorted {
-                let id = s.to_string();
-                for e in self.pending.get(s).into_iter().flatten() {
+            for (id, s, k) in &sorted {
+                for e in self.pending.get(s).into_iter().flatten().take(*k) {
                     insert.execute(params![
                         id,
                         e.first_seq as i64,
@@ -186,52 +211,17 @@ impl Tail {
             }
             set_upto(c, upto)
         })?;
-        for s in sorted {
-            self.forget(s);
-        }
-        self.purge();
-        Ok(())
-    }
-
-    /// Whether `(n, s)` in `order` is the session's first waiting segment.
-    fn is_first(&self, n: i64, s: SessionId) -> bool {
-        self.pending
-            .get(&s)
-            .and_then(|e| e.first())
-            .is_some_and(|e| e.n == n)
-    }
-
-    /// The oldest waiting segment's number.
-    fn oldest(&mut self) -> Option<i64> {
-        self.purge();
-        self.order.front().map(|(n, _)| *n)
-    }
-
-    /// Drops stale items from the front of `order`, and compacts it when
-    /// stale items elsewhere outnumber the live ones.
-    fn purge(&mut self) {
-        while let Some(&(n, s)) = self.order.front() {
-            if self.is_first(n, s) {
-                break;
+        for (_, s, k) in sorted {
+            match self.pending.get_mut(&s) {
+                Some(e) if k < e.len() => {
+                    e.drain(..k);
+                    self.count -= k;
+                }
+                _ => self.forget(s),
             }
-            self.order.pop_front();
         }
-        if self.order.len() > 2 * self.pending.len() + 64 {
-            let order = std::mem::take(&mut self.order);
-            self.order = order
-                .into_iter()
-                .filter(|&(n, s)| self.is_first(n, s))
-                .collect();
-        }
-    }
-
-    /// What `upto` is once `leaving`'s entries are written: below the
-    /// oldest segment still waiting, else below the next one.
-    fn upto_without(&self, leaving: &HashSet<SessionId>) -> i64 {
-        self.order
-            .iter()
-            .find(|&&(n, s)| !leaving.contains(&s) && self.is_first(n, s))
-            .map_or(self.next_n - 1, |(n, _)| n - 1)
+        self.oldest = left;
+        Ok(())
     }
 }
 

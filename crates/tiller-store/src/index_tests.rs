@@ -161,8 +161,9 @@ async fn segments_left_unindexed_by_a_crash_are_indexed_at_open() {
 enum Op {
     /// A commit of `n` events of each of the sessions in `mask`.
     Append { mask: u8, n: u64 },
-    /// Upkeep: the oldest sessions' entries written.
-    WriteOldest,
+    /// Upkeep: the oldest sessions' entries written, at most this many
+    /// (a session's may be written in part).
+    WriteOldest(usize),
     /// A read of one session's log (its entries written first).
     Read(usize),
     /// The process dies: entries waiting are lost, the log is not.
@@ -172,7 +173,7 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (1u8..16, 1u64..100).prop_map(|(mask, n)| Op::Append { mask, n }),
-        1 => Just(Op::WriteOldest),
+        2 => (1usize..20).prop_map(Op::WriteOldest),
         2 => (0usize..4).prop_map(Op::Read),
         1 => Just(Op::Crash),
     ]
@@ -246,7 +247,10 @@ proptest! {
                     let b = batch(&sessions, mask, n, &mut model);
                     log::append_batch(&mut conn, &mut heads, &mut tail, &b).unwrap();
                 }
-                Op::WriteOldest => tail.write_oldest(&conn).unwrap(),
+                Op::WriteOldest(cap) => {
+                    tail.write_cap = cap;
+                    tail.write_oldest(&conn).unwrap();
+                }
                 Op::Read(i) => {
                     tail.write_session(&conn, sessions[i]).unwrap();
                     let head = log::head(&conn, sessions[i]).unwrap();
