@@ -22,7 +22,7 @@
 //! writer's ([`Tail::next_n`]), always above every number used before,
 //! so a segment written later is never numbered at or below `upto`.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use rusqlite::{Connection, params};
 use tiller_core::SessionId;
@@ -56,10 +56,10 @@ pub(crate) struct Entry {
 #[derive(Default)]
 pub(crate) struct Tail {
     pending: HashMap<SessionId, Vec<Entry>>,
+    /// Each waiting session's first waiting segment number: the oldest
+    /// first.
+    firsts: BTreeSet<(i64, SessionId)>,
     count: usize,
-    /// The oldest waiting segment's number (kept as entries come: a new
-    /// segment's number is above every other's).
-    oldest: Option<i64>,
     /// The number the next segment takes.
     pub(crate) next_n: i64,
     /// Most entries one [`Tail::write_oldest`] writes ([`WRITE`]).
@@ -98,8 +98,11 @@ impl Tail {
             return;
         };
         self.count += entries.len();
-        self.oldest.get_or_insert(first.n);
-        self.pending.entry(session).or_default().extend(entries);
+        let mine = self.pending.entry(session).or_default();
+        if mine.is_empty() {
+            self.firsts.insert((first.n, session));
+        }
+        mine.extend(entries);
     }
 
     /// The last sequence number of a session's waiting entries.
@@ -112,7 +115,11 @@ impl Tail {
 
     /// Whether the oldest sessions' entries should be written now.
     pub(crate) fn due(&self) -> bool {
-        self.count >= PENDING || self.oldest.is_some_and(|n| n < self.next_n - AGE)
+        self.count >= PENDING
+            || self
+                .firsts
+                .first()
+                .is_some_and(|(n, _)| *n < self.next_n - AGE)
     }
 
     /// Writes one session's waiting entries (before a read of its log).
@@ -143,15 +150,9 @@ impl Tail {
     /// Writes the oldest entries of the [`SLICE`] sessions waiting
     /// longest, at most `write_cap` ([`WRITE`]) of them.
     pub(crate) fn write_oldest(&mut self, conn: &Connection) -> rusqlite::Result<()> {
-        let mut firsts: Vec<(i64, SessionId)> = self
-            .pending
-            .iter()
-            .filter_map(|(s, e)| e.first().map(|f| (f.n, *s)))
-            .collect();
-        firsts.sort_unstable();
         let mut budget = self.write_cap;
         let mut picked = Vec::new();
-        for (_, s) in firsts.into_iter().take(SLICE) {
+        for &(_, s) in self.firsts.iter().take(SLICE) {
             if budget == 0 {
                 break;
             }
@@ -165,11 +166,18 @@ impl Tail {
         self.write(conn, &picked)
     }
 
-    /// Forgets a session's waiting entries.
-    fn forget(&mut self, session: SessionId) {
-        if let Some(e) = self.pending.remove(&session) {
-            self.count -= e.len();
-        }
+    /// Panics unless the counts and the oldest-first set agree with the
+    /// waiting entries.
+    #[cfg(test)]
+    pub(crate) fn assert_consistent(&self) {
+        let count: usize = self.pending.values().map(Vec::len).sum();
+        assert_eq!(self.count, count, "the count of waiting entries");
+        let firsts: BTreeSet<(i64, SessionId)> = self
+            .pending
+            .iter()
+            .map(|(s, e)| (e.first().expect("no empty list waits").n, *s))
+            .collect();
+        assert_eq!(self.firsts, firsts, "each session's first waiting segment");
     }
 
     /// Writes the first `k` waiting entries of each `(session, k)`, and
@@ -182,13 +190,18 @@ impl Tail {
             .collect();
         sorted.sort_unstable();
         let taken: HashMap<SessionId, usize> = picked.iter().copied().collect();
-        // The oldest segment still waiting afterwards.
-        let left = self
-            .pending
+        // The oldest segment still waiting afterwards: the oldest of
+        // another session's, or of what is left of a picked one's.
+        let untouched = self
+            .firsts
             .iter()
-            .filter_map(|(s, e)| e.get(taken.get(s).copied().unwrap_or(0)))
-            .map(|e| e.n)
-            .min();
+            .find(|(_, s)| !taken.contains_key(s))
+            .map(|(n, _)| *n);
+        let rest = picked
+            .iter()
+            .filter_map(|(s, k)| self.pending.get(s).and_then(|e| e.get(*k)))
+            .map(|e| e.n);
+        let left = rest.chain(untouched).min();
         let upto = left.map_or(self.next_n - 1, |n| n - 1);
         crate::log::in_transaction(conn, |c| {
             let mut insert = c.prepare_cached(
@@ -212,15 +225,25 @@ impl Tail {
             set_upto(c, upto)
         })?;
         for (_, s, k) in sorted {
-            match self.pending.get_mut(&s) {
-                Some(e) if k < e.len() => {
-                    e.drain(..k);
-                    self.count -= k;
+            let Some(e) = self.pending.get_mut(&s) else {
+                continue;
+            };
+            let k = k.min(e.len());
+            if k == 0 {
+                continue;
+            }
+            self.firsts.remove(&(e[0].n, s));
+            e.drain(..k);
+            self.count -= k;
+            match e.first() {
+                Some(f) => {
+                    self.firsts.insert((f.n, s));
                 }
-                _ => self.forget(s),
+                None => {
+                    self.pending.remove(&s);
+                }
             }
         }
-        self.oldest = left;
         Ok(())
     }
 }

@@ -262,6 +262,7 @@ proptest! {
                 }
             }
             mark_holds(&conn);
+            tail.assert_consistent();
         }
         tail = Tail::open(&conn).unwrap();
         check(&conn, &mut tail, &sessions, &model);
