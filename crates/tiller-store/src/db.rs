@@ -138,37 +138,27 @@ pub(crate) trait Db: Send {
 }
 
 /// The SQLite backend: its one connection, and the log's index entries
-/// not yet written (see [`crate::index`]). What reads a session's log
-/// writes that session's entries first; what reads every session's, all.
+/// not yet written (see [`crate::index`]), which reads of the log merge
+/// with what the index names.
 pub(crate) struct Sqlite {
-    conn: rusqlite::Connection,
+    pub(crate) conn: rusqlite::Connection,
     tail: Tail,
 }
 
 impl Sqlite {
-    /// Takes a migrated connection, indexing what a previous run left
+    /// Takes a migrated connection, and what a previous run left
     /// unindexed.
-    pub(crate) fn new(conn: rusqlite::Connection) -> rusqlite::Result<Sqlite> {
+    pub(crate) fn new(conn: rusqlite::Connection) -> R<Sqlite> {
         let tail = Tail::open(&conn)?;
         Ok(Sqlite { conn, tail })
-    }
-
-    fn indexed(&mut self, session: SessionId) -> R<&mut rusqlite::Connection> {
-        self.tail.write_session(&self.conn, session)?;
-        Ok(&mut self.conn)
-    }
-
-    fn all_indexed(&mut self) -> R<&mut rusqlite::Connection> {
-        self.tail.write_all(&self.conn)?;
-        Ok(&mut self.conn)
     }
 }
 
 impl Drop for Sqlite {
-    /// A clean close leaves nothing to index at the next open.
+    /// A clean close leaves nothing to take up at the next open.
     fn drop(&mut self) {
         if let Err(e) = self.tail.write_all(&self.conn) {
-            tracing::warn!(error = %e, "the log's index could not be written at close; the next open writes it");
+            tracing::warn!(error = %e, "the log's index could not be written at close; the next open takes it up");
         }
     }
 }
@@ -207,7 +197,7 @@ impl Db for Sqlite {
         64
     }
     fn head(&mut self, session: SessionId) -> R<LogHead> {
-        Ok(log::head(self.indexed(session)?, session)?)
+        Ok(log::head(&self.conn, session, self.tail.of(session))?)
     }
     fn create_session(&mut self, rec: &SessionRecord, engine: Option<&str>) -> R<()> {
         match engine {
@@ -217,7 +207,7 @@ impl Db for Sqlite {
         Ok(())
     }
     fn get_session(&mut self, id: SessionId) -> R<Option<(SessionRecord, LogHead)>> {
-        Ok(sessions::get_session(self.indexed(id)?, id)?)
+        Ok(sessions::get_session(&self.conn, id, self.tail.of(id))?)
     }
     fn list_sessions(
         &mut self,
@@ -225,11 +215,10 @@ impl Db for Sqlite {
         limit: usize,
         cwd: Option<&str>,
     ) -> R<SessionPage> {
+        let tail = &self.tail;
+        let updated = |s| tail.of(s).last().map(|e| e.last_ts_ms);
         Ok(sessions::list_sessions(
-            self.all_indexed()?,
-            cursor,
-            limit,
-            cwd,
+            &self.conn, cursor, limit, cwd, updated,
         )?)
     }
     fn save_state(&mut self, id: SessionId, column: StateColumn, value: &str) -> R<()> {
@@ -251,18 +240,26 @@ impl Db for Sqlite {
         Ok(sessions::close(&self.conn, id)?)
     }
     fn delete_session(&mut self, id: SessionId) -> R<bool> {
-        Ok(sessions::delete(self.indexed(id)?, id)?)
+        let deleted = sessions::delete(&mut self.conn, id, self.tail.of(id))?;
+        self.tail.forget(id);
+        Ok(deleted)
     }
     fn history(&mut self, session: SessionId, before: u64, limit: usize) -> R<HistoryPage> {
         Ok(log::history(
-            self.indexed(session)?,
+            &self.conn,
             session,
             before,
             limit,
+            self.tail.of(session),
         )?)
     }
     fn last_of_kinds(&mut self, session: SessionId, kinds: &[&str]) -> R<Option<StoredEvent>> {
-        Ok(log::last_of_kinds(self.indexed(session)?, session, kinds)?)
+        Ok(log::last_of_kinds(
+            &self.conn,
+            session,
+            kinds,
+            self.tail.of(session),
+        )?)
     }
     fn events_after(
         &mut self,
@@ -271,10 +268,11 @@ impl Db for Sqlite {
         limit: usize,
     ) -> R<Vec<StoredEvent>> {
         Ok(log::events_after(
-            self.indexed(session)?,
+            &self.conn,
             session,
             after,
             limit,
+            self.tail.of(session),
         )?)
     }
     fn unsettled(&mut self) -> R<Vec<Unsettled>> {

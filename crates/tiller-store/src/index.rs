@@ -12,20 +12,31 @@
 //! segments wait here, in memory, and are written later, many of a
 //! session's at once: the oldest sessions' in small transactions between
 //! commits once [`PENDING`] entries wait (or the oldest is [`AGE`] rows
-//! behind), at most [`WRITE`] at a time, and a session's own before
-//! anything reads its log (every read goes through the index, whole).
+//! behind), at most [`WRITE`] at a time, and all of them at a clean
+//! close.
+//!
+//! Writing the index is an optimisation, never what a read waits for: a
+//! session's waiting entries are its newest segments (each session's
+//! entries are written oldest first), and each names its row in `log`, so
+//! a read takes what the index names and then the waiting segments by
+//! row number ([`Tail::of`]); a head and a last activity time come from
+//! the newest waiting entry. Reads and opening the store write nothing,
+//! so on a full disk they still work.
 //!
 //! Nothing is lost when the process dies with entries waiting: the
 //! segments are in the log, and the row `log_indexed.upto` says that
-//! every segment numbered up to it is indexed. Opening the store indexes
-//! the segments after it ([`Tail::open`]). Segment numbers are the
-//! writer's ([`Tail::next_n`]), always above every number used before,
-//! so a segment written later is never numbered at or below `upto`.
+//! every segment numbered up to it is indexed. Opening the store takes
+//! the segments after it that the index does not name back into the
+//! waiting entries ([`Tail::open`]). Segment numbers are the writer's
+//! ([`Tail::next_n`]), always above every number used before, so a
+//! segment written later is never numbered at or below `upto`.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use rusqlite::{Connection, params};
 use tiller_core::SessionId;
+
+use crate::StoreError;
 
 /// Entries waiting that make the oldest sessions' due.
 pub(crate) const PENDING: usize = 8192;
@@ -52,7 +63,15 @@ pub(crate) struct Entry {
     pub(crate) n: i64,
 }
 
+/// The columns of an index entry, in `log` and in `log_index` alike.
+macro_rules! columns {
+    () => {
+        "session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n"
+    };
+}
+
 /// The entries not yet written to `log_index`, each session's in order.
+/// Reads merge them with the index (see the module's documentation).
 #[derive(Default)]
 pub(crate) struct Tail {
     pending: HashMap<SessionId, Vec<Entry>>,
@@ -60,6 +79,11 @@ pub(crate) struct Tail {
     /// first.
     firsts: BTreeSet<(i64, SessionId)>,
     count: usize,
+    /// Sessions whose entries the index refused (a constraint failed:
+    /// the index already names one of their segments). Upkeep passes
+    /// them over, so the others still drain; their entries keep waiting,
+    /// and reads still find them.
+    refused: HashSet<SessionId>,
     /// The number the next segment takes.
     pub(crate) next_n: i64,
     /// Most entries one [`Tail::write_oldest`] writes ([`WRITE`]).
@@ -67,29 +91,56 @@ pub(crate) struct Tail {
 }
 
 impl Tail {
-    /// Indexes what a previous run left unindexed, and starts numbering
-    /// segments after every number used.
-    pub(crate) fn open(conn: &Connection) -> rusqlite::Result<Tail> {
+    /// Takes up what a previous run left unindexed: the segments after
+    /// the mark that the index does not name wait again, as they did
+    /// before the process stopped. Opening writes nothing (a store on a
+    /// full disk still opens, and reads). A segment after the mark whose
+    /// key the index gives to another segment is two segments claiming
+    /// the same events: the store refuses to open rather than hide one.
+    pub(crate) fn open(conn: &Connection) -> Result<Tail, StoreError> {
         let upto: i64 = conn.query_row("SELECT upto FROM log_indexed", [], |r| r.get(0))?;
         let max: i64 = conn.query_row("SELECT COALESCE(MAX(n), 0) FROM log", [], |r| r.get(0))?;
-        let next_n = max.max(upto) + 1;
-        if max > upto {
-            crate::log::in_transaction(conn, |c| {
-                c.execute(
-                    "INSERT OR IGNORE INTO log_index
-                         (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n)
-                     SELECT session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n
-                     FROM log WHERE n > ?1",
-                    params![upto],
-                )?;
-                set_upto(c, next_n - 1)
-            })?;
-        }
-        Ok(Tail {
-            next_n,
+        let mut tail = Tail {
+            next_n: max.max(upto) + 1,
             write_cap: WRITE,
             ..Tail::default()
-        })
+        };
+        let mut stmt = conn.prepare(
+            "SELECT l.session_id, l.first_seq, l.last_seq, l.last_ts_ms, l.max_turn, l.kinds,
+                    l.n, i.n
+             FROM log l LEFT JOIN log_index i
+                 ON i.session_id = l.session_id AND i.first_seq = l.first_seq
+             WHERE l.n > ?1 ORDER BY l.n",
+        )?;
+        let mut rows = stmt.query(params![upto])?;
+        while let Some(r) = rows.next()? {
+            let id: String = r.get(0)?;
+            let e = Entry {
+                first_seq: r.get::<_, i64>(1)? as u64,
+                last_seq: r.get::<_, i64>(2)? as u64,
+                last_ts_ms: r.get(3)?,
+                max_turn: r.get::<_, Option<i64>>(4)?.map(|t| t as u64),
+                kinds: r.get(5)?,
+                n: r.get(6)?,
+            };
+            let Some(session) = SessionId::parse(&id) else {
+                return Err(StoreError::Corrupt(format!(
+                    "the log's segment {} names no session ({id:?})",
+                    e.n
+                )));
+            };
+            match r.get::<_, Option<i64>>(7)? {
+                None => tail.add(session, vec![e]),
+                Some(n) if n == e.n => {}
+                Some(n) => {
+                    return Err(StoreError::Corrupt(format!(
+                        "segments {n} and {} of session {session}'s log both start at event {}",
+                        e.n, e.first_seq
+                    )));
+                }
+            }
+        }
+        Ok(tail)
     }
 
     /// Takes a committed batch's entries (each session's in order).
@@ -105,42 +156,45 @@ impl Tail {
         mine.extend(entries);
     }
 
+    /// A session's waiting entries, in order: its newest segments, after
+    /// every one the index names.
+    pub(crate) fn of(&self, session: SessionId) -> &[Entry] {
+        self.pending.get(&session).map_or(&[], Vec::as_slice)
+    }
+
     /// The last sequence number of a session's waiting entries.
     pub(crate) fn last_seq(&self, session: SessionId) -> Option<u64> {
-        self.pending
-            .get(&session)
-            .and_then(|e| e.last())
-            .map(|e| e.last_seq)
+        self.of(session).last().map(|e| e.last_seq)
+    }
+
+    /// Drops a session's waiting entries (its log was deleted).
+    pub(crate) fn forget(&mut self, session: SessionId) {
+        self.refused.remove(&session);
+        if let Some(e) = self.pending.remove(&session) {
+            self.count -= e.len();
+            self.firsts.remove(&(e[0].n, session));
+        }
     }
 
     /// Whether the oldest sessions' entries should be written now.
     pub(crate) fn due(&self) -> bool {
-        self.count >= PENDING
+        let refused: usize = self.refused.iter().map(|s| self.of(*s).len()).sum();
+        self.count - refused >= PENDING
             || self
                 .firsts
-                .first()
+                .iter()
+                .find(|(_, s)| !self.refused.contains(s))
                 .is_some_and(|(n, _)| *n < self.next_n - AGE)
     }
 
-    /// Writes one session's waiting entries (before a read of its log).
-    pub(crate) fn write_session(
-        &mut self,
-        conn: &Connection,
-        session: SessionId,
-    ) -> rusqlite::Result<()> {
-        match self.pending.get(&session) {
-            Some(e) => {
-                let all = e.len();
-                self.write(conn, &[(session, all)])
-            }
-            None => Ok(()),
-        }
-    }
-
-    /// Writes every waiting entry.
+    /// Writes every waiting entry (at a clean close).
     pub(crate) fn write_all(&mut self, conn: &Connection) -> rusqlite::Result<()> {
-        let all: Vec<(SessionId, usize)> =
-            self.pending.iter().map(|(s, e)| (*s, e.len())).collect();
+        let all: Vec<(SessionId, usize)> = self
+            .pending
+            .iter()
+            .filter(|(s, _)| !self.refused.contains(s))
+            .map(|(s, e)| (*s, e.len()))
+            .collect();
         if all.is_empty() {
             return Ok(());
         }
@@ -148,11 +202,19 @@ impl Tail {
     }
 
     /// Writes the oldest entries of the [`SLICE`] sessions waiting
-    /// longest, at most `write_cap` ([`WRITE`]) of them.
+    /// longest, at most `write_cap` ([`WRITE`]) of them. When the index
+    /// refuses them, each session is tried alone and the ones it refuses
+    /// are passed over from then on (logged); any other failure (a full
+    /// disk) leaves everything waiting for the next try.
     pub(crate) fn write_oldest(&mut self, conn: &Connection) -> rusqlite::Result<()> {
         let mut budget = self.write_cap;
         let mut picked = Vec::new();
-        for &(_, s) in self.firsts.iter().take(SLICE) {
+        for &(_, s) in self
+            .firsts
+            .iter()
+            .filter(|(_, s)| !self.refused.contains(s))
+            .take(SLICE)
+        {
             if budget == 0 {
                 break;
             }
@@ -163,7 +225,22 @@ impl Tail {
         if picked.is_empty() {
             return Ok(());
         }
-        self.write(conn, &picked)
+        match self.write(conn, &picked) {
+            Err(e) if refused(&e) => {
+                let mut first = Ok(());
+                for p in picked {
+                    if let Err(e) = self.write(conn, &[p]) {
+                        if refused(&e) {
+                            tracing::error!(session = %p.0, error = %e, "the log's index refused a session's entries (a segment it already names?); they stay in memory, where the session's reads still find them, and the next open checks them again");
+                            self.refused.insert(p.0);
+                        }
+                        first = first.and(Err(e));
+                    }
+                }
+                first
+            }
+            done => done,
+        }
     }
 
     /// Panics unless the counts and the oldest-first set agree with the
@@ -178,6 +255,16 @@ impl Tail {
             .map(|(s, e)| (e.first().expect("no empty list waits").n, *s))
             .collect();
         assert_eq!(self.firsts, firsts, "each session's first waiting segment");
+        assert!(
+            self.refused.iter().all(|s| self.pending.contains_key(s)),
+            "a refused session waits"
+        );
+    }
+
+    /// Whether a session is passed over by upkeep.
+    #[cfg(test)]
+    pub(crate) fn is_refused(&self, session: SessionId) -> bool {
+        self.refused.contains(&session)
     }
 
     /// Writes the first `k` waiting entries of each `(session, k)`, and
@@ -204,13 +291,13 @@ impl Tail {
         let left = rest.chain(untouched).min();
         let upto = left.map_or(self.next_n - 1, |n| n - 1);
         crate::log::in_transaction(conn, |c| {
-            let mut insert = c.prepare_cached(
-                "INSERT INTO log_index
-                     (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            )?;
+            let mut insert = c.prepare_cached(concat!(
+                "INSERT INTO log_index (",
+                columns!(),
+                ") VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"
+            ))?;
             for (id, s, k) in &sorted {
-                for e in self.pending.get(s).into_iter().flatten().take(*k) {
+                for e in self.of(*s).iter().take(*k) {
                     insert.execute(params![
                         id,
                         e.first_seq as i64,
@@ -248,6 +335,12 @@ impl Tail {
     }
 }
 
+/// Whether the index refused a write (a constraint failed), which
+/// trying again would not change.
+fn refused(e: &rusqlite::Error) -> bool {
+    e.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation)
+}
+
 fn set_upto(conn: &Connection, upto: i64) -> rusqlite::Result<()> {
     conn.prepare_cached("UPDATE log_indexed SET upto = ?1")?
         .execute(params![upto])
@@ -257,7 +350,7 @@ fn set_upto(conn: &Connection, upto: i64) -> rusqlite::Result<()> {
 /// v13: the log's index moves out of the log into `log_index`, written
 /// behind it (see the module's documentation). Every segment is indexed.
 pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
-    conn.execute_batch(
+    conn.execute_batch(concat!(
         "CREATE TABLE log_index (
             session_id TEXT NOT NULL,
             first_seq INTEGER NOT NULL,
@@ -268,11 +361,13 @@ pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
             n INTEGER NOT NULL,
             PRIMARY KEY (session_id, first_seq)
         ) WITHOUT ROWID;
-        INSERT INTO log_index (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n)
-            SELECT session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, n FROM log
-            ORDER BY session_id, first_seq;
+        INSERT INTO log_index (",
+        columns!(),
+        ") SELECT ",
+        columns!(),
+        " FROM log ORDER BY session_id, first_seq;
         DROP INDEX log_session;
         CREATE TABLE log_indexed (upto INTEGER NOT NULL);
-        INSERT INTO log_indexed (upto) SELECT COALESCE(MAX(n), 0) FROM log;",
-    )
+        INSERT INTO log_indexed (upto) SELECT COALESCE(MAX(n), 0) FROM log;"
+    ))
 }

@@ -157,6 +157,155 @@ async fn segments_left_unindexed_by_a_crash_are_indexed_at_open() {
     assert_eq!((log, index), (31, 31), "the deleted session left rows");
 }
 
+/// A store whose disk takes no more writes: reads of logs whose newest
+/// entries wait to be indexed still answer whole (they merge the waiting
+/// segments, they do not write them first), and after a process died
+/// with entries waiting the store still opens and reads. Before, each
+/// such read and the opening wrote the index first, so all of them
+/// failed.
+#[test]
+fn reads_and_opening_write_nothing_so_a_full_disk_keeps_them() {
+    use crate::db::{Db, Sqlite};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let open = || {
+        let conn = Connection::open(&path).unwrap();
+        crate::schema::migrate(&conn).unwrap();
+        conn
+    };
+    let sessions: Vec<SessionId> = (0..3).map(|_| SessionId::new()).collect();
+    let mut model = vec![0u64; sessions.len()];
+    let mut db = Sqlite::new(open()).unwrap();
+    let mut heads = Heads::default();
+    for s in &sessions {
+        db.create_session(&rec(*s), None).unwrap();
+    }
+    for (mask, n) in [(0b111, 40), (0b011, 9), (0b001, 30)] {
+        let b = batch(&sessions, mask, n, &mut model);
+        db.append_batch(&mut heads, &b).unwrap();
+    }
+    let full = |db: &mut Sqlite| {
+        db.conn.pragma_update(None, "query_only", true).unwrap();
+        for (i, s) in sessions.iter().enumerate() {
+            let last = model[i];
+            let head = db.head(*s).unwrap();
+            assert_eq!((head.last_seq, head.last_turn), (last, last / 3));
+            let (row, head) = db.get_session(*s).unwrap().expect("the session");
+            assert_eq!((row.updated_ms, head.last_seq), (1_000 + last as i64, last));
+            let page = db.history(*s, i64::MAX as u64, 10).unwrap();
+            let seqs: Vec<u64> = page.events.iter().map(|e| e.seq).collect();
+            assert_eq!(seqs, (last - 9..=last).collect::<Vec<_>>());
+            let after = db.events_after(*s, 5, 3).unwrap();
+            assert_eq!(after.iter().map(|e| e.seq).collect::<Vec<_>>(), [6, 7, 8]);
+            let newest = db.last_of_kinds(*s, &["turn_error"]).unwrap();
+            assert_eq!(newest.map(|e| e.seq), Some(last - last % 7));
+        }
+        let listed = db.list_sessions(None, 10, None).unwrap();
+        let mut updated: Vec<i64> = listed.sessions.iter().map(|r| r.updated_ms).collect();
+        updated.sort_unstable();
+        assert_eq!(updated, [1_040, 1_049, 1_079]);
+    };
+    full(&mut db);
+    // The close cannot write the waiting entries either: what a process
+    // that died leaves.
+    drop(db);
+    let conn = open();
+    conn.pragma_update(None, "query_only", true).unwrap();
+    let mut db = Sqlite::new(conn).expect("a store on a full disk opens");
+    full(&mut db);
+    // Space again: the log goes on, and the index catches up.
+    db.conn.pragma_update(None, "query_only", false).unwrap();
+    let b = batch(&sessions, 0b001, 1, &mut model);
+    db.append_batch(&mut heads, &b).unwrap();
+    drop(db);
+    let conn = open();
+    let (log, index): (i64, i64) = conn
+        .query_row(
+            "SELECT (SELECT COUNT(*) FROM log), (SELECT COUNT(*) FROM log_index)",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(log, index);
+}
+
+/// A session whose entries the index refuses (it already names one of
+/// their segments: a duplicate, which nothing is known to make) does not
+/// keep the other sessions' entries from being written: upkeep tries
+/// each alone and passes the refused one over, whose reads still find
+/// its log. The next open refuses the store and names the duplicate,
+/// rather than hide one of the two segments.
+#[test]
+fn a_session_the_index_refuses_is_passed_over_and_the_others_drain() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let mut conn = Connection::open(&path).unwrap();
+    crate::schema::migrate(&conn).unwrap();
+    let sessions: Vec<SessionId> = (0..3).map(|_| SessionId::new()).collect();
+    let mut model = vec![0u64; sessions.len()];
+    let mut tail = Tail::open(&conn).unwrap();
+    let mut heads = Heads::default();
+    let b = batch(&sessions, 0b111, 20, &mut model);
+    log::append_batch(&mut conn, &mut heads, &mut tail, &b).unwrap();
+    let bad = sessions[1];
+    let first = tail.of(bad)[0];
+    conn.execute(
+        "INSERT INTO log_index (session_id, first_seq, last_seq, last_ts_ms, kinds, n)
+         VALUES (?1, ?2, ?3, 0, 0, -1)",
+        rusqlite::params![
+            bad.to_string(),
+            first.first_seq as i64,
+            first.last_seq as i64
+        ],
+    )
+    .unwrap();
+    assert!(tail.write_oldest(&conn).is_err(), "the refusal is reported");
+    for s in &sessions {
+        assert_eq!(tail.of(*s).is_empty(), *s != bad, "session {s}");
+    }
+    assert!(tail.is_refused(bad));
+    tail.assert_consistent();
+    // Passed over from then on; its reads still whole.
+    let b = batch(&sessions, 0b111, 5, &mut model);
+    log::append_batch(&mut conn, &mut heads, &mut tail, &b).unwrap();
+    tail.write_oldest(&conn).unwrap();
+    for (i, s) in sessions.iter().enumerate() {
+        assert_eq!(tail.of(*s).is_empty(), *s != bad, "session {s}");
+        check(&conn, &tail, *s, model[i]);
+    }
+    let refused = Tail::open(&conn).err().expect("the duplicate is refused");
+    assert!(
+        matches!(&refused, crate::StoreError::Corrupt(why) if why.contains(&bad.to_string())),
+        "{refused}"
+    );
+}
+
+/// A database a newer Tiller wrote (a schema version above this
+/// binary's) is refused at open: this binary would neither know its
+/// tables nor keep their rules (an older one would append without the
+/// index and reuse segment numbers).
+#[tokio::test]
+async fn a_store_from_a_newer_tiller_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    Store::open(&path).unwrap().close().await;
+    let newer = crate::schema::latest() + 1;
+    Connection::open(&path)
+        .unwrap()
+        .pragma_update(None, "user_version", newer)
+        .unwrap();
+    let refused = Store::open(&path).err().expect("refused");
+    assert!(
+        matches!(&refused, crate::StoreError::Config(why) if why.contains("newer")),
+        "{refused}"
+    );
+    let version: i64 = Connection::open(&path)
+        .unwrap()
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .unwrap();
+    assert_eq!(version, newer, "nothing was migrated");
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     /// A commit of `n` events of each of the sessions in `mask`.
@@ -164,8 +313,10 @@ enum Op {
     /// Upkeep: the oldest sessions' entries written, at most this many
     /// (a session's may be written in part).
     WriteOldest(usize),
-    /// A read of one session's log (its entries written first).
+    /// Reads of one session's log, on a disk that takes no write.
     Read(usize),
+    /// A session's log deleted (it starts again from 1).
+    Delete(usize),
     /// The process dies: entries waiting are lost, the log is not.
     Crash,
 }
@@ -175,6 +326,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => (1u8..16, 1u64..100).prop_map(|(mask, n)| Op::Append { mask, n }),
         2 => (1usize..20).prop_map(Op::WriteOldest),
         2 => (0usize..4).prop_map(Op::Read),
+        1 => (0usize..4).prop_map(Op::Delete),
         1 => Just(Op::Crash),
     ]
 }
@@ -213,22 +365,43 @@ fn mark_holds(conn: &Connection) {
     assert_eq!(unindexed, 0, "segments at or below the mark are unindexed");
 }
 
-/// Each session's log reads whole and in order.
-fn check(conn: &Connection, tail: &mut Tail, sessions: &[SessionId], model: &[u64]) {
-    for (i, s) in sessions.iter().enumerate() {
-        tail.write_session(conn, *s).unwrap();
-        let page = log::history(conn, *s, i64::MAX as u64, 100_000).unwrap();
-        let seqs: Vec<u64> = page.events.iter().map(|e| e.seq).collect();
-        assert_eq!(seqs, (1..=model[i]).collect::<Vec<_>>());
-        assert_eq!(log::head(conn, *s).unwrap().last_seq, model[i]);
+/// Each session's log reads whole and in order, from the index and the
+/// waiting entries together, and with no write (a full disk).
+fn check(conn: &Connection, tail: &Tail, s: SessionId, last: u64) {
+    conn.pragma_update(None, "query_only", true).unwrap();
+    let waiting = tail.of(s);
+    let page = log::history(conn, s, i64::MAX as u64, 100_000, waiting).unwrap();
+    let seqs: Vec<u64> = page.events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=last).collect::<Vec<_>>());
+    assert_eq!(log::head(conn, s, waiting).unwrap().last_seq, last);
+    // A short page from the middle, and its older neighbour.
+    let before = last / 2 + 1;
+    let page = log::history(conn, s, before, 5, waiting).unwrap();
+    let want: Vec<u64> = (before.saturating_sub(5).max(1)..before).collect();
+    let seqs: Vec<u64> = page.events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, want);
+    assert_eq!(page.has_more, want.first().is_some_and(|f| *f > 1));
+    for after in [0, last / 3, last.saturating_sub(1), last] {
+        let got = log::events_after(conn, s, after, 7, waiting).unwrap();
+        let seqs: Vec<u64> = got.iter().map(|e| e.seq).collect();
+        let want: Vec<u64> = (after + 1..=last).take(7).collect();
+        assert_eq!(seqs, want, "after {after}");
     }
+    let newest = log::last_of_kinds(conn, s, &["turn_error"], waiting).unwrap();
+    assert_eq!(
+        newest.map(|e| e.seq),
+        Some(last - last % 7).filter(|n| *n > 0)
+    );
+    conn.pragma_update(None, "query_only", false).unwrap();
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
-    /// Under any interleaving of commits, upkeep, reads and crashes, the
-    /// index behind the log never loses a segment nor names one twice.
+    /// Under any interleaving of commits, upkeep, reads, deletes and
+    /// crashes, the index behind the log never loses a segment nor names
+    /// one twice, and reads (which write nothing) see every session's log
+    /// whole.
     #[test]
     fn the_index_behind_the_log_loses_nothing_under_any_interleaving(
         ops in proptest::collection::vec(op(), 1..40)
@@ -251,10 +424,13 @@ proptest! {
                     tail.write_cap = cap;
                     tail.write_oldest(&conn).unwrap();
                 }
-                Op::Read(i) => {
-                    tail.write_session(&conn, sessions[i]).unwrap();
-                    let head = log::head(&conn, sessions[i]).unwrap();
-                    prop_assert_eq!(head.last_seq, model[i]);
+                Op::Read(i) => check(&conn, &tail, sessions[i], model[i]),
+                Op::Delete(i) => {
+                    let s = sessions[i];
+                    crate::sessions::delete(&mut conn, s, tail.of(s)).unwrap();
+                    tail.forget(s);
+                    heads.forget([s]);
+                    model[i] = 0;
                 }
                 Op::Crash => {
                     heads = Heads::default();
@@ -265,7 +441,10 @@ proptest! {
             tail.assert_consistent();
         }
         tail = Tail::open(&conn).unwrap();
-        check(&conn, &mut tail, &sessions, &model);
+        for (i, s) in sessions.iter().enumerate() {
+            check(&conn, &tail, *s, model[i]);
+        }
+        tail.write_all(&conn).unwrap();
         let (log, index): (i64, i64) = conn
             .query_row(
                 "SELECT (SELECT COUNT(*) FROM log), (SELECT COUNT(*) FROM log_index)",

@@ -223,6 +223,16 @@ impl Store {
         // is fewer than it has: evicted ones were parsed again per use).
         conn.set_prepared_statement_cache_capacity(256);
         schema::migrate(&conn).map_err(open_err)?;
+        // A newer Tiller's database is refused (migrating it ran no step):
+        // this binary would neither keep its rules nor know its tables.
+        let version = schema::version(&conn).map_err(open_err)?;
+        if version > schema::latest() {
+            return Err(StoreError::Config(format!(
+                "the store at {} has schema version {version}, newer than this Tiller's {}: run the Tiller that wrote it, or a newer one",
+                path.display(),
+                schema::latest()
+            )));
+        }
         let shared = Arc::new(Shared::default());
         // The writer checkpoints, not SQLite inside a commit: a commit's
         // callers are answered before the log is copied into the database
@@ -240,7 +250,7 @@ impl Store {
             },
         ))
         .map_err(open_err)?;
-        let db = db::Sqlite::new(conn).map_err(open_err)?;
+        let db = db::Sqlite::new(conn)?;
         Ok((Writer::new(Box::new(db), shared.clone()), shared))
     }
 

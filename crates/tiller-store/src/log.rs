@@ -262,7 +262,8 @@ pub(crate) fn insert_events<'a>(
     Ok((last, entries))
 }
 
-/// The last sequence number of a session's log (0 when empty).
+/// The last sequence number of a session's log (0 when empty), as the
+/// index names it.
 pub(crate) fn head_seq(conn: &Connection, id: SessionId) -> rusqlite::Result<u64> {
     let mut stmt = conn.prepare_cached(
         "SELECT last_seq FROM log_index WHERE session_id = ?1 ORDER BY first_seq DESC LIMIT 1",
@@ -273,20 +274,35 @@ pub(crate) fn head_seq(conn: &Connection, id: SessionId) -> rusqlite::Result<u64
     Ok(last.unwrap_or(0) as u64)
 }
 
-/// The head of a session's log.
-pub(crate) fn head(conn: &Connection, id: SessionId) -> rusqlite::Result<LogHead> {
+/// The head of a session's log; `waiting` is its segments the index does
+/// not name yet (see [`crate::index`]), its newest.
+pub(crate) fn head(
+    conn: &Connection,
+    id: SessionId,
+    waiting: &[Entry],
+) -> rusqlite::Result<LogHead> {
+    let last_seq = match waiting.last() {
+        Some(e) => e.last_seq,
+        None => head_seq(conn, id)?,
+    };
     // Turn ids grow with sequence numbers: the newest segment with a turn
     // has the highest.
-    let mut stmt = conn.prepare_cached(
-        "SELECT max_turn FROM log_index WHERE session_id = ?1 AND max_turn IS NOT NULL
-         ORDER BY first_seq DESC LIMIT 1",
-    )?;
-    let last_turn: Option<i64> = stmt
-        .query_row(params![id.to_string()], |r| r.get(0))
-        .optional()?;
+    let last_turn = match waiting.iter().rev().find_map(|e| e.max_turn) {
+        Some(t) => t,
+        None => {
+            let mut stmt = conn.prepare_cached(
+                "SELECT max_turn FROM log_index WHERE session_id = ?1 AND max_turn IS NOT NULL
+                 ORDER BY first_seq DESC LIMIT 1",
+            )?;
+            let t: Option<i64> = stmt
+                .query_row(params![id.to_string()], |r| r.get(0))
+                .optional()?;
+            t.unwrap_or(0) as u64
+        }
+    };
     Ok(LogHead {
-        last_seq: head_seq(conn, id)?,
-        last_turn: last_turn.unwrap_or(0) as u64,
+        last_seq,
+        last_turn,
     })
 }
 
@@ -294,25 +310,51 @@ fn corrupt(e: segment::Corrupt) -> rusqlite::Error {
     rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Blob, Box::new(e))
 }
 
+fn decode(session: SessionId, row: &rusqlite::Row<'_>) -> rusqlite::Result<Vec<StoredEvent>> {
+    segment::decode(session, row.get_ref(0)?.as_blob()?).map_err(corrupt)
+}
+
+/// The events of a segment the index does not name yet, by its row.
+fn waiting_segment(
+    conn: &Connection,
+    session: SessionId,
+    e: &Entry,
+) -> rusqlite::Result<Vec<StoredEvent>> {
+    conn.prepare_cached("SELECT body FROM log WHERE n = ?1")?
+        .query_row(params![e.n], |r| decode(session, r))
+}
+
+/// Up to `limit` events before `before`, and whether older ones exist;
+/// `waiting` as for [`head`].
 pub(crate) fn history(
     conn: &Connection,
     session: SessionId,
     before: u64,
     limit: usize,
+    waiting: &[Entry],
 ) -> rusqlite::Result<HistoryPage> {
-    let mut stmt = conn.prepare_cached(
-        "SELECT l.body FROM log_index i JOIN log l ON l.n = i.n
-         WHERE i.session_id = ?1 AND i.first_seq < ?2 ORDER BY i.first_seq DESC",
-    )?;
-    let mut rows = stmt.query(params![session.to_string(), before as i64])?;
-    // Newest first, one more than asked (to tell whether older ones exist).
+    // Newest first, one more than asked (to tell whether older ones
+    // exist): the waiting segments, then what the index names.
     let mut events = Vec::new();
-    while events.len() <= limit
-        && let Some(row) = rows.next()?
-    {
-        let body = row.get_ref(0)?.as_blob()?;
-        let seg = segment::decode(session, body).map_err(corrupt)?;
+    for e in waiting.iter().rev().filter(|e| e.first_seq < before) {
+        if events.len() > limit {
+            break;
+        }
+        let seg = waiting_segment(conn, session, e)?;
         events.extend(seg.into_iter().rev().filter(|e| e.seq < before));
+    }
+    if events.len() <= limit {
+        let mut stmt = conn.prepare_cached(
+            "SELECT l.body FROM log_index i JOIN log l ON l.n = i.n
+             WHERE i.session_id = ?1 AND i.first_seq < ?2 ORDER BY i.first_seq DESC",
+        )?;
+        let mut rows = stmt.query(params![session.to_string(), before as i64])?;
+        while events.len() <= limit
+            && let Some(row) = rows.next()?
+        {
+            let seg = decode(session, row)?;
+            events.extend(seg.into_iter().rev().filter(|e| e.seq < before));
+        }
     }
     let has_more = events.len() > limit;
     events.truncate(limit);
@@ -320,26 +362,32 @@ pub(crate) fn history(
     Ok(HistoryPage { events, has_more })
 }
 
+/// The newest event of one of `kinds`; `waiting` as for [`head`].
 pub(crate) fn last_of_kinds(
     conn: &Connection,
     session: SessionId,
     kinds: &[&str],
+    waiting: &[Entry],
 ) -> rusqlite::Result<Option<StoredEvent>> {
     let mask = kinds.iter().fold(0, |m, k| m | segment::kind_bit(k));
+    let newest = |seg: Vec<StoredEvent>| {
+        seg.into_iter()
+            .rev()
+            .find(|e| kinds.contains(&e.kind.as_str()))
+    };
+    for e in waiting.iter().rev().filter(|e| e.kinds & mask != 0) {
+        if let Some(found) = newest(waiting_segment(conn, session, e)?) {
+            return Ok(Some(found));
+        }
+    }
     let mut stmt = conn.prepare_cached(
         "SELECT l.body FROM log_index i JOIN log l ON l.n = i.n
          WHERE i.session_id = ?1 AND (i.kinds & ?2) != 0 ORDER BY i.first_seq DESC",
     )?;
     let mut rows = stmt.query(params![session.to_string(), mask])?;
     while let Some(row) = rows.next()? {
-        let body = row.get_ref(0)?.as_blob()?;
-        let seg = segment::decode(session, body).map_err(corrupt)?;
-        if let Some(e) = seg
-            .into_iter()
-            .rev()
-            .find(|e| kinds.contains(&e.kind.as_str()))
-        {
-            return Ok(Some(e));
+        if let Some(found) = newest(decode(session, row)?) {
+            return Ok(Some(found));
         }
     }
     Ok(None)
@@ -367,28 +415,43 @@ pub(crate) fn unsettled(conn: &Connection) -> rusqlite::Result<Vec<Unsettled>> {
     Ok(out)
 }
 
+/// Up to `limit` events after `after`, oldest first; `waiting` as for
+/// [`head`].
 pub(crate) fn events_after(
     conn: &Connection,
     session: SessionId,
     after: u64,
     limit: usize,
+    waiting: &[Entry],
 ) -> rusqlite::Result<Vec<StoredEvent>> {
     // From the segment holding `after + 1` (the newest starting at or
-    // before it), then every later one.
-    let mut stmt = conn.prepare_cached(
-        "SELECT l.body FROM log_index i JOIN log l ON l.n = i.n
-         WHERE i.session_id = ?1 AND i.first_seq >= (
-             SELECT COALESCE(MAX(first_seq), 0) FROM log_index
-             WHERE session_id = ?1 AND first_seq <= ?2
-         ) ORDER BY i.first_seq",
-    )?;
-    let mut rows = stmt.query(params![session.to_string(), after as i64 + 1])?;
+    // before it), then every later one: among the waiting segments when
+    // the first of them starts at or before it, else in the index and on
+    // through every waiting one.
+    let from = after + 1;
+    let in_waiting = waiting.partition_point(|e| e.first_seq <= from);
     let mut events = Vec::new();
-    while events.len() < limit
-        && let Some(row) = rows.next()?
-    {
-        let body = row.get_ref(0)?.as_blob()?;
-        let seg = segment::decode(session, body).map_err(corrupt)?;
+    if in_waiting == 0 {
+        let mut stmt = conn.prepare_cached(
+            "SELECT l.body FROM log_index i JOIN log l ON l.n = i.n
+             WHERE i.session_id = ?1 AND i.first_seq >= (
+                 SELECT COALESCE(MAX(first_seq), 0) FROM log_index
+                 WHERE session_id = ?1 AND first_seq <= ?2
+             ) ORDER BY i.first_seq",
+        )?;
+        let mut rows = stmt.query(params![session.to_string(), from as i64])?;
+        while events.len() < limit
+            && let Some(row) = rows.next()?
+        {
+            let seg = decode(session, row)?;
+            events.extend(seg.into_iter().filter(|e| e.seq > after));
+        }
+    }
+    for e in &waiting[in_waiting.saturating_sub(1)..] {
+        if events.len() >= limit {
+            break;
+        }
+        let seg = waiting_segment(conn, session, e)?;
         events.extend(seg.into_iter().filter(|e| e.seq > after));
     }
     events.truncate(limit);

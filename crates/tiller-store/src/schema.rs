@@ -220,6 +220,16 @@ fn log_segments(conn: &Connection) -> rusqlite::Result<()> {
     conn.execute_batch("DROP TABLE events;")
 }
 
+/// The schema version this binary writes: the number of migrations.
+pub(crate) fn latest() -> i64 {
+    (SCHEMA.len() + RUST_MIGRATIONS.len()) as i64
+}
+
+/// A database's schema version (0 for a new file).
+pub(crate) fn version(conn: &Connection) -> rusqlite::Result<i64> {
+    conn.pragma_query_value(None, "user_version", |r| r.get(0))
+}
+
 pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     // One process owns the store: the lock is taken at open and held (a
     // second daemon on the same file fails at start instead of settling
@@ -233,7 +243,7 @@ pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
     conn.pragma_update(None, "synchronous", "NORMAL")?;
     conn.pragma_update(None, "foreign_keys", "ON")?;
     conn.execute_batch("BEGIN EXCLUSIVE; COMMIT;")?;
-    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    let version = version(conn)?;
     for (i, sql) in SCHEMA.iter().enumerate().skip(version as usize) {
         let tx = conn.unchecked_transaction()?;
         tx.execute_batch(sql)?;

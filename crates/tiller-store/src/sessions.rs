@@ -3,6 +3,7 @@
 use rusqlite::{Connection, OptionalExtension, params};
 use tiller_core::SessionId;
 
+use crate::index::Entry;
 use crate::{
     ConversationWrite, LogHead, SessionExtras, SessionPage, SessionRecord, StateColumn,
     StoredConversation,
@@ -37,8 +38,10 @@ pub(crate) fn create_session(conn: &Connection, rec: &SessionRecord) -> rusqlite
     .map(drop)
 }
 
-/// A session's last activity: the time of its newest event (one index
-/// seek), or its creation. Appends do not write the session row.
+/// A session's last activity: the time of its newest event the index
+/// names (one index seek), or its creation. Appends do not write the
+/// session row; the newest events may still wait to be indexed (see
+/// [`crate::index`]), and the callers take their time then.
 const UPDATED: &str =
     "COALESCE((SELECT last_ts_ms FROM log_index l WHERE l.session_id = sessions.id
     ORDER BY l.first_seq DESC LIMIT 1), updated_ms) AS updated_ms";
@@ -58,11 +61,14 @@ fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionRecord> {
     })
 }
 
+/// A session and its log's head; `waiting` is its segments the index
+/// does not name yet, its newest.
 pub(crate) fn get_session(
     conn: &Connection,
     id: SessionId,
+    waiting: &[Entry],
 ) -> rusqlite::Result<Option<(SessionRecord, LogHead)>> {
-    let Some(rec) = conn
+    let Some(mut rec) = conn
         .query_row(
             &format!("SELECT id, cwd, title, created_ms, {UPDATED}, closed, channel FROM sessions WHERE id = ?1"),
             params![id.to_string()],
@@ -72,14 +78,20 @@ pub(crate) fn get_session(
     else {
         return Ok(None);
     };
-    Ok(Some((rec, crate::log::head(conn, id)?)))
+    if let Some(e) = waiting.last() {
+        rec.updated_ms = e.last_ts_ms;
+    }
+    Ok(Some((rec, crate::log::head(conn, id, waiting)?)))
 }
 
+/// A page of open sessions, newest first; `updated` is a session's last
+/// activity when its newest events wait to be indexed.
 pub(crate) fn list_sessions(
     conn: &Connection,
     cursor: Option<i64>,
     limit: usize,
     cwd: Option<&str>,
+    updated: impl Fn(SessionId) -> Option<i64>,
 ) -> rusqlite::Result<SessionPage> {
     let mut stmt = conn.prepare_cached(&format!(
         "SELECT n, id, cwd, title, created_ms, {UPDATED}, closed, channel FROM sessions
@@ -95,7 +107,11 @@ pub(crate) fn list_sessions(
             break;
         }
         last_n = Some(r.get::<_, i64>("n")?);
-        sessions.push(session_row(r)?);
+        let mut rec = session_row(r)?;
+        if let Some(ms) = updated(rec.id) {
+            rec.updated_ms = ms;
+        }
+        sessions.push(rec);
     }
     Ok(SessionPage {
         sessions,
@@ -143,16 +159,23 @@ pub(crate) const SESSION_TABLES: [&str; 9] = [
 /// Removes a session and everything kept for it, in one transaction:
 /// its log, prompt ledger, queued work (notifications, cron jobs and their
 /// fires, goal), webhook deliveries, state and conversation. False when
-/// there was no such session.
-pub(crate) fn delete(conn: &mut Connection, id: SessionId) -> rusqlite::Result<bool> {
+/// there was no such session. The log has no index of its own (see
+/// [`crate::index`]): its rows are the ones `log_index` names and the
+/// `waiting` ones.
+pub(crate) fn delete(
+    conn: &mut Connection,
+    id: SessionId,
+    waiting: &[Entry],
+) -> rusqlite::Result<bool> {
     let id = id.to_string();
     let tx = conn.transaction()?;
-    // The log has no index of its own (see `crate::index`): its rows are
-    // found through `log_index`, which the caller wrote whole first.
     tx.execute(
         "DELETE FROM log WHERE n IN (SELECT n FROM log_index WHERE session_id = ?1)",
         params![id],
     )?;
+    for e in waiting {
+        tx.execute("DELETE FROM log WHERE n = ?1", params![e.n])?;
+    }
     tx.execute("DELETE FROM log_index WHERE session_id = ?1", params![id])?;
     for table in SESSION_TABLES.iter().filter(|t| **t != "log") {
         tx.execute(
