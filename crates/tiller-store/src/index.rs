@@ -261,6 +261,12 @@ impl Tail {
         );
     }
 
+    /// Every waiting entry, by session.
+    #[cfg(test)]
+    pub(crate) fn clone_waiting(&self) -> std::collections::BTreeMap<SessionId, Vec<Entry>> {
+        self.pending.iter().map(|(s, e)| (*s, e.clone())).collect()
+    }
+
     /// Whether a session is passed over by upkeep.
     #[cfg(test)]
     pub(crate) fn is_refused(&self, session: SessionId) -> bool {

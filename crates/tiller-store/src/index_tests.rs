@@ -319,6 +319,9 @@ enum Op {
     Delete(usize),
     /// The process dies: entries waiting are lost, the log is not.
     Crash,
+    /// A commit, and then upkeep, on a disk that takes no write: both
+    /// fail, and nothing changes.
+    Full { mask: u8, n: u64 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -328,6 +331,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0usize..4).prop_map(Op::Read),
         1 => (0usize..4).prop_map(Op::Delete),
         1 => Just(Op::Crash),
+        1 => (1u8..16, 1u64..20).prop_map(|(mask, n)| Op::Full { mask, n }),
     ]
 }
 
@@ -431,6 +435,17 @@ proptest! {
                     tail.forget(s);
                     heads.forget([s]);
                     model[i] = 0;
+                }
+                Op::Full { mask, n } => {
+                    conn.pragma_update(None, "query_only", true).unwrap();
+                    let mut lost = model.clone();
+                    let b = batch(&sessions, mask, n, &mut lost);
+                    prop_assert!(log::append_batch(&mut conn, &mut heads, &mut tail, &b).is_err());
+                    let waiting = tail.clone_waiting();
+                    tail.write_cap = 1024;
+                    prop_assert!(tail.write_oldest(&conn).is_err() || waiting.is_empty());
+                    prop_assert_eq!(tail.clone_waiting(), waiting);
+                    conn.pragma_update(None, "query_only", false).unwrap();
                 }
                 Op::Crash => {
                     heads = Heads::default();
