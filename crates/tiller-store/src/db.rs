@@ -148,7 +148,7 @@ pub(crate) struct Sqlite {
 impl Sqlite {
     /// Takes a migrated connection, and what a previous run left
     /// unindexed.
-    pub(crate) fn new(conn: rusqlite::Connection) -> R<Sqlite> {
+    pub(crate) fn new(conn: rusqlite::Connection) -> rusqlite::Result<Sqlite> {
         let tail = Tail::open(&conn)?;
         Ok(Sqlite { conn, tail })
     }
@@ -197,7 +197,7 @@ impl Db for Sqlite {
         64
     }
     fn head(&mut self, session: SessionId) -> R<LogHead> {
-        Ok(log::head(&self.conn, session, self.tail.of(session))?)
+        Ok(log::head(&self.conn, session, self.tail.readable(session)?)?)
     }
     fn create_session(&mut self, rec: &SessionRecord, engine: Option<&str>) -> R<()> {
         match engine {
@@ -207,7 +207,7 @@ impl Db for Sqlite {
         Ok(())
     }
     fn get_session(&mut self, id: SessionId) -> R<Option<(SessionRecord, LogHead)>> {
-        Ok(sessions::get_session(&self.conn, id, self.tail.of(id))?)
+        Ok(sessions::get_session(&self.conn, id, self.tail.readable(id)?)?)
     }
     fn list_sessions(
         &mut self,
@@ -250,7 +250,7 @@ impl Db for Sqlite {
             session,
             before,
             limit,
-            self.tail.of(session),
+            self.tail.readable(session)?,
         )?)
     }
     fn last_of_kinds(&mut self, session: SessionId, kinds: &[&str]) -> R<Option<StoredEvent>> {
@@ -258,7 +258,7 @@ impl Db for Sqlite {
             &self.conn,
             session,
             kinds,
-            self.tail.of(session),
+            self.tail.readable(session)?,
         )?)
     }
     fn events_after(
@@ -272,7 +272,7 @@ impl Db for Sqlite {
             session,
             after,
             limit,
-            self.tail.of(session),
+            self.tail.readable(session)?,
         )?)
     }
     fn unsettled(&mut self) -> R<Vec<Unsettled>> {

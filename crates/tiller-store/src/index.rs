@@ -31,7 +31,7 @@
 //! ([`Tail::next_n`]), always above every number used before, so a
 //! segment written later is never numbered at or below `upto`.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 
 use rusqlite::{Connection, params};
 use tiller_core::SessionId;
@@ -48,7 +48,7 @@ pub(crate) const SLICE: usize = 64;
 /// commits queued meanwhile stays short.
 pub(crate) const WRITE: usize = 1024;
 /// How far (in segments) the oldest waiting entry may fall behind the
-/// newest: it bounds what opening the store reindexes.
+/// newest: it bounds what opening the store reads back into the Tail.
 pub(crate) const AGE: i64 = 8 * PENDING as i64;
 
 /// One segment's entry in the index.
@@ -79,11 +79,13 @@ pub(crate) struct Tail {
     /// first.
     firsts: BTreeSet<(i64, SessionId)>,
     count: usize,
-    /// Sessions whose entries the index refused (a constraint failed:
-    /// the index already names one of their segments). Upkeep passes
-    /// them over, so the others still drain; their entries keep waiting,
-    /// and reads still find them.
-    refused: HashSet<SessionId>,
+    /// Sessions whose log is damaged, with what is wrong: two of their
+    /// segments claim the same events (the index refused an entry, or
+    /// opening found the clash). Upkeep passes them over, so the others
+    /// still drain; their entries keep waiting (so deleting the session,
+    /// the repair, finds every row), and reads of their log are refused
+    /// rather than showing events twice.
+    set_aside: HashMap<SessionId, String>,
     /// The number the next segment takes.
     pub(crate) next_n: i64,
     /// Most entries one [`Tail::write_oldest`] writes ([`WRITE`]).
@@ -94,10 +96,13 @@ impl Tail {
     /// Takes up what a previous run left unindexed: the segments after
     /// the mark that the index does not name wait again, as they did
     /// before the process stopped. Opening writes nothing (a store on a
-    /// full disk still opens, and reads). A segment after the mark whose
-    /// key the index gives to another segment is two segments claiming
-    /// the same events: the store refuses to open rather than hide one.
-    pub(crate) fn open(conn: &Connection) -> Result<Tail, StoreError> {
+    /// full disk still opens, and reads). A session two of whose
+    /// segments claim the same events (a key the index gives to another
+    /// segment, or two waiting segments that overlap) is set aside, and
+    /// the others open as usual; a segment naming no session (which no
+    /// read can reach) is left where it is. Both are logged and counted
+    /// (`tiller_store_damaged_sessions`, `tiller doctor` names them).
+    pub(crate) fn open(conn: &Connection) -> rusqlite::Result<Tail> {
         let upto: i64 = conn.query_row("SELECT upto FROM log_indexed", [], |r| r.get(0))?;
         let max: i64 = conn.query_row("SELECT COALESCE(MAX(n), 0) FROM log", [], |r| r.get(0))?;
         let mut tail = Tail {
@@ -124,23 +129,50 @@ impl Tail {
                 n: r.get(6)?,
             };
             let Some(session) = SessionId::parse(&id) else {
-                return Err(StoreError::Corrupt(format!(
-                    "the log's segment {} names no session ({id:?})",
-                    e.n
-                )));
+                tracing::error!(segment = e.n, session_id = %id.escape_debug(), "the log's segment names no session; no read reaches it, and it is left where it is (`tiller doctor` lists it)");
+                continue;
             };
-            match r.get::<_, Option<i64>>(7)? {
-                None => tail.add(session, vec![e]),
-                Some(n) if n == e.n => {}
-                Some(n) => {
-                    return Err(StoreError::Corrupt(format!(
-                        "segments {n} and {} of session {session}'s log both start at event {}",
+            let clash = match (r.get::<_, Option<i64>>(7)?, tail.of(session).last()) {
+                (Some(n), _) if n == e.n => continue,
+                (Some(n), _) => Some(n),
+                (None, Some(prev)) if e.first_seq <= prev.last_seq => Some(prev.n),
+                (None, _) => None,
+            };
+            tail.add(session, vec![e]);
+            if let Some(other) = clash {
+                tail.set_aside(
+                    session,
+                    format!(
+                        "segments {other} and {} of its log both hold event {}",
                         e.n, e.first_seq
-                    )));
-                }
+                    ),
+                );
             }
         }
         Ok(tail)
+    }
+
+    /// Sets a damaged session aside (see the field of that name), logged
+    /// and counted; the first reason found is kept.
+    fn set_aside(&mut self, session: SessionId, why: String) {
+        if self.set_aside.contains_key(&session) {
+            return;
+        }
+        tracing::error!(%session, problem = %why, "a session's log is damaged: its reads are refused and its index entries stay unwritten until it is deleted (`DELETE /api/sessions/<id>?purge=true`); the other sessions are unaffected");
+        self.set_aside.insert(session, why);
+        metrics::gauge!("tiller_store_damaged_sessions").set(self.set_aside.len() as f64);
+    }
+
+    /// A session's waiting entries, for a read of its log; refused when
+    /// the session is set aside (its log is damaged).
+    pub(crate) fn readable(&self, session: SessionId) -> Result<&[Entry], StoreError> {
+        match self.set_aside.get(&session) {
+            None => Ok(self.of(session)),
+            Some(why) => Err(StoreError::Corrupt(format!(
+                "session {session}'s log is damaged ({why}): delete it \
+                 (`DELETE /api/sessions/{session}?purge=true`) to repair the store"
+            ))),
+        }
     }
 
     /// Takes a committed batch's entries (each session's in order).
@@ -169,7 +201,9 @@ impl Tail {
 
     /// Drops a session's waiting entries (its log was deleted).
     pub(crate) fn forget(&mut self, session: SessionId) {
-        self.refused.remove(&session);
+        if self.set_aside.remove(&session).is_some() {
+            metrics::gauge!("tiller_store_damaged_sessions").set(self.set_aside.len() as f64);
+        }
         if let Some(e) = self.pending.remove(&session) {
             self.count -= e.len();
             self.firsts.remove(&(e[0].n, session));
@@ -178,12 +212,12 @@ impl Tail {
 
     /// Whether the oldest sessions' entries should be written now.
     pub(crate) fn due(&self) -> bool {
-        let refused: usize = self.refused.iter().map(|s| self.of(*s).len()).sum();
-        self.count - refused >= PENDING
+        let aside: usize = self.set_aside.keys().map(|s| self.of(*s).len()).sum();
+        self.count - aside >= PENDING
             || self
                 .firsts
                 .iter()
-                .find(|(_, s)| !self.refused.contains(s))
+                .find(|(_, s)| !self.set_aside.contains_key(s))
                 .is_some_and(|(n, _)| *n < self.next_n - AGE)
     }
 
@@ -192,27 +226,21 @@ impl Tail {
         let all: Vec<(SessionId, usize)> = self
             .pending
             .iter()
-            .filter(|(s, _)| !self.refused.contains(s))
+            .filter(|(s, _)| !self.set_aside.contains_key(s))
             .map(|(s, e)| (*s, e.len()))
             .collect();
-        if all.is_empty() {
-            return Ok(());
-        }
-        self.write(conn, &all)
+        self.write_or_set_aside(conn, all)
     }
 
     /// Writes the oldest entries of the [`SLICE`] sessions waiting
-    /// longest, at most `write_cap` ([`WRITE`]) of them. When the index
-    /// refuses them, each session is tried alone and the ones it refuses
-    /// are passed over from then on (logged); any other failure (a full
-    /// disk) leaves everything waiting for the next try.
+    /// longest, at most `write_cap` ([`WRITE`]) of them.
     pub(crate) fn write_oldest(&mut self, conn: &Connection) -> rusqlite::Result<()> {
         let mut budget = self.write_cap;
         let mut picked = Vec::new();
         for &(_, s) in self
             .firsts
             .iter()
-            .filter(|(_, s)| !self.refused.contains(s))
+            .filter(|(_, s)| !self.set_aside.contains_key(s))
             .take(SLICE)
         {
             if budget == 0 {
@@ -222,22 +250,38 @@ impl Tail {
             budget -= k;
             picked.push((s, k));
         }
+        self.write_or_set_aside(conn, picked)
+    }
+
+    /// Writes `picked` (see [`Tail::write`]). When the index refuses them
+    /// (a constraint: it names one of their segments already), each
+    /// session is tried alone and the ones it refuses are set aside; any
+    /// other failure (a full disk) leaves everything waiting for the
+    /// next try.
+    fn write_or_set_aside(
+        &mut self,
+        conn: &Connection,
+        picked: Vec<(SessionId, usize)>,
+    ) -> rusqlite::Result<()> {
         if picked.is_empty() {
             return Ok(());
         }
         match self.write(conn, &picked) {
-            Err(e) if refused(&e) => {
+            Err(e) if refused(&e) && picked.len() > 1 => {
                 let mut first = Ok(());
                 for p in picked {
                     if let Err(e) = self.write(conn, &[p]) {
                         if refused(&e) {
-                            tracing::error!(session = %p.0, error = %e, "the log's index refused a session's entries (a segment it already names?); they stay in memory, where the session's reads still find them, and the next open checks them again");
-                            self.refused.insert(p.0);
+                            self.set_aside(p.0, format!("the index refused its entries: {e}"));
                         }
                         first = first.and(Err(e));
                     }
                 }
                 first
+            }
+            Err(e) if refused(&e) => {
+                self.set_aside(picked[0].0, format!("the index refused its entries: {e}"));
+                Err(e)
             }
             done => done,
         }
@@ -256,8 +300,8 @@ impl Tail {
             .collect();
         assert_eq!(self.firsts, firsts, "each session's first waiting segment");
         assert!(
-            self.refused.iter().all(|s| self.pending.contains_key(s)),
-            "a refused session waits"
+            self.set_aside.keys().all(|s| self.pending.contains_key(s)),
+            "a session set aside waits"
         );
     }
 
@@ -267,10 +311,10 @@ impl Tail {
         self.pending.iter().map(|(s, e)| (*s, e.clone())).collect()
     }
 
-    /// Whether a session is passed over by upkeep.
+    /// Whether a session is set aside (passed over by upkeep).
     #[cfg(test)]
-    pub(crate) fn is_refused(&self, session: SessionId) -> bool {
-        self.refused.contains(&session)
+    pub(crate) fn is_set_aside(&self, session: SessionId) -> bool {
+        self.set_aside.contains_key(&session)
     }
 
     /// Writes the first `k` waiting entries of each `(session, k)`, and
@@ -339,6 +383,56 @@ impl Tail {
         }
         Ok(())
     }
+}
+
+/// What is wrong with the log (see [`crate::damaged_logs`]): reads every
+/// segment's key, once.
+pub(crate) fn damaged(conn: &Connection) -> rusqlite::Result<Vec<String>> {
+    // Who a segment's `session_id` names, printable whatever it holds.
+    let who = |id: &str| match SessionId::parse(id) {
+        Some(s) => format!("session {s}"),
+        None => format!("{id:?} (no session)"),
+    };
+    let mut found = Vec::new();
+    let mut overlaps = conn.prepare(
+        "SELECT session_id, first_seq, n, prev_n FROM (
+             SELECT session_id, first_seq, n,
+                    LAG(last_seq) OVER w AS prev_last, LAG(n) OVER w AS prev_n
+             FROM log WINDOW w AS (PARTITION BY session_id ORDER BY first_seq, n)
+         ) WHERE first_seq <= prev_last",
+    )?;
+    let mut rows = overlaps.query([])?;
+    while let Some(r) = rows.next()? {
+        let (id, seq, n, prev): (String, i64, i64, i64) =
+            (r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?);
+        found.push(format!(
+            "{}: segments {prev} and {n} of its log both hold event {seq}",
+            who(&id)
+        ));
+    }
+    let mut misnamed = conn.prepare(
+        "SELECT i.session_id, i.first_seq, i.n FROM log_index i LEFT JOIN log l ON l.n = i.n
+         WHERE l.n IS NULL OR l.session_id != i.session_id OR l.first_seq != i.first_seq",
+    )?;
+    let mut rows = misnamed.query([])?;
+    while let Some(r) = rows.next()? {
+        let (id, seq, n): (String, i64, i64) = (r.get(0)?, r.get(1)?, r.get(2)?);
+        found.push(format!(
+            "{}: its index names segment {n} for event {seq}, which that segment does not hold",
+            who(&id)
+        ));
+    }
+    let mut ids = conn.prepare("SELECT session_id, COUNT(*) FROM log GROUP BY session_id")?;
+    let mut rows = ids.query([])?;
+    while let Some(r) = rows.next()? {
+        let (id, count): (String, i64) = (r.get(0)?, r.get(1)?);
+        if SessionId::parse(&id).is_none() {
+            found.push(format!(
+                "{count} segment(s) of {id:?}, which names no session: no read reaches them"
+            ));
+        }
+    }
+    Ok(found)
 }
 
 /// Whether the index refused a write (a constraint failed), which

@@ -84,10 +84,11 @@ async fn a_commit_of_many_sessions_writes_the_log_not_a_page_per_session() {
 }
 
 /// A process that dies with index entries waiting leaves segments in the
-/// log that the index does not name; opening the store indexes them, so
-/// every read, the heads, the listing and later appends see the whole log.
+/// log that the index does not name; opening the store takes them back
+/// into the waiting entries, so every read, the heads, the listing and
+/// later appends see the whole log.
 #[tokio::test]
-async fn segments_left_unindexed_by_a_crash_are_indexed_at_open() {
+async fn segments_left_unindexed_by_a_crash_wait_again_at_open() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.db");
     let (a, b) = (SessionId::new(), SessionId::new());
@@ -147,14 +148,7 @@ async fn segments_left_unindexed_by_a_crash_are_indexed_at_open() {
     assert!(store.delete_session(b).await.unwrap());
     store.close().await;
     let conn = Connection::open(&path).unwrap();
-    let (log, index): (i64, i64) = conn
-        .query_row(
-            "SELECT (SELECT COUNT(*) FROM log), (SELECT COUNT(*) FROM log_index)",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .unwrap();
-    assert_eq!((log, index), (31, 31), "the deleted session left rows");
+    assert_eq!(rows(&conn), (31, 31), "the deleted session left rows");
 }
 
 /// A store whose disk takes no more writes: reads of logs whose newest
@@ -219,24 +213,19 @@ fn reads_and_opening_write_nothing_so_a_full_disk_keeps_them() {
     db.append_batch(&mut heads, &b).unwrap();
     drop(db);
     let conn = open();
-    let (log, index): (i64, i64) = conn
-        .query_row(
-            "SELECT (SELECT COUNT(*) FROM log), (SELECT COUNT(*) FROM log_index)",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .unwrap();
+    let (log, index) = rows(&conn);
     assert_eq!(log, index);
 }
 
 /// A session whose entries the index refuses (it already names one of
-/// their segments: a duplicate, which nothing is known to make) does not
-/// keep the other sessions' entries from being written: upkeep tries
-/// each alone and passes the refused one over, whose reads still find
-/// its log. The next open refuses the store and names the duplicate,
-/// rather than hide one of the two segments.
+/// their segments: two segments claim the same events, which nothing is
+/// known to make) is set aside: the other sessions' entries are still
+/// written (upkeep and the close try each session alone), its reads are
+/// refused with the repair to make rather than showing events twice,
+/// the store still opens (it once refused to), and deleting the session
+/// repairs it.
 #[test]
-fn a_session_the_index_refuses_is_passed_over_and_the_others_drain() {
+fn a_session_the_index_refuses_is_set_aside_and_the_store_still_opens() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.db");
     let mut conn = Connection::open(&path).unwrap();
@@ -259,25 +248,157 @@ fn a_session_the_index_refuses_is_passed_over_and_the_others_drain() {
         ],
     )
     .unwrap();
+    let refused_read = |tail: &Tail| {
+        let e = tail.readable(bad).err().expect("its reads are refused");
+        let repair = format!("DELETE /api/sessions/{bad}?purge=true");
+        assert!(
+            matches!(&e, crate::StoreError::Corrupt(why) if why.contains(&repair)),
+            "{e}"
+        );
+    };
     assert!(tail.write_oldest(&conn).is_err(), "the refusal is reported");
     for s in &sessions {
         assert_eq!(tail.of(*s).is_empty(), *s != bad, "session {s}");
     }
-    assert!(tail.is_refused(bad));
+    assert!(tail.is_set_aside(bad));
+    refused_read(&tail);
     tail.assert_consistent();
-    // Passed over from then on; its reads still whole.
+    // Passed over from then on, at upkeep and at the close; the others
+    // read whole.
     let b = batch(&sessions, 0b111, 5, &mut model);
     log::append_batch(&mut conn, &mut heads, &mut tail, &b).unwrap();
     tail.write_oldest(&conn).unwrap();
+    let b = batch(&sessions, 0b111, 5, &mut model);
+    log::append_batch(&mut conn, &mut heads, &mut tail, &b).unwrap();
+    tail.write_all(&conn).unwrap();
     for (i, s) in sessions.iter().enumerate() {
         assert_eq!(tail.of(*s).is_empty(), *s != bad, "session {s}");
-        check(&conn, &tail, *s, model[i]);
+        if *s != bad {
+            check(&conn, &tail, *s, model[i]);
+        }
     }
-    let refused = Tail::open(&conn).err().expect("the duplicate is refused");
+    // The next open finds the clash again, and sets the session aside
+    // rather than refusing the store.
+    let mut tail = Tail::open(&conn).expect("the store opens");
+    assert!(tail.is_set_aside(bad));
+    refused_read(&tail);
+    assert_eq!(tail.of(bad).len(), 3, "every segment of it waits");
+    let found = crate::index::damaged(&conn).unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].contains(&bad.to_string()), "{found:?}");
+    // The repair: the session deleted.
+    crate::sessions::delete(&mut conn, bad, tail.of(bad)).unwrap();
+    tail.forget(bad);
+    tail.assert_consistent();
+    let tail = Tail::open(&conn).unwrap();
+    assert!(!tail.is_set_aside(bad));
+    assert_eq!(tail.readable(bad).unwrap().len(), 0);
+    assert_eq!(crate::index::damaged(&conn).unwrap(), Vec::<String>::new());
+    let (log, index) = rows(&conn);
+    assert_eq!((log, index), (6, 6));
+    for (i, s) in sessions.iter().enumerate() {
+        if *s != bad {
+            check(&conn, &tail, *s, model[i]);
+        }
+    }
+}
+
+/// The close, too, writes the other sessions' entries when the index
+/// refuses one session's.
+#[test]
+fn the_close_writes_the_others_when_the_index_refuses_one_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut conn = Connection::open(dir.path().join("t.db")).unwrap();
+    crate::schema::migrate(&conn).unwrap();
+    let sessions: Vec<SessionId> = (0..3).map(|_| SessionId::new()).collect();
+    let mut model = vec![0u64; sessions.len()];
+    let mut tail = Tail::open(&conn).unwrap();
+    let b = batch(&sessions, 0b111, 4, &mut model);
+    log::append_batch(&mut conn, &mut Heads::default(), &mut tail, &b).unwrap();
+    let bad = sessions[0];
+    conn.execute(
+        "INSERT INTO log_index (session_id, first_seq, last_seq, last_ts_ms, kinds, n)
+         VALUES (?1, 1, 1, 0, 0, -1)",
+        [bad.to_string()],
+    )
+    .unwrap();
+    assert!(tail.write_all(&conn).is_err(), "the refusal is reported");
+    for s in &sessions {
+        assert_eq!(tail.of(*s).is_empty(), *s != bad, "session {s}");
+    }
+    assert!(tail.is_set_aside(bad));
+    tail.assert_consistent();
+}
+
+/// Two segments left unindexed that hold the same events (a copy of a
+/// segment: nothing is known to make one) set their session aside at
+/// open, where both once came back into the waiting entries and every
+/// read showed the events twice; a segment that names no session is left
+/// where it is, where it once kept the store from opening. The other
+/// sessions open and go on, and deleting the damaged one repairs the
+/// store. `damaged_logs` (what `tiller doctor` runs) names both.
+#[tokio::test]
+async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let (a, b) = (SessionId::new(), SessionId::new());
+    {
+        let store = Store::open(&path).unwrap();
+        for s in [a, b] {
+            store.create_session(rec(s)).await.unwrap();
+            for seq in 1..=10 {
+                store.append_durable(ev(s, seq), None).await.unwrap();
+            }
+        }
+        store.close().await;
+    }
+    assert_eq!(crate::damaged_logs(&path).unwrap(), Vec::<String>::new());
+    {
+        let conn = Connection::open(&path).unwrap();
+        // What a crash leaves, and then a copy of a's newest segment and
+        // one naming no session.
+        let upto: i64 = conn
+            .query_row("SELECT MAX(n) - 5 FROM log", [], |r| r.get(0))
+            .unwrap();
+        conn.execute("DELETE FROM log_index WHERE n > ?1", [upto])
+            .unwrap();
+        conn.execute("UPDATE log_indexed SET upto = ?1", [upto])
+            .unwrap();
+        for id in [a.to_string(), "not a session\n".into()] {
+            conn.execute(
+                "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
+                 SELECT ?2, first_seq, last_seq, last_ts_ms, max_turn, kinds, body FROM log
+                 WHERE n = (SELECT MAX(n) FROM log WHERE session_id = ?1)",
+                [a.to_string(), id],
+            )
+            .unwrap();
+        }
+    }
+    let found = crate::damaged_logs(&path).unwrap();
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found[0].contains(&format!("session {a}")), "{found:?}");
+    assert!(found[1].contains("names no session"), "{found:?}");
+    let store = Store::open(&path).expect("the store opens");
+    let refused = store.history(a, None, 100).await.err().expect("refused");
     assert!(
-        matches!(&refused, crate::StoreError::Corrupt(why) if why.contains(&bad.to_string())),
+        matches!(&refused, crate::StoreError::Corrupt(why) if why.contains("purge=true")),
         "{refused}"
     );
+    assert!(store.get_session(a).await.is_err());
+    let page = store.history(b, None, 100).await.unwrap();
+    let seqs: Vec<u64> = page.events.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
+    store.append_durable(ev(b, 11), None).await.unwrap();
+    assert!(store.delete_session(a).await.unwrap());
+    store.close().await;
+    let found = crate::damaged_logs(&path).unwrap();
+    assert_eq!(found.len(), 1, "only the nameless segment is left: {found:?}");
+    let store = Store::open(&path).unwrap();
+    assert_eq!(store.history(a, None, 100).await.unwrap().events, []);
+    assert_eq!(store.reopen_log(b).await.unwrap().last_seq, 11);
+    store.close().await;
+    let conn = Connection::open(&path).unwrap();
+    assert_eq!(rows(&conn), (12, 11), "b's segments, and the nameless one");
 }
 
 /// A database a newer Tiller wrote (a schema version above this
@@ -353,6 +474,16 @@ fn batch(sessions: &[SessionId], mask: u8, n: u64, model: &mut [u64]) -> Vec<Pen
         }
     }
     out
+}
+
+/// How many rows the log and its index hold.
+fn rows(conn: &Connection) -> (i64, i64) {
+    conn.query_row(
+        "SELECT (SELECT COUNT(*) FROM log), (SELECT COUNT(*) FROM log_index)",
+        [],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )
+    .unwrap()
 }
 
 /// Every segment numbered up to the mark is in the index: what makes a
@@ -460,13 +591,7 @@ proptest! {
             check(&conn, &tail, *s, model[i]);
         }
         tail.write_all(&conn).unwrap();
-        let (log, index): (i64, i64) = conn
-            .query_row(
-                "SELECT (SELECT COUNT(*) FROM log), (SELECT COUNT(*) FROM log_index)",
-                [],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .unwrap();
+        let (log, index) = rows(&conn);
         prop_assert_eq!(log, index);
     }
 }

@@ -49,16 +49,36 @@ pub const DELIVERY_HOLD_MS: i64 = 120_000;
 /// that is [`StoreError::is_unavailable`]). `Ok` holds SQLite's findings,
 /// empty when the file is sound.
 pub fn integrity_check(path: &Path) -> Result<Vec<String>, StoreError> {
-    let conn = Connection::open_with_flags(
-        path,
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    conn.busy_timeout(std::time::Duration::from_millis(200))?;
+    let conn = read_only(path)?;
     let mut stmt = conn.prepare("PRAGMA integrity_check")?;
     let found: Vec<String> = stmt
         .query_map([], |r| r.get::<_, String>(0))?
         .collect::<Result<_, _>>()?;
     Ok(found.into_iter().filter(|f| f != "ok").collect())
+}
+
+/// What is wrong with the event log of the store at `path` (opened as
+/// [`integrity_check`] opens it), one finding per line: a session two of
+/// whose segments hold the same events, or whose index entry names
+/// another segment (the daemon refuses reads of such a session; deleting
+/// it repairs the store), and segments that name no session (no read
+/// reaches them). Empty when the log is sound, or when the file is not
+/// at this binary's schema version (the daemon migrates it first).
+pub fn damaged_logs(path: &Path) -> Result<Vec<String>, StoreError> {
+    let conn = read_only(path)?;
+    if schema::version(&conn)? != schema::latest() {
+        return Ok(Vec::new());
+    }
+    Ok(index::damaged(&conn)?)
+}
+
+fn read_only(path: &Path) -> Result<Connection, StoreError> {
+    let conn = Connection::open_with_flags(
+        path,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(std::time::Duration::from_millis(200))?;
+    Ok(conn)
 }
 
 /// Called on the store thread (the caller's, inline) once appends of a session committed, with
@@ -250,7 +270,7 @@ impl Store {
             },
         ))
         .map_err(open_err)?;
-        let db = db::Sqlite::new(conn)?;
+        let db = db::Sqlite::new(conn).map_err(open_err)?;
         Ok((Writer::new(Box::new(db), shared.clone()), shared))
     }
 
@@ -608,7 +628,9 @@ impl Store {
         before: Option<u64>,
         limit: usize,
     ) -> Result<HistoryPage, StoreError> {
-        let before = before.unwrap_or(u64::MAX >> 1);
+        // No sequence number is above i64::MAX (both backends store them
+        // signed).
+        let before = before.map_or(u64::MAX >> 1, |b| b.min(u64::MAX >> 1));
         let limit = limit.clamp(1, 10_000);
         self.call_for(session, move |c| c.history(session, before, limit))
             .await
@@ -632,6 +654,8 @@ impl Store {
         after: u64,
         limit: usize,
     ) -> Result<Vec<StoredEvent>, StoreError> {
+        // Nothing follows i64::MAX (see `history`).
+        let after = after.min(u64::MAX >> 1);
         self.call_for(session, move |c| c.events_after(session, after, limit))
             .await
     }

@@ -428,7 +428,7 @@ pub(crate) fn events_after(
     // before it), then every later one: among the waiting segments when
     // the first of them starts at or before it, else in the index and on
     // through every waiting one.
-    let from = after + 1;
+    let from = after.saturating_add(1);
     let in_waiting = waiting.partition_point(|e| e.first_seq <= from);
     let mut events = Vec::new();
     if in_waiting == 0 {

@@ -757,7 +757,7 @@ impl Db for PgDb {
             &q,
             &[
                 &session.to_string(),
-                &(after as i64 + 1),
+                &(after as i64).saturating_add(1),
                 &(limit as i64 + 1),
             ],
         )?;

@@ -756,6 +756,38 @@ mod ledger {
         );
         assert!(!p.has_more);
     }
+
+    /// A `before` or an `after` beyond every sequence number (a client's
+    /// query reaches both) reads as the newest: the whole last page, and
+    /// nothing after. Bound as a signed number, a `before` of 2^63 or
+    /// more read nothing from the index.
+    #[tokio::test]
+    async fn positions_beyond_every_sequence_number_read_as_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let s = SessionId::new();
+        {
+            let store = super::open_store(&path).unwrap();
+            for seq in 1..=10 {
+                store.append(ev(s, seq, "x"), None, None);
+            }
+            // A clean close: the log is read through its index.
+            store.close().await;
+        }
+        let store = super::open_store(&path).unwrap();
+        for before in [None, Some(u64::MAX), Some(1 << 63), Some(i64::MAX as u64)] {
+            let p = store.history(s, before, 4).await.unwrap();
+            let seqs: Vec<u64> = p.events.iter().map(|e| e.seq).collect();
+            assert_eq!(seqs, [7, 8, 9, 10], "before {before:?}");
+            assert!(p.has_more);
+        }
+        for after in [u64::MAX, 1 << 63, i64::MAX as u64, 10] {
+            let got = store.events_after(s, after, 4).await.unwrap();
+            assert!(got.is_empty(), "after {after}: {got:?}");
+        }
+        let got = store.events_after(s, 8, 4).await.unwrap();
+        assert_eq!(got.iter().map(|e| e.seq).collect::<Vec<_>>(), [9, 10]);
+    }
 }
 
 mod notifications {
