@@ -358,7 +358,11 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
         // What a crash leaves, and then a copy of a's newest segment and
         // one naming no session.
         let upto: i64 = conn
-            .query_row("SELECT MAX(n) - 5 FROM log", [], |r| r.get(0))
+            .query_row(
+                "SELECT MAX(n) - 3 FROM log WHERE session_id = ?1",
+                [a.to_string()],
+                |r| r.get(0),
+            )
             .unwrap();
         conn.execute("DELETE FROM log_index WHERE n > ?1", [upto])
             .unwrap();

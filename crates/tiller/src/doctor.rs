@@ -200,9 +200,20 @@ fn store(cfg: &Config, daemon_running: bool) -> Finding {
         );
     }
     match tiller_store::integrity_check(&path) {
-        Ok(found) if found.is_empty() => {
-            finding(Level::Ok, "store", format!("{shown}: integrity_check ok"))
-        }
+        Ok(found) if found.is_empty() => match tiller_store::damaged_logs(&path) {
+            Ok(damaged) if damaged.is_empty() => {
+                finding(Level::Ok, "store", format!("{shown}: integrity_check ok"))
+            }
+            Ok(damaged) => finding(
+                Level::Fail,
+                "store",
+                format!(
+                    "{shown}: damaged session logs ({}); the daemon refuses their reads: delete each such session (`DELETE /api/sessions/<id>?purge=true`) to repair the store",
+                    damaged.iter().take(5).map(String::as_str).collect::<Vec<_>>().join("; ")
+                ),
+            ),
+            Err(e) => finding(Level::Fail, "store", format!("{shown} cannot be read: {e}")),
+        },
         Ok(found) => finding(
             Level::Fail,
             "store",

@@ -145,3 +145,45 @@ fn each_problem_is_named_with_what_to_do() {
         assert!(!out.contains(&std::env::var("PATH").unwrap()), "{out}");
     }
 }
+
+/// A session whose log holds two segments with the same events (the
+/// daemon refuses its reads) is named, with the repair.
+#[tokio::test]
+async fn a_damaged_session_log_is_named_with_its_repair() {
+    let data = private_dir();
+    let db = data.path().join("tiller.db");
+    let id = tiller_core::SessionId::new();
+    {
+        let store = tiller_store::Store::open(&db).unwrap();
+        let event = tiller_store::StoredEvent {
+            session: id,
+            seq: 1,
+            ts_ms: 1,
+            kind: "agent_message_chunk".into(),
+            prompt: None,
+            turn: None,
+            data: "{}".into(),
+        };
+        store.append_durable(event, None).await.unwrap();
+        store.close().await;
+    }
+    let (code, out) = doctor("", data.path());
+    assert_eq!(code, 0, "{out}");
+    rusqlite::Connection::open(&db)
+        .unwrap()
+        .execute(
+            "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
+             SELECT session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body FROM log",
+            [],
+        )
+        .unwrap();
+    let (code, out) = doctor("", data.path());
+    assert_eq!(code, 1, "{out}");
+    for wanted in [
+        "FAIL  store".to_string(),
+        format!("session {id}: segments 1 and 2 of its log both hold event 1"),
+        format!("DELETE /api/sessions/<id>?purge=true"),
+    ] {
+        assert!(out.contains(&wanted), "wanted {wanted:?} in\n{out}");
+    }
+}
