@@ -362,6 +362,12 @@ pub const ALL: &[Metric] = &[
         labels: &[],
     },
     Metric {
+        name: "tiller_store_damaged_sessions",
+        kind: Kind::Gauge,
+        help: "Sessions whose event log is damaged (two segments hold the same events): their reads are refused until they are deleted; `tiller doctor` names them.",
+        labels: &[],
+    },
+    Metric {
         name: "tiller_store_write_seconds",
         kind: Kind::Histogram,
         help: "Time of one store write transaction.",

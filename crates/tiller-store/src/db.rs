@@ -197,7 +197,11 @@ impl Db for Sqlite {
         64
     }
     fn head(&mut self, session: SessionId) -> R<LogHead> {
-        Ok(log::head(&self.conn, session, self.tail.readable(session)?)?)
+        Ok(log::head(
+            &self.conn,
+            session,
+            self.tail.readable(session)?,
+        )?)
     }
     fn create_session(&mut self, rec: &SessionRecord, engine: Option<&str>) -> R<()> {
         match engine {
@@ -207,7 +211,11 @@ impl Db for Sqlite {
         Ok(())
     }
     fn get_session(&mut self, id: SessionId) -> R<Option<(SessionRecord, LogHead)>> {
-        Ok(sessions::get_session(&self.conn, id, self.tail.readable(id)?)?)
+        Ok(sessions::get_session(
+            &self.conn,
+            id,
+            self.tail.readable(id)?,
+        )?)
     }
     fn list_sessions(
         &mut self,

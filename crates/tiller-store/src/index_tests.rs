@@ -249,7 +249,7 @@ fn a_session_the_index_refuses_is_set_aside_and_the_store_still_opens() {
     )
     .unwrap();
     let refused_read = |tail: &Tail| {
-        let e = tail.readable(bad).err().expect("its reads are refused");
+        let e = tail.readable(bad).expect_err("its reads are refused");
         let repair = format!("DELETE /api/sessions/{bad}?purge=true");
         assert!(
             matches!(&e, crate::StoreError::Corrupt(why) if why.contains(&repair)),
@@ -383,7 +383,7 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
     assert!(found[0].contains(&format!("session {a}")), "{found:?}");
     assert!(found[1].contains("names no session"), "{found:?}");
     let store = Store::open(&path).expect("the store opens");
-    let refused = store.history(a, None, 100).await.err().expect("refused");
+    let refused = store.history(a, None, 100).await.expect_err("refused");
     assert!(
         matches!(&refused, crate::StoreError::Corrupt(why) if why.contains("purge=true")),
         "{refused}"
@@ -396,7 +396,11 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
     assert!(store.delete_session(a).await.unwrap());
     store.close().await;
     let found = crate::damaged_logs(&path).unwrap();
-    assert_eq!(found.len(), 1, "only the nameless segment is left: {found:?}");
+    assert_eq!(
+        found.len(),
+        1,
+        "only the nameless segment is left: {found:?}"
+    );
     let store = Store::open(&path).unwrap();
     assert_eq!(store.history(a, None, 100).await.unwrap().events, []);
     assert_eq!(store.reopen_log(b).await.unwrap().last_seq, 11);

@@ -209,7 +209,12 @@ fn store(cfg: &Config, daemon_running: bool) -> Finding {
                 "store",
                 format!(
                     "{shown}: damaged session logs ({}); the daemon refuses their reads: delete each such session (`DELETE /api/sessions/<id>?purge=true`) to repair the store",
-                    damaged.iter().take(5).map(String::as_str).collect::<Vec<_>>().join("; ")
+                    damaged
+                        .iter()
+                        .take(5)
+                        .map(String::as_str)
+                        .collect::<Vec<_>>()
+                        .join("; ")
                 ),
             ),
             Err(e) => finding(Level::Fail, "store", format!("{shown} cannot be read: {e}")),

@@ -182,7 +182,7 @@ async fn a_damaged_session_log_is_named_with_its_repair() {
     for wanted in [
         "FAIL  store".to_string(),
         format!("session {id}: segments 1 and 2 of its log both hold event 1"),
-        format!("DELETE /api/sessions/<id>?purge=true"),
+        "DELETE /api/sessions/<id>?purge=true".to_string(),
     ] {
         assert!(out.contains(&wanted), "wanted {wanted:?} in\n{out}");
     }
