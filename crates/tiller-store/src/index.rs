@@ -33,7 +33,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, params};
 use tiller_core::SessionId;
 
 use crate::StoreError;
@@ -145,6 +145,34 @@ impl Tail {
                     format!(
                         "segments {other} and {} of its log both hold event {}",
                         e.n, e.first_seq
+                    ),
+                );
+            }
+        }
+        // A session's first waiting segment follows what its index names.
+        let mut newest = conn.prepare(
+            "SELECT n, last_seq FROM log_index WHERE session_id = ?1 AND first_seq < ?2
+             ORDER BY first_seq DESC LIMIT 1",
+        )?;
+        let firsts: Vec<(SessionId, Entry)> = tail
+            .pending
+            .iter()
+            .filter(|(s, _)| !tail.set_aside.contains_key(s))
+            .map(|(s, e)| (*s, e[0]))
+            .collect();
+        for (session, first) in firsts {
+            let before = newest
+                .query_row(
+                    params![session.to_string(), first.first_seq as i64],
+                    |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)? as u64)),
+                )
+                .optional()?;
+            if let Some((n, _)) = before.filter(|(_, last)| *last >= first.first_seq) {
+                tail.set_aside(
+                    session,
+                    format!(
+                        "segments {n} and {} of its log both hold event {}",
+                        first.n, first.first_seq
                     ),
                 );
             }

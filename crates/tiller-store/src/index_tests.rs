@@ -330,20 +330,25 @@ fn the_close_writes_the_others_when_the_index_refuses_one_session() {
     tail.assert_consistent();
 }
 
-/// Two segments left unindexed that hold the same events (a copy of a
-/// segment: nothing is known to make one) set their session aside at
-/// open, where both once came back into the waiting entries and every
-/// read showed the events twice; a segment that names no session is left
-/// where it is, where it once kept the store from opening. The other
-/// sessions open and go on, and deleting the damaged one repairs the
-/// store. `damaged_logs` (what `tiller doctor` runs) names both.
+/// Segments that hold the same events (a copy of a segment, or one
+/// claiming events the index gives to another: nothing is known to make
+/// either) set their session aside at open, where both copies once came
+/// back into the waiting entries and every read showed the events twice;
+/// a segment that names no session is left where it is, where it once
+/// kept the store from opening. The other sessions open and go on, and
+/// deleting a damaged one repairs the store. `damaged_logs` (what `tiller
+/// doctor` runs) names them all.
 #[tokio::test]
 async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.db");
-    let (a, b) = (SessionId::new(), SessionId::new());
+    let (a, b, c) = (SessionId::new(), SessionId::new(), SessionId::new());
     {
         let store = Store::open(&path).unwrap();
+        // c's five events in one segment, the first in the log.
+        store.create_session(rec(c)).await.unwrap();
+        let five = (1..=5).map(|seq| (ev(c, seq), None)).collect();
+        store.append_many(five, Arc::new(|_| {}));
         for s in [a, b] {
             store.create_session(rec(s)).await.unwrap();
             for seq in 1..=10 {
@@ -353,13 +358,25 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
         store.close().await;
     }
     assert_eq!(crate::damaged_logs(&path).unwrap(), Vec::<String>::new());
+    let copy = |conn: &Connection, of: SessionId, id: String, first: &str| {
+        conn.execute(
+            &format!(
+                "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
+                 SELECT ?2, {first}, last_seq, last_ts_ms, max_turn, kinds, body FROM log
+                 WHERE n = (SELECT MAX(n) FROM log WHERE session_id = ?1)"
+            ),
+            [of.to_string(), id],
+        )
+        .unwrap();
+    };
     {
         let conn = Connection::open(&path).unwrap();
-        // What a crash leaves, and then a copy of a's newest segment and
-        // one naming no session.
+        // What a crash leaves (a's last two segments and b's unindexed),
+        // then a copy of a's newest segment, one naming no session, and
+        // one claiming c's events 3 to 5.
         let upto: i64 = conn
             .query_row(
-                "SELECT MAX(n) - 3 FROM log WHERE session_id = ?1",
+                "SELECT MAX(n) - 2 FROM log WHERE session_id = ?1",
                 [a.to_string()],
                 |r| r.get(0),
             )
@@ -368,39 +385,34 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
             .unwrap();
         conn.execute("UPDATE log_indexed SET upto = ?1", [upto])
             .unwrap();
-        for id in [a.to_string(), "not a session\n".into()] {
-            conn.execute(
-                "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
-                 SELECT ?2, first_seq, last_seq, last_ts_ms, max_turn, kinds, body FROM log
-                 WHERE n = (SELECT MAX(n) FROM log WHERE session_id = ?1)",
-                [a.to_string(), id],
-            )
-            .unwrap();
-        }
+        copy(&conn, a, a.to_string(), "first_seq");
+        copy(&conn, a, "not a session\n".into(), "first_seq");
+        copy(&conn, c, c.to_string(), "3");
     }
     let found = crate::damaged_logs(&path).unwrap();
-    assert_eq!(found.len(), 2, "{found:?}");
-    assert!(found[0].contains(&format!("session {a}")), "{found:?}");
-    assert!(found[1].contains("names no session"), "{found:?}");
+    assert_eq!(found.len(), 3, "{found:?}");
+    for wanted in [format!("session {a}"), format!("session {c}"), "names no session".into()] {
+        assert!(found.iter().any(|f| f.contains(&wanted)), "{wanted}: {found:?}");
+    }
     let store = Store::open(&path).expect("the store opens");
-    let refused = store.history(a, None, 100).await.expect_err("refused");
-    assert!(
-        matches!(&refused, crate::StoreError::Corrupt(why) if why.contains("purge=true")),
-        "{refused}"
-    );
-    assert!(store.get_session(a).await.is_err());
+    for s in [a, c] {
+        let refused = store.history(s, None, 100).await.expect_err("refused");
+        assert!(
+            matches!(&refused, crate::StoreError::Corrupt(why) if why.contains("purge=true")),
+            "{refused}"
+        );
+        assert!(store.get_session(s).await.is_err());
+    }
     let page = store.history(b, None, 100).await.unwrap();
     let seqs: Vec<u64> = page.events.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
     store.append_durable(ev(b, 11), None).await.unwrap();
-    assert!(store.delete_session(a).await.unwrap());
+    for s in [a, c] {
+        assert!(store.delete_session(s).await.unwrap());
+    }
     store.close().await;
     let found = crate::damaged_logs(&path).unwrap();
-    assert_eq!(
-        found.len(),
-        1,
-        "only the nameless segment is left: {found:?}"
-    );
+    assert_eq!(found.len(), 1, "only the nameless segment is left: {found:?}");
     let store = Store::open(&path).unwrap();
     assert_eq!(store.history(a, None, 100).await.unwrap().events, []);
     assert_eq!(store.reopen_log(b).await.unwrap().last_seq, 11);
