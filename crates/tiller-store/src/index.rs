@@ -98,7 +98,8 @@ impl Tail {
     /// before the process stopped. Opening writes nothing (a store on a
     /// full disk still opens, and reads). A session two of whose
     /// segments claim the same events (a key the index gives to another
-    /// segment, or two waiting segments that overlap) is set aside, and
+    /// segment, a waiting segment overlapping the one before it or the
+    /// newest one the index names) is set aside, and
     /// the others open as usual; a segment naming no session (which no
     /// read can reach) is left where it is. Both are logged and counted
     /// (`tiller_store_damaged_sessions`, `tiller doctor` names them).
@@ -162,10 +163,9 @@ impl Tail {
             .collect();
         for (session, first) in firsts {
             let before = newest
-                .query_row(
-                    params![session.to_string(), first.first_seq as i64],
-                    |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)? as u64)),
-                )
+                .query_row(params![session.to_string(), first.first_seq as i64], |r| {
+                    Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)? as u64))
+                })
                 .optional()?;
             if let Some((n, _)) = before.filter(|(_, last)| *last >= first.first_seq) {
                 tail.set_aside(

@@ -391,8 +391,15 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
     }
     let found = crate::damaged_logs(&path).unwrap();
     assert_eq!(found.len(), 3, "{found:?}");
-    for wanted in [format!("session {a}"), format!("session {c}"), "names no session".into()] {
-        assert!(found.iter().any(|f| f.contains(&wanted)), "{wanted}: {found:?}");
+    for wanted in [
+        format!("session {a}"),
+        format!("session {c}"),
+        "names no session".into(),
+    ] {
+        assert!(
+            found.iter().any(|f| f.contains(&wanted)),
+            "{wanted}: {found:?}"
+        );
     }
     let store = Store::open(&path).expect("the store opens");
     for s in [a, c] {
@@ -412,7 +419,11 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
     }
     store.close().await;
     let found = crate::damaged_logs(&path).unwrap();
-    assert_eq!(found.len(), 1, "only the nameless segment is left: {found:?}");
+    assert_eq!(
+        found.len(),
+        1,
+        "only the nameless segment is left: {found:?}"
+    );
     let store = Store::open(&path).unwrap();
     assert_eq!(store.history(a, None, 100).await.unwrap().events, []);
     assert_eq!(store.reopen_log(b).await.unwrap().last_seq, 11);
