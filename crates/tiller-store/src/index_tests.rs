@@ -616,6 +616,9 @@ proptest! {
             }
             mark_holds(&conn);
             tail.assert_consistent();
+            for s in &sessions {
+                prop_assert!(!tail.is_set_aside(*s), "a healthy session set aside");
+            }
         }
         tail = Tail::open(&conn).unwrap();
         for (i, s) in sessions.iter().enumerate() {
