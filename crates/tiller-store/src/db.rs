@@ -284,7 +284,12 @@ impl Db for Sqlite {
         )?)
     }
     fn unsettled(&mut self) -> R<Vec<Unsettled>> {
-        Ok(log::unsettled(&self.conn)?)
+        // A damaged session's prompts wait for its delete (which settles
+        // nothing: it removes them): settling one would read its log,
+        // which is refused, and stop the start-up.
+        let mut open = log::unsettled(&self.conn)?;
+        open.retain(|u| self.tail.readable(u.session).is_ok());
+        Ok(open)
     }
     fn notification_changes(&mut self, changes: &[tiller_core::notify::Change]) -> R<()> {
         Ok(queues::notification_changes(&mut self.conn, changes)?)

@@ -101,8 +101,10 @@ impl Tail {
     /// segment, a waiting segment overlapping the one before it or the
     /// newest one the index names) is set aside, and
     /// the others open as usual; a segment naming no session (which no
-    /// read can reach) is left where it is. Both are logged and counted
-    /// (`tiller_store_damaged_sessions`, `tiller doctor` names them).
+    /// read can reach) is left where it is. A session set aside is logged
+    /// and counted (`tiller_store_damaged_sessions`); a nameless segment
+    /// is logged (once: the mark then passes it). `tiller doctor` names
+    /// both.
     pub(crate) fn open(conn: &Connection) -> rusqlite::Result<Tail> {
         let upto: i64 = conn.query_row("SELECT upto FROM log_indexed", [], |r| r.get(0))?;
         let max: i64 = conn.query_row("SELECT COALESCE(MAX(n), 0) FROM log", [], |r| r.get(0))?;
@@ -416,12 +418,12 @@ impl Tail {
 /// What is wrong with the log (see [`crate::damaged_logs`]): reads every
 /// segment's key, once.
 pub(crate) fn damaged(conn: &Connection) -> rusqlite::Result<Vec<String>> {
-    // Who a segment's `session_id` names, printable whatever it holds.
-    let who = |id: &str| match SessionId::parse(id) {
-        Some(s) => format!("session {s}"),
-        None => format!("{id:?} (no session)"),
+    // Each damaged session once (however many of its rows are), with the
+    // first problem found and how many more there are.
+    let mut by_session: std::collections::BTreeMap<String, (String, usize)> = Default::default();
+    let mut note = |id: String, what: String| {
+        by_session.entry(id).or_insert((what, 0)).1 += 1;
     };
-    let mut found = Vec::new();
     let mut overlaps = conn.prepare(
         "SELECT session_id, first_seq, n, prev_n FROM (
              SELECT session_id, first_seq, n,
@@ -433,10 +435,10 @@ pub(crate) fn damaged(conn: &Connection) -> rusqlite::Result<Vec<String>> {
     while let Some(r) = rows.next()? {
         let (id, seq, n, prev): (String, i64, i64, i64) =
             (r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?);
-        found.push(format!(
-            "{}: segments {prev} and {n} of its log both hold event {seq}",
-            who(&id)
-        ));
+        note(
+            id,
+            format!("segments {prev} and {n} of its log both hold event {seq}"),
+        );
     }
     let mut misnamed = conn.prepare(
         "SELECT i.session_id, i.first_seq, i.n FROM log_index i LEFT JOIN log l ON l.n = i.n
@@ -445,11 +447,26 @@ pub(crate) fn damaged(conn: &Connection) -> rusqlite::Result<Vec<String>> {
     let mut rows = misnamed.query([])?;
     while let Some(r) = rows.next()? {
         let (id, seq, n): (String, i64, i64) = (r.get(0)?, r.get(1)?, r.get(2)?);
-        found.push(format!(
-            "{}: its index names segment {n} for event {seq}, which that segment does not hold",
-            who(&id)
-        ));
+        note(
+            id,
+            format!(
+                "its index names segment {n} for event {seq}, which that segment does not hold"
+            ),
+        );
     }
+    let mut found: Vec<String> = by_session
+        .into_iter()
+        .map(|(id, (what, count))| {
+            let who = match SessionId::parse(&id) {
+                Some(s) => format!("session {s}"),
+                None => format!("{id:?} (no session)"),
+            };
+            match count {
+                1 => format!("{who}: {what}"),
+                _ => format!("{who}: {what} ({} more problems)", count - 1),
+            }
+        })
+        .collect();
     let mut ids = conn.prepare("SELECT session_id, COUNT(*) FROM log GROUP BY session_id")?;
     let mut rows = ids.query([])?;
     while let Some(r) = rows.next()? {

@@ -238,13 +238,16 @@ fn a_session_the_index_refuses_is_set_aside_and_the_store_still_opens() {
     log::append_batch(&mut conn, &mut heads, &mut tail, &b).unwrap();
     let bad = sessions[1];
     let first = tail.of(bad)[0];
+    // The entry names another session's row: deleting `bad` must leave it.
+    let others = tail.of(sessions[0])[0].n;
     conn.execute(
         "INSERT INTO log_index (session_id, first_seq, last_seq, last_ts_ms, kinds, n)
-         VALUES (?1, ?2, ?3, 0, 0, -1)",
+         VALUES (?1, ?2, ?3, 0, 0, ?4)",
         rusqlite::params![
             bad.to_string(),
             first.first_seq as i64,
-            first.last_seq as i64
+            first.last_seq as i64,
+            others
         ],
     )
     .unwrap();
@@ -352,7 +355,13 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
         for s in [a, b] {
             store.create_session(rec(s)).await.unwrap();
             for seq in 1..=10 {
-                store.append_durable(ev(s, seq), None).await.unwrap();
+                // Each one's last prompt is left unsettled (a crash).
+                let admit = (seq == 10).then(|| crate::LedgerOp::Admit {
+                    prompt: PromptId::new(),
+                    origin: "interactive".into(),
+                    consumes: None,
+                });
+                store.append_durable(ev(s, seq), admit).await.unwrap();
             }
         }
         store.close().await;
@@ -409,7 +418,21 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
             "{refused}"
         );
         assert!(store.get_session(s).await.is_err());
+        assert!(store.reopen_log(s).await.is_err());
+        assert!(store.events_after(s, 0, 10).await.is_err());
+        assert!(store.last_of_kinds(s, &["turn_error"]).await.is_err());
     }
+    // Settling what the crash left (at start-up) reads each session's
+    // log: a damaged one's prompt waits for its delete, rather than stop
+    // the start-up.
+    let unsettled: Vec<SessionId> = store
+        .unsettled()
+        .await
+        .unwrap()
+        .iter()
+        .map(|u| u.session)
+        .collect();
+    assert_eq!(unsettled, [b]);
     let page = store.history(b, None, 100).await.unwrap();
     let seqs: Vec<u64> = page.events.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (1..=10).collect::<Vec<_>>());

@@ -169,12 +169,17 @@ pub(crate) fn delete(
 ) -> rusqlite::Result<bool> {
     let id = id.to_string();
     let tx = conn.transaction()?;
+    // Only rows that are this session's, whatever a damaged index names.
     tx.execute(
-        "DELETE FROM log WHERE n IN (SELECT n FROM log_index WHERE session_id = ?1)",
+        "DELETE FROM log WHERE session_id = ?1
+         AND n IN (SELECT n FROM log_index WHERE session_id = ?1)",
         params![id],
     )?;
     for e in waiting {
-        tx.execute("DELETE FROM log WHERE n = ?1", params![e.n])?;
+        tx.execute(
+            "DELETE FROM log WHERE n = ?1 AND session_id = ?2",
+            params![e.n, id],
+        )?;
     }
     tx.execute("DELETE FROM log_index WHERE session_id = ?1", params![id])?;
     for table in SESSION_TABLES.iter().filter(|t| **t != "log") {
