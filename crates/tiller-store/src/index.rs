@@ -48,7 +48,9 @@ pub(crate) const SLICE: usize = 64;
 /// commits queued meanwhile stays short.
 pub(crate) const WRITE: usize = 1024;
 /// How far (in segments) the oldest waiting entry may fall behind the
-/// newest: it bounds what opening the store reads back into the Tail.
+/// newest: it bounds what opening the store reads back into the Tail
+/// (unless a session is set aside: the mark stays below its entries
+/// until it is deleted).
 pub(crate) const AGE: i64 = 8 * PENDING as i64;
 
 /// One segment's entry in the index.

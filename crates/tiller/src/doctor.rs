@@ -208,7 +208,7 @@ fn store(cfg: &Config, daemon_running: bool) -> Finding {
                 Level::Fail,
                 "store",
                 format!(
-                    "{shown}: damaged session logs ({}); the daemon refuses their reads: delete each such session (`DELETE /api/sessions/<id>?purge=true`) to repair the store",
+                    "{shown}: damaged session logs ({}); start the daemon and delete each session named (`DELETE /api/sessions/<id>?purge=true`) to repair the store (it refuses the reads of those whose damage it finds at start)",
                     damaged
                         .iter()
                         .take(5)
