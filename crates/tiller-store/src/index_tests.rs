@@ -645,6 +645,7 @@ proptest! {
         }
         tail = Tail::open(&conn).unwrap();
         for (i, s) in sessions.iter().enumerate() {
+            prop_assert!(!tail.is_set_aside(*s), "a healthy session set aside");
             check(&conn, &tail, *s, model[i]);
         }
         tail.write_all(&conn).unwrap();
