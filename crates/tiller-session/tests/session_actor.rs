@@ -394,6 +394,59 @@ async fn in_flight_prompts_get_daemon_restarted_at_start_up() {
     assert!(h.snapshot().await.unwrap().last_turn_error.is_none());
 }
 
+/// A session whose log is damaged (two segments holding the same events)
+/// and has a prompt in flight does not stop the start-up, which settles
+/// the other sessions' prompts; its reads are refused, and deleting it
+/// repairs the store. Before, settling its prompt read its log and
+/// `Sessions::start` failed.
+#[tokio::test]
+async fn a_damaged_session_with_a_prompt_in_flight_does_not_stop_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let hang = || r#"{"script": [{"hang": true}]}"#.to_string();
+    let (bad, good, stuck);
+    {
+        let (s, store) = tiller_test_support::sessions(&dir).await;
+        let (b, g) = (
+            s.create("/tmp".into(), None).await.unwrap(),
+            s.create("/tmp".into(), None).await.unwrap(),
+        );
+        (bad, good) = (b.id(), g.id());
+        b.prompt(hang(), Origin::Interactive)
+            .await
+            .unwrap()
+            .unwrap();
+        stuck = g
+            .prompt(hang(), Origin::Interactive)
+            .await
+            .unwrap()
+            .unwrap()
+            .0;
+        s.crash().await;
+        store.close().await;
+    }
+    rusqlite::Connection::open(dir.path().join("t.db"))
+        .unwrap()
+        .execute(
+            "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
+             SELECT session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body FROM log
+             WHERE n = (SELECT MAX(n) FROM log WHERE session_id = ?1)",
+            [bad.to_string()],
+        )
+        .unwrap();
+    let s = sessions(&dir).await;
+    let log = s.events_after(good, 0, 1000).await.unwrap();
+    assert!(
+        log.iter().any(|e| e.prompt == Some(stuck)
+            && matches!(&e.body, EventBody::TurnError { error_kind, .. } if error_kind == "daemon_restarted")),
+        "{:?}",
+        log.iter().map(|e| e.body.kind()).collect::<Vec<_>>()
+    );
+    assert!(s.events_after(bad, 0, 1000).await.is_err());
+    s.delete(bad).await.unwrap();
+    assert!(s.open(bad).await.is_err());
+    s.open(good).await.unwrap();
+}
+
 #[tokio::test]
 async fn a_failed_session_settles_its_prompt_with_session_restarted_and_reloads() {
     let dir = tempfile::tempdir().unwrap();
