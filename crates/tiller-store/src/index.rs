@@ -137,21 +137,15 @@ impl Tail {
                 tracing::error!(segment = e.n, session_id = %id.escape_debug(), "the log's segment names no session; no read reaches it, and it is left where it is (`tiller doctor` lists it)");
                 continue;
             };
-            let clash = match (r.get::<_, Option<i64>>(7)?, tail.of(session).last()) {
+            let claimed = match (r.get::<_, Option<i64>>(7)?, tail.of(session).last()) {
                 (Some(n), _) if n == e.n => continue,
                 (Some(n), _) => Some(n),
                 (None, Some(prev)) if e.first_seq <= prev.last_seq => Some(prev.n),
                 (None, _) => None,
             };
             tail.add(session, vec![e]);
-            if let Some(other) = clash {
-                tail.set_aside(
-                    session,
-                    format!(
-                        "segments {other} and {} of its log both hold event {}",
-                        e.n, e.first_seq
-                    ),
-                );
+            if let Some(other) = claimed {
+                tail.set_aside(session, clash(other, e.n, e.first_seq));
             }
         }
         // A session's first waiting segment follows what its index names.
@@ -172,13 +166,7 @@ impl Tail {
                 })
                 .optional()?;
             if let Some((n, _)) = before.filter(|(_, last)| *last >= first.first_seq) {
-                tail.set_aside(
-                    session,
-                    format!(
-                        "segments {n} and {} of its log both hold event {}",
-                        first.n, first.first_seq
-                    ),
-                );
+                tail.set_aside(session, clash(n, first.n, first.first_seq));
             }
         }
         Ok(tail)
@@ -417,6 +405,11 @@ impl Tail {
     }
 }
 
+/// Two segments of a session's log holding the same event, in words.
+fn clash(one: i64, other: i64, seq: u64) -> String {
+    format!("segments {one} and {other} of its log both hold event {seq}")
+}
+
 /// What is wrong with the log (see [`crate::damaged_logs`]): reads every
 /// segment's key, once.
 pub(crate) fn damaged(conn: &Connection) -> rusqlite::Result<Vec<String>> {
@@ -437,10 +430,7 @@ pub(crate) fn damaged(conn: &Connection) -> rusqlite::Result<Vec<String>> {
     while let Some(r) = rows.next()? {
         let (id, seq, n, prev): (String, i64, i64, i64) =
             (r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?);
-        note(
-            id,
-            format!("segments {prev} and {n} of its log both hold event {seq}"),
-        );
+        note(id, clash(prev, n, seq as u64));
     }
     let mut misnamed = conn.prepare(
         "SELECT i.session_id, i.first_seq, i.n FROM log_index i LEFT JOIN log l ON l.n = i.n
