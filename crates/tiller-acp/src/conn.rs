@@ -390,9 +390,9 @@ pub async fn serve(
         lag,
         asked,
         out: outgoing.clone(),
-        attached: HashMap::new(),
+        attached: foldhash::HashMap::default(),
         next_request: 0,
-        mine: HashMap::new(),
+        mine: foldhash::HashMap::default(),
         all_turns: all_turns.clone(),
         booleans,
         compaction,
@@ -514,13 +514,13 @@ struct Writer {
     lag: Arc<Lag>,
     asked: Arc<std::sync::Mutex<HashMap<String, (SessionId, String)>>>,
     out: mpsc::Sender<String>,
-    attached: HashMap<SessionId, Attachment>,
+    attached: foldhash::HashMap<SessionId, Attachment>,
     /// Counter for our request ids.
     next_request: u64,
     /// The connection, to detach a session.
     shared: std::sync::Weak<Shared>,
     /// Prompts this connection sent that are not over, per session.
-    mine: HashMap<SessionId, Vec<PromptId>>,
+    mine: foldhash::HashMap<SessionId, Vec<PromptId>>,
     /// The client separates turns itself (`_meta.tiller.allTurns` in its
     /// `initialize`): it is sent every turn, even while its own prompt
     /// waits or runs.
@@ -572,6 +572,12 @@ impl Writer {
     }
 
     async fn write(&self, msg: String) -> Result<(), Gone> {
+        // Room in the queue (nearly always): no timer to arm, no clock read.
+        let msg = match self.out.try_send(msg) {
+            Ok(()) => return Ok(()),
+            Err(mpsc::error::TrySendError::Closed(_)) => return Err(Gone),
+            Err(mpsc::error::TrySendError::Full(msg)) => msg,
+        };
         match tokio::time::timeout(WRITE_STALL, self.out.send(msg)).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(_)) => Err(Gone),

@@ -76,7 +76,7 @@ macro_rules! columns {
 /// Reads merge them with the index (see the module's documentation).
 #[derive(Default)]
 pub(crate) struct Tail {
-    pending: HashMap<SessionId, Vec<Entry>>,
+    pending: foldhash::HashMap<SessionId, Vec<Entry>>,
     /// Each waiting session's first waiting segment number: the oldest
     /// first.
     firsts: BTreeSet<(i64, SessionId)>,

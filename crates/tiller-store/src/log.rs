@@ -40,7 +40,7 @@ pub(crate) fn append_batch(
 /// append does not read the log's head first. Bounded: emptied when it
 /// grows past [`Heads::MAX`] (entries are read back as needed).
 #[derive(Default)]
-pub(crate) struct Heads(std::collections::HashMap<SessionId, u64>);
+pub(crate) struct Heads(foldhash::HashMap<SessionId, u64>);
 
 impl Heads {
     const MAX: usize = 200_000;
@@ -175,7 +175,7 @@ fn insert_batch(
 /// sessions in the order they first appear. Linear in the batch: a batch
 /// may hold a thousand sessions' streams.
 pub(crate) fn by_session(batch: &[Pending]) -> Vec<(SessionId, Vec<&StoredEvent>)> {
-    let mut at: std::collections::HashMap<SessionId, usize> = std::collections::HashMap::new();
+    let mut at: foldhash::HashMap<SessionId, usize> = foldhash::HashMap::default();
     let mut groups: Vec<(SessionId, Vec<&StoredEvent>)> = Vec::new();
     for p in batch {
         let s = p.event.session;
