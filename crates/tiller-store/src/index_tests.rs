@@ -397,6 +397,9 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
         copy(&conn, a, a.to_string(), "first_seq");
         copy(&conn, a, "not a session\n".into(), "first_seq");
         copy(&conn, c, c.to_string(), "3");
+        // And c's row gone: its delete must still be the repair.
+        conn.execute("DELETE FROM sessions WHERE id = ?1", [c.to_string()])
+            .unwrap();
     }
     let found = crate::damaged_logs(&path).unwrap();
     assert_eq!(found.len(), 3, "{found:?}");
@@ -448,7 +451,7 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
     assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
     store.append_durable(ev(b, 11), None).await.unwrap();
     for s in [a, c] {
-        assert!(store.delete_session(s).await.unwrap());
+        assert!(store.delete_session(s).await.unwrap(), "{s} was there");
     }
     store.close().await;
     let found = crate::damaged_logs(&path).unwrap();

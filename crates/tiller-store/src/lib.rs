@@ -524,7 +524,7 @@ impl Store {
     }
 
     /// Removes a session and everything kept for it (see
-    /// [`sessions::delete`]); false when there was none. Ordered after
+    /// [`sessions::delete`]); false when nothing of it was there. Ordered after
     /// every append issued before it.
     pub async fn delete_session(&self, id: SessionId) -> Result<bool, StoreError> {
         self.call_writer(Some(id), move |w| {

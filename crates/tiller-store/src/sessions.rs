@@ -159,7 +159,8 @@ pub(crate) const SESSION_TABLES: [&str; 9] = [
 /// Removes a session and everything kept for it, in one transaction:
 /// its log, prompt ledger, queued work (notifications, cron jobs and their
 /// fires, goal), webhook deliveries, state and conversation. False when
-/// there was no such session. The log has no index of its own (see
+/// none of that was there (a damaged session's log without its row is
+/// still there: its delete is the repair). The log has no index of its own (see
 /// [`crate::index`]): its rows are the ones `log_index` names and the
 /// `waiting` ones.
 pub(crate) fn delete(
@@ -170,27 +171,27 @@ pub(crate) fn delete(
     let id = id.to_string();
     let tx = conn.transaction()?;
     // Only rows that are this session's, whatever a damaged index names.
-    tx.execute(
+    let mut removed = tx.execute(
         "DELETE FROM log WHERE session_id = ?1
          AND n IN (SELECT n FROM log_index WHERE session_id = ?1)",
         params![id],
     )?;
     for e in waiting {
-        tx.execute(
+        removed += tx.execute(
             "DELETE FROM log WHERE n = ?1 AND session_id = ?2",
             params![e.n, id],
         )?;
     }
-    tx.execute("DELETE FROM log_index WHERE session_id = ?1", params![id])?;
+    removed += tx.execute("DELETE FROM log_index WHERE session_id = ?1", params![id])?;
     for table in SESSION_TABLES.iter().filter(|t| **t != "log") {
-        tx.execute(
+        removed += tx.execute(
             &format!("DELETE FROM {table} WHERE session_id = ?1"),
             params![id],
         )?;
     }
-    let n = tx.execute("DELETE FROM sessions WHERE id = ?1", params![id])?;
+    removed += tx.execute("DELETE FROM sessions WHERE id = ?1", params![id])?;
     tx.commit()?;
-    Ok(n > 0)
+    Ok(removed > 0)
 }
 
 pub(crate) fn save_state(
