@@ -95,11 +95,6 @@ pub(crate) trait Db: Send {
     fn upkeep(&mut self) -> R<bool> {
         Ok(false)
     }
-    /// Why a session's appends are refused, when its log is damaged (set
-    /// aside, see [`crate::index`]): its reads are, so it must not grow.
-    fn refusal(&self, _session: SessionId) -> Option<StoreError> {
-        None
-    }
     /// Whether several daemons may share this store (leases apply).
     fn clustered(&self) -> bool {
         false
@@ -178,9 +173,6 @@ impl Db for Sqlite {
                     Ok((r.get(0)?, r.get(1)?, r.get(2)?))
                 })?;
         Ok(busy == 0 && copied >= log)
-    }
-    fn refusal(&self, session: SessionId) -> Option<StoreError> {
-        self.tail.refusal(session)
     }
     fn upkeep(&mut self) -> R<bool> {
         if !self.tail.due() {

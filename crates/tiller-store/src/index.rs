@@ -195,15 +195,6 @@ impl Tail {
         }
     }
 
-    /// Why a session's appends are refused: it is set aside (its reads
-    /// are refused the same way). Quick when no session is.
-    pub(crate) fn refusal(&self, session: SessionId) -> Option<StoreError> {
-        if self.set_aside.is_empty() {
-            return None;
-        }
-        self.readable(session).err()
-    }
-
     /// Takes a committed batch's entries (each session's in order).
     pub(crate) fn add(&mut self, session: SessionId, entries: Vec<Entry>) {
         let Some(first) = entries.first() else {

@@ -423,17 +423,6 @@ impl Writer {
             .into_iter()
             .partition(|p| !self.is_broken(p.event.session));
         reply_err(refused, || StoreError::LogBroken);
-        // Those of a damaged log (set aside) with its repair: it must not
-        // grow while its reads are refused.
-        batch.retain_mut(|p| {
-            let Some(e) = self.conn.refusal(p.event.session) else {
-                return true;
-            };
-            if let Some(reply) = p.reply.take() {
-                let _ = reply.send(Err(e));
-            }
-            false
-        });
         if batch.is_empty() {
             return;
         }
