@@ -663,17 +663,19 @@ impl Db for PgDb {
     fn delete_session(&mut self, id: SessionId) -> R<bool> {
         let id = id.to_string();
         let mut tx = self.client()?.transaction()?;
+        // True when anything of it was there, as for SQLite.
+        let mut removed = 0;
         for table in crate::sessions::SESSION_TABLES {
-            tx.execute(
+            removed += tx.execute(
                 &format!("DELETE FROM {table} WHERE session_id = $1"),
                 &[&id],
             )?;
         }
-        tx.execute("DELETE FROM leases WHERE session_id = $1", &[&id])?;
-        let n = tx.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
+        removed += tx.execute("DELETE FROM leases WHERE session_id = $1", &[&id])?;
+        removed += tx.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
         tx.commit()?;
         self.held.remove(&id);
-        Ok(n > 0)
+        Ok(removed > 0)
     }
 
     fn history(&mut self, session: SessionId, before: u64, limit: usize) -> R<HistoryPage> {
