@@ -569,3 +569,68 @@ async fn an_unstored_admission_is_not_in_a_snapshot_and_does_not_title_the_sessi
     );
     assert!(s.record(h.id()).await.unwrap().title.is_some());
 }
+
+/// A long stream whose streamed appends the store refuses (a full disk)
+/// ends `store_unavailable` once the failure is known, not when the
+/// stall bound (two minutes here) gives up on an engine held back for
+/// commits that will never come. (Found by a review: a failed streamed
+/// append told the session nothing.)
+#[tokio::test]
+async fn a_stream_the_store_refuses_ends_without_waiting_for_the_stall_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = patient_sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let say = serde_json::json!([{ "say": "x" }]);
+    let script = serde_json::json!({ "script": [
+        { "repeat": { "times": 10_000, "steps": say } }
+    ] })
+    .to_string();
+    let (_, settled) = h
+        .prompt(script, Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    store.fail_appends(true);
+    // A hang detector, not a timing: the stall bound is 120 s.
+    let done = tokio::time::timeout(Duration::from_secs(60), settled)
+        .await
+        .expect("the turn ends before the stall bound")
+        .unwrap();
+    assert_eq!(done.terminal, Terminal::failed(ErrorKind::StoreUnavailable));
+    store.fail_appends(false);
+}
+
+/// The same stream through a brief outage: what the failed commits lost
+/// is sent again once the log reopens, and the turn ends whole.
+#[tokio::test]
+async fn a_long_stream_through_a_brief_store_outage_ends_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = patient_sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let say = serde_json::json!([{ "say": "x" }]);
+    let script = serde_json::json!({ "script": [
+        { "repeat": { "times": 10_000, "steps": say } }
+    ] })
+    .to_string();
+    let (_, settled) = h
+        .prompt(script, Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    store.fail_appends(true);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    store.fail_appends(false);
+    let done = tokio::time::timeout(Duration::from_secs(60), settled)
+        .await
+        .expect("the turn ends before the stall bound")
+        .unwrap();
+    assert_eq!(done.terminal, Terminal::Completed(StopReason::EndTurn));
+    let log = s.events_after(h.id(), 0, 20_000).await.unwrap();
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert!(contiguous(&seqs), "{seqs:?}");
+    let chunks = log
+        .iter()
+        .filter(|e| e.body.kind() == "agent_message_chunk")
+        .count();
+    assert_eq!(chunks, 10_000);
+}

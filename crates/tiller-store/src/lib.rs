@@ -82,8 +82,10 @@ fn read_only(path: &Path) -> Result<Connection, StoreError> {
 }
 
 /// Called on the store thread (the caller's, inline) once appends of a session committed, with
-/// the highest sequence number among them (what the session may now show).
-pub type OnCommit = Arc<dyn Fn(u64) + Send + Sync>;
+/// the highest sequence number among them (what the session may now show),
+/// or once a commit of them failed (`Err`: they are lost, and the
+/// session's log stays broken until it is reopened).
+pub type OnCommit = Arc<dyn Fn(Result<u64, Arc<StoreError>>) + Send + Sync>;
 use db::Db;
 pub use rows::*;
 use writer::{Cmd, Pending, Writer};
@@ -540,7 +542,7 @@ impl Store {
     /// Appends (and updates the ledger) without waiting. Ordered with
     /// every other command; a failure breaks the session's log, so the
     /// next awaited append of that session reports it. `on_commit` hears
-    /// when it committed (not when it failed).
+    /// when it committed, or that it failed.
     pub fn append(
         &self,
         event: StoredEvent,

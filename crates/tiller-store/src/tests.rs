@@ -558,7 +558,9 @@ mod ledger {
         let told = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let tell: OnCommit = {
             let told = told.clone();
-            Arc::new(move |seq| told.store(seq, Ordering::SeqCst))
+            Arc::new(move |seq: Result<u64, Arc<StoreError>>| {
+                told.store(seq.expect("committed"), Ordering::SeqCst);
+            })
         };
         let admit = LedgerOp::Admit {
             prompt: p,

@@ -458,10 +458,19 @@ impl Writer {
     fn fail(&mut self, batch: Vec<Pending>, e: Arc<StoreError>) {
         tracing::error!(error = %e, events = batch.len(), "store append failed");
         metrics::counter!("tiller_store_append_failures_total").increment(1);
+        // Each session hears of it once: a stream whose commits never
+        // come would otherwise hold its engine back until the stall bound.
+        let mut told: HashMap<SessionId, OnCommit> = HashMap::new();
         for p in &batch {
             self.broken.insert(p.event.session);
+            if let Some(tell) = &p.on_commit {
+                told.entry(p.event.session).or_insert_with(|| tell.clone());
+            }
         }
         reply_err(batch, || StoreError::Append(e.clone()));
+        for tell in told.into_values() {
+            tell(Err(e.clone()));
+        }
     }
 }
 
@@ -478,7 +487,7 @@ fn reply_ok(batch: Vec<Pending>) {
         }
     }
     for (tell, seq) in committed.into_values() {
-        tell(seq);
+        tell(Ok(seq));
     }
 }
 

@@ -104,6 +104,7 @@ impl SessionState {
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
             SessionMsg::Committed(seq) => self.committed(seq),
+            SessionMsg::AppendFailed(reopens, e) => self.append_failed(reopens, &e).await,
             SessionMsg::Flush if !self.flush_deferred && self.unsent > 0 => {
                 self.flush_deferred = true;
                 tokio::task::yield_now().await;

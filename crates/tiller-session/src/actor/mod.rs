@@ -33,8 +33,7 @@ use effects::core_signal;
 use publish::{LINGER_AFTER, Ledger, unlingered};
 
 use crate::Acknowledge;
-use crate::event::ConfigOption;
-use crate::event::{EventBody, EventRecord};
+use crate::event::{ConfigOption, EventBody, EventRecord};
 pub use crate::ports::Work;
 use crate::ports::{Ack, Inbox, WorkQueue};
 use crate::tools::{Batch, CallIds, Decision, PermissionMode, Permissions, Progress};
@@ -154,9 +153,10 @@ pub enum SessionMsg {
     },
     /// A signal from this session's engine.
     Engine(EngineSignal),
-    /// The store committed this session's events up to this sequence
-    /// number: they may be shown.
+    /// The store committed this session's events up to this one: shown.
     Committed(u64),
+    /// A commit of streamed events failed (see `Recovery`).
+    AppendFailed(u64, Arc<StoreError>),
     /// Send the store what this session published and has not sent yet
     /// (sent to itself at the first such event: every message already in
     /// the mailbox is handled first, so a burst commits together). The
@@ -400,6 +400,7 @@ pub struct SessionState {
     /// How the store tells this session its appends committed (made at
     /// the first append: an idle session pays no allocation).
     on_commit: Option<tiller_store::OnCommit>,
+    recovery: publish::Recovery,
     /// Set when the store failed: the actor fails after this message.
     failed: Option<crate::SessionFailed>,
     /// A started prompt whose admission is published and not yet stored
@@ -533,6 +534,7 @@ impl Actor for SessionActor {
             eager: 0,
             fanned: args.head.last_seq,
             on_commit: None,
+            recovery: Default::default(),
             failed: None,
             admitting: None,
             last_turn_error,

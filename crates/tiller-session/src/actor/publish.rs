@@ -2,6 +2,7 @@
 //! fan-out, terminals and snapshots.
 
 use super::*;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Most time a streamed event waits for the events after it before it is
 /// sent to the store, when the one before was sent less than this ago.
@@ -9,6 +10,21 @@ pub(super) const LINGER: Duration = Duration::from_millis(50);
 
 /// Events that end a linger early.
 pub(super) const LINGER_MAX: usize = 32;
+
+/// Failed streamed commits in a row a session retries before it stops
+/// (see `SessionState::append_failed`).
+const LOST_TRIES: u32 = 3;
+
+/// How a session recovers from failed streamed commits.
+#[derive(Default)]
+pub(super) struct Recovery {
+    /// How often the log was reopened after a failed append: a failure
+    /// reported before the last reopen is stale (that reopen sent its
+    /// events again). `SessionMsg::AppendFailed` carries its value then.
+    reopens: Arc<AtomicU64>,
+    /// Failed streamed commits since the last one that succeeded.
+    lost: u32,
+}
 
 /// A turn's first events, which never linger (its start, its first
 /// chunks: what a person waits for).
@@ -263,17 +279,69 @@ impl SessionState {
         self.store.append_many(events, tell);
     }
 
-    /// What the store calls once this session's appends committed.
+    /// What the store calls once this session's appends committed (or a
+    /// commit of them failed).
     fn on_commit(&mut self) -> tiller_store::OnCommit {
         let actor = &self.myself;
+        let reopens = &self.recovery.reopens;
         self.on_commit
             .get_or_insert_with(|| {
                 let actor = actor.clone();
-                Arc::new(move |seq| {
-                    let _ = actor.send_message(SessionMsg::Committed(seq));
+                let reopens = reopens.clone();
+                Arc::new(move |r| {
+                    let _ = actor.send_message(match r {
+                        Ok(seq) => SessionMsg::Committed(seq),
+                        Err(e) => SessionMsg::AppendFailed(reopens.load(Ordering::Relaxed), e),
+                    });
                 })
             })
             .clone()
+    }
+
+    /// A commit of streamed events failed, so the log is broken and what
+    /// was published since will not commit either: nothing would end a
+    /// stream whose engine waits for room (see `Pace`) but the stall
+    /// bound. Reopens the log and sends again what it lost, as a durable
+    /// append's retry does (backing off, at most [`LOST_TRIES`] failures
+    /// in a row, and only for a store that may come back); then the
+    /// session fails, as a failed durable append makes it, and the running
+    /// prompt's owner hears `store_unavailable`. Stale when the log was
+    /// reopened since the failure (that reopen sent them again).
+    pub(super) async fn append_failed(&mut self, reopens: u64, e: &StoreError) {
+        if reopens != self.recovery.reopens.load(Ordering::Relaxed) || self.unconfirmed.is_empty() {
+            return;
+        }
+        self.recovery.lost += 1;
+        while e.is_unavailable() && self.recovery.lost <= LOST_TRIES {
+            let lost = self.recovery.lost;
+            tracing::warn!(error = %e, attempt = lost, "streamed events were not stored; retrying");
+            tokio::time::sleep(Duration::from_millis(25 << (2 * lost))).await;
+            if let Ok(head) = self.store.reopen_log(self.id).await {
+                self.recovery.reopens.fetch_add(1, Ordering::Relaxed);
+                self.unsent = 0;
+                let tell = self.on_commit();
+                for (u, op) in self
+                    .unconfirmed
+                    .iter()
+                    .filter(|(u, _)| u.seq > head.last_seq)
+                {
+                    self.store
+                        .append(u.to_stored(), op.clone(), Some(tell.clone()));
+                }
+                return;
+            }
+            self.recovery.lost += 1;
+        }
+        tracing::error!(error = %e, "streamed events could not be stored; the session stops");
+        self.failed = Some(crate::SessionFailed::of(e));
+        if let Some((prompt, tx)) = self.core.active().map(|(prompt, _)| prompt).zip(
+            self.core
+                .active_payload_mut()
+                .and_then(|p| p.settled.take()),
+        ) {
+            let terminal = Terminal::failed(tiller_core::ErrorKind::StoreUnavailable);
+            let _ = tx.send(Settlement { prompt, terminal });
+        }
     }
 
     /// The store committed this session's events up to `seq`: they are
@@ -289,6 +357,7 @@ impl SessionState {
             self.fan_out(r);
         }
         self.fanned = self.fanned.max(seq);
+        self.recovery.lost = 0;
         self.unconfirmed.retain(|(r, _)| r.seq > seq);
         self.pace.held(self.unconfirmed.len());
     }
@@ -348,6 +417,7 @@ impl SessionState {
                     tracing::warn!(error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
                     tokio::time::sleep(Duration::from_millis(25 << (2 * attempt))).await;
                     if let Ok(head) = self.store.reopen_log(self.id).await {
+                        self.recovery.reopens.fetch_add(1, Ordering::Relaxed);
                         let tell = self.on_commit();
                         for (u, op) in self
                             .unconfirmed
