@@ -580,22 +580,9 @@ async fn a_stream_the_store_refuses_ends_without_waiting_for_the_stall_bound() {
     let dir = tempfile::tempdir().unwrap();
     let (s, store) = patient_sessions(&dir).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
-    let say = serde_json::json!([{ "say": "x" }]);
-    let script = serde_json::json!({ "script": [
-        { "repeat": { "times": 10_000, "steps": say } }
-    ] })
-    .to_string();
-    let (_, settled) = h
-        .prompt(script, Origin::Interactive)
-        .await
-        .unwrap()
-        .unwrap();
+    let settled = long_stream(&h).await;
     store.fail_appends(true);
-    // A hang detector, not a timing: the stall bound is 120 s.
-    let done = tokio::time::timeout(Duration::from_secs(60), settled)
-        .await
-        .expect("the turn ends before the stall bound")
-        .unwrap();
+    let done = ends(settled).await;
     assert_eq!(done.terminal, Terminal::failed(ErrorKind::StoreUnavailable));
     store.fail_appends(false);
 }
@@ -607,6 +594,26 @@ async fn a_long_stream_through_a_brief_store_outage_ends_whole() {
     let dir = tempfile::tempdir().unwrap();
     let (s, store) = patient_sessions(&dir).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
+    let settled = long_stream(&h).await;
+    store.fail_appends(true);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    store.fail_appends(false);
+    let done = ends(settled).await;
+    assert_eq!(done.terminal, Terminal::Completed(StopReason::EndTurn));
+    let log = s.events_after(h.id(), 0, 20_000).await.unwrap();
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert!(contiguous(&seqs), "{seqs:?}");
+    let chunks = log
+        .iter()
+        .filter(|e| e.body.kind() == "agent_message_chunk")
+        .count();
+    assert_eq!(chunks, 10_000);
+}
+
+/// Prompts a 10,000-chunk stream, as the two tests above do.
+async fn long_stream(
+    h: &tiller_session::SessionHandle,
+) -> tokio::sync::oneshot::Receiver<tiller_session::Settlement> {
     let say = serde_json::json!([{ "say": "x" }]);
     let script = serde_json::json!({ "script": [
         { "repeat": { "times": 10_000, "steps": say } }
@@ -617,20 +624,16 @@ async fn a_long_stream_through_a_brief_store_outage_ends_whole() {
         .await
         .unwrap()
         .unwrap();
-    store.fail_appends(true);
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    store.fail_appends(false);
-    let done = tokio::time::timeout(Duration::from_secs(60), settled)
+    settled
+}
+
+/// The turn's settlement. A hang detector, not a timing: the stall bound
+/// of `patient_sessions` is 120 s.
+async fn ends(
+    settled: tokio::sync::oneshot::Receiver<tiller_session::Settlement>,
+) -> tiller_session::Settlement {
+    tokio::time::timeout(Duration::from_secs(60), settled)
         .await
         .expect("the turn ends before the stall bound")
-        .unwrap();
-    assert_eq!(done.terminal, Terminal::Completed(StopReason::EndTurn));
-    let log = s.events_after(h.id(), 0, 20_000).await.unwrap();
-    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
-    assert!(contiguous(&seqs), "{seqs:?}");
-    let chunks = log
-        .iter()
-        .filter(|e| e.body.kind() == "agent_message_chunk")
-        .count();
-    assert_eq!(chunks, 10_000);
+        .unwrap()
 }

@@ -316,18 +316,7 @@ impl SessionState {
             let lost = self.recovery.lost;
             tracing::warn!(error = %e, attempt = lost, "streamed events were not stored; retrying");
             tokio::time::sleep(Duration::from_millis(25 << (2 * lost))).await;
-            if let Ok(head) = self.store.reopen_log(self.id).await {
-                self.recovery.reopens.fetch_add(1, Ordering::Relaxed);
-                self.unsent = 0;
-                let tell = self.on_commit();
-                for (u, op) in self
-                    .unconfirmed
-                    .iter()
-                    .filter(|(u, _)| u.seq > head.last_seq)
-                {
-                    self.store
-                        .append(u.to_stored(), op.clone(), Some(tell.clone()));
-                }
+            if self.resend_lost().await {
                 return;
             }
             self.recovery.lost += 1;
@@ -342,6 +331,29 @@ impl SessionState {
             let terminal = Terminal::failed(tiller_core::ErrorKind::StoreUnavailable);
             let _ = tx.send(Settlement { prompt, terminal });
         }
+    }
+
+    /// Reopens the log after a failed append and sends again what it
+    /// lost (everything published after its stored head, with the
+    /// sequence numbers clients already saw); false when it cannot be
+    /// reopened. Reports older than this reopen become stale.
+    async fn resend_lost(&mut self) -> bool {
+        let Ok(head) = self.store.reopen_log(self.id).await else {
+            return false;
+        };
+        self.recovery.reopens.fetch_add(1, Ordering::Relaxed);
+        // Sent here, with the rest.
+        self.unsent = 0;
+        let tell = self.on_commit();
+        for (u, op) in self
+            .unconfirmed
+            .iter()
+            .filter(|(u, _)| u.seq > head.last_seq)
+        {
+            self.store
+                .append(u.to_stored(), op.clone(), Some(tell.clone()));
+        }
+        true
     }
 
     /// The store committed this session's events up to `seq`: they are
@@ -416,18 +428,7 @@ impl SessionState {
                     attempt += 1;
                     tracing::warn!(error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
                     tokio::time::sleep(Duration::from_millis(25 << (2 * attempt))).await;
-                    if let Ok(head) = self.store.reopen_log(self.id).await {
-                        self.recovery.reopens.fetch_add(1, Ordering::Relaxed);
-                        let tell = self.on_commit();
-                        for (u, op) in self
-                            .unconfirmed
-                            .iter()
-                            .filter(|(u, _)| u.seq > head.last_seq)
-                        {
-                            self.store
-                                .append(u.to_stored(), op.clone(), Some(tell.clone()));
-                        }
-                    }
+                    self.resend_lost().await;
                 }
                 Err(e) => {
                     tracing::error!(error = %e, seq = rec.seq, "durable append failed; the session stops");
