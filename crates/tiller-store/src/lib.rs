@@ -551,7 +551,7 @@ impl Store {
     ) {
         let _ = self.send_appends(vec![Pending {
             event,
-            ledger,
+            ledger: ledger.map(Box::new),
             reply: None,
             on_commit,
             joined: false,
@@ -599,7 +599,7 @@ impl Store {
         }
         batch.push(Pending {
             event,
-            ledger,
+            ledger: ledger.map(Box::new),
             joined: false,
             reply: Some(reply),
             on_commit: None,
@@ -812,7 +812,7 @@ fn pending(
     let mut out = Vec::with_capacity(events.len() + 1);
     out.extend(events.into_iter().map(|(event, ledger)| Pending {
         event,
-        ledger,
+        ledger: ledger.map(Box::new),
         reply: None,
         on_commit: on_commit.clone(),
         joined: false,

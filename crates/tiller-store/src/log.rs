@@ -97,7 +97,7 @@ pub(crate) fn in_transaction<T>(
 pub(crate) fn settled_in(batch: &[Pending]) -> std::collections::HashSet<PromptId> {
     batch
         .iter()
-        .filter_map(|p| match &p.ledger {
+        .filter_map(|p| match p.ledger.as_deref() {
             Some(LedgerOp::Settle { prompt, .. }) => Some(*prompt),
             _ => None,
         })
@@ -122,7 +122,7 @@ fn insert_batch(
         event: e, ledger, ..
     } in batch
     {
-        match ledger {
+        match ledger.as_deref() {
             Some(LedgerOp::Admit {
                 prompt,
                 origin,

@@ -368,7 +368,7 @@ impl Db for PgDb {
             let settled = crate::log::settled_in(batch);
             for p in batch {
                 let e = &p.event;
-                match &p.ledger {
+                match p.ledger.as_deref() {
                     Some(LedgerOp::Admit {
                         prompt,
                         origin,

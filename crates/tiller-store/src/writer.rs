@@ -34,7 +34,9 @@ pub(crate) enum Cmd {
 /// One event waiting to be appended.
 pub(crate) struct Pending {
     pub(crate) event: StoredEvent,
-    pub(crate) ledger: Option<LedgerOp>,
+    /// Boxed: few events carry one, and a `Pending` is moved a few times
+    /// on its way through the writer (304 bytes with it inline, 168 boxed).
+    pub(crate) ledger: Option<Box<LedgerOp>>,
     pub(crate) reply: Option<Reply<()>>,
     /// Told the session's highest committed sequence number.
     pub(crate) on_commit: Option<OnCommit>,
