@@ -14,6 +14,35 @@ use tokio::sync::{Semaphore, watch};
 
 use crate::config::Config;
 
+/// What is logged: `RUST_LOG` if set, else `[log] level`; ractor's own
+/// spans only when asked for by name. ractor wraps every actor's message
+/// loop in an info span (`Actor{id=..}`, no use to an operator), entered
+/// and left at each message: with 1,000 sessions streaming that was 4% of
+/// the daemon's CPU. A span no layer enables costs nothing to enter.
+pub fn log_filter(cfg: &Config) -> tracing_subscriber::EnvFilter {
+    filter_of(std::env::var("RUST_LOG").ok(), &cfg.log.level)
+}
+
+fn filter_of(env: Option<String>, level: &str) -> tracing_subscriber::EnvFilter {
+    let (given, filter) = match env {
+        Some(v) if !v.trim().is_empty() => {
+            let f = tracing_subscriber::EnvFilter::try_new(&v)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+            (v, f)
+        }
+        _ => (level.to_owned(), tracing_subscriber::EnvFilter::new(level)),
+    };
+    if given.contains("ractor") {
+        filter
+    } else {
+        filter.add_directive(QUIET_RACTOR.parse().expect("a valid directive"))
+    }
+}
+
+/// The directive that keeps ractor's per-actor spans (and its info
+/// events) out of the logs and traces.
+pub(crate) const QUIET_RACTOR: &str = "ractor=warn";
+
 /// Logs go to stderr (stdout is ACP's in `tiller acp --embedded`); spans
 /// also to an OTLP collector when telemetry is on (keep the guard until
 /// the daemon ends).
@@ -22,8 +51,7 @@ pub fn init_tracing(cfg: &Config) -> anyhow::Result<Option<crate::telemetry::Gua
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
     use tracing_subscriber::{Layer as _, fmt};
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
+    let filter = log_filter(cfg);
     let stderr = fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
@@ -44,8 +72,7 @@ pub fn init_tracing_embedded(cfg: &Config) -> anyhow::Result<Option<crate::telem
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
     use tracing_subscriber::{Layer as _, filter::LevelFilter, fmt};
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
+    let filter = log_filter(cfg);
     let stderr = fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(false)
@@ -513,5 +540,39 @@ async fn wait_for_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tracing_subscriber::layer::SubscriberExt as _;
+
+    /// Whether a span of `target` at info is built under the filter.
+    fn enabled(env: Option<&str>, level: &str, target_is_ractor: bool) -> bool {
+        let filter = super::filter_of(env.map(str::to_owned), level);
+        let subscriber = tracing_subscriber::registry().with(
+            tracing_subscriber::Layer::with_filter(tracing_subscriber::fmt::layer(), filter),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            let span = if target_is_ractor {
+                tracing::info_span!(target: "ractor::actor", "Actor")
+            } else {
+                tracing::info_span!("session")
+            };
+            !span.is_disabled()
+        })
+    }
+
+    #[test]
+    fn ractors_per_actor_spans_are_off_unless_asked_for_by_name() {
+        assert!(!enabled(None, "info", true));
+        assert!(enabled(None, "info", false));
+        assert!(!enabled(Some("debug"), "info", true));
+        assert!(enabled(Some("debug"), "info", false));
+        assert!(enabled(Some("info,ractor=info"), "warn", true));
+        assert!(enabled(None, "info,ractor=debug", true));
+        // An unreadable RUST_LOG falls back to the configured level.
+        assert!(!enabled(Some("=!bad["), "info", true));
+        assert!(enabled(Some("=!bad["), "info", false));
     }
 }

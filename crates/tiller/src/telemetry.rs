@@ -82,7 +82,11 @@ where
     let tracer = provider.tracer("tiller");
     let layer = tracing_opentelemetry::layer()
         .with_tracer(tracer)
-        .with_filter(tracing_subscriber::filter::LevelFilter::INFO);
+        .with_filter(
+            tracing_subscriber::filter::Targets::new()
+                .with_default(tracing::Level::INFO)
+                .with_target("ractor", tracing::Level::WARN),
+        );
     Ok(Some((layer, Guard(provider))))
 }
 

@@ -98,7 +98,9 @@ impl SessionState {
         {
             // Never acknowledged, never fanned out; the session fails and
             // is rebuilt from the store (see `publish_durable`).
-            tracing::warn!(error = %e, "prompt refused: the store is unavailable");
+            self.span.in_scope(
+                || tracing::warn!(error = %e, "prompt refused: the store is unavailable"),
+            );
             return refuse(admitted, PromptRefused::StoreUnavailable);
         } else {
             count_admitted(origin);
@@ -130,7 +132,7 @@ impl SessionState {
                 }
                 Err(e) => {
                     // Unrunnable work is dropped, not retried forever.
-                    tracing::warn!(error = %e, origin = origin.as_str(), "dropping invalid automatic work");
+                    self.span.in_scope(|| tracing::warn!(error = %e, origin = origin.as_str(), "dropping invalid automatic work"));
                     None
                 }
             },

@@ -40,8 +40,9 @@ impl SessionState {
                     origin,
                     deferred,
                 } => {
-                    self.start_turn(myself, prompt, turn, origin, deferred)
-                        .await;
+                    // Boxed, as `settle` below: once a turn each, and
+                    // inline they made every fed input's future 4 KB.
+                    Box::pin(self.start_turn(myself, prompt, turn, origin, deferred)).await;
                 }
                 Effect::Deliver { turn } => {
                     if let Some(kind) = content.take()
@@ -125,7 +126,7 @@ impl SessionState {
                     loop_stopped,
                     payload,
                 } => {
-                    self.settle(prompt, turn, origin, terminal, loop_stopped, payload)
+                    Box::pin(self.settle(prompt, turn, origin, terminal, loop_stopped, payload))
                         .await;
                 }
                 // An engine task ending after its turn settled is no stale signal.
@@ -135,7 +136,8 @@ impl SessionState {
                 }
                 Effect::WatchdogFired { kind } => {
                     let kind = kind.as_str();
-                    tracing::warn!(kind, "watchdog fired");
+                    self.span
+                        .in_scope(|| tracing::warn!(kind, "watchdog fired"));
                     metrics::counter!("tiller_watchdog_fired_total", "kind" => kind).increment(1);
                 }
                 Effect::ArmTimer { at } => self.arm(myself, at),
@@ -151,7 +153,7 @@ impl SessionState {
                     }
                 }
                 Effect::Idle => {
-                    tracing::debug!("session idle");
+                    self.span.in_scope(|| tracing::debug!("session idle"));
                     for d in self.drained.drain(..) {
                         let _ = d.send(());
                     }
@@ -183,7 +185,8 @@ impl SessionState {
             .filter(|_| starting)
             .and_then(|p| p.prepared.take())
         else {
-            tracing::error!(%prompt, "started a prompt with no content");
+            self.span
+                .in_scope(|| tracing::error!(%prompt, "started a prompt with no content"));
             return;
         };
         // The turn's first events go to the store at once.

@@ -243,7 +243,8 @@ impl SessionState {
             return;
         };
         if let Err(e) = self.set_title(Some(title)).await {
-            tracing::warn!(error = %e, "cannot store the session's title");
+            self.span
+                .in_scope(|| tracing::warn!(error = %e, "cannot store the session's title"));
         }
     }
 
@@ -281,7 +282,8 @@ impl SessionState {
             .save_state(self.id, tiller_store::StateColumn::Settings, json)
             .await;
         if let Err(e) = &r {
-            tracing::error!(error = %e, "cannot store the session's settings");
+            self.span
+                .in_scope(|| tracing::error!(error = %e, "cannot store the session's settings"));
         }
         self.settings_unsaved = r.is_err();
         r
@@ -304,7 +306,8 @@ impl SessionState {
         };
         let r = self.store.save_conversation(self.id, write).await;
         if let Err(e) = &r {
-            tracing::error!(error = %e, "cannot store the conversation");
+            self.span
+                .in_scope(|| tracing::error!(error = %e, "cannot store the conversation"));
             self.conversation.unsaved(&change);
         }
         r
