@@ -14,25 +14,32 @@ use tokio::sync::{Semaphore, watch};
 
 use crate::config::Config;
 
-/// What is logged: `RUST_LOG` if set, else `[log] level`; ractor's own
-/// spans only when asked for by name. ractor wraps every actor's message
-/// loop in an info span (`Actor{id=..}`, no use to an operator), entered
-/// and left at each message: with 1,000 sessions streaming that was 4% of
-/// the daemon's CPU. A span no layer enables costs nothing to enter.
+/// What is logged: `RUST_LOG` if set and readable, else `[log] level`;
+/// ractor's own spans only when asked for by name. ractor wraps every
+/// actor's message loop in an info span (`Actor{id=..}`, no use to an
+/// operator), entered and left at each message: with 1,000 sessions
+/// streaming that was 4% of the daemon's CPU. A span no layer enables
+/// costs nothing to enter.
 pub fn log_filter(cfg: &Config) -> tracing_subscriber::EnvFilter {
     filter_of(std::env::var("RUST_LOG").ok(), &cfg.log.level)
 }
 
 fn filter_of(env: Option<String>, level: &str) -> tracing_subscriber::EnvFilter {
-    let (given, filter) = match env {
-        Some(v) if !v.trim().is_empty() => {
-            let f = tracing_subscriber::EnvFilter::try_new(&v)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-            (v, f)
-        }
-        _ => (level.to_owned(), tracing_subscriber::EnvFilter::new(level)),
-    };
-    if given.contains("ractor") {
+    use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::filter::LevelFilter;
+    let spec = env
+        .filter(|v| !v.trim().is_empty() && EnvFilter::try_new(v).is_ok())
+        .unwrap_or_else(|| level.to_owned());
+    let filter = EnvFilter::new(&spec);
+    // A directive for ractor, only where it quiets something: added to a
+    // filter at warn or quieter it would let ractor's warnings through.
+    let names_ractor = spec
+        .split(',')
+        .any(|d| d.trim().split(['=', ':', '[']).next() == Some("ractor"));
+    let info = filter
+        .max_level_hint()
+        .is_none_or(|l| l >= LevelFilter::INFO);
+    if names_ractor || !info {
         filter
     } else {
         filter.add_directive(QUIET_RACTOR.parse().expect("a valid directive"))
@@ -40,7 +47,7 @@ fn filter_of(env: Option<String>, level: &str) -> tracing_subscriber::EnvFilter 
 }
 
 /// The directive that keeps ractor's per-actor spans (and its info
-/// events) out of the logs and traces.
+/// events) out of the logs.
 pub(crate) const QUIET_RACTOR: &str = "ractor=warn";
 
 /// Logs go to stderr (stdout is ACP's in `tiller acp --embedded`); spans
@@ -571,8 +578,47 @@ mod tests {
         assert!(enabled(Some("debug"), "info", false));
         assert!(enabled(Some("info,ractor=info"), "warn", true));
         assert!(enabled(None, "info,ractor=debug", true));
+        assert!(enabled(Some("ractor::actor=trace"), "info", true));
+        // A target that merely contains the word is not ractor.
+        assert!(!enabled(Some("info,extractor=info"), "info", true));
         // An unreadable RUST_LOG falls back to the configured level.
         assert!(!enabled(Some("=!bad["), "info", true));
         assert!(enabled(Some("=!bad["), "info", false));
+        assert!(enabled(Some("ractor=verbose"), "info,ractor=info", true));
+    }
+
+    /// Whether a warning from ractor is written under the filter.
+    fn ractor_warns(env: Option<&str>, level: &str) -> bool {
+        use std::sync::{Arc, Mutex};
+        let out = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let sink = out.clone();
+        let filter = super::filter_of(env.map(str::to_owned), level);
+        let layer = tracing_subscriber::fmt::layer().with_writer(move || Sink(sink.clone()));
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_subscriber::Layer::with_filter(layer, filter));
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::warn!(target: "ractor::actor", "a warning");
+        });
+        !out.lock().unwrap().is_empty()
+    }
+
+    struct Sink(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Sink {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_quieter_filter_stays_as_quiet_for_ractor() {
+        assert!(!ractor_warns(Some("off"), "info"));
+        assert!(!ractor_warns(None, "error"));
+        assert!(ractor_warns(None, "warn"));
+        assert!(ractor_warns(None, "info"));
     }
 }

@@ -98,9 +98,7 @@ impl SessionState {
         {
             // Never acknowledged, never fanned out; the session fails and
             // is rebuilt from the store (see `publish_durable`).
-            self.span.in_scope(
-                || tracing::warn!(error = %e, "prompt refused: the store is unavailable"),
-            );
+            tracing::warn!(session = %self.id, error = %e, "prompt refused: the store is unavailable");
             return refuse(admitted, PromptRefused::StoreUnavailable);
         } else {
             count_admitted(origin);
@@ -132,7 +130,7 @@ impl SessionState {
                 }
                 Err(e) => {
                     // Unrunnable work is dropped, not retried forever.
-                    self.span.in_scope(|| tracing::warn!(error = %e, origin = origin.as_str(), "dropping invalid automatic work"));
+                    tracing::warn!(session = %self.id, error = %e, origin = origin.as_str(), "dropping invalid automatic work");
                     None
                 }
             },

@@ -12,8 +12,10 @@ impl SessionState {
         input: Input<Pending, String>,
         content: Option<SignalKind>,
     ) {
-        let step = self.core.on(self.now(), input);
-        self.apply(myself, step.effects, content).await;
+        // Only the effects: the rest of the step (an answer that may hold
+        // a prompt) would live in this future while it waits.
+        let fx = self.core.on(self.now(), input).effects;
+        self.apply(myself, fx, content).await;
     }
 
     /// Carries out the core's effects in order.
@@ -41,8 +43,11 @@ impl SessionState {
                     deferred,
                 } => {
                     // Boxed, as `settle` below: once a turn each, and
-                    // inline they made every fed input's future 4 KB.
-                    Box::pin(self.start_turn(myself, prompt, turn, origin, deferred)).await;
+                    // inline they made every fed input's future 4 KB. (Made
+                    // in a statement of its own: a temporary in the one
+                    // that awaits would be kept in this future too.)
+                    let started = Box::pin(self.start_turn(myself, prompt, turn, origin, deferred));
+                    started.await;
                 }
                 Effect::Deliver { turn } => {
                     if let Some(kind) = content.take()
@@ -126,8 +131,15 @@ impl SessionState {
                     loop_stopped,
                     payload,
                 } => {
-                    Box::pin(self.settle(prompt, turn, origin, terminal, loop_stopped, payload))
-                        .await;
+                    let settled = Box::pin(self.settle(
+                        prompt,
+                        turn,
+                        origin,
+                        terminal,
+                        loop_stopped,
+                        payload,
+                    ));
+                    settled.await;
                 }
                 // An engine task ending after its turn settled is no stale signal.
                 Effect::Stale { .. } if matches!(content, Some(SignalKind::Exited(_))) => {}
@@ -136,8 +148,7 @@ impl SessionState {
                 }
                 Effect::WatchdogFired { kind } => {
                     let kind = kind.as_str();
-                    self.span
-                        .in_scope(|| tracing::warn!(kind, "watchdog fired"));
+                    tracing::warn!(session = %self.id, kind, "watchdog fired");
                     metrics::counter!("tiller_watchdog_fired_total", "kind" => kind).increment(1);
                 }
                 Effect::ArmTimer { at } => self.arm(myself, at),
@@ -153,7 +164,7 @@ impl SessionState {
                     }
                 }
                 Effect::Idle => {
-                    self.span.in_scope(|| tracing::debug!("session idle"));
+                    tracing::debug!(session = %self.id, "session idle");
                     for d in self.drained.drain(..) {
                         let _ = d.send(());
                     }
@@ -166,7 +177,8 @@ impl SessionState {
         // A loop trip found while delivering content is the core's next input.
         if let Some(input) = trip {
             let step = self.core.on(self.now(), input);
-            Box::pin(self.apply(myself, step.effects, None)).await;
+            let rest = Box::pin(self.apply(myself, step.effects, None));
+            rest.await;
         }
     }
 
@@ -185,8 +197,7 @@ impl SessionState {
             .filter(|_| starting)
             .and_then(|p| p.prepared.take())
         else {
-            self.span
-                .in_scope(|| tracing::error!(%prompt, "started a prompt with no content"));
+            tracing::error!(session = %self.id, %prompt, "started a prompt with no content");
             return;
         };
         // The turn's first events go to the store at once.

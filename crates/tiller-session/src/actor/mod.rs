@@ -572,7 +572,7 @@ impl Actor for SessionActor {
     ) -> Result<(), ActorProcessingErr> {
         // Boxed: an idle session's task stays small. Not in the session's
         // span (entered per message, 4% of the CPU under load): the log
-        // lines enter it (`self.span.in_scope`).
+        // lines name the session (`session = %self.id`).
         Box::pin(st.handle(&myself, msg)).await;
         match st.failed.take() {
             Some(why) => Err(Box::new(why)),

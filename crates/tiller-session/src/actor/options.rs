@@ -243,8 +243,7 @@ impl SessionState {
             return;
         };
         if let Err(e) = self.set_title(Some(title)).await {
-            self.span
-                .in_scope(|| tracing::warn!(error = %e, "cannot store the session's title"));
+            tracing::warn!(session = %self.id, error = %e, "cannot store the session's title");
         }
     }
 
@@ -282,8 +281,7 @@ impl SessionState {
             .save_state(self.id, tiller_store::StateColumn::Settings, json)
             .await;
         if let Err(e) = &r {
-            self.span
-                .in_scope(|| tracing::error!(error = %e, "cannot store the session's settings"));
+            tracing::error!(session = %self.id, error = %e, "cannot store the session's settings");
         }
         self.settings_unsaved = r.is_err();
         r
@@ -306,8 +304,7 @@ impl SessionState {
         };
         let r = self.store.save_conversation(self.id, write).await;
         if let Err(e) = &r {
-            self.span
-                .in_scope(|| tracing::error!(error = %e, "cannot store the conversation"));
+            tracing::error!(session = %self.id, error = %e, "cannot store the conversation");
             self.conversation.unsaved(&change);
         }
         r

@@ -314,14 +314,14 @@ impl SessionState {
         self.recovery.lost += 1;
         while e.is_unavailable() && self.recovery.lost <= LOST_TRIES {
             let lost = self.recovery.lost;
-            self.span.in_scope(|| tracing::warn!(error = %e, attempt = lost, "streamed events were not stored; retrying"));
+            tracing::warn!(session = %self.id, error = %e, attempt = lost, "streamed events were not stored; retrying");
             tokio::time::sleep(Duration::from_millis(25 << (2 * lost))).await;
             if self.resend_lost().await {
                 return;
             }
             self.recovery.lost += 1;
         }
-        self.span.in_scope(|| tracing::error!(error = %e, "streamed events could not be stored; the session stops"));
+        tracing::error!(session = %self.id, error = %e, "streamed events could not be stored; the session stops");
         self.failed = Some(crate::SessionFailed::of(e));
         if let Some((prompt, tx)) = self.core.active().map(|(prompt, _)| prompt).zip(
             self.core
@@ -426,12 +426,12 @@ impl SessionState {
                 }
                 Err(e) if attempt < retries && e.is_unavailable() => {
                     attempt += 1;
-                    self.span.in_scope(|| tracing::warn!(error = %e, attempt, seq = rec.seq, "durable append failed; retrying"));
+                    tracing::warn!(session = %self.id, error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
                     tokio::time::sleep(Duration::from_millis(25 << (2 * attempt))).await;
                     self.resend_lost().await;
                 }
                 Err(e) => {
-                    self.span.in_scope(|| tracing::error!(error = %e, seq = rec.seq, "durable append failed; the session stops"));
+                    tracing::error!(session = %self.id, error = %e, seq = rec.seq, "durable append failed; the session stops");
                     self.failed = Some(crate::SessionFailed::of(&e));
                     return Err(e);
                 }
@@ -471,7 +471,7 @@ impl SessionState {
             }
             Err(e) => {
                 self.admitting = None;
-                self.span.in_scope(|| tracing::error!(error = %e, %prompt, "a prompt's admission could not be stored; the session stops"));
+                tracing::error!(session = %self.id, error = %e, %prompt, "a prompt's admission could not be stored; the session stops");
                 self.failed = Some(crate::SessionFailed::of(&e));
                 if let Some(tx) = self
                     .core
@@ -531,7 +531,7 @@ impl SessionState {
                 Ok(())
             }
             Err(e) => {
-                self.span.in_scope(|| tracing::error!(error = %e, seq = rec.seq, "durable append failed; the session stops"));
+                tracing::error!(session = %self.id, error = %e, seq = rec.seq, "durable append failed; the session stops");
                 self.failed = Some(crate::SessionFailed::of(&e));
                 Err(e)
             }
