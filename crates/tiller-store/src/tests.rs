@@ -863,12 +863,16 @@ mod durability {
         // A duplicate sequence number fails its transaction.
         store.append(ev(s, 1, "dup"), None, None);
         store.flush().await.unwrap();
-        // Later appends of that session are refused, not stored past the gap.
+        // Later appends of that session are refused, not stored past the
+        // gap; another session's, queued with them, are stored.
+        let t = SessionId::new();
         store.append(ev(s, 3, "b"), None, None);
+        store.append(ev(t, 1, "other"), None, None);
         let e = store.append_durable(ev(s, 4, "c"), None).await.unwrap_err();
         assert!(matches!(e, StoreError::LogBroken), "{e}");
         assert!(e.is_unavailable());
         assert_eq!(store.events_after(s, 0, 10).await.unwrap().len(), 1);
+        assert_eq!(store.events_after(t, 0, 10).await.unwrap().len(), 1);
         // Reopened, it reports its real head and takes appends again.
         assert_eq!(store.reopen_log(s).await.unwrap().last_seq, 1);
         store.append_durable(ev(s, 2, "d"), None).await.unwrap();

@@ -251,8 +251,9 @@ fn take_front(
         .map(|(i, p)| take(i, p))
         .collect();
     let end = picked.iter().rposition(|&t| t).map_or(0, |last| last + 1);
-    let mut batch = Vec::with_capacity(picked.iter().filter(|&&t| t).count());
-    let mut rest = Vec::new();
+    let taken = picked.iter().filter(|&&t| t).count();
+    let mut batch = Vec::with_capacity(taken);
+    let mut rest = Vec::with_capacity(end - taken);
     for (p, t) in queued.items.drain(..end).zip(picked) {
         if t {
             queued.awaited -= usize::from(p.reply.is_some());
@@ -419,12 +420,16 @@ impl Writer {
         self.write_all(&mut mine);
     }
 
-    fn append(&mut self, batch: Vec<Pending>) {
-        // Events of a broken log are refused, not written past the gap.
-        let (mut batch, refused): (Vec<_>, Vec<_>) = batch
-            .into_iter()
-            .partition(|p| !self.is_broken(p.event.session));
-        reply_err(refused, || StoreError::LogBroken);
+    fn append(&mut self, mut batch: Vec<Pending>) {
+        // Events of a broken log are refused, not written past the gap
+        // (the batch is split only then: a split moves every append).
+        if batch.iter().any(|p| self.is_broken(p.event.session)) {
+            let refused;
+            (batch, refused) = batch
+                .into_iter()
+                .partition::<Vec<_>, _>(|p| !self.is_broken(p.event.session));
+            reply_err(refused, || StoreError::LogBroken);
+        }
         if batch.is_empty() {
             return;
         }
