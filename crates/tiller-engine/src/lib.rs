@@ -395,7 +395,10 @@ impl Pace {
             .waiting
             .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         self.budget.sub(1);
-        if before <= Self::LOW + 1 {
+        // Woken where the backlog falls to its low mark, as the budget's
+        // are: not at every signal below it (a lock each time). A waiting
+        // engine checks again after it registers, so none sleeps past it.
+        if before == Self::LOW + 1 {
             self.drained.notify_waiters();
         }
     }
@@ -409,7 +412,7 @@ impl Pace {
             self.budget.add(n - before);
         } else if before > n {
             self.budget.sub(before - n);
-            if n <= Self::HELD_LOW {
+            if before > Self::HELD_LOW && n <= Self::HELD_LOW {
                 self.drained.notify_waiters();
             }
         }
@@ -664,6 +667,45 @@ mod tests {
             0,
             "dropped paces take what they held with them"
         );
+    }
+
+    /// An engine held back by its session's backlog, or by what the
+    /// store has not committed, goes on as soon as that falls to its low
+    /// mark (time is paused: without a wake-up it would wait for the 50
+    /// ms bound on each wait).
+    #[tokio::test(start_paused = true)]
+    async fn a_held_engine_goes_on_when_its_backlog_falls_to_the_low_mark() {
+        let pace = Arc::new(Pace::new(Arc::new(Budget::default())));
+        for _ in 0..Pace::HIGH {
+            pace.sent();
+        }
+        let t0 = tokio::time::Instant::now();
+        let engine = tokio::spawn({
+            let pace = pace.clone();
+            async move { pace.room().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!engine.is_finished(), "the backlog is full");
+        for _ in 0..(Pace::HIGH - Pace::LOW) {
+            pace.handled();
+            tokio::task::yield_now().await;
+        }
+        engine.await.unwrap();
+        assert_eq!(t0.elapsed(), std::time::Duration::ZERO);
+
+        pace.held(Pace::HELD_HIGH);
+        let t0 = tokio::time::Instant::now();
+        let engine = tokio::spawn({
+            let pace = pace.clone();
+            async move { pace.room().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!engine.is_finished(), "too much uncommitted");
+        pace.held(Pace::HELD_HIGH - 1);
+        tokio::task::yield_now().await;
+        pace.held(Pace::HELD_LOW);
+        engine.await.unwrap();
+        assert_eq!(t0.elapsed(), std::time::Duration::ZERO);
     }
 
     #[tokio::test(start_paused = true)]
