@@ -396,9 +396,11 @@ impl Pace {
             .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         self.budget.sub(1);
         // Woken where the backlog falls to its low mark, as the budget's
-        // are: not at every signal below it (a lock each time). A waiting
-        // engine checks again after it registers, so none sleeps past it.
-        if before == Self::LOW + 1 {
+        // are, and where it empties (a patient session with nothing in
+        // flight goes on past a full budget): not at every signal below
+        // the mark (a lock each time). A waiting engine checks again after
+        // it registers, so none sleeps past either.
+        if before == Self::LOW + 1 || before == 1 {
             self.drained.notify_waiters();
         }
     }
@@ -412,7 +414,7 @@ impl Pace {
             self.budget.add(n - before);
         } else if before > n {
             self.budget.sub(before - n);
-            if before > Self::HELD_LOW && n <= Self::HELD_LOW {
+            if (before > Self::HELD_LOW && n <= Self::HELD_LOW) || n == 0 {
                 self.drained.notify_waiters();
             }
         }
@@ -706,6 +708,42 @@ mod tests {
         pace.held(Pace::HELD_LOW);
         engine.await.unwrap();
         assert_eq!(t0.elapsed(), std::time::Duration::ZERO);
+    }
+
+    /// A patient session goes on past a full budget as soon as nothing of
+    /// it is in flight any more, not at the next 50 ms bound.
+    #[tokio::test(start_paused = true)]
+    async fn a_patient_session_goes_on_once_its_last_event_is_committed() {
+        let budget = Arc::new(Budget::default());
+        let busy = Pace::new(budget.clone());
+        busy.held(Budget::HIGH);
+        let quiet = Arc::new(Pace::new(budget));
+        quiet.held(1);
+        let t0 = tokio::time::Instant::now();
+        let engine = tokio::spawn({
+            let quiet = quiet.clone();
+            async move { quiet.room().await }
+        });
+        tokio::time::sleep(Pace::PATIENCE + std::time::Duration::from_millis(10)).await;
+        assert!(!engine.is_finished(), "one event of it is in flight");
+        quiet.held(0);
+        engine.await.unwrap();
+        let waited = Pace::PATIENCE + std::time::Duration::from_millis(10);
+        assert_eq!(t0.elapsed(), waited);
+
+        // The same with a signal not yet handled.
+        quiet.sent();
+        let t0 = tokio::time::Instant::now();
+        let engine = tokio::spawn({
+            let quiet = quiet.clone();
+            async move { quiet.room().await }
+        });
+        tokio::time::sleep(waited).await;
+        assert!(!engine.is_finished(), "one signal of it is in flight");
+        quiet.handled();
+        engine.await.unwrap();
+        assert_eq!(t0.elapsed(), waited);
+        drop(busy);
     }
 
     #[tokio::test(start_paused = true)]
