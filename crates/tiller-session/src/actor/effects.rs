@@ -42,12 +42,10 @@ impl SessionState {
                     origin,
                     deferred,
                 } => {
-                    // Boxed, as `settle` below: once a turn each, and
-                    // inline they made every fed input's future 4 KB. (Made
-                    // in a statement of its own: a temporary in the one
-                    // that awaits would be kept in this future too.)
-                    let started = Box::pin(self.start_turn(myself, prompt, turn, origin, deferred));
-                    started.await;
+                    // Boxed, as `settle` below (once a turn each): inline
+                    // they doubled the future of every input fed to the
+                    // core (3.9 KB against 1.9 KB in a debug build).
+                    Box::pin(self.start_turn(myself, prompt, turn, origin, deferred)).await;
                 }
                 Effect::Deliver { turn } => {
                     if let Some(kind) = content.take()
@@ -131,15 +129,8 @@ impl SessionState {
                     loop_stopped,
                     payload,
                 } => {
-                    let settled = Box::pin(self.settle(
-                        prompt,
-                        turn,
-                        origin,
-                        terminal,
-                        loop_stopped,
-                        payload,
-                    ));
-                    settled.await;
+                    Box::pin(self.settle(prompt, turn, origin, terminal, loop_stopped, payload))
+                        .await;
                 }
                 // An engine task ending after its turn settled is no stale signal.
                 Effect::Stale { .. } if matches!(content, Some(SignalKind::Exited(_))) => {}
