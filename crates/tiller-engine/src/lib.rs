@@ -396,11 +396,12 @@ impl Pace {
             .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         self.budget.sub(1);
         // Woken where the backlog falls to its low mark, as the budget's
-        // are, and where it empties (a patient session with nothing in
-        // flight goes on past a full budget): not at every signal below
-        // the mark (a lock each time). A waiting engine checks again after
-        // it registers, so none sleeps past either.
-        if before == Self::LOW + 1 || before == 1 {
+        // are, and where it empties while the budget is high (a patient
+        // session with nothing in flight goes on past a full budget): not
+        // at every signal below the mark (a lock each time). A waiting
+        // engine checks again after it registers, so none sleeps past
+        // either; below its low mark the budget has woken it already.
+        if before == Self::LOW + 1 || (before == 1 && self.budget.used() >= Budget::LOW) {
             self.drained.notify_waiters();
         }
     }
@@ -414,7 +415,9 @@ impl Pace {
             self.budget.add(n - before);
         } else if before > n {
             self.budget.sub(before - n);
-            if (before > Self::HELD_LOW && n <= Self::HELD_LOW) || n == 0 {
+            if (before > Self::HELD_LOW && n <= Self::HELD_LOW)
+                || (n == 0 && self.budget.used() >= Budget::LOW)
+            {
                 self.drained.notify_waiters();
             }
         }
