@@ -674,6 +674,12 @@ mod tests {
         );
     }
 
+    /// An engine task awaiting room on `pace`.
+    fn waiting_for_room(pace: &Arc<Pace>) -> tokio::task::JoinHandle<()> {
+        let pace = pace.clone();
+        tokio::spawn(async move { pace.room().await })
+    }
+
     /// An engine held back by its session's backlog, or by what the
     /// store has not committed, goes on as soon as that falls to its low
     /// mark (time is paused: without a wake-up it would wait for the 50
@@ -685,10 +691,7 @@ mod tests {
             pace.sent();
         }
         let t0 = tokio::time::Instant::now();
-        let engine = tokio::spawn({
-            let pace = pace.clone();
-            async move { pace.room().await }
-        });
+        let engine = waiting_for_room(&pace);
         tokio::task::yield_now().await;
         assert!(!engine.is_finished(), "the backlog is full");
         for _ in 0..(Pace::HIGH - Pace::LOW) {
@@ -700,10 +703,7 @@ mod tests {
 
         pace.held(Pace::HELD_HIGH);
         let t0 = tokio::time::Instant::now();
-        let engine = tokio::spawn({
-            let pace = pace.clone();
-            async move { pace.room().await }
-        });
+        let engine = waiting_for_room(&pace);
         tokio::task::yield_now().await;
         assert!(!engine.is_finished(), "too much uncommitted");
         pace.held(Pace::HELD_HIGH - 1);
@@ -723,10 +723,7 @@ mod tests {
         let quiet = Arc::new(Pace::new(budget));
         quiet.held(1);
         let t0 = tokio::time::Instant::now();
-        let engine = tokio::spawn({
-            let quiet = quiet.clone();
-            async move { quiet.room().await }
-        });
+        let engine = waiting_for_room(&quiet);
         tokio::time::sleep(Pace::PATIENCE + std::time::Duration::from_millis(10)).await;
         assert!(!engine.is_finished(), "one event of it is in flight");
         quiet.held(0);
@@ -737,10 +734,7 @@ mod tests {
         // The same with a signal not yet handled.
         quiet.sent();
         let t0 = tokio::time::Instant::now();
-        let engine = tokio::spawn({
-            let quiet = quiet.clone();
-            async move { quiet.room().await }
-        });
+        let engine = waiting_for_room(&quiet);
         tokio::time::sleep(waited).await;
         assert!(!engine.is_finished(), "one signal of it is in flight");
         quiet.handled();
