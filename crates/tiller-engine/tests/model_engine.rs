@@ -585,3 +585,57 @@ async fn slash_compact_summarizes_everything_so_far_and_asks_nothing_else() {
     assert!(signals.contains(&SignalKind::Result(StopReason::EndTurn)));
     assert_eq!(mock.bodies.lock().unwrap().len(), 1);
 }
+
+/// What a subscriber filtered at warn wrote.
+#[derive(Clone, Default)]
+struct Logged(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logged {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_failing_model_call_is_logged_with_its_session_at_warn() {
+    // The engine's task is not the session actor's: its lines carry the
+    // session themselves (no session span reaches them, and a filter at
+    // warn leaves the info spans out anyway).
+    let logged = Logged::default();
+    let sink = logged.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(move || sink.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let mock = Mock::default(); // every call answered 500
+    let engine = ModelEngine::new(config(serve(mock.clone()).await));
+    let host = tiller_engine::HostInfo {
+        session: "the-session-id".into(),
+        ..Default::default()
+    };
+    let (_h, mut rx, _) = start_in(&engine, "hi", host);
+    let signals = until_end(&mut rx).await;
+    assert!(
+        matches!(signals.last(), Some(SignalKind::Failed(..))),
+        "{signals:?}"
+    );
+    let log = String::from_utf8(logged.0.lock().unwrap().clone()).unwrap();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("model call failed"))
+        .collect();
+    // Two retries, then the failure.
+    assert_eq!(lines.len(), 3, "{log}");
+    assert!(
+        lines
+            .iter()
+            .all(|l| l.contains("session=the-session-id") && l.contains("turn=")),
+        "{lines:?}"
+    );
+}

@@ -50,7 +50,7 @@ pub async fn forward(State(st): State<AppState>, req: Request, next: Next) -> Re
     match send_on(&st, req, &address).await {
         Ok(r) => r,
         Err(failed) => {
-            tracing::warn!(%id, %node, %address, error = %failed.why, "cannot reach the node serving the session");
+            tracing::warn!(session = %id, %node, %address, error = %failed.why, "cannot reach the node serving the session");
             // Not sent at all: safe to retry. Sent and unanswered: the
             // owner may still carry it out (a paused node that resumes).
             let message = if failed.sent {

@@ -88,11 +88,13 @@ impl Sessions {
         for id in orphans {
             match self.open(id).await {
                 Ok(h) => {
-                    tracing::info!(%id, "took over a session whose node went away");
+                    tracing::info!(session = %id, "took over a session whose node went away");
                     let _ = h.send(SessionMsg::Kick);
                 }
                 // Another node was faster, or it was just deleted.
-                Err(e) => tracing::debug!(%id, error = %e, "did not take over the session"),
+                Err(e) => {
+                    tracing::debug!(session = %id, error = %e, "did not take over the session");
+                }
             }
         }
     }

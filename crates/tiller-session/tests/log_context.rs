@@ -92,7 +92,11 @@ async fn a_refused_prompt_and_a_failed_terminal_are_logged_with_their_session_at
     store.fail_appends(false);
     let name = format!("session={}", h.id());
     let lines = lines_with(&name);
-    for needed in ["durable append failed; retrying", "the session stops"] {
+    for needed in [
+        "store append failed",
+        "durable append failed; retrying",
+        "the session stops",
+    ] {
         assert!(
             lines.iter().any(|l| l.contains(needed)),
             "no {needed:?} naming {name}: {lines:?}"

@@ -108,6 +108,9 @@ pub(crate) struct Writer {
 /// flat out p50 17 ms instead of 30 ms.
 pub(crate) const CHECKPOINT_FRAMES: usize = 250;
 
+/// Most sessions a failed append's log line names.
+const NAMED: usize = 8;
+
 /// Most appends committed in one transaction.
 const MAX_BATCH: usize = 4096;
 
@@ -463,19 +466,29 @@ impl Writer {
 
     /// Marks the batch's sessions broken and answers every waiter.
     fn fail(&mut self, batch: Vec<Pending>, e: Arc<StoreError>) {
-        tracing::error!(error = %e, events = batch.len(), "store append failed");
         metrics::counter!("tiller_store_append_failures_total").increment(1);
         // Each session hears of it once: a stream whose commits never
         // come would otherwise hold its engine back until the stall bound.
-        let mut told: HashMap<SessionId, OnCommit> = HashMap::new();
+        let mut told: HashMap<SessionId, Option<OnCommit>> = HashMap::new();
         for p in &batch {
             self.broken.insert(p.event.session);
-            if let Some(tell) = &p.on_commit {
-                told.entry(p.event.session).or_insert_with(|| tell.clone());
+            let tell = told.entry(p.event.session).or_default();
+            if tell.is_none() {
+                tell.clone_from(&p.on_commit);
             }
         }
+        // The sessions named (a few: a batch may hold many streams), as
+        // every session's log line names its own.
+        let named: Vec<String> = told.keys().take(NAMED).map(|s| s.to_string()).collect();
+        tracing::error!(
+            session = %named.join(","),
+            sessions = told.len(),
+            error = %e,
+            events = batch.len(),
+            "store append failed"
+        );
         reply_err(batch, || StoreError::Append(e.clone()));
-        for tell in told.into_values() {
+        for tell in told.into_values().flatten() {
             tell(Err(e.clone()));
         }
     }

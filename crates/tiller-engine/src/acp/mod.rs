@@ -545,6 +545,7 @@ impl Shared {
     /// agent with modes only). A refused value is logged; the turn goes on.
     async fn apply_options(
         &self,
+        session: &str,
         child: &Child,
         up: &str,
         chosen: &[(String, String)],
@@ -588,7 +589,7 @@ impl Shared {
                     emit(SignalKind::Hosted(Hosted::Options(opts)));
                 }
                 Err(e) => {
-                    tracing::warn!(engine = %self.cfg.name, option = %id, error = %e, "the agent refused an option");
+                    tracing::warn!(%session, engine = %self.cfg.name, option = %id, error = %e, "the agent refused an option");
                 }
             }
         }
@@ -654,7 +655,7 @@ async fn run_turn(
             ));
         }
         let upstream = pool.open(&child, &ctx, previous, emit).await?;
-        pool.apply_options(&child, &upstream, &ctx.host.agent_options, emit)
+        pool.apply_options(&session, &child, &upstream, &ctx.host.agent_options, emit)
             .await;
         Ok::<_, (ErrorKind, String)>((guard, busy, upstream))
     };

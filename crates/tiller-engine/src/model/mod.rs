@@ -515,7 +515,7 @@ impl Run {
             // A model boundary: steers received so far join the conversation.
             while let Ok(input) = self.rx.try_recv() {
                 if self.input(Some(input)).map_err(|_| None)?.is_some() {
-                    tracing::debug!("tool results outside a batch ignored");
+                    tracing::debug!(session = %self.ctx.host.session, "tool results outside a batch ignored");
                 }
             }
             for (id, text) in std::mem::take(&mut self.steers) {
@@ -618,7 +618,7 @@ impl Run {
                     let delay = after
                         .unwrap_or(self.cfg.retry_base * 2u32.saturating_pow(attempt - 1))
                         .min(Duration::from_secs(60));
-                    tracing::warn!(attempt, delay_ms = delay.as_millis() as u64, why = %self.redact(&why), "model call failed; retrying");
+                    tracing::warn!(session = %self.ctx.host.session, turn = %self.turn, attempt, delay_ms = delay.as_millis() as u64, why = %self.redact(&why), "model call failed; retrying");
                     metrics::counter!("tiller_model_retries_total", "engine" => self.cfg.name.clone()).increment(1);
                     self.wait(tokio::time::sleep(delay))
                         .await
@@ -627,7 +627,7 @@ impl Run {
                 Err(CallError::Retryable(why, _) | CallError::Fatal(why)) => {
                     metrics::counter!("tiller_model_requests_total", "engine" => self.cfg.name.clone(), "outcome" => "error").increment(1);
                     let why = self.redact(&why);
-                    tracing::warn!(why = %why, "model call failed");
+                    tracing::warn!(session = %self.ctx.host.session, turn = %self.turn, why = %why, "model call failed");
                     return Err(Some(why));
                 }
             }

@@ -197,16 +197,17 @@ impl Actor for Registry {
                 }
                 None => None,
             },
-            SupervisionEvent::ActorFailed(cell, err) => {
-                tracing::error!(error = %err, "session actor failed; it reloads from the store on next use");
-                match st.forget(cell.get_id()) {
-                    Some((id, waiting)) => {
-                        st.failed(id, &err).await;
-                        waiting
-                    }
-                    None => None,
+            SupervisionEvent::ActorFailed(cell, err) => match st.forget(cell.get_id()) {
+                Some((id, waiting)) => {
+                    tracing::error!(session = %id, error = %err, "session actor failed; it reloads from the store on next use");
+                    st.failed(id, &err).await;
+                    waiting
                 }
-            }
+                None => {
+                    tracing::error!(error = %err, "an actor the registry no longer tracks failed");
+                    None
+                }
+            },
             _ => None,
         };
         // What waited for it to park is answered now that it is gone.
@@ -285,7 +286,7 @@ impl RegistryState {
                     if self.fences.get(&id) != Some(&fence) {
                         continue; // it runs on a newer lease
                     }
-                    tracing::warn!(%id, "another node took this session over; it stops here");
+                    tracing::warn!(session = %id, "another node took this session over; it stops here");
                     if let Some(actor) = self.live.get(&id).and_then(|l| l.run.actor().cloned()) {
                         actor.stop(Some("lease lost".into()));
                     }
@@ -360,7 +361,7 @@ impl RegistryState {
         match crate::reconcile(&self.store, Some(id), kind).await {
             Ok(_) => self.release(id).await,
             Err(e) => {
-                tracing::error!(%id, error = %e, "cannot settle the failed session's prompts yet; they settle before it reopens");
+                tracing::error!(session = %id, error = %e, "cannot settle the failed session's prompts yet; they settle before it reopens");
                 self.unreconciled.insert(id, kind);
             }
         }
@@ -375,7 +376,7 @@ impl RegistryState {
                 .release_leases(c.node.clone(), Some(vec![id]), false)
                 .await
         {
-            tracing::warn!(%id, error = %e, "cannot release the session's lease; it expires");
+            tracing::warn!(session = %id, error = %e, "cannot release the session's lease; it expires");
         }
     }
 
@@ -412,7 +413,7 @@ impl RegistryState {
         if let Some(kind) = kind {
             match crate::reconcile(&self.store, Some(id), kind).await {
                 Ok(n) if n > 0 => {
-                    tracing::warn!(%id, prompts = n, kind = kind.as_str(), "settled prompts left in flight");
+                    tracing::warn!(session = %id, prompts = n, kind = kind.as_str(), "settled prompts left in flight");
                 }
                 Ok(_) => {}
                 Err(e) => {

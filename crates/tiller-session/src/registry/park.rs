@@ -147,7 +147,7 @@ impl RegistryState {
         };
         self.parked += 1;
         self.gauges();
-        tracing::debug!(%id, "session parked");
+        tracing::debug!(session = %id, "session parked");
         if wake {
             self.wake(myself, id).await;
         }
@@ -242,12 +242,12 @@ impl RegistryState {
                 resume(&slot, actor);
                 self.woken += 1;
                 metrics::counter!("tiller_sessions_woken_total").increment(1);
-                tracing::debug!(%id, "session woke");
+                tracing::debug!(session = %id, "session woke");
             }
             Err(e) => {
                 // Its handles go stale: what waited, and its clients, see
                 // `Stopped` and open it again through the registry.
-                tracing::error!(%id, error = %e, "a parked session cannot start; it is opened again on next use");
+                tracing::error!(session = %id, error = %e, "a parked session cannot start; it is opened again on next use");
                 self.parked += 1; // counted out again below
                 let _ = self.drop_live(id);
                 self.release(id).await;

@@ -16,7 +16,7 @@ impl RegistryState {
         let engine = match self.engines.get(extras.engine.as_deref()) {
             Ok(e) => e,
             Err(_) => {
-                tracing::warn!(%id, engine = ?extras.engine, "the session's engine is no longer configured; using the default");
+                tracing::warn!(session = %id, engine = ?extras.engine, "the session's engine is no longer configured; using the default");
                 self.engines.get(None)?
             }
         };
