@@ -45,26 +45,88 @@ pub(crate) struct Pending {
     pub(crate) joined: bool,
 }
 
-/// The appends waiting to be written, in the order sent, and how many of
-/// them are awaited: a batch looks for those only when there are some (a
-/// long queue of streamed appends is not read through for each batch).
+/// The appends waiting to be written: each session's in a lane of its
+/// own, in the order sent, so a batch costs its own size whatever else
+/// waits (no queue is read through or moved to pick a batch out of it).
 #[derive(Default)]
 pub(crate) struct Queue {
+    lanes: foldhash::HashMap<SessionId, Lane>,
+    /// Every session with a lane, once, in turn: a streamed batch takes
+    /// sessions from the front and puts back at the end those it left
+    /// appends of (a long stream cannot hold the others back).
+    order: VecDeque<SessionId>,
+    /// The sessions with an awaited append, in the order the first came.
+    /// An entry may be stale (its awaited appends went with a streamed
+    /// batch, or its lane is gone): it is passed over.
+    urgent: VecDeque<SessionId>,
+    /// Appends queued, in every lane.
+    len: usize,
+}
+
+/// One session's queued appends, in the order sent.
+#[derive(Default)]
+struct Lane {
     items: VecDeque<Pending>,
+    /// How many of them are awaited.
     awaited: usize,
+    /// Whether an entry of `Queue::urgent` is there for it (set when one
+    /// is pushed, cleared when one is taken).
+    in_urgent: bool,
 }
 
 impl Queue {
     fn is_empty(&self) -> bool {
-        self.items.is_empty()
+        self.len == 0
+    }
+
+    fn push(&mut self, p: Pending) {
+        let s = p.event.session;
+        let lane = match self.lanes.entry(s) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                self.order.push_back(s);
+                v.insert(Lane::default())
+            }
+        };
+        if p.reply.is_some() {
+            lane.awaited += 1;
+            if !lane.in_urgent {
+                lane.in_urgent = true;
+                self.urgent.push_back(s);
+            }
+        }
+        lane.items.push_back(p);
+        self.len += 1;
+    }
+
+    /// Takes `session`'s queued appends, all of them (its lane stays,
+    /// empty, until its turn comes).
+    fn take_session(&mut self, session: SessionId) -> Queue {
+        let Some(lane) = self.lanes.get_mut(&session) else {
+            return Queue::default();
+        };
+        lane.awaited = 0;
+        let items = std::mem::take(&mut lane.items);
+        self.len -= items.len();
+        items.into_iter().collect()
+    }
+}
+
+impl Lane {
+    /// Moves its front append to `batch`.
+    fn pop_into(&mut self, batch: &mut Vec<Pending>) -> Option<bool> {
+        let p = self.items.pop_front()?;
+        self.awaited -= usize::from(p.reply.is_some());
+        let joined = p.joined;
+        batch.push(p);
+        Some(joined)
     }
 }
 
 impl Extend<Pending> for Queue {
     fn extend<I: IntoIterator<Item = Pending>>(&mut self, appends: I) {
         for p in appends {
-            self.awaited += usize::from(p.reply.is_some());
-            self.items.push_back(p);
+            self.push(p);
         }
     }
 }
@@ -113,9 +175,6 @@ const NAMED: usize = 8;
 
 /// Most appends committed in one transaction.
 const MAX_BATCH: usize = 4096;
-
-/// Most queued appends a batch of streamed ones is chosen from.
-const SCAN: usize = 4 * MAX_BATCH;
 
 /// The thread's loop. Appends are taken off the channel as they come and
 /// written in batches (see [`next_batch`]): an awaited append (a durable
@@ -182,93 +241,68 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
 }
 
 /// The next batch to write: the sessions with an awaited append, each up
-/// to its last awaited one, alone; else the oldest streamed appends of at
-/// most `sessions` sessions (a session's events per segment do not
-/// change: its next slice comes about when its next whole batch would).
-/// After a batch of awaited appends the next one is streamed if any waits
+/// to its last awaited one, alone; else the streamed appends of the next
+/// `sessions` sessions in turn, each from its oldest, up to
+/// [`MAX_BATCH`] in all (a session's events per segment do not change:
+/// its next slice comes about when its next whole batch would). After a
+/// batch of awaited appends the next one is streamed if any waits
 /// (`urgent_last`): a steady flow of admissions and terminals cannot
-/// starve the streams.
+/// starve the streams. A batch never ends inside a joined group.
 fn next_batch(queued: &mut Queue, sessions: usize, urgent_last: &mut bool) -> Option<Vec<Pending>> {
     if queued.is_empty() {
         return None;
     }
-    // Each urgent session's position of its last awaited append, for the
-    // first `sessions` of them (a burst of admissions is sliced too).
-    let mut urgent: HashMap<SessionId, usize> = HashMap::new();
-    if queued.awaited > 0 && !*urgent_last {
-        for (i, p) in queued.items.iter().enumerate() {
-            let s = p.event.session;
-            if p.reply.is_some() && (urgent.len() < sessions || urgent.contains_key(&s)) {
-                urgent.insert(s, i);
+    let mut batch = Vec::new();
+    if !*urgent_last {
+        let mut taken = 0;
+        while taken < sessions
+            && let Some(s) = queued.urgent.pop_front()
+        {
+            let Some(lane) = queued.lanes.get_mut(&s) else {
+                continue; // stale: its lane is gone
+            };
+            lane.in_urgent = false;
+            if lane.awaited == 0 {
+                continue; // stale: a streamed batch took them
             }
+            while lane.awaited > 0 {
+                lane.pop_into(&mut batch);
+            }
+            taken += 1;
         }
-    }
-    if let Some(&end) = urgent.values().max() {
-        *urgent_last = true;
-        return Some(take_front(queued, end + 1, |i, p| {
-            urgent.get(&p.event.session).is_some_and(|&last| i <= last)
-        }));
+        if !batch.is_empty() {
+            *urgent_last = true;
+            queued.len -= batch.len();
+            return Some(batch);
+        }
     }
     *urgent_last = false;
-    // Only the oldest appends are looked at (never cut between joined
-    // ones): a batch costs its size, not the queue's, however long the
-    // queue (a store that fell behind, a caller that does not wait).
-    let mut window = queued.items.len().min(SCAN);
-    while window < queued.items.len() && queued.items[window - 1].joined {
-        window += 1;
-    }
-    // Each taken session's appends are a prefix of its queued ones: once
-    // the batch is full (never between joined appends) nothing more is.
-    let mut taken: HashSet<SessionId> = HashSet::new();
-    let (mut n, mut last_joined, mut full) = (0, false, false);
-    // The session taken last (a stream's appends come in runs).
-    let mut last = None;
-    Some(take_front(queued, window, |_, p| {
-        let s = p.event.session;
-        full = full || (n >= MAX_BATCH && !last_joined);
-        let take = !full
-            && (last == Some(s)
-                || taken.contains(&s)
-                || (taken.len() < sessions && taken.insert(s)));
-        if take {
-            last = Some(s);
-            (n, last_joined) = (n + 1, p.joined);
+    let (mut taken, mut again) = (0, Vec::new());
+    while taken < sessions
+        && batch.len() < MAX_BATCH
+        && let Some(s) = queued.order.pop_front()
+    {
+        let Some(lane) = queued.lanes.get_mut(&s) else {
+            continue;
+        };
+        if !lane.items.is_empty() {
+            taken += 1;
+            let mut joined = false;
+            while (batch.len() < MAX_BATCH || joined)
+                && let Some(j) = lane.pop_into(&mut batch)
+            {
+                joined = j;
+            }
         }
-        take
-    }))
-}
-
-/// Takes the appends `take` picks (by position, in order) among the first
-/// `n` queued; the others stay in front, in order. Only the queue up to
-/// the last one taken moves.
-fn take_front(
-    queued: &mut Queue,
-    n: usize,
-    mut take: impl FnMut(usize, &Pending) -> bool,
-) -> Vec<Pending> {
-    let picked: Vec<bool> = queued
-        .items
-        .iter()
-        .take(n)
-        .enumerate()
-        .map(|(i, p)| take(i, p))
-        .collect();
-    let end = picked.iter().rposition(|&t| t).map_or(0, |last| last + 1);
-    let taken = picked.iter().filter(|&&t| t).count();
-    let mut batch = Vec::with_capacity(taken);
-    let mut rest = Vec::with_capacity(end - taken);
-    for (p, t) in queued.items.drain(..end).zip(picked) {
-        if t {
-            queued.awaited -= usize::from(p.reply.is_some());
-            batch.push(p);
+        if lane.items.is_empty() {
+            queued.lanes.remove(&s);
         } else {
-            rest.push(p);
+            again.push(s);
         }
     }
-    while let Some(p) = rest.pop() {
-        queued.items.push_front(p);
-    }
-    batch
+    queued.order.extend(again);
+    queued.len -= batch.len();
+    Some(batch)
 }
 
 /// Runs one command on the caller's thread (an inline store); the writer
@@ -412,15 +446,7 @@ impl Writer {
 
     /// Writes what is queued for one session, in order (the others wait).
     fn write_session(&mut self, queued: &mut Queue, session: SessionId) {
-        if !queued.items.iter().any(|p| p.event.session == session) {
-            return;
-        }
-        let (mine, rest): (Queue, Queue) = std::mem::take(&mut queued.items)
-            .into_iter()
-            .partition(|p| p.event.session == session);
-        *queued = rest;
-        let mut mine = mine;
-        self.write_all(&mut mine);
+        self.write_all(&mut queued.take_session(session));
     }
 
     fn append(&mut self, mut batch: Vec<Pending>) {
@@ -522,11 +548,12 @@ fn reply_err(batch: Vec<Pending>, err: impl Fn() -> StoreError) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     const SLICE: usize = 64;
 
-    /// `(session, durable)` per queued append, in the order sent.
-    fn queue(spec: &[(usize, bool)], sessions: &[SessionId]) -> Queue {
+    /// `(session, durable)` per append, in the order sent.
+    fn appends(spec: &[(usize, bool)], sessions: &[SessionId]) -> Vec<Pending> {
         let mut seq: HashMap<usize, u64> = HashMap::new();
         spec.iter()
             .map(|&(s, durable)| {
@@ -551,9 +578,16 @@ mod tests {
             .collect()
     }
 
-    fn names(batch: &[Pending], sessions: &[SessionId]) -> Vec<(usize, u64)> {
+    fn queue(spec: &[(usize, bool)], sessions: &[SessionId]) -> Queue {
+        appends(spec, sessions).into_iter().collect()
+    }
+
+    fn names<'a>(
+        batch: impl IntoIterator<Item = &'a Pending>,
+        sessions: &[SessionId],
+    ) -> Vec<(usize, u64)> {
         batch
-            .iter()
+            .into_iter()
             .map(|p| {
                 let s = sessions.iter().position(|s| *s == p.event.session).unwrap();
                 (s, p.event.seq)
@@ -561,18 +595,43 @@ mod tests {
             .collect()
     }
 
-    /// The count of awaited appends follows the queue through every kind
-    /// of batch (an awaited append it missed would wait behind streams).
+    /// What is left, session by session in turn.
+    fn left(q: &Queue, sessions: &[SessionId]) -> Vec<(usize, u64)> {
+        names(
+            q.order.iter().flat_map(|s| q.lanes[s].items.iter()),
+            sessions,
+        )
+    }
+
+    /// The queue's bookkeeping agrees with what it holds: every append
+    /// in one lane, counted; each lane's awaited count, and an entry in
+    /// `urgent` for a lane with awaited appends (one it missed would wait
+    /// behind streams); each lane in `order` once.
+    fn check(q: &Queue) {
+        let held: usize = q.lanes.values().map(|l| l.items.len()).sum();
+        assert_eq!(q.len, held);
+        let in_order: HashSet<&SessionId> = q.order.iter().collect();
+        assert_eq!(in_order.len(), q.order.len(), "a session in turn twice");
+        for (s, lane) in &q.lanes {
+            assert!(in_order.contains(s), "a lane out of turn");
+            assert!(lane.items.iter().all(|p| p.event.session == *s));
+            let awaited = lane.items.iter().filter(|p| p.reply.is_some()).count();
+            assert_eq!(lane.awaited, awaited);
+            if awaited > 0 {
+                assert!(lane.in_urgent && q.urgent.contains(s));
+            }
+        }
+    }
+
     #[test]
-    fn the_awaited_count_follows_the_queue() {
+    fn the_bookkeeping_follows_the_queue() {
         let sessions: Vec<SessionId> = (0..5).map(|_| SessionId::new()).collect();
         let spec: Vec<(usize, bool)> = (0..400).map(|i| (i * 7 % 5, i % 9 == 0)).collect();
         let mut q = queue(&spec, &sessions);
         let mut urgent_last = false;
         let mut awaited_batches = 0;
         loop {
-            let count = q.items.iter().filter(|p| p.reply.is_some()).count();
-            assert_eq!(q.awaited, count);
+            check(&q);
             let Some(batch) = next_batch(&mut q, 2, &mut urgent_last) else {
                 break;
             };
@@ -585,16 +644,18 @@ mod tests {
     #[test]
     fn a_batch_is_never_cut_between_joined_appends() {
         let sessions = [SessionId::new()];
-        let mut q = queue(&vec![(0, false); MAX_BATCH + 10], &sessions);
+        let mut a = appends(&vec![(0, false); MAX_BATCH + 10], &sessions);
         // A durable append that carries three events before it, straddling
         // the batch limit (a start, its message...).
-        for p in q.items.iter_mut().skip(MAX_BATCH - 2).take(3) {
+        for p in a.iter_mut().skip(MAX_BATCH - 2).take(3) {
             p.joined = true;
         }
+        let mut q: Queue = a.into_iter().collect();
         let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
         assert_eq!(batch.len(), MAX_BATCH + 2, "the group ends the batch");
         assert!(!batch.last().unwrap().joined);
-        assert_eq!(q.items.len(), 8);
+        assert_eq!(q.len, 8);
+        check(&q);
     }
 
     #[test]
@@ -629,13 +690,14 @@ mod tests {
                 MAX_BATCH + 88 + 2,
             ),
         ];
-        for (spec, first, left) in cases {
+        for (spec, first, rest) in cases {
             let mut q = queue(&spec, &sessions);
             let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
             assert_eq!(names(&batch, &sessions), first, "{spec:?}");
-            assert_eq!(q.items.len(), left, "{spec:?}");
+            assert_eq!(q.len, rest, "{spec:?}");
+            check(&q);
             // What is left keeps each session's order.
-            let rest = names(q.items.make_contiguous(), &sessions);
+            let rest = left(&q, &sessions);
             for s in 0..sessions.len() {
                 let seqs: Vec<u64> = rest
                     .iter()
@@ -656,76 +718,66 @@ mod tests {
             .collect();
         let mut q = queue(&spec, &sessions);
         let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
-        let got = names(&batch, &sessions);
-        // The first SLICE sessions, all three events each, in the
-        // order they were sent; the other five wait, whole.
-        let want: Vec<(usize, u64)> = (1..=3)
-            .flat_map(|seq| (0..SLICE).map(move |s| (s, seq)))
+        // The first SLICE sessions, all three events each, session by
+        // session; the other five wait, whole.
+        let want: Vec<(usize, u64)> = (0..SLICE)
+            .flat_map(|s| (1..=3).map(move |seq| (s, seq)))
             .collect();
-        assert_eq!(got, want);
-        assert_eq!(q.items.len(), 5 * 3);
+        assert_eq!(names(&batch, &sessions), want);
+        assert_eq!(q.len, 5 * 3);
         assert!(
-            q.items
-                .iter()
-                .all(|p| sessions[SLICE..].contains(&p.event.session))
+            left(&q, &sessions).iter().all(|(s, _)| *s >= SLICE),
+            "{:?}",
+            left(&q, &sessions)
         );
+        check(&q);
         let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
         assert_eq!(batch.len(), 5 * 3);
         assert!(q.is_empty());
+        check(&q);
     }
 
     #[test]
-    fn a_batch_is_chosen_from_the_oldest_appends_and_never_cuts_a_joined_group() {
-        let sessions: Vec<SessionId> = (0..SLICE + 1).map(|_| SessionId::new()).collect();
-        // Session 0 streams past the window; a joined group of session 1
-        // straddles the window's end; the last session shows up after it.
-        let mut spec = vec![(0, false); SCAN - 2];
-        spec.extend([(1, false); 4]);
-        spec.push((SLICE, false));
-        spec.extend([(0, false); 3]);
+    fn a_long_stream_does_not_hold_back_the_sessions_behind_it() {
+        let sessions: Vec<SessionId> = (0..3).map(|_| SessionId::new()).collect();
+        // Session 0 has three batches queued; 1 and 2 a few appends each.
+        let mut spec = vec![(0, false); 3 * MAX_BATCH];
+        spec.extend([(1, false), (2, false), (1, false)]);
         let mut q = queue(&spec, &sessions);
-        for p in q.items.iter_mut().skip(SCAN - 2).take(3) {
-            p.joined = true;
-        }
-        let batch = next_batch(&mut q, 2, &mut false).unwrap();
-        // Session 0 up to a batch; session 1 is not taken (the batch is
-        // full first), nor what lies past the window.
-        assert_eq!(batch.len(), MAX_BATCH);
-        let rest = names(q.items.make_contiguous(), &sessions);
-        assert_eq!(rest.len(), spec.len() - MAX_BATCH);
-        for s in [0, 1, SLICE] {
-            let seqs: Vec<u64> = rest
-                .iter()
-                .filter(|(x, _)| *x == s)
-                .map(|(_, q)| *q)
-                .collect();
-            assert!(
-                seqs.windows(2).all(|w| w[1] == w[0] + 1),
-                "session {s} in order: {seqs:?}"
-            );
-        }
-        // The order of the queue is the order sent, but for what was taken.
-        let want: Vec<(usize, u64)> =
-            names(queue(&spec, &sessions).items.make_contiguous(), &sessions)
-                .into_iter()
-                .filter(|(s, q)| !(*s == 0 && *q <= MAX_BATCH as u64))
-                .collect();
-        assert_eq!(rest, want);
-        // A joined group across the window's end is taken whole: session
-        // 0 is the one taken (a slice of one), session 1 fills the window.
-        let mut spec = vec![(0, false)];
-        spec.extend(vec![(1, false); SCAN - 2]);
-        spec.extend([(0, false); 3]);
-        let mut q = queue(&spec, &sessions);
-        for p in q.items.iter_mut().skip(SCAN - 1).take(2) {
-            p.joined = true;
-        }
-        let batch = next_batch(&mut q, 1, &mut false).unwrap();
+        let first = next_batch(&mut q, 2, &mut false).unwrap();
+        assert_eq!(first.len(), MAX_BATCH);
+        assert!(first.iter().all(|p| p.event.session == sessions[0]));
+        // Session 0 waits its turn again, behind the two others.
+        let second = next_batch(&mut q, 2, &mut false).unwrap();
+        assert_eq!(names(&second, &sessions), vec![(1, 1), (1, 2), (2, 1)]);
+        check(&q);
+        let third = next_batch(&mut q, 2, &mut false).unwrap();
         assert_eq!(
-            names(&batch, &sessions),
-            vec![(0, 1), (0, 2), (0, 3), (0, 4)]
+            names(&third, &sessions),
+            ((MAX_BATCH as u64 + 1)..=(2 * MAX_BATCH) as u64)
+                .map(|seq| (0, seq))
+                .collect::<Vec<_>>()
         );
-        assert!(!batch.last().unwrap().joined);
+    }
+
+    #[test]
+    fn writing_one_session_takes_its_lane_only() {
+        let sessions: Vec<SessionId> = (0..3).map(|_| SessionId::new()).collect();
+        let spec = [(0, false), (1, true), (2, false), (1, false), (0, true)];
+        let mut q = queue(&spec, &sessions);
+        let mine = q.take_session(sessions[1]);
+        assert_eq!(
+            names(mine.lanes[&sessions[1]].items.iter(), &sessions),
+            [(1, 1), (1, 2)]
+        );
+        check(&mine);
+        check(&q);
+        assert_eq!(q.len, 3);
+        // Its stale urgent entry is passed over: session 0's awaited
+        // append is the next batch.
+        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+        assert_eq!(names(&batch, &sessions), [(0, 1), (0, 2)]);
+        check(&q);
     }
 
     #[test]
@@ -736,10 +788,10 @@ mod tests {
         let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
         let want: Vec<(usize, u64)> = (0..SLICE).map(|s| (s, 1)).collect();
         assert_eq!(names(&batch, &sessions), want);
-        assert_eq!(
-            names(q.items.make_contiguous(), &sessions),
-            vec![(SLICE, 1), (SLICE + 1, 1)]
-        );
+        let mut rest = left(&q, &sessions);
+        rest.sort_unstable();
+        assert_eq!(rest, vec![(SLICE, 1), (SLICE + 1, 1)]);
+        check(&q);
     }
 
     #[test]
@@ -754,21 +806,111 @@ mod tests {
             vec![(0, 1)],
             "the awaited one first"
         );
-        q.extend(
-            queue(&[(0, true)], &sessions)
-                .items
-                .into_iter()
-                .map(|mut p| {
-                    p.event.seq = 2;
-                    p
-                }),
-        );
+        q.extend(appends(&[(0, true)], &sessions).into_iter().map(|mut p| {
+            p.event.seq = 2;
+            p
+        }));
         let second = next_batch(&mut q, SLICE, &mut urgent_last).unwrap();
+        let mut second = names(&second, &sessions);
+        second.sort_unstable();
         assert_eq!(
-            names(&second, &sessions),
-            vec![(1, 1), (0, 2)],
+            second,
+            vec![(0, 2), (1, 1)],
             "then the stream, with what is queued after it"
         );
         assert!(q.is_empty());
+        check(&q);
+    }
+
+    /// One step of the writer's loop: appends sent (a session, how many,
+    /// whether the last is awaited with the others joined to it), a batch
+    /// taken, or one session written alone.
+    #[derive(Clone, Debug)]
+    enum Step {
+        Send(usize, usize, bool),
+        Batch(usize),
+        Session(usize),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            3 => (0..6usize, 1..40usize, any::<bool>()).prop_map(|(s, n, a)| Step::Send(s, n, a)),
+            3 => (1..4usize).prop_map(Step::Batch),
+            1 => (0..6usize).prop_map(Step::Session),
+        ]
+    }
+
+    proptest! {
+        /// Under any interleaving of sends and batches, every append comes
+        /// out once, each session's in the order sent; a batch never ends
+        /// inside a joined group nor holds more than a batch's worth
+        /// beyond one; an awaited batch holds each of its sessions up to
+        /// its last awaited append; and the bookkeeping stays true.
+        #[test]
+        fn every_append_comes_out_once_in_its_session_s_order(
+            steps in proptest::collection::vec(step(), 1..60),
+        ) {
+            let sessions: Vec<SessionId> = (0..6).map(|_| SessionId::new()).collect();
+            let mut q = Queue::default();
+            let mut sent = [0u64; 6];
+            let mut out = [0u64; 6];
+            let mut urgent_last = false;
+            let take = |batch: Vec<Pending>, out: &mut [u64; 6]| {
+                prop_assert!(!batch.last().is_some_and(|p| p.joined));
+                for p in &batch {
+                    let s = sessions.iter().position(|s| *s == p.event.session).unwrap();
+                    prop_assert_eq!(p.event.seq, out[s] + 1);
+                    out[s] = p.event.seq;
+                }
+                Ok(())
+            };
+            for st in steps.into_iter().chain([Step::Batch(usize::MAX)]) {
+                match st {
+                    Step::Send(s, n, awaited) => {
+                        let mut a = appends(&vec![(s, false); n], &sessions);
+                        for (i, p) in a.iter_mut().enumerate() {
+                            sent[s] += 1;
+                            p.event.seq = sent[s];
+                            p.joined = awaited && i + 1 < n;
+                        }
+                        if awaited {
+                            a.last_mut().unwrap().reply = Some(oneshot::channel().0);
+                        }
+                        q.extend(a);
+                    }
+                    Step::Batch(times) => {
+                        for _ in 0..times {
+                            let Some(batch) = next_batch(&mut q, 2, &mut urgent_last) else {
+                                break;
+                            };
+                            prop_assert!(!batch.is_empty());
+                            if urgent_last {
+                                // Each of its sessions up to its last awaited one.
+                                for s in &sessions {
+                                    if let Some(lane) = q.lanes.get(s)
+                                        && batch.iter().any(|p| p.event.session == *s)
+                                    {
+                                        prop_assert_eq!(lane.awaited, 0);
+                                    }
+                                }
+                            }
+                            let joined_tail = batch.iter().rev().take_while(|p| p.joined).count();
+                            prop_assert!(batch.len() <= MAX_BATCH + joined_tail + 40);
+                            take(batch, &mut out)?;
+                        }
+                    }
+                    Step::Session(s) => {
+                        let mut mine = q.take_session(sessions[s]);
+                        check(&mine);
+                        while let Some(batch) = next_batch(&mut mine, 2, &mut false) {
+                            take(batch, &mut out)?;
+                        }
+                    }
+                }
+                check(&q);
+            }
+            prop_assert!(q.is_empty());
+            prop_assert_eq!(sent, out);
+        }
     }
 }
