@@ -1,8 +1,11 @@
 #![allow(clippy::print_stdout)] // a load generator prints its figures
 //! Append throughput and last-page latency for one session with 1,000,000
-//! events. Run: `cargo bench -p tiller-store --bench log [-- N]`.
+//! events; then a backlog of many sessions' streamed events sent at once
+//! (a store that fell behind): how fast it drains, and how long an
+//! awaited append sent behind it waits. Run:
+//! `cargo bench -p tiller-store --bench log [-- N]`.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tiller_core::{PromptId, SessionId, TurnId};
 use tiller_store::{SessionRecord, Store, StoredEvent};
@@ -16,18 +19,8 @@ async fn main() {
     let dir = tempfile::tempdir().expect("temp dir");
     let store = Store::open(&dir.path().join("bench.db")).expect("store");
     let s = SessionId::new();
-    store
-        .create_session(SessionRecord {
-            id: s,
-            cwd: "/".into(),
-            title: None,
-            created_ms: 0,
-            updated_ms: 0,
-            closed: false,
-            channel: None,
-        })
-        .await
-        .expect("session");
+    store.create_session(record(s)).await.expect("session");
+    backlog(&store, 1_000, 200).await;
     let prompt = PromptId::new();
     let data = r#"{"type":"agent_message_chunk","text":"a streamed chunk of agent text, about this long"}"#;
     let t0 = Instant::now();
@@ -98,5 +91,72 @@ async fn main() {
         "replay from the store (pages of 1,024): {n} events in {:.2} s: {:.0} events/s",
         took.as_secs_f64(),
         n as f64 / took.as_secs_f64()
+    );
+}
+
+fn record(id: SessionId) -> SessionRecord {
+    SessionRecord {
+        id,
+        cwd: "/".into(),
+        title: None,
+        created_ms: 0,
+        updated_ms: 0,
+        closed: false,
+        channel: None,
+    }
+}
+
+fn chunk(session: SessionId, seq: u64) -> StoredEvent {
+    StoredEvent {
+        session,
+        seq,
+        ts_ms: seq as i64,
+        kind: "agent_message_chunk".into(),
+        prompt: None,
+        turn: Some(TurnId(1)),
+        data: r#"{"type":"agent_message_chunk","text":"a chunk"}"#.into(),
+    }
+}
+
+/// `sessions` sessions' `each` streamed events, interleaved, sent at once
+/// (five rounds): the drain rate, and the wait of an awaited append of
+/// another session sent right behind them.
+async fn backlog(store: &Store, sessions: usize, each: u64) {
+    let ids: Vec<SessionId> = (0..=sessions).map(|_| SessionId::new()).collect();
+    for id in &ids {
+        store.create_session(record(*id)).await.expect("session");
+    }
+    let (streams, awaited) = ids.split_at(sessions);
+    let mut rates = Vec::new();
+    let mut waits: Vec<Duration> = Vec::new();
+    for round in 0..5u64 {
+        let t0 = Instant::now();
+        for seq in round * each + 1..=(round + 1) * each {
+            for s in streams {
+                store.append(chunk(*s, seq), None, None);
+            }
+        }
+        let t = Instant::now();
+        store
+            .append_durable(chunk(awaited[0], round + 1), None)
+            .await
+            .expect("awaited");
+        waits.push(t.elapsed());
+        store.flush().await.expect("flush");
+        rates.push((sessions as u64 * each) as f64 / t0.elapsed().as_secs_f64());
+    }
+    println!(
+        "backlog of {sessions} sessions x {each} events sent at once, 5 rounds: \
+         {} events/s drained; an awaited append behind it waited {} ms",
+        rates
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        waits
+            .iter()
+            .map(|w| format!("{:.2}", w.as_secs_f64() * 1e3))
+            .collect::<Vec<_>>()
+            .join(", "),
     );
 }
