@@ -580,9 +580,9 @@ impl Store {
             .await
     }
 
-    /// [`Store::append_durable`] after `before` (appended in order first,
-    /// in the same transaction, with `on_commit` told as for
-    /// [`Store::append_many`]): one commit for what a session had not yet
+    /// [`Store::append_durable`] after `before` (events of the same
+    /// session, appended in order first, in the same transaction, with
+    /// `on_commit` told as for [`Store::append_many`]): one commit for what a session had not yet
     /// sent and the event it must wait for.
     pub async fn append_durable_after(
         &self,
@@ -591,6 +591,9 @@ impl Store {
         event: StoredEvent,
         ledger: Option<LedgerOp>,
     ) -> Result<(), StoreError> {
+        // One session's (the writer queues each session's appends apart:
+        // a joined group is one session's).
+        debug_assert!(before.iter().all(|(e, _)| e.session == event.session));
         let (reply, rx) = oneshot::channel();
         let mut batch = pending(before, on_commit);
         // One transaction for all of it, however the writer cuts batches.

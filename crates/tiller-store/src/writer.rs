@@ -55,10 +55,14 @@ pub(crate) struct Queue {
     /// sessions from the front and puts back at the end those it left
     /// appends of (a long stream cannot hold the others back).
     order: VecDeque<SessionId>,
-    /// The sessions with an awaited append, in the order the first came.
-    /// An entry may be stale (its awaited appends went with a streamed
-    /// batch, or its lane is gone): it is passed over.
-    urgent: VecDeque<SessionId>,
+    /// The sessions with an awaited append, in the order the first came,
+    /// each with the ticket its lane held then: an entry whose lane holds
+    /// another (its awaited appends went with a streamed batch or a
+    /// session's own write, or its lane is gone) is passed over, so a
+    /// later awaited append never takes an earlier one's place.
+    urgent: VecDeque<(SessionId, u64)>,
+    /// The last ticket given.
+    tickets: u64,
     /// Appends queued, in every lane.
     len: usize,
 }
@@ -69,9 +73,8 @@ struct Lane {
     items: VecDeque<Pending>,
     /// How many of them are awaited.
     awaited: usize,
-    /// Whether an entry of `Queue::urgent` is there for it (set when one
-    /// is pushed, cleared when one is taken).
-    in_urgent: bool,
+    /// Its entry in `Queue::urgent`, while it has awaited appends.
+    ticket: Option<u64>,
 }
 
 impl Queue {
@@ -90,9 +93,10 @@ impl Queue {
         };
         if p.reply.is_some() {
             lane.awaited += 1;
-            if !lane.in_urgent {
-                lane.in_urgent = true;
-                self.urgent.push_back(s);
+            if lane.ticket.is_none() {
+                self.tickets += 1;
+                lane.ticket = Some(self.tickets);
+                self.urgent.push_back((s, self.tickets));
             }
         }
         lane.items.push_back(p);
@@ -105,18 +109,36 @@ impl Queue {
         let Some(lane) = self.lanes.get_mut(&session) else {
             return Queue::default();
         };
-        lane.awaited = 0;
         let items = std::mem::take(&mut lane.items);
+        lane.awaited = 0;
+        lane.ticket = None;
         self.len -= items.len();
+        self.tidy();
         items.into_iter().collect()
+    }
+
+    /// Once nothing is queued, forgets the emptied lanes and stale
+    /// entries (else they go one by one as their turn comes).
+    fn tidy(&mut self) {
+        if self.len == 0 {
+            self.lanes.clear();
+            self.order.clear();
+            self.urgent.clear();
+        }
     }
 }
 
 impl Lane {
-    /// Moves its front append to `batch`.
+    /// Moves its front append to `batch`; whether it is joined to the
+    /// next.
     fn pop_into(&mut self, batch: &mut Vec<Pending>) -> Option<bool> {
         let p = self.items.pop_front()?;
-        self.awaited -= usize::from(p.reply.is_some());
+        if p.reply.is_some() {
+            self.awaited -= 1;
+            if self.awaited == 0 {
+                self.ticket = None;
+            }
+        }
         let joined = p.joined;
         batch.push(p);
         Some(joined)
@@ -233,7 +255,7 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
             return;
         }
         let slice = w.conn.sessions_per_commit();
-        if let Some(batch) = next_batch(&mut queued, slice, &mut urgent_last) {
+        if let Some(batch) = next_batch(&mut queued, slice, MAX_BATCH, &mut urgent_last) {
             w.append_timed(batch);
             w.upkeep();
         }
@@ -243,43 +265,49 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
 /// The next batch to write: the sessions with an awaited append, each up
 /// to its last awaited one, alone; else the streamed appends of the next
 /// `sessions` sessions in turn, each from its oldest, up to
-/// [`MAX_BATCH`] in all (a session's events per segment do not change:
+/// `max` ([`MAX_BATCH`]) in all (a session's events per segment do not change:
 /// its next slice comes about when its next whole batch would). After a
 /// batch of awaited appends the next one is streamed if any waits
 /// (`urgent_last`): a steady flow of admissions and terminals cannot
 /// starve the streams. A batch never ends inside a joined group.
-fn next_batch(queued: &mut Queue, sessions: usize, urgent_last: &mut bool) -> Option<Vec<Pending>> {
+fn next_batch(
+    queued: &mut Queue,
+    sessions: usize,
+    max: usize,
+    urgent_last: &mut bool,
+) -> Option<Vec<Pending>> {
     if queued.is_empty() {
+        queued.tidy();
         return None;
     }
     let mut batch = Vec::new();
     if !*urgent_last {
         let mut taken = 0;
         while taken < sessions
-            && let Some(s) = queued.urgent.pop_front()
+            && let Some((s, ticket)) = queued.urgent.pop_front()
         {
-            let Some(lane) = queued.lanes.get_mut(&s) else {
-                continue; // stale: its lane is gone
+            let Some(lane) = queued
+                .lanes
+                .get_mut(&s)
+                .filter(|l| l.ticket == Some(ticket))
+            else {
+                continue; // stale
             };
-            lane.in_urgent = false;
-            if lane.awaited == 0 {
-                continue; // stale: a streamed batch took them
-            }
-            while lane.awaited > 0 {
-                lane.pop_into(&mut batch);
-            }
+            while lane.awaited > 0 && lane.pop_into(&mut batch).is_some() {}
+            debug_assert_eq!(lane.ticket, None);
             taken += 1;
         }
         if !batch.is_empty() {
             *urgent_last = true;
             queued.len -= batch.len();
+            queued.tidy();
             return Some(batch);
         }
     }
     *urgent_last = false;
     let (mut taken, mut again) = (0, Vec::new());
     while taken < sessions
-        && batch.len() < MAX_BATCH
+        && batch.len() < max
         && let Some(s) = queued.order.pop_front()
     {
         let Some(lane) = queued.lanes.get_mut(&s) else {
@@ -288,7 +316,7 @@ fn next_batch(queued: &mut Queue, sessions: usize, urgent_last: &mut bool) -> Op
         if !lane.items.is_empty() {
             taken += 1;
             let mut joined = false;
-            while (batch.len() < MAX_BATCH || joined)
+            while (batch.len() < max || joined)
                 && let Some(j) = lane.pop_into(&mut batch)
             {
                 joined = j;
@@ -302,6 +330,7 @@ fn next_batch(queued: &mut Queue, sessions: usize, urgent_last: &mut bool) -> Op
     }
     queued.order.extend(again);
     queued.len -= batch.len();
+    queued.tidy();
     Some(batch)
 }
 
@@ -436,7 +465,7 @@ impl Writer {
         let sessions = self.conn.sessions_per_commit();
         let mut urgent_last = false;
         let mut first = true;
-        while let Some(batch) = next_batch(queued, sessions, &mut urgent_last) {
+        while let Some(batch) = next_batch(queued, sessions, MAX_BATCH, &mut urgent_last) {
             if !std::mem::take(&mut first) {
                 self.upkeep();
             }
@@ -605,21 +634,27 @@ mod tests {
 
     /// The queue's bookkeeping agrees with what it holds: every append
     /// in one lane, counted; each lane's awaited count, and an entry in
-    /// `urgent` for a lane with awaited appends (one it missed would wait
-    /// behind streams); each lane in `order` once.
+    /// `urgent` with its ticket for a lane with awaited appends (one it
+    /// missed would wait behind streams); each lane in `order` once, and
+    /// nothing else there.
     fn check(q: &Queue) {
         let held: usize = q.lanes.values().map(|l| l.items.len()).sum();
         assert_eq!(q.len, held);
         let in_order: HashSet<&SessionId> = q.order.iter().collect();
         assert_eq!(in_order.len(), q.order.len(), "a session in turn twice");
+        assert_eq!(in_order.len(), q.lanes.len(), "a lane out of turn");
         for (s, lane) in &q.lanes {
             assert!(in_order.contains(s), "a lane out of turn");
             assert!(lane.items.iter().all(|p| p.event.session == *s));
             let awaited = lane.items.iter().filter(|p| p.reply.is_some()).count();
             assert_eq!(lane.awaited, awaited);
-            if awaited > 0 {
-                assert!(lane.in_urgent && q.urgent.contains(s));
+            match lane.ticket {
+                Some(t) => assert!(awaited > 0 && q.urgent.contains(&(*s, t))),
+                None => assert_eq!(awaited, 0),
             }
+        }
+        if q.is_empty() {
+            assert!(q.lanes.is_empty() && q.order.is_empty() && q.urgent.is_empty());
         }
     }
 
@@ -632,7 +667,7 @@ mod tests {
         let mut awaited_batches = 0;
         loop {
             check(&q);
-            let Some(batch) = next_batch(&mut q, 2, &mut urgent_last) else {
+            let Some(batch) = next_batch(&mut q, 2, MAX_BATCH, &mut urgent_last) else {
                 break;
             };
             awaited_batches += usize::from(urgent_last);
@@ -651,7 +686,7 @@ mod tests {
             p.joined = true;
         }
         let mut q: Queue = a.into_iter().collect();
-        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+        let batch = next_batch(&mut q, SLICE, MAX_BATCH, &mut false).unwrap();
         assert_eq!(batch.len(), MAX_BATCH + 2, "the group ends the batch");
         assert!(!batch.last().unwrap().joined);
         assert_eq!(q.len, 8);
@@ -692,7 +727,7 @@ mod tests {
         ];
         for (spec, first, rest) in cases {
             let mut q = queue(&spec, &sessions);
-            let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+            let batch = next_batch(&mut q, SLICE, MAX_BATCH, &mut false).unwrap();
             assert_eq!(names(&batch, &sessions), first, "{spec:?}");
             assert_eq!(q.len, rest, "{spec:?}");
             check(&q);
@@ -717,7 +752,7 @@ mod tests {
             .flat_map(|_| (0..sessions.len()).map(|s| (s, false)))
             .collect();
         let mut q = queue(&spec, &sessions);
-        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+        let batch = next_batch(&mut q, SLICE, MAX_BATCH, &mut false).unwrap();
         // The first SLICE sessions, all three events each, session by
         // session; the other five wait, whole.
         let want: Vec<(usize, u64)> = (0..SLICE)
@@ -731,7 +766,7 @@ mod tests {
             left(&q, &sessions)
         );
         check(&q);
-        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+        let batch = next_batch(&mut q, SLICE, MAX_BATCH, &mut false).unwrap();
         assert_eq!(batch.len(), 5 * 3);
         assert!(q.is_empty());
         check(&q);
@@ -744,14 +779,14 @@ mod tests {
         let mut spec = vec![(0, false); 3 * MAX_BATCH];
         spec.extend([(1, false), (2, false), (1, false)]);
         let mut q = queue(&spec, &sessions);
-        let first = next_batch(&mut q, 2, &mut false).unwrap();
+        let first = next_batch(&mut q, 2, MAX_BATCH, &mut false).unwrap();
         assert_eq!(first.len(), MAX_BATCH);
         assert!(first.iter().all(|p| p.event.session == sessions[0]));
         // Session 0 waits its turn again, behind the two others.
-        let second = next_batch(&mut q, 2, &mut false).unwrap();
+        let second = next_batch(&mut q, 2, MAX_BATCH, &mut false).unwrap();
         assert_eq!(names(&second, &sessions), vec![(1, 1), (1, 2), (2, 1)]);
         check(&q);
-        let third = next_batch(&mut q, 2, &mut false).unwrap();
+        let third = next_batch(&mut q, 2, MAX_BATCH, &mut false).unwrap();
         assert_eq!(
             names(&third, &sessions),
             ((MAX_BATCH as u64 + 1)..=(2 * MAX_BATCH) as u64)
@@ -775,7 +810,7 @@ mod tests {
         assert_eq!(q.len, 3);
         // Its stale urgent entry is passed over: session 0's awaited
         // append is the next batch.
-        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+        let batch = next_batch(&mut q, SLICE, MAX_BATCH, &mut false).unwrap();
         assert_eq!(names(&batch, &sessions), [(0, 1), (0, 2)]);
         check(&q);
     }
@@ -785,7 +820,7 @@ mod tests {
         let sessions: Vec<SessionId> = (0..SLICE + 2).map(|_| SessionId::new()).collect();
         let spec: Vec<(usize, bool)> = (0..sessions.len()).map(|s| (s, true)).collect();
         let mut q = queue(&spec, &sessions);
-        let batch = next_batch(&mut q, SLICE, &mut false).unwrap();
+        let batch = next_batch(&mut q, SLICE, MAX_BATCH, &mut false).unwrap();
         let want: Vec<(usize, u64)> = (0..SLICE).map(|s| (s, 1)).collect();
         assert_eq!(names(&batch, &sessions), want);
         let mut rest = left(&q, &sessions);
@@ -800,7 +835,7 @@ mod tests {
         let mut urgent_last = false;
         // Session 1 streams; session 0 keeps admitting and settling.
         let mut q = queue(&[(1, false), (0, true)], &sessions);
-        let first = next_batch(&mut q, SLICE, &mut urgent_last).unwrap();
+        let first = next_batch(&mut q, SLICE, MAX_BATCH, &mut urgent_last).unwrap();
         assert_eq!(
             names(&first, &sessions),
             vec![(0, 1)],
@@ -810,7 +845,7 @@ mod tests {
             p.event.seq = 2;
             p
         }));
-        let second = next_batch(&mut q, SLICE, &mut urgent_last).unwrap();
+        let second = next_batch(&mut q, SLICE, MAX_BATCH, &mut urgent_last).unwrap();
         let mut second = names(&second, &sessions);
         second.sort_unstable();
         assert_eq!(
@@ -841,14 +876,19 @@ mod tests {
     }
 
     proptest! {
-        /// Under any interleaving of sends and batches, every append comes
-        /// out once, each session's in the order sent; a batch never ends
-        /// inside a joined group nor holds more than a batch's worth
-        /// beyond one; an awaited batch holds each of its sessions up to
-        /// its last awaited append; and the bookkeeping stays true.
+        /// Under any interleaving of sends and batches, with any slice of
+        /// sessions (PostgreSQL's is every session) and a batch limit
+        /// small enough to cut: every append comes out once, each
+        /// session's in the order sent; a batch never ends inside a
+        /// joined group, holds at most `slice` sessions, and a streamed
+        /// one no more than the limit and the rest of a group; an awaited
+        /// batch holds each of its sessions up to its last awaited
+        /// append; and the bookkeeping stays true.
         #[test]
         fn every_append_comes_out_once_in_its_session_s_order(
             steps in proptest::collection::vec(step(), 1..60),
+            slice in prop_oneof![Just(1usize), Just(2), Just(usize::MAX)],
+            max in 1..24usize,
         ) {
             let sessions: Vec<SessionId> = (0..6).map(|_| SessionId::new()).collect();
             let mut q = Queue::default();
@@ -856,12 +896,16 @@ mod tests {
             let mut out = [0u64; 6];
             let mut urgent_last = false;
             let take = |batch: Vec<Pending>, out: &mut [u64; 6]| {
+                prop_assert!(!batch.is_empty());
                 prop_assert!(!batch.last().is_some_and(|p| p.joined));
+                let mut seen = HashSet::new();
                 for p in &batch {
+                    seen.insert(p.event.session);
                     let s = sessions.iter().position(|s| *s == p.event.session).unwrap();
                     prop_assert_eq!(p.event.seq, out[s] + 1);
                     out[s] = p.event.seq;
                 }
+                prop_assert!(seen.len() <= slice);
                 Ok(())
             };
             for st in steps.into_iter().chain([Step::Batch(usize::MAX)]) {
@@ -880,10 +924,9 @@ mod tests {
                     }
                     Step::Batch(times) => {
                         for _ in 0..times {
-                            let Some(batch) = next_batch(&mut q, 2, &mut urgent_last) else {
+                            let Some(batch) = next_batch(&mut q, slice, max, &mut urgent_last) else {
                                 break;
                             };
-                            prop_assert!(!batch.is_empty());
                             if urgent_last {
                                 // Each of its sessions up to its last awaited one.
                                 for s in &sessions {
@@ -893,16 +936,19 @@ mod tests {
                                         prop_assert_eq!(lane.awaited, 0);
                                     }
                                 }
+                            } else {
+                                // The limit, and at most the rest of a group
+                                // (a group is at most 39 appends).
+                                prop_assert!(batch.len() < max + 39);
                             }
-                            let joined_tail = batch.iter().rev().take_while(|p| p.joined).count();
-                            prop_assert!(batch.len() <= MAX_BATCH + joined_tail + 40);
                             take(batch, &mut out)?;
+                            check(&q);
                         }
                     }
                     Step::Session(s) => {
                         let mut mine = q.take_session(sessions[s]);
                         check(&mine);
-                        while let Some(batch) = next_batch(&mut mine, 2, &mut false) {
+                        while let Some(batch) = next_batch(&mut mine, slice, max, &mut false) {
                             take(batch, &mut out)?;
                         }
                     }
@@ -912,5 +958,38 @@ mod tests {
             prop_assert!(q.is_empty());
             prop_assert_eq!(sent, out);
         }
+    }
+
+    #[test]
+    fn an_awaited_append_waits_its_turn_behind_earlier_ones() {
+        let sessions = [SessionId::new(), SessionId::new()];
+        // Session 0's first awaited append goes with a stream (the batch
+        // after an awaited one), and session 0 has appends left.
+        let mut q = queue(&[(1, true), (0, true), (0, false)], &sessions);
+        let mut urgent_last = false;
+        let first = next_batch(&mut q, 1, MAX_BATCH, &mut urgent_last).unwrap();
+        assert_eq!(names(&first, &sessions), [(1, 1)]);
+        let second = next_batch(&mut q, 1, 1, &mut urgent_last).unwrap();
+        assert_eq!(names(&second, &sessions), [(0, 1)]);
+        // Then session 1 awaits again, and only after it session 0.
+        q.extend(
+            appends(&[(1, true), (0, true)], &sessions)
+                .into_iter()
+                .map(|mut p| {
+                    p.event.seq += if p.event.session == sessions[0] { 2 } else { 1 };
+                    p
+                }),
+        );
+        check(&q);
+        let third = next_batch(&mut q, 1, MAX_BATCH, &mut false).unwrap();
+        assert_eq!(
+            names(&third, &sessions),
+            [(1, 2)],
+            "the earlier awaited append first, not session 0's by its old place"
+        );
+        let fourth = next_batch(&mut q, 1, MAX_BATCH, &mut false).unwrap();
+        assert_eq!(names(&fourth, &sessions), [(0, 2), (0, 3)]);
+        assert!(q.is_empty());
+        check(&q);
     }
 }
