@@ -112,11 +112,10 @@ fn insert_batch(
     entries: &mut Vec<(SessionId, Vec<Entry>)>,
     batch: &[Pending],
 ) -> rusqlite::Result<()> {
-    let mut admit = tx.prepare_cached(
-        "INSERT OR IGNORE INTO prompts (prompt_id, session_id, origin, admitted_ms)
-         VALUES (?1, ?2, ?3, ?4)",
-    )?;
-    let mut settle = tx.prepare_cached("DELETE FROM prompts WHERE prompt_id = ?1")?;
+    // Prepared when first needed: most batches (streamed events) carry
+    // no ledger change, and taking a statement from the cache and giving
+    // it back is not free.
+    let (mut admit, mut settle) = (None, None);
     let settled = settled_in(batch);
     for Pending {
         event: e, ledger, ..
@@ -129,6 +128,13 @@ fn insert_batch(
                 consumes,
             }) => {
                 if !settled.contains(prompt) {
+                    let admit = match &mut admit {
+                        Some(a) => a,
+                        None => admit.insert(tx.prepare_cached(
+                            "INSERT OR IGNORE INTO prompts (prompt_id, session_id, origin, admitted_ms)
+                             VALUES (?1, ?2, ?3, ?4)",
+                        )?),
+                    };
                     admit.execute(params![
                         prompt.to_string(),
                         e.session.to_string(),
@@ -147,6 +153,11 @@ fn insert_batch(
                 }
             }
             Some(LedgerOp::Settle { prompt, delivery }) => {
+                let settle = match &mut settle {
+                    Some(d) => d,
+                    None => settle
+                        .insert(tx.prepare_cached("DELETE FROM prompts WHERE prompt_id = ?1")?),
+                };
                 settle.execute(params![prompt.to_string()])?;
                 if let Some(d) = delivery {
                     crate::deliveries::add(tx, d)?;
