@@ -395,7 +395,17 @@ impl Sessions {
         if let Some((slot, actor)) = live {
             let bound = std::time::Duration::from_millis(self.cancel_grace_ms)
                 + std::time::Duration::from_secs(5);
-            self.handle(id, slot).close_and_stop(&actor, bound).await?;
+            match self.handle(id, slot).close_and_stop(&actor, bound).await {
+                Ok(()) => {}
+                // A damaged log (set aside) refuses the close's event, and
+                // the session stops on it: the delete is its repair.
+                Err(SessionError::Store(e)) if e.is_damaged_log() => {
+                    actor.get_cell().wait(Some(bound)).await.map_err(|_| {
+                        SessionError::Internal("the session did not stop in time".into())
+                    })?;
+                }
+                Err(e) => return Err(e),
+            }
         }
         // A session that is not running is deleted without starting it.
         if !self.store.delete_session(id).await? {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tiller_core::{ErrorKind, Origin, PromptId, StopReason, Terminal};
-use tiller_session::{Acknowledge, EventBody, PromptRefused};
+use tiller_session::{Acknowledge, EventBody, PromptRefused, SessionError};
 use tiller_test_support::{Collect, kinds, sessions};
 
 fn contiguous(seqs: &[u64]) -> bool {
@@ -636,4 +636,60 @@ async fn ends(
         .await
         .expect("the turn ends before the stall bound")
         .unwrap()
+}
+
+/// A live session whose log is found damaged (set aside: its reads are
+/// refused until it is deleted) stops growing: its stream's next commit is
+/// refused with the repair, and the turn ends `store_unavailable` at once.
+/// Deleting it (the repair) works whether its actor already stopped or is
+/// idle and must close first, whose event the store refuses too. The other
+/// sessions are untouched. (Left over from a review: a set-aside session
+/// kept appending, unread; refusing that alone left its turn to the stall
+/// bound and made its delete fail.)
+#[tokio::test]
+async fn a_session_set_aside_while_live_stops_growing_and_its_delete_repairs_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = patient_sessions(&dir).await;
+    let streaming = s.create("/tmp".into(), None).await.unwrap();
+    let idle = s.create("/tmp".into(), None).await.unwrap();
+    let healthy = s.create("/tmp".into(), None).await.unwrap();
+    // A stream of at least ten seconds, so it is still going when its log
+    // is set aside.
+    let steps = serde_json::json!([{ "say": "x" }, { "sleep_ms": 1 }]);
+    let script = serde_json::json!({ "script": [
+        { "repeat": { "times": 10_000, "steps": steps } }
+    ] })
+    .to_string();
+    let (_, settled) = streaming
+        .prompt(script, Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for h in [&streaming, &idle] {
+        store.set_aside(h.id(), "damaged by a test").await.unwrap();
+    }
+    let done = ends(settled).await;
+    assert_eq!(done.terminal, Terminal::failed(ErrorKind::StoreUnavailable));
+    for h in [&streaming, &idle] {
+        s.delete(h.id()).await.unwrap();
+        assert!(
+            matches!(s.open(h.id()).await, Err(SessionError::Unknown(_))),
+            "deleted"
+        );
+        assert_eq!(
+            store.history(h.id(), None, 10).await.unwrap().events,
+            [],
+            "nothing of it is left"
+        );
+    }
+    let (_, rx) = healthy
+        .prompt("hello".into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
 }

@@ -95,6 +95,14 @@ pub(crate) trait Db: Send {
     fn upkeep(&mut self) -> R<bool> {
         Ok(false)
     }
+    /// Why a session's appends are refused, when its log is damaged (set
+    /// aside, see [`crate::index`]): its reads are, so it must not grow.
+    fn refusal(&self, _session: SessionId) -> Option<StoreError> {
+        None
+    }
+    /// Sets a session aside as if its log were found damaged.
+    #[cfg(feature = "test-hooks")]
+    fn set_aside_for_test(&mut self, _session: SessionId, _why: &str) {}
     /// Whether several daemons may share this store (leases apply).
     fn clustered(&self) -> bool {
         false
@@ -173,6 +181,13 @@ impl Db for Sqlite {
                     Ok((r.get(0)?, r.get(1)?, r.get(2)?))
                 })?;
         Ok(busy == 0 && copied >= log)
+    }
+    fn refusal(&self, session: SessionId) -> Option<StoreError> {
+        self.tail.refusal(session)
+    }
+    #[cfg(feature = "test-hooks")]
+    fn set_aside_for_test(&mut self, session: SessionId, why: &str) {
+        self.tail.set_aside_for_test(session, why);
     }
     fn upkeep(&mut self) -> R<bool> {
         if !self.tail.due() {

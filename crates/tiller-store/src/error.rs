@@ -79,6 +79,16 @@ impl StoreError {
         }
     }
 
+    /// Whether it is a damaged session log's refusal (the session is set
+    /// aside; deleting it is the repair), directly or as an append's cause.
+    pub fn is_damaged_log(&self) -> bool {
+        match self {
+            StoreError::Corrupt(_) => true,
+            StoreError::Append(e) => e.is_damaged_log(),
+            _ => false,
+        }
+    }
+
     /// Whether the failure is the store's condition (disk full, database
     /// locked, I/O error, shutting down) rather than a bad request: the
     /// caller may retry later, and clients are told `store_unavailable`.

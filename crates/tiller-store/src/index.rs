@@ -195,6 +195,23 @@ impl Tail {
         }
     }
 
+    /// Why a session's appends are refused: it is set aside (its reads
+    /// are refused the same way), so its log does not grow while it cannot
+    /// be read. Quick when no session is.
+    pub(crate) fn refusal(&self, session: SessionId) -> Option<StoreError> {
+        if self.set_aside.is_empty() {
+            return None;
+        }
+        self.readable(session).err()
+    }
+
+    /// Sets a session aside as a damaged log would (a test's way to reach
+    /// a live session whose log upkeep finds damaged).
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn set_aside_for_test(&mut self, session: SessionId, why: &str) {
+        self.set_aside(session, why.to_owned());
+    }
+
     /// Takes a committed batch's entries (each session's in order).
     pub(crate) fn add(&mut self, session: SessionId, entries: Vec<Entry>) {
         let Some(first) = entries.first() else {

@@ -424,6 +424,24 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
         assert!(store.reopen_log(s).await.is_err());
         assert!(store.events_after(s, 0, 10).await.is_err());
         assert!(store.last_of_kinds(s, &["turn_error"]).await.is_err());
+        // Nor does it grow: its appends are refused with the repair, an
+        // awaited one to its caller and a streamed one to its session.
+        let refused = store
+            .append_durable(ev(s, 1_000), None)
+            .await
+            .expect_err("its appends are refused");
+        assert!(refused.to_string().contains("purge=true"), "{refused}");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let tell: crate::OnCommit = Arc::new(move |r| {
+            let _ = tx.send(r.map_err(|e| e.to_string()));
+        });
+        store.append(ev(s, 1_001), None, Some(tell));
+        store.flush().await.unwrap();
+        let told = rx.try_recv().expect("the session is told");
+        assert!(
+            told.as_ref().is_err_and(|e| e.contains("purge=true")),
+            "{told:?}"
+        );
     }
     // Settling what the crash left (at start-up) reads each session's
     // log: a damaged one's prompt waits for its delete, rather than stop

@@ -319,6 +319,17 @@ impl Store {
         self.shared.fail_appends.store(on, Ordering::Relaxed);
     }
 
+    /// Sets a session aside as if upkeep had found its log damaged (its
+    /// reads and appends refused until it is deleted).
+    #[cfg(feature = "test-hooks")]
+    pub async fn set_aside(&self, session: SessionId, why: &'static str) -> Result<(), StoreError> {
+        self.call(move |c| {
+            c.set_aside_for_test(session, why);
+            Ok(())
+        })
+        .await
+    }
+
     /// Makes every checkpoint of SQLite's log fail until turned off.
     #[cfg(feature = "test-hooks")]
     pub fn fail_checkpoints(&self, on: bool) {

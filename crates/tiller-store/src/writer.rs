@@ -479,6 +479,27 @@ impl Writer {
     }
 
     fn append(&mut self, mut batch: Vec<Pending>) {
+        // Those of a damaged log (set aside: its reads are refused) fail
+        // with its repair, so it does not grow unread; their session hears
+        // it as of any failed append (each time: it stops), even where its
+        // log is also broken.
+        if batch
+            .iter()
+            .any(|p| self.conn.refusal(p.event.session).is_some())
+        {
+            let refused;
+            (batch, refused) = batch
+                .into_iter()
+                .partition::<Vec<_>, _>(|p| self.conn.refusal(p.event.session).is_none());
+            let mut by_session: HashMap<SessionId, Vec<Pending>> = HashMap::new();
+            for p in refused {
+                by_session.entry(p.event.session).or_default().push(p);
+            }
+            for (s, mine) in by_session {
+                let e = self.conn.refusal(s).unwrap_or(StoreError::LogBroken);
+                self.fail(mine, Arc::new(e));
+            }
+        }
         // Events of a broken log are refused, not written past the gap
         // (the batch is split only then: a split moves every append).
         if batch.iter().any(|p| self.is_broken(p.event.session)) {

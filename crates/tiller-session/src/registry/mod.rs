@@ -271,6 +271,9 @@ impl RegistryState {
             }
             RegistryMsg::EndDelete(id) => {
                 self.deleting.remove(&id);
+                // A deleted session's prompts went with it (and one whose
+                // delete failed is settled, as before, when next opened).
+                self.unreconciled.remove(&id);
             }
             RegistryMsg::Kick(ids) => {
                 for id in ids {
