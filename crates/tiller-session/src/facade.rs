@@ -376,10 +376,11 @@ impl Sessions {
             .await??;
         // Ends however this ends, even if its caller goes away meanwhile.
         let registry = self.registry.clone();
-        let _end = scopeguard::guard(id, move |id| {
-            let _ = registry.send_message(RegistryMsg::EndDelete(id));
+        let mut end = scopeguard::guard(false, move |deleted| {
+            let _ = registry.send_message(RegistryMsg::EndDelete { id, deleted });
         });
         self.delete_begun(id, live).await?;
+        *end = true;
         let _ = self.notify.send_message(notify::NotifyMsg::Forget(id));
         let _ = self.cron.send_message(cron::CronMsg::Forget(id));
         let _ = self.deleted.send(id);

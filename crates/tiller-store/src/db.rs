@@ -100,6 +100,11 @@ pub(crate) trait Db: Send {
     fn refusal(&self, _session: SessionId) -> Option<StoreError> {
         None
     }
+    /// Whether any session's appends may be refused (a commit asks
+    /// [`Db::refusal`] only then).
+    fn refuses_any(&self) -> bool {
+        false
+    }
     /// Sets a session aside as if its log were found damaged.
     #[cfg(feature = "test-hooks")]
     fn set_aside_for_test(&mut self, _session: SessionId, _why: &str) {}
@@ -184,6 +189,9 @@ impl Db for Sqlite {
     }
     fn refusal(&self, session: SessionId) -> Option<StoreError> {
         self.tail.refusal(session)
+    }
+    fn refuses_any(&self) -> bool {
+        self.tail.refuses_any()
     }
     #[cfg(feature = "test-hooks")]
     fn set_aside_for_test(&mut self, session: SessionId, why: &str) {

@@ -205,6 +205,11 @@ impl Tail {
         self.readable(session).err()
     }
 
+    /// Whether any session is set aside.
+    pub(crate) fn refuses_any(&self) -> bool {
+        !self.set_aside.is_empty()
+    }
+
     /// Sets a session aside as a damaged log would (a test's way to reach
     /// a live session whose log upkeep finds damaged).
     #[cfg(feature = "test-hooks")]

@@ -55,11 +55,13 @@ pub(crate) struct Queue {
     /// sessions from the front and puts back at the end those it left
     /// appends of (a long stream cannot hold the others back).
     order: VecDeque<SessionId>,
-    /// The sessions with an awaited append, in the order the first came,
-    /// each with the ticket its lane held then: an entry whose lane holds
-    /// another (its awaited appends went with a streamed batch or a
-    /// session's own write, or its lane is gone) is passed over, so a
-    /// later awaited append never takes an earlier one's place.
+    /// An entry per awaited append, in the order sent: its session and its
+    /// ticket. An entry is its lane's turn while its ticket is the lane's
+    /// oldest (its awaited append is the oldest one queued); else it is
+    /// stale (its append went with a streamed batch, or its session's turn
+    /// came with an earlier one, or its lane is gone) and passed over. So a
+    /// session's turn comes where its oldest queued awaited append was
+    /// sent, never earlier.
     urgent: VecDeque<(SessionId, u64)>,
     /// The last ticket given.
     tickets: u64,
@@ -71,10 +73,9 @@ pub(crate) struct Queue {
 #[derive(Default)]
 struct Lane {
     items: VecDeque<Pending>,
-    /// How many of them are awaited.
-    awaited: usize,
-    /// Its entry in `Queue::urgent`, while it has awaited appends.
-    ticket: Option<u64>,
+    /// The tickets of its awaited appends, oldest first (one per awaited
+    /// append queued).
+    awaited: VecDeque<u64>,
 }
 
 impl Queue {
@@ -92,12 +93,9 @@ impl Queue {
             }
         };
         if p.reply.is_some() {
-            lane.awaited += 1;
-            if lane.ticket.is_none() {
-                self.tickets += 1;
-                lane.ticket = Some(self.tickets);
-                self.urgent.push_back((s, self.tickets));
-            }
+            self.tickets += 1;
+            lane.awaited.push_back(self.tickets);
+            self.urgent.push_back((s, self.tickets));
         }
         lane.items.push_back(p);
         self.len += 1;
@@ -110,8 +108,7 @@ impl Queue {
             return Queue::default();
         };
         let items = std::mem::take(&mut lane.items);
-        lane.awaited = 0;
-        lane.ticket = None;
+        lane.awaited.clear();
         self.len -= items.len();
         self.tidy();
         items.into_iter().collect()
@@ -134,10 +131,7 @@ impl Lane {
     fn pop_into(&mut self, batch: &mut Vec<Pending>) -> Option<bool> {
         let p = self.items.pop_front()?;
         if p.reply.is_some() {
-            self.awaited -= 1;
-            if self.awaited == 0 {
-                self.ticket = None;
-            }
+            self.awaited.pop_front();
         }
         let joined = p.joined;
         batch.push(p);
@@ -289,12 +283,12 @@ fn next_batch(
             let Some(lane) = queued
                 .lanes
                 .get_mut(&s)
-                .filter(|l| l.ticket == Some(ticket))
+                .filter(|l| l.awaited.front() == Some(&ticket))
             else {
                 continue; // stale
             };
-            while lane.awaited > 0 && lane.pop_into(&mut batch).is_some() {}
-            debug_assert_eq!(lane.ticket, None);
+            while !lane.awaited.is_empty() && lane.pop_into(&mut batch).is_some() {}
+            debug_assert!(lane.awaited.is_empty());
             taken += 1;
         }
         if !batch.is_empty() {
@@ -479,25 +473,30 @@ impl Writer {
     }
 
     fn append(&mut self, mut batch: Vec<Pending>) {
-        // Those of a damaged log (set aside: its reads are refused) fail
-        // with its repair, so it does not grow unread; their session hears
-        // it as of any failed append (each time: it stops), even where its
-        // log is also broken.
-        if batch
-            .iter()
-            .any(|p| self.conn.refusal(p.event.session).is_some())
-        {
-            let refused;
-            (batch, refused) = batch
-                .into_iter()
-                .partition::<Vec<_>, _>(|p| self.conn.refusal(p.event.session).is_none());
-            let mut by_session: HashMap<SessionId, Vec<Pending>> = HashMap::new();
-            for p in refused {
-                by_session.entry(p.event.session).or_default().push(p);
+        // Those of a damaged log (set aside: its reads are refused) are
+        // refused with its repair, so it does not grow unread; their
+        // session hears it as of a failed append (each time: it stops),
+        // even where its log is also broken. Not a failure of the store:
+        // not counted as one (the damage has its own alert).
+        if self.conn.refuses_any() {
+            let mut why: HashMap<SessionId, Option<StoreError>> = HashMap::new();
+            for p in &batch {
+                let s = p.event.session;
+                why.entry(s).or_insert_with(|| self.conn.refusal(s));
             }
-            for (s, mine) in by_session {
-                let e = self.conn.refusal(s).unwrap_or(StoreError::LogBroken);
-                self.fail(mine, Arc::new(e));
+            if why.values().any(Option::is_some) {
+                let refused;
+                (batch, refused) = batch
+                    .into_iter()
+                    .partition::<Vec<_>, _>(|p| why[&p.event.session].is_none());
+                let mut by_session: HashMap<SessionId, Vec<Pending>> = HashMap::new();
+                for p in refused {
+                    by_session.entry(p.event.session).or_default().push(p);
+                }
+                for (s, mine) in by_session {
+                    let e = why.remove(&s).flatten().unwrap_or(StoreError::LogBroken);
+                    self.refuse(mine, Arc::new(e), false);
+                }
             }
         }
         // Events of a broken log are refused, not written past the gap
@@ -542,7 +541,13 @@ impl Writer {
 
     /// Marks the batch's sessions broken and answers every waiter.
     fn fail(&mut self, batch: Vec<Pending>, e: Arc<StoreError>) {
-        metrics::counter!("tiller_store_append_failures_total").increment(1);
+        self.refuse(batch, e, true);
+    }
+
+    /// [`Writer::fail`]: a failure of the store when `failed` (counted,
+    /// logged as an error), else a refusal (a damaged log's, logged as a
+    /// warning).
+    fn refuse(&mut self, batch: Vec<Pending>, e: Arc<StoreError>, failed: bool) {
         // Each session hears of it once: a stream whose commits never
         // come would otherwise hold its engine back until the stall bound.
         let mut told: HashMap<SessionId, Option<OnCommit>> = HashMap::new();
@@ -555,14 +560,19 @@ impl Writer {
         }
         // The sessions named (a few: a batch may hold many streams), as
         // every session's log line names its own.
-        let named: Vec<String> = told.keys().take(NAMED).map(|s| s.to_string()).collect();
-        tracing::error!(
-            session = %named.join(","),
-            sessions = told.len(),
-            error = %e,
-            events = batch.len(),
-            "store append failed"
-        );
+        let named = told
+            .keys()
+            .take(NAMED)
+            .map(|s| s.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let (sessions, events) = (told.len(), batch.len());
+        if failed {
+            metrics::counter!("tiller_store_append_failures_total").increment(1);
+            tracing::error!(session = %named, sessions, error = %e, events, "store append failed");
+        } else {
+            tracing::warn!(session = %named, error = %e, events, "append refused: the session's log is damaged");
+        }
         reply_err(batch, || StoreError::Append(e.clone()));
         for tell in told.into_values().flatten() {
             tell(Err(e.clone()));
@@ -654,10 +664,9 @@ mod tests {
     }
 
     /// The queue's bookkeeping agrees with what it holds: every append
-    /// in one lane, counted; each lane's awaited count, and an entry in
-    /// `urgent` with its ticket for a lane with awaited appends (one it
-    /// missed would wait behind streams); each lane in `order` once, and
-    /// nothing else there.
+    /// in one lane, counted; a ticket per awaited append, each with its
+    /// entry in `urgent` (one it missed would wait behind streams); each
+    /// lane in `order` once, and nothing else there.
     fn check(q: &Queue) {
         let held: usize = q.lanes.values().map(|l| l.items.len()).sum();
         assert_eq!(q.len, held);
@@ -668,10 +677,10 @@ mod tests {
             assert!(in_order.contains(s), "a lane out of turn");
             assert!(lane.items.iter().all(|p| p.event.session == *s));
             let awaited = lane.items.iter().filter(|p| p.reply.is_some()).count();
-            assert_eq!(lane.awaited, awaited);
-            match lane.ticket {
-                Some(t) => assert!(awaited > 0 && q.urgent.contains(&(*s, t))),
-                None => assert_eq!(awaited, 0),
+            assert_eq!(lane.awaited.len(), awaited);
+            assert!(lane.awaited.iter().is_sorted());
+            for t in &lane.awaited {
+                assert!(q.urgent.contains(&(*s, *t)));
             }
         }
         if q.is_empty() {
@@ -916,6 +925,8 @@ mod tests {
             let mut sent = [0u64; 6];
             let mut out = [0u64; 6];
             let mut urgent_last = false;
+            // The awaited appends not yet out, in the order sent.
+            let mut waiting: Vec<(SessionId, u64)> = Vec::new();
             let take = |batch: Vec<Pending>, out: &mut [u64; 6]| {
                 prop_assert!(!batch.is_empty());
                 prop_assert!(!batch.last().is_some_and(|p| p.joined));
@@ -940,21 +951,40 @@ mod tests {
                         }
                         if awaited {
                             a.last_mut().unwrap().reply = Some(oneshot::channel().0);
+                            waiting.push((sessions[s], sent[s]));
                         }
                         q.extend(a);
                     }
                     Step::Batch(times) => {
                         for _ in 0..times {
+                            // Awaited appends' turn: the sessions of the
+                            // oldest ones queued, `slice` of them.
+                            let turn = !urgent_last && !waiting.is_empty();
                             let Some(batch) = next_batch(&mut q, slice, max, &mut urgent_last) else {
                                 break;
                             };
+                            prop_assert_eq!(turn, urgent_last);
+                            if turn {
+                                let mut first: Vec<SessionId> = Vec::new();
+                                for (s, _) in &waiting {
+                                    if first.len() < slice && !first.contains(s) {
+                                        first.push(*s);
+                                    }
+                                }
+                                let got: HashSet<SessionId> =
+                                    batch.iter().map(|p| p.event.session).collect();
+                                prop_assert_eq!(got, first.into_iter().collect::<HashSet<_>>());
+                            }
+                            waiting.retain(|(s, seq)| {
+                                !batch.iter().any(|p| p.event.session == *s && p.event.seq == *seq)
+                            });
                             if urgent_last {
                                 // Each of its sessions up to its last awaited one.
                                 for s in &sessions {
                                     if let Some(lane) = q.lanes.get(s)
                                         && batch.iter().any(|p| p.event.session == *s)
                                     {
-                                        prop_assert_eq!(lane.awaited, 0);
+                                        prop_assert!(lane.awaited.is_empty());
                                     }
                                 }
                             } else {
@@ -967,6 +997,7 @@ mod tests {
                         }
                     }
                     Step::Session(s) => {
+                        waiting.retain(|(x, _)| *x != sessions[s]);
                         let mut mine = q.take_session(sessions[s]);
                         check(&mine);
                         while let Some(batch) = next_batch(&mut mine, slice, max, &mut false) {

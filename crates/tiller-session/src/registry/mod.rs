@@ -47,7 +47,8 @@ pub enum RegistryMsg {
         id: SessionId,
         reply: oneshot::Sender<Result<Option<Running>, SessionError>>,
     },
-    EndDelete(SessionId),
+    /// The delete ended; `deleted`: the session is gone from the store.
+    EndDelete { id: SessionId, deleted: bool },
     /// Queued work may wait for these sessions: the live ones poll their
     /// queues (the others are not served here).
     Kick(Vec<SessionId>),
@@ -63,10 +64,7 @@ pub enum RegistryMsg {
     Sweep,
     /// A session's actor has been idle for `park_after` and nothing is in
     /// flight: the registry holds its messages back and asks it to park.
-    Idle {
-        id: SessionId,
-        actor: ActorId,
-    },
+    Idle { id: SessionId, actor: ActorId },
     /// The actor parked (and stops): its clients wait here.
     Parked {
         id: SessionId,
@@ -74,17 +72,11 @@ pub enum RegistryMsg {
         subscribers: Subscribers,
     },
     /// The actor got work before it could park: it goes on.
-    Stays {
-        id: SessionId,
-        actor: ActorId,
-    },
+    Stays { id: SessionId, actor: ActorId },
     /// A message waits for a parked session: start its actor.
     Unpark(SessionId),
     /// A client detached from a parked session.
-    Unsubscribe {
-        id: SessionId,
-        sub: SubscriberId,
-    },
+    Unsubscribe { id: SessionId, sub: SubscriberId },
     /// Tests only: every running session is taken as idle now, as if each
     /// had just answered a sweep (an actor's `Idle` may arrive behind any
     /// message).
@@ -269,11 +261,13 @@ impl RegistryState {
                     self.deleting.remove(&id);
                 }
             }
-            RegistryMsg::EndDelete(id) => {
+            RegistryMsg::EndDelete { id, deleted } => {
                 self.deleting.remove(&id);
-                // A deleted session's prompts went with it (and one whose
-                // delete failed is settled, as before, when next opened).
-                self.unreconciled.remove(&id);
+                // A deleted session's prompts went with it; one whose
+                // delete failed keeps how they are settled when it opens.
+                if deleted {
+                    self.unreconciled.remove(&id);
+                }
             }
             RegistryMsg::Kick(ids) => {
                 for id in ids {
