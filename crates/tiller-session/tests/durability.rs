@@ -614,9 +614,16 @@ async fn a_long_stream_through_a_brief_store_outage_ends_whole() {
 async fn long_stream(
     h: &tiller_session::SessionHandle,
 ) -> tokio::sync::oneshot::Receiver<tiller_session::Settlement> {
-    let say = serde_json::json!([{ "say": "x" }]);
+    repeated(h, serde_json::json!([{ "say": "x" }])).await
+}
+
+/// Prompts `steps` repeated 10,000 times.
+async fn repeated(
+    h: &tiller_session::SessionHandle,
+    steps: serde_json::Value,
+) -> tokio::sync::oneshot::Receiver<tiller_session::Settlement> {
     let script = serde_json::json!({ "script": [
-        { "repeat": { "times": 10_000, "steps": say } }
+        { "repeat": { "times": 10_000, "steps": steps } }
     ] })
     .to_string();
     let (_, settled) = h
@@ -655,16 +662,11 @@ async fn a_session_set_aside_while_live_stops_growing_and_its_delete_repairs_it(
     let healthy = s.create("/tmp".into(), None).await.unwrap();
     // A stream of at least ten seconds, so it is still going when its log
     // is set aside.
-    let steps = serde_json::json!([{ "say": "x" }, { "sleep_ms": 1 }]);
-    let script = serde_json::json!({ "script": [
-        { "repeat": { "times": 10_000, "steps": steps } }
-    ] })
-    .to_string();
-    let (_, settled) = streaming
-        .prompt(script, Origin::Interactive)
-        .await
-        .unwrap()
-        .unwrap();
+    let settled = repeated(
+        &streaming,
+        serde_json::json!([{ "say": "x" }, { "sleep_ms": 1 }]),
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     for h in [&streaming, &idle] {
         store.set_aside(h.id(), "damaged by a test").await.unwrap();
