@@ -63,9 +63,38 @@ pub struct ScriptError {
     pub message: String,
 }
 
-fn err(path: &str, message: impl Into<String>) -> ScriptError {
+/// Where a step is, formatted only when an error names it (a script is
+/// parsed at every prompt).
+#[derive(Clone, Copy)]
+enum At<'a> {
+    Root(&'static str),
+    Index(&'a At<'a>, usize),
+    Key(&'a At<'a>, &'a str),
+}
+
+impl std::fmt::Display for At<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            At::Root(name) => f.write_str(name),
+            At::Index(parent, i) => write!(f, "{parent}[{i}]"),
+            At::Key(parent, key) => write!(f, "{parent}.{key}"),
+        }
+    }
+}
+
+impl<'a> At<'a> {
+    fn index(&'a self, i: usize) -> At<'a> {
+        At::Index(self, i)
+    }
+
+    fn key(&'a self, key: &'a str) -> At<'a> {
+        At::Key(self, key)
+    }
+}
+
+fn err(path: &At<'_>, message: impl Into<String>) -> ScriptError {
     ScriptError {
-        path: path.to_owned(),
+        path: path.to_string(),
         message: message.into(),
     }
 }
@@ -92,7 +121,7 @@ impl Script {
 
     /// Parses the value of `script`.
     pub fn parse_steps(steps: &Value) -> Result<Script, ScriptError> {
-        let mut steps = parse_list(steps, "script")?;
+        let mut steps = parse_list(steps, &At::Root("script"))?;
         if !steps.iter().any(Step::ends_turn) {
             steps.push(Step::Result(StopReason::EndTurn));
             steps.push(Step::Idle);
@@ -111,18 +140,18 @@ impl Step {
     }
 }
 
-fn parse_list(v: &Value, path: &str) -> Result<Vec<Step>, ScriptError> {
+fn parse_list(v: &Value, path: &At<'_>) -> Result<Vec<Step>, ScriptError> {
     let Value::Array(items) = v else {
         return Err(err(path, "expected an array of steps"));
     };
     items
         .iter()
         .enumerate()
-        .map(|(i, s)| parse_step(s, &format!("{path}[{i}]")))
+        .map(|(i, s)| parse_step(s, &path.index(i)))
         .collect()
 }
 
-fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
+fn parse_step(v: &Value, path: &At<'_>) -> Result<Step, ScriptError> {
     let Value::Object(obj) = v else {
         return Err(err(path, "expected an object with one key"));
     };
@@ -130,8 +159,7 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
         return Err(err(path, format!("expected one key, found {}", obj.len())));
     }
     let (key, val) = obj.iter().next().expect("one key");
-    let here = format!("{path}.{key}");
-    let here = here.as_str();
+    let here = &path.key(key);
     Ok(match key.as_str() {
         "say" => Step::Say(string(val, here)?),
         "title" => Step::Title(string(val, here)?),
@@ -139,7 +167,7 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
             let n = |k: &str| {
                 val.get(k)
                     .and_then(Value::as_u64)
-                    .ok_or_else(|| err(&format!("{here}.{k}"), "expected a number of tokens"))
+                    .ok_or_else(|| err(&here.key(k), "expected a number of tokens"))
             };
             Step::Usage(n("input")?, n("output")?)
         }
@@ -150,17 +178,17 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
             };
             let mut plan = Vec::new();
             for (i, e) in entries.iter().enumerate() {
-                let at = format!("{here}[{i}]");
+                let at = here.index(i);
                 let content = e
                     .get("content")
                     .ok_or_else(|| err(&at, "missing `content`"))
-                    .and_then(|c| string(c, &format!("{at}.content")))?;
+                    .and_then(|c| string(c, &at.key("content")))?;
                 let status = match e.get("status").map(Value::as_str) {
                     None => "pending".to_owned(),
                     Some(Some(s @ ("pending" | "in_progress" | "completed"))) => s.to_owned(),
                     _ => {
                         return Err(err(
-                            &format!("{at}.status"),
+                            &at.key("status"),
                             "expected \"pending\", \"in_progress\" or \"completed\"",
                         ));
                     }
@@ -181,7 +209,7 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
                 calls
                     .iter()
                     .enumerate()
-                    .map(|(i, c)| tool(c, &format!("{here}[{i}]")))
+                    .map(|(i, c)| tool(c, &here.index(i)))
                     .collect::<Result<_, _>>()?,
             )
         }
@@ -239,7 +267,7 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
             let times = r
                 .get("times")
                 .ok_or_else(|| err(here, "missing `times`"))
-                .and_then(|t| uint(t, &format!("{here}.times")))?;
+                .and_then(|t| uint(t, &here.key("times")))?;
             let times = u32::try_from(times)
                 .ok()
                 .filter(|t| *t <= 10_000)
@@ -247,7 +275,7 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
             let steps = r
                 .get("steps")
                 .ok_or_else(|| err(here, "missing `steps`"))
-                .and_then(|s| parse_list(s, &format!("{here}.steps")))?;
+                .and_then(|s| parse_list(s, &here.key("steps")))?;
             if let Some(extra) = r.keys().find(|k| *k != "times" && *k != "steps") {
                 return Err(err(here, format!("unknown field `{extra}`")));
             }
@@ -257,25 +285,25 @@ fn parse_step(v: &Value, path: &str) -> Result<Step, ScriptError> {
     })
 }
 
-fn string(v: &Value, path: &str) -> Result<String, ScriptError> {
+fn string(v: &Value, path: &At<'_>) -> Result<String, ScriptError> {
     v.as_str()
         .map(str::to_owned)
         .ok_or_else(|| err(path, "expected a string"))
 }
 
-fn uint(v: &Value, path: &str) -> Result<u64, ScriptError> {
+fn uint(v: &Value, path: &At<'_>) -> Result<u64, ScriptError> {
     v.as_u64()
         .ok_or_else(|| err(path, "expected a non-negative integer"))
 }
 
-fn flag(v: &Value, path: &str) -> Result<(), ScriptError> {
+fn flag(v: &Value, path: &At<'_>) -> Result<(), ScriptError> {
     match v {
         Value::Bool(true) => Ok(()),
         _ => Err(err(path, "expected true")),
     }
 }
 
-fn tool(v: &Value, path: &str) -> Result<ToolStep, ScriptError> {
+fn tool(v: &Value, path: &At<'_>) -> Result<ToolStep, ScriptError> {
     let Value::Object(t) = v else {
         return Err(err(
             path,
@@ -286,15 +314,12 @@ fn tool(v: &Value, path: &str) -> Result<ToolStep, ScriptError> {
     let name = t
         .get("name")
         .ok_or_else(|| err(path, "missing `name`"))
-        .and_then(|n| string(n, &format!("{path}.name")))?;
+        .and_then(|n| string(n, &path.key("name")))?;
     let ok = match t.get("outcome").map(Value::as_str) {
         None | Some(Some("ok")) => true,
         Some(Some("error")) => false,
         _ => {
-            return Err(err(
-                &format!("{path}.outcome"),
-                "expected \"ok\" or \"error\"",
-            ));
+            return Err(err(&path.key("outcome"), "expected \"ok\" or \"error\""));
         }
     };
     let output = match t.get("output") {
@@ -306,7 +331,7 @@ fn tool(v: &Value, path: &str) -> Result<ToolStep, ScriptError> {
         None => crate::ToolKind::of(&name),
         Some(k) => k.as_str().and_then(crate::ToolKind::parse).ok_or_else(|| {
             err(
-                &format!("{path}.kind"),
+                &path.key("kind"),
                 "expected \"read\", \"edit\", \"execute\" or \"other\"",
             )
         })?,
@@ -320,7 +345,11 @@ fn tool(v: &Value, path: &str) -> Result<ToolStep, ScriptError> {
     })
 }
 
-fn check_keys(obj: &Map<String, Value>, path: &str, allowed: &[&str]) -> Result<(), ScriptError> {
+fn check_keys(
+    obj: &Map<String, Value>,
+    path: &At<'_>,
+    allowed: &[&str],
+) -> Result<(), ScriptError> {
     match obj.keys().find(|k| !allowed.contains(&k.as_str())) {
         Some(k) => Err(err(path, format!("unknown field `{k}`"))),
         None => Ok(()),
