@@ -77,27 +77,76 @@ pub enum Incoming {
     },
 }
 
+/// The members of a frame that classify it; any other member is ignored.
+/// A member given as `null` is `Some(Value::Null)`, not absent.
+#[derive(serde::Deserialize)]
+struct Frame {
+    #[serde(default, deserialize_with = "present")]
+    id: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    jsonrpc: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    method: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    params: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    result: Option<Value>,
+    #[serde(default, deserialize_with = "present")]
+    error: Option<Value>,
+}
+
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    serde::Deserialize::deserialize(d).map(Some)
+}
+
 /// Classifies one frame.
 pub fn parse(frame: &str) -> Incoming {
-    let value: Value = match serde_json::from_str(frame) {
-        Ok(v) => v,
-        Err(e) => {
-            return Incoming::Invalid {
-                id: Value::Null,
-                error: RpcError::new(code::PARSE_ERROR, format!("parse error: {e}")),
-            };
-        }
-    };
-    let Value::Object(mut obj) = value else {
-        return Incoming::Invalid {
+    // An object is read straight into its members (every prompt comes this
+    // way). Anything else, or an object the members cannot be read from
+    // (a member given twice, say), is read as a `Value`, which says why.
+    // (Not an array: serde would read one into the members by position.)
+    if frame.trim_start().starts_with('{')
+        && let Ok(f) = serde_json::from_str::<Frame>(frame)
+    {
+        return classify(f);
+    }
+    parse_value(frame)
+}
+
+/// [`parse`] through a `Value`.
+fn parse_value(frame: &str) -> Incoming {
+    match serde_json::from_str::<Value>(frame) {
+        Err(e) => Incoming::Invalid {
+            id: Value::Null,
+            error: RpcError::new(code::PARSE_ERROR, format!("parse error: {e}")),
+        },
+        Ok(Value::Object(mut obj)) => classify(Frame {
+            id: obj.remove("id"),
+            jsonrpc: obj.remove("jsonrpc"),
+            method: obj.remove("method"),
+            params: obj.remove("params"),
+            result: obj.remove("result"),
+            error: obj.remove("error"),
+        }),
+        Ok(_) => Incoming::Invalid {
             id: Value::Null,
             error: RpcError::new(
                 code::INVALID_REQUEST,
                 "invalid request: expected a JSON-RPC object (batches are not supported)",
             ),
-        };
-    };
-    let id = obj.remove("id");
+        },
+    }
+}
+
+fn classify(frame: Frame) -> Incoming {
+    let Frame {
+        id,
+        jsonrpc,
+        method,
+        params,
+        result,
+        error,
+    } = frame;
     if let Some(id) = &id
         && !(id.is_string() || id.is_number() || id.is_null())
     {
@@ -106,7 +155,7 @@ pub fn parse(frame: &str) -> Incoming {
             error: RpcError::new(code::INVALID_REQUEST, "invalid request: bad `id`"),
         };
     }
-    if obj.get("jsonrpc").and_then(Value::as_str) != Some("2.0") {
+    if jsonrpc.as_ref().and_then(Value::as_str) != Some("2.0") {
         return Incoming::Invalid {
             id: id.unwrap_or(Value::Null),
             error: RpcError::new(
@@ -115,7 +164,7 @@ pub fn parse(frame: &str) -> Incoming {
             ),
         };
     }
-    let method = match obj.remove("method") {
+    let method = match method {
         Some(Value::String(m)) => m,
         Some(_) => {
             return Incoming::Invalid {
@@ -126,10 +175,10 @@ pub fn parse(frame: &str) -> Incoming {
                 ),
             };
         }
-        None if obj.contains_key("result") || obj.contains_key("error") => {
-            let result = match obj.remove("error") {
+        None if result.is_some() || error.is_some() => {
+            let result = match error {
                 Some(e) => Err(e),
-                None => Ok(obj.remove("result").unwrap_or(Value::Null)),
+                None => Ok(result.unwrap_or(Value::Null)),
             };
             return Incoming::Response {
                 id: id.unwrap_or(Value::Null),
@@ -143,16 +192,28 @@ pub fn parse(frame: &str) -> Incoming {
             };
         }
     };
-    let params = obj.remove("params").unwrap_or(Value::Null);
+    let params = params.unwrap_or(Value::Null);
     match id {
         Some(id) => Incoming::Request { id, method, params },
         None => Incoming::Notification { method, params },
     }
 }
 
-/// A success response.
+/// A success response (serialized straight, without a `Value` around it:
+/// every prompt's answer takes this path).
 pub fn response(id: &Value, result: Value) -> String {
-    json!({ "jsonrpc": "2.0", "id": id, "result": result }).to_string()
+    #[derive(serde::Serialize)]
+    struct Response<'a> {
+        jsonrpc: &'static str,
+        id: &'a Value,
+        result: &'a Value,
+    }
+    serde_json::to_string(&Response {
+        jsonrpc: "2.0",
+        id,
+        result: &result,
+    })
+    .expect("serialize")
 }
 
 /// An error response.
@@ -218,6 +279,11 @@ mod tests {
             assert_eq!(got, *want, "{frame}");
         }
         assert_eq!(
+            parse(r#"["2.0", 1, "m"]"#),
+            parse_value(r#"["2.0", 1, "m"]"#),
+            "an array is not read into the members by position"
+        );
+        assert_eq!(
             parse(r#"{"jsonrpc":"2.0","id":"a","method":"m"}"#),
             Incoming::Request {
                 id: json!("a"),
@@ -225,5 +291,57 @@ mod tests {
                 params: Value::Null
             }
         );
+    }
+
+    proptest::proptest! {
+        /// Reading a frame straight into its members classifies it as
+        /// reading it through a `Value` does: each member absent, `null`,
+        /// right or of the wrong type, in any order, given twice, among
+        /// others, or a frame that is not an object or not JSON.
+        #[test]
+        fn the_direct_read_classifies_as_the_value_read(
+            chosen in proptest::collection::vec(0..4usize, 6),
+            extra in proptest::collection::vec(
+                (
+                    proptest::sample::select(
+                        &["id", "jsonrpc", "method", "params", "result", "error", "other", "i\\u0064"][..]
+                    ),
+                    proptest::sample::select(&["null", "1", "\"2.0\"", "{}", "[\"2.0\"]"][..]),
+                ),
+                0..3,
+            ),
+            at in proptest::collection::vec(0..8usize, 3),
+            shape in 0..4u8,
+        ) {
+            // Per member: absent, null, a right value, a wrong one.
+            let values: [(&str, [&str; 2]); 6] = [
+                ("id", ["7", "{}"]),
+                ("jsonrpc", ["\"2.0\"", "2"]),
+                ("method", ["\"m\"", "[]"]),
+                ("params", ["{\"sessionId\":\"s\"}", "3"]),
+                ("result", ["{}", "\"r\""]),
+                ("error", ["{\"code\":1}", "true"]),
+            ];
+            let mut members: Vec<String> = values
+                .iter()
+                .zip(&chosen)
+                .filter_map(|((k, v), c)| match c {
+                    0 => None,
+                    1 => Some(format!("\"{k}\": null")),
+                    c => Some(format!("\"{k}\": {}", v[c - 2])),
+                })
+                .collect();
+            for ((k, v), at) in extra.iter().zip(&at) {
+                members.insert(at % (members.len() + 1), format!("\"{k}\": {v}"));
+            }
+            let body = members.join(", ");
+            let frame = match shape {
+                0 => format!("{{{body}}}"),
+                1 => format!("  {{ {body} }}  "),
+                2 => format!("[{{{body}}}]"),
+                _ => format!("{{{body}"),
+            };
+            proptest::prop_assert_eq!(parse(&frame), parse_value(&frame), "{}", frame);
+        }
     }
 }
