@@ -526,38 +526,67 @@ pub fn compaction_update(rec: &EventRecord, capable: bool) -> Option<SessionNoti
 /// The notification a compaction is for clients without the capability.
 pub const COMPACTION_NOTIFICATION: &str = "_tiller/compaction";
 
+/// The params of a `_tiller/*` notification: the two of every turn are
+/// serialized straight from their fields, the others through a `Value`.
+#[derive(Debug, serde::Serialize)]
+#[serde(untagged)]
+pub enum ExtParams<'a> {
+    #[serde(rename_all = "camelCase")]
+    TurnStarted {
+        session_id: String,
+        prompt_id: Option<String>,
+        turn_id: Option<u64>,
+    },
+    #[serde(rename_all = "camelCase")]
+    TurnSettled {
+        session_id: String,
+        prompt_id: Option<String>,
+        stop_reason: &'a str,
+    },
+    Other(Value),
+}
+
 /// `_tiller/*` notifications an event produces for live subscribers.
-pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)> {
+pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, ExtParams<'_>)> {
     // Formatted only for the events that have a notification (not for
     // every streamed chunk).
     let session = || rec.session.to_string();
     let prompt = || rec.prompt.map(|p| p.to_string());
+    let other = |method, params| Some((method, ExtParams::Other(params)));
     match &rec.body {
         // Its text comes first in every turn.
         EventBody::UserMessage { .. } => Some((
             "_tiller/turn_started",
-            json!({ "sessionId": session(), "promptId": prompt(), "turnId": rec.turn.map(|t| t.0) }),
+            ExtParams::TurnStarted {
+                session_id: session(),
+                prompt_id: prompt(),
+                turn_id: rec.turn.map(|t| t.0),
+            },
         )),
         EventBody::SessionClosed => {
-            Some(("_tiller/session_closed", json!({ "sessionId": session() })))
+            other("_tiller/session_closed", json!({ "sessionId": session() }))
         }
         EventBody::Compaction {
             compaction_id,
             status,
             summary,
             message,
-        } => Some((
+        } => other(
             COMPACTION_NOTIFICATION,
             json!({ "sessionId": session(), "promptId": prompt(), "compactionId": compaction_id,
                     "status": status, "summary": summary, "message": message }),
-        )),
-        EventBody::Roots { roots } => Some((
+        ),
+        EventBody::Roots { roots } => other(
             "_tiller/roots_changed",
             json!({ "sessionId": session(), "additionalDirectories": roots }),
-        )),
+        ),
         EventBody::TurnComplete { stop_reason } => Some((
             "_tiller/turn_settled",
-            json!({ "sessionId": session(), "promptId": prompt(), "stopReason": stop_reason }),
+            ExtParams::TurnSettled {
+                session_id: session(),
+                prompt_id: prompt(),
+                stop_reason,
+            },
         )),
         EventBody::TurnError {
             error_kind,
@@ -572,16 +601,16 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
             if let Some(c) = code {
                 error["code"] = json!(c);
             }
-            Some((
+            other(
                 "_tiller/turn_settled",
                 json!({ "sessionId": session(), "promptId": prompt(), "error": error }),
-            ))
+            )
         }
         EventBody::SteerDropped {
             steer_id,
             text,
             reason,
-        } => Some((
+        } => other(
             "_tiller/steer_dropped",
             json!({
                 "sessionId": session(),
@@ -589,7 +618,7 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, Value)
                 "prompt": [{ "type": "text", "text": text }],
                 "reason": reason,
             }),
-        )),
+        ),
         _ => None,
     }
 }
@@ -817,6 +846,56 @@ mod tests {
         assert!(chunk_line(&rec, None).is_none());
         let line = update_line(&rec, None, false).expect("a user message shows");
         assert!(line.contains("user_message_chunk"), "{line}");
+    }
+
+    #[test]
+    fn a_turn_s_start_and_end_notifications_carry_its_ids() {
+        let session = SessionId::new();
+        let prompt = PromptId::new();
+        let line = |prompt: Option<PromptId>, turn: Option<u64>, body: EventBody| {
+            let rec = EventRecord {
+                session,
+                seq: 3,
+                ts_ms: 0,
+                prompt,
+                turn: turn.map(TurnId),
+                body,
+            };
+            let (method, params) = extension_notification(&rec).expect("a notification");
+            let line: Value =
+                serde_json::from_str(&crate::jsonrpc::notification_of(method, &params)).unwrap();
+            line
+        };
+        let started = || EventBody::UserMessage {
+            text: "hi".into(),
+            images: Vec::new(),
+        };
+        assert_eq!(
+            line(Some(prompt), Some(4), started()),
+            json!({ "jsonrpc": "2.0", "method": "_tiller/turn_started", "params": {
+                "sessionId": session.to_string(), "promptId": prompt.to_string(), "turnId": 4 } })
+        );
+        assert_eq!(
+            line(None, None, started())["params"],
+            json!({ "sessionId": session.to_string(), "promptId": null, "turnId": null })
+        );
+        assert_eq!(
+            line(
+                Some(prompt),
+                Some(4),
+                EventBody::TurnComplete {
+                    stop_reason: "end_turn".into()
+                }
+            ),
+            json!({ "jsonrpc": "2.0", "method": "_tiller/turn_settled", "params": {
+                "sessionId": session.to_string(), "promptId": prompt.to_string(),
+                "stopReason": "end_turn" } })
+        );
+        assert_eq!(
+            line(None, None, EventBody::SessionClosed),
+            json!({ "jsonrpc": "2.0", "method": "_tiller/session_closed",
+                    "params": { "sessionId": session.to_string() } })
+        );
     }
 
     #[test]
