@@ -105,6 +105,7 @@ pub fn parse(frame: &str) -> Incoming {
     // way). Anything else, or an object the members cannot be read from
     // (a member given twice, say), is read as a `Value`, which says why.
     // (Not an array: serde would read one into the members by position.)
+    // Members not read are skipped, their values unchecked beyond syntax.
     if frame.trim_start().starts_with('{')
         && let Ok(f) = serde_json::from_str::<Frame>(frame)
     {
@@ -290,6 +291,28 @@ mod tests {
                 method: "m".into(),
                 params: Value::Null
             }
+        );
+    }
+
+    /// Members Tiller does not read are skipped, not read as values: a
+    /// number beyond `f64`, a lone surrogate or deep nesting in one does
+    /// not make a frame unreadable (the `Value` read refused them), and
+    /// serde_json's private raw-value key smuggles no frame in.
+    #[test]
+    fn unknown_members_are_skipped_not_read() {
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        for extra in ["1e400", "\"\\ud800\"", deep.as_str()] {
+            let frame = format!(r#"{{"jsonrpc":"2.0","id":1,"method":"m","x":{extra}}}"#);
+            assert!(matches!(parse(&frame), Incoming::Request { .. }), "{frame}");
+            assert!(
+                matches!(parse_value(&frame), Incoming::Invalid { .. }),
+                "{frame}"
+            );
+        }
+        let smuggled = r#"{"$serde_json::private::RawValue":"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"m\"}"}"#;
+        assert!(
+            matches!(parse(smuggled), Incoming::Invalid { .. }),
+            "{smuggled}"
         );
     }
 
