@@ -883,7 +883,13 @@ impl Writer {
             _ => rec.seq,
         };
         a.run = Some((thought, rec.turn, id));
-        Some(format!("{}-{id}", if thought { "thought" } else { "msg" }))
+        let kind = if thought { "thought-" } else { "msg-" };
+        let mut n = itoa::Buffer::new();
+        let n = n.format(id);
+        let mut message = String::with_capacity(kind.len() + n.len());
+        message.push_str(kind);
+        message.push_str(n);
+        Some(message)
     }
 
     /// What a live event becomes for this client: updates, extension

@@ -32,7 +32,7 @@ pub async fn read_lines<R: AsyncRead + Unpin>(reader: R, max: usize, tx: mpsc::S
             Ok([]) | Err(_) => return,
             Ok(b) => b,
         };
-        let (chunk, found) = match buf.iter().position(|b| *b == b'\n') {
+        let (chunk, found) = match memchr::memchr(b'\n', buf) {
             Some(i) => (&buf[..i], true),
             None => (buf, false),
         };
@@ -48,7 +48,10 @@ pub async fn read_lines<R: AsyncRead + Unpin>(reader: R, max: usize, tx: mpsc::S
             let frame = if size > max {
                 Frame::TooLarge(size)
             } else {
-                let text = String::from_utf8_lossy(&line).trim().to_owned();
+                let text = match std::str::from_utf8(&line) {
+                    Ok(text) => text.trim().to_owned(),
+                    Err(_) => String::from_utf8_lossy(&line).trim().to_owned(),
+                };
                 line.clear();
                 if text.is_empty() {
                     size = 0;
@@ -73,6 +76,9 @@ pub async fn write_lines<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Rec
         buf.clear();
         buf.extend_from_slice(msg.as_bytes());
         buf.push(b'\n');
+        // Tasks woken with this one run first (a prompt's answer, sent
+        // just after its turn's last update), so their lines join the write.
+        tokio::task::yield_now().await;
         while buf.len() < WRITE_BATCH {
             let Ok(more) = rx.try_recv() else { break };
             buf.extend_from_slice(more.as_bytes());

@@ -70,6 +70,8 @@ impl Segment {
         self.kinds |= kind_bit(&e.kind);
         let mut n = itoa::Buffer::new();
         let b = &mut self.body;
+        // The header is at most about 100 bytes (a prompt id is 36).
+        b.reserve(e.data.len() + e.kind.len() + 100);
         b.extend_from_slice(n.format(e.seq).as_bytes());
         b.push(b' ');
         b.extend_from_slice(n.format(e.ts_ms).as_bytes());
