@@ -84,3 +84,17 @@ impl fmt::Display for TurnId {
         self.0.fmt(f)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_id_is_written_in_its_canonical_form() {
+        let id = SessionId::from_u128(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
+        assert_eq!(id.to_string(), "01234567-89ab-cdef-0011-223344556677");
+        assert_eq!(SessionId::parse(&id.to_string()), Some(id));
+        let fresh = PromptId::new();
+        assert_eq!(fresh.to_string(), fresh.0.hyphenated().to_string());
+    }
+}
