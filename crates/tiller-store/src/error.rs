@@ -52,6 +52,19 @@ pub enum StoreError {
     /// What the database holds cannot be read back.
     #[error("the store holds unreadable data: {0}")]
     Corrupt(String),
+    /// A session's log is damaged: the session is set aside (its reads
+    /// and appends are refused) until it is deleted, which repairs the
+    /// store.
+    #[error(
+        "the store holds unreadable data: session {session}'s log is damaged ({why}): delete it \
+         (`DELETE /api/sessions/{session}?purge=true`) to repair the store"
+    )]
+    Damaged {
+        /// The session set aside.
+        session: tiller_core::SessionId,
+        /// What is wrong with its log.
+        why: String,
+    },
     /// The connection to PostgreSQL is down (appends resume once it is
     /// made again and each session reloaded its log).
     #[error("the connection to PostgreSQL is lost; retry shortly")]
@@ -83,7 +96,7 @@ impl StoreError {
     /// aside; deleting it is the repair), directly or as an append's cause.
     pub fn is_damaged_log(&self) -> bool {
         match self {
-            StoreError::Corrupt(_) => true,
+            StoreError::Damaged { .. } => true,
             StoreError::Append(e) => e.is_damaged_log(),
             _ => false,
         }
@@ -123,6 +136,7 @@ impl StoreError {
             | StoreError::InUse { .. }
             | StoreError::Config(_)
             | StoreError::Corrupt(_)
+            | StoreError::Damaged { .. }
             | StoreError::Fenced(_)
             | StoreError::AlreadyClaimed => false,
             StoreError::Append(e) => e.is_unavailable(),
@@ -173,5 +187,33 @@ fn pg_message(e: &postgres::Error) -> String {
     match e.as_db_error() {
         Some(d) => format!("{} ({})", d.message(), d.code().code()),
         None => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a set-aside session's refusal lets its delete go on past a
+    /// failed close: other unreadable data (a PostgreSQL log whose
+    /// sequence numbers clash) is an error the delete reports.
+    #[test]
+    fn only_a_set_aside_log_is_a_damaged_one() {
+        let session = tiller_core::SessionId::new();
+        let damaged = StoreError::Damaged {
+            session,
+            why: "overlapping segments".into(),
+        };
+        assert!(damaged.is_damaged_log());
+        assert!(
+            damaged
+                .to_string()
+                .contains(&format!("DELETE /api/sessions/{session}?purge=true"))
+        );
+        assert!(!damaged.is_unavailable());
+        assert!(StoreError::Append(std::sync::Arc::new(damaged)).is_damaged_log());
+        let clash = StoreError::Corrupt("events 3-5 follow 7".into());
+        assert!(!clash.is_damaged_log());
+        assert!(!StoreError::Append(std::sync::Arc::new(clash)).is_damaged_log());
     }
 }

@@ -188,10 +188,10 @@ impl Tail {
     pub(crate) fn readable(&self, session: SessionId) -> Result<&[Entry], StoreError> {
         match self.set_aside.get(&session) {
             None => Ok(self.of(session)),
-            Some(why) => Err(StoreError::Corrupt(format!(
-                "session {session}'s log is damaged ({why}): delete it \
-                 (`DELETE /api/sessions/{session}?purge=true`) to repair the store"
-            ))),
+            Some(why) => Err(StoreError::Damaged {
+                session,
+                why: why.clone(),
+            }),
         }
     }
 

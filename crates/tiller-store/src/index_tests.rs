@@ -255,7 +255,8 @@ fn a_session_the_index_refuses_is_set_aside_and_the_store_still_opens() {
         let e = tail.readable(bad).expect_err("its reads are refused");
         let repair = format!("DELETE /api/sessions/{bad}?purge=true");
         assert!(
-            matches!(&e, crate::StoreError::Corrupt(why) if why.contains(&repair)),
+            matches!(&e, crate::StoreError::Damaged { session, .. } if *session == bad)
+                && e.to_string().contains(&repair),
             "{e}"
         );
     };
@@ -417,7 +418,8 @@ async fn damaged_segments_set_their_session_aside_and_the_others_go_on() {
     for s in [a, c] {
         let refused = store.history(s, None, 100).await.expect_err("refused");
         assert!(
-            matches!(&refused, crate::StoreError::Corrupt(why) if why.contains("purge=true")),
+            matches!(&refused, crate::StoreError::Damaged { session, .. } if *session == s)
+                && refused.to_string().contains("purge=true"),
             "{refused}"
         );
         assert!(store.get_session(s).await.is_err());
