@@ -676,3 +676,99 @@ proptest! {
         prop_assert_eq!(log, index);
     }
 }
+
+/// Counts `tiller_store_append_failures_total` on the thread it is set on.
+#[derive(Default)]
+struct Failures(Arc<std::sync::atomic::AtomicU64>);
+
+impl metrics::CounterFn for Failures {
+    fn increment(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn absolute(&self, n: u64) {
+        self.0.store(n, Ordering::Relaxed);
+    }
+}
+
+impl metrics::Recorder for Failures {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() == "tiller_store_append_failures_total" {
+            metrics::Counter::from_arc(Arc::new(Failures(self.0.clone())))
+        } else {
+            metrics::Counter::noop()
+        }
+    }
+
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// A damaged log's refused append is not a failure of the store: it is not
+/// counted in `tiller_store_append_failures_total`, whose critical alert
+/// says the store cannot write (free disk space); a store that cannot
+/// write is. (An inline store commits on the caller's thread, where the
+/// counting recorder is.)
+#[test]
+fn a_damaged_log_s_refusal_is_not_counted_as_a_store_failure() {
+    let failures = Failures::default();
+    let count = failures.0.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&failures, || {
+        runtime.block_on(async {
+            let store = Store::open_inline(&path).unwrap();
+            let (bad, good) = (SessionId::new(), SessionId::new());
+            for s in [bad, good] {
+                store.create_session(rec(s)).await.unwrap();
+                store.append_durable(ev(s, 1), None).await.unwrap();
+            }
+            store.set_aside(bad, "a test").await.unwrap();
+            let refused = store.append_durable(ev(bad, 2), None).await;
+            assert!(refused.is_err_and(|e| e.is_damaged_log()));
+            assert_eq!(
+                count.load(Ordering::Relaxed),
+                0,
+                "a refusal is not a failure"
+            );
+            store.fail_appends(true);
+            assert!(store.append_durable(ev(good, 2), None).await.is_err());
+            assert_eq!(count.load(Ordering::Relaxed), 1, "a failed write is");
+        });
+    });
+}
