@@ -96,6 +96,63 @@ async fn a_terminal_the_store_cannot_record_is_never_reported_as_success() {
     assert!(contiguous(&seqs), "{seqs:?}");
 }
 
+/// A failed session whose prompt could not be settled (the store was
+/// down) keeps how it is to be settled through a delete that fails: once
+/// the store is back, opening it records the prompt's `store_unavailable`
+/// terminal. (Its hint was once dropped by any end of a delete, and the
+/// prompt stayed unsettled until the daemon restarted.)
+#[tokio::test]
+async fn a_failed_delete_leaves_a_failed_session_s_prompt_to_be_settled() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (prompt, rx) = h
+        .prompt(
+            r#"{"script": [{"say": "a"}, {"sleep_ms": 300}, {"say": "b"}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.fail_appends(true);
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::failed(ErrorKind::StoreUnavailable)
+    );
+    // Its actor failed and its prompt could not be settled: it cannot be
+    // opened while the store is down. (A hang detector, not a timing.)
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while s.open(h.id()).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the failed session is no longer served");
+    store.fail_deletes(true);
+    assert!(s.delete(h.id()).await.is_err(), "the delete fails");
+    store.fail_deletes(false);
+    store.fail_appends(false);
+    let _h = s.open(h.id()).await.unwrap();
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let terminals: Vec<_> = log
+        .iter()
+        .filter(|e| e.prompt == Some(prompt))
+        .filter(|e| {
+            matches!(
+                e.body,
+                EventBody::TurnComplete { .. } | EventBody::TurnError { .. }
+            )
+        })
+        .collect();
+    assert_eq!(terminals.len(), 1, "{:?}", kinds(&log));
+    assert!(
+        matches!(&terminals[0].body, EventBody::TurnError { error_kind, .. } if error_kind == "store_unavailable"),
+        "{:?}",
+        terminals[0].body
+    );
+}
+
 #[tokio::test]
 async fn a_brief_store_outage_costs_a_turn_nothing() {
     let dir = tempfile::tempdir().unwrap();

@@ -111,6 +111,8 @@ pub(crate) struct Shared {
     pub(crate) pause_appends: AtomicBool,
     /// Set by a test to make every checkpoint fail.
     pub(crate) fail_checkpoints: AtomicBool,
+    /// Set by a test to make every session delete fail.
+    pub(crate) fail_deletes: AtomicBool,
     /// Whether several daemons may share the store (PostgreSQL).
     pub(crate) clustered: AtomicBool,
     /// Frames in SQLite's write-ahead log after the last commit (set by
@@ -317,6 +319,12 @@ impl Store {
     #[cfg(feature = "test-hooks")]
     pub fn fail_appends(&self, on: bool) {
         self.shared.fail_appends.store(on, Ordering::Relaxed);
+    }
+
+    /// Makes every session delete fail until turned off.
+    #[cfg(feature = "test-hooks")]
+    pub fn fail_deletes(&self, on: bool) {
+        self.shared.fail_deletes.store(on, Ordering::Relaxed);
     }
 
     /// Sets a session aside as if upkeep had found its log damaged (its
@@ -541,6 +549,9 @@ impl Store {
     /// every append issued before it.
     pub async fn delete_session(&self, id: SessionId) -> Result<bool, StoreError> {
         self.call_writer(Some(id), move |w| {
+            if w.shared.fail_deletes.load(Ordering::Relaxed) {
+                return Err(StoreError::Injected);
+            }
             let deleted = w.conn.delete_session(id)?;
             w.broken.remove(&id);
             w.reopened.insert(id);
