@@ -70,8 +70,9 @@ impl Segment {
         self.kinds |= kind_bit(&e.kind);
         let mut n = itoa::Buffer::new();
         let b = &mut self.body;
-        // The header is at most about 100 bytes (a prompt id is 36).
-        b.reserve(e.data.len() + e.kind.len() + 100);
+        // The header is at most about 125 bytes besides its kind (three
+        // 20-digit numbers, a 36-byte prompt id, a length, separators).
+        b.reserve(e.data.len() + e.kind.len() + 125);
         b.extend_from_slice(n.format(e.seq).as_bytes());
         b.push(b' ');
         b.extend_from_slice(n.format(e.ts_ms).as_bytes());
