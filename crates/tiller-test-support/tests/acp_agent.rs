@@ -592,6 +592,46 @@ async fn an_idle_hosted_session_parks_and_wakes_with_its_agent_session_and_optio
     );
 }
 
+/// An agent that uses its call ids again in every turn gets each call
+/// published under an id of its own, also when its session parked between
+/// the turns and was rebuilt from its log, which does not remember the ids
+/// published before. (The second turn's calls once came out under the
+/// first turn's ids after a park or a restart, and a client that keys
+/// calls by id merged them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_s_repeated_call_ids_stay_unique_across_a_park() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let (sessions, _engine) = start_parking(&dir, agent("fake", &[]), Some(Duration::ZERO)).await;
+    let (h, seen) = attached(&sessions, &work).await;
+    for _ in 0..2 {
+        // `read-0`, `read-1`, ... until loop protection stops the turn.
+        let t = run(&h, "loop", None).await;
+        assert!(
+            matches!(
+                t,
+                Terminal::Failed {
+                    kind: ErrorKind::LoopDetected(_),
+                    ..
+                }
+            ),
+            "{t:?}"
+        );
+        tiller_test_support::parked(&sessions, 1).await;
+    }
+    let ids: Vec<String> = seen
+        .events()
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::ToolCall { tool_call_id, .. } => Some(tool_call_id.clone()),
+            _ => None,
+        })
+        .collect();
+    let unique: std::collections::HashSet<&String> = ids.iter().collect();
+    assert!(ids.len() >= 4, "{ids:?}");
+    assert_eq!(unique.len(), ids.len(), "{ids:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_reads_a_large_file_whole_and_unattended_writes_follow_the_permission_mode() {
     let dir = tempfile::tempdir().unwrap();

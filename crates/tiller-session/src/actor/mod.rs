@@ -509,7 +509,7 @@ impl Actor for SessionActor {
                     .with_roots(settings.roots.iter().map(Into::into).collect()),
             ),
             conversation,
-            call_ids: None,
+            call_ids: CallIds::after(args.head.last_turn),
             pace: Arc::new(tiller_engine::Pace::new(args.config.budget.clone())),
             model: settings.model,
             id: args.id,

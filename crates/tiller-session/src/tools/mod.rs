@@ -65,6 +65,13 @@ pub struct Batch {
 #[derive(Debug, Default)]
 pub struct CallIds {
     next: u64,
+    /// Set for a session rebuilt from its log (woken, or after a restart)
+    /// that had turns: the turns it had then. What its earlier runs
+    /// published is not remembered, so each id is published as
+    /// `<model's id>#r<turns>`, which no earlier run used (its turns were
+    /// fewer). A model's id that is itself of that form could still meet
+    /// one; clients only ever see ids of calls that were stored.
+    reloaded: Option<u64>,
     published: HashSet<String>,
     order: std::collections::VecDeque<String>,
 }
@@ -72,6 +79,20 @@ pub struct CallIds {
 impl CallIds {
     /// How many published ids are remembered.
     pub const REMEMBERED: usize = 4096;
+
+    /// The ids of a session rebuilt from its log after `turns` turns.
+    pub fn reloaded(turns: u64) -> Self {
+        Self {
+            reloaded: Some(turns),
+            ..Self::default()
+        }
+    }
+
+    /// What a session starting after `turns` turns holds: nothing until
+    /// its first call for a new session, its reloaded ids for another.
+    pub fn after(turns: u64) -> Option<Box<CallIds>> {
+        (turns > 0).then(|| Box::new(Self::reloaded(turns)))
+    }
 
     /// The id a hosted agent's call `model` is published under (numbered
     /// like any other call).
@@ -84,10 +105,14 @@ impl CallIds {
     /// The id call `n` with the model's id `model` is published under: the
     /// model's own unless it was published recently.
     fn publish(&mut self, model: &str, n: u64) -> String {
-        let mut id = model.to_owned();
+        let base = match self.reloaded {
+            None => model.to_owned(),
+            Some(turns) => format!("{model}#r{turns}"),
+        };
+        let mut id = base.clone();
         let mut k = n;
         while self.published.contains(&id) {
-            id = format!("{model}#{k}");
+            id = format!("{base}#{k}");
             k += 1;
         }
         self.published.insert(id.clone());

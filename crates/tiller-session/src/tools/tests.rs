@@ -261,6 +261,47 @@ fn calls_that_share_a_model_call_id_never_share_a_request() {
     assert_eq!(announced[0], "same", "a first use keeps the model's id");
 }
 
+/// Published ids for the model's `call_0` in two batches, given `ids`.
+fn published_twice(mut ids: CallIds) -> Vec<String> {
+    let mut ev = Vec::new();
+    let mut g = guard();
+    let perms = Permissions::default();
+    for _ in 0..2 {
+        let calls = vec![call(
+            "call_0",
+            "read_file",
+            serde_json::json!({}),
+            true,
+            "x",
+        )];
+        Batch::new(calls, &mut ids, false).advance(&mut g, &perms, &mut ev);
+    }
+    ev.iter()
+        .filter_map(|e| match e {
+            EventBody::ToolCall { tool_call_id, .. } => Some(tool_call_id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A session rebuilt from its log (woken, restarted) does not remember
+/// what its earlier runs published: after 5 turns its ids are of a form
+/// none of them used (they had fewer turns), so the model's `call_0`,
+/// which an earlier run published bare, is not published bare again.
+#[test]
+fn a_reloaded_session_publishes_ids_its_earlier_runs_did_not() {
+    assert_eq!(published_twice(CallIds::default()), ["call_0", "call_0#1"]);
+    assert_eq!(
+        published_twice(CallIds::reloaded(5)),
+        ["call_0#r5", "call_0#r5#1"]
+    );
+    assert!(
+        CallIds::after(0).is_none(),
+        "a new session's are made when first needed"
+    );
+    assert!(CallIds::after(5).is_some());
+}
+
 #[test]
 fn a_model_id_reused_in_a_later_batch_is_published_as_its_own_call() {
     let mut ids = CallIds::default();
