@@ -103,7 +103,8 @@ impl CallIds {
     }
 
     /// The id call `n` with the model's id `model` is published under: the
-    /// model's own unless it was published recently.
+    /// model's own (`<id>#r<turns>` in a reloaded session) unless that was
+    /// published recently, then with `#<k>` after it.
     fn publish(&mut self, model: &str, n: u64) -> String {
         let base = match self.reloaded {
             None => model.to_owned(),
