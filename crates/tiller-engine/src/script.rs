@@ -108,7 +108,24 @@ impl Script {
             return Ok(None);
         }
         // The script is the JSON object the text starts with; text after it
-        // (a goal continuation's note, say) is ignored.
+        // (a goal continuation's note, say) is ignored. A script of plain
+        // steps only (what a benchmark's prompt is) is read straight into
+        // them; any other is read through a `Value`, which says what is
+        // wrong where.
+        if let Some(Ok(plain)) = serde_json::Deserializer::from_str(trimmed)
+            .into_iter::<Plain>()
+            .next()
+        {
+            return Ok(Some(Script::finish(
+                plain.script.into_iter().map(Step::from).collect(),
+            )));
+        }
+        Self::from_value_text(trimmed)
+    }
+
+    /// [`Script::from_prompt`] through a `Value`, for text that starts
+    /// with `{`.
+    fn from_value_text(trimmed: &str) -> Result<Option<Script>, ScriptError> {
         let mut values = serde_json::Deserializer::from_str(trimmed).into_iter::<Value>();
         let Some(Ok(Value::Object(obj))) = values.next() else {
             return Ok(None);
@@ -121,12 +138,43 @@ impl Script {
 
     /// Parses the value of `script`.
     pub fn parse_steps(steps: &Value) -> Result<Script, ScriptError> {
-        let mut steps = parse_list(steps, &At::Root("script"))?;
+        Ok(Script::finish(parse_list(steps, &At::Root("script"))?))
+    }
+
+    fn finish(mut steps: Vec<Step>) -> Script {
         if !steps.iter().any(Step::ends_turn) {
             steps.push(Step::Result(StopReason::EndTurn));
             steps.push(Step::Idle);
         }
-        Ok(Script { steps })
+        Script { steps }
+    }
+}
+
+/// A script whose steps are all plain ones, read without a `Value`.
+#[derive(serde::Deserialize)]
+struct Plain {
+    script: Vec<PlainStep>,
+}
+
+/// A step with one string or number (externally tagged, as a script
+/// writes it: `{"say": "..."}`).
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum PlainStep {
+    Say(String),
+    Think(String),
+    Title(String),
+    SleepMs(u64),
+}
+
+impl From<PlainStep> for Step {
+    fn from(s: PlainStep) -> Step {
+        match s {
+            PlainStep::Say(t) => Step::Say(t),
+            PlainStep::Think(t) => Step::Think(t),
+            PlainStep::Title(t) => Step::Title(t),
+            PlainStep::SleepMs(ms) => Step::SleepMs(ms),
+        }
     }
 }
 
@@ -359,6 +407,51 @@ fn check_keys(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// A script read straight into its plain steps is the script read
+        /// through a `Value`, and anything else is read through one: steps
+        /// plain, of other kinds, malformed, in any order; the `script`
+        /// member absent, `null`, given twice, among others; text after it.
+        #[test]
+        fn a_plain_script_reads_as_through_a_value(
+            steps in proptest::collection::vec(
+                proptest::prop_oneof![
+                    // Plain steps, most of the time: whole plain scripts.
+                    6 => proptest::sample::select(&[
+                        r#"{"say": "one "}"#, r#"{"say": "a \"quoted\" \u00e9"}"#,
+                        r#"{"think": "t"}"#, r#"{"title": "t"}"#, r#"{"sleep_ms": 5}"#,
+                    ][..]),
+                    1 => proptest::sample::select(&[
+                        r#"{"say": 1}"#, r#"{"sleep_ms": -1}"#, r#"{"sleep_ms": 1.5}"#,
+                        r#"{"say": "a", "think": "b"}"#, "{}", r#"{"dance": 1}"#,
+                        r#"{"result": "max_tokens"}"#, r#"{"idle": true}"#, r#"{"say": null}"#,
+                        r#"{"usage": {"input": 1, "output": 2}}"#, "[]", "3",
+                    ][..]),
+                ],
+                0..6,
+            ),
+            shape in 0..7u8,
+        ) {
+            let list = format!("[{}]", steps.join(", "));
+            let text = match shape {
+                0 => format!(r#"{{"script": {list}}}"#),
+                1 => format!(r#"  {{"note": "x", "script": {list}, "more": [1]}} and after"#),
+                2 => format!(r#"{{"script": {list}, "script": [{{"say": "b"}}]}}"#),
+                3 => r#"{"script": null}"#.to_owned(),
+                4 => format!(r#"{{"scripts": {list}}}"#),
+                5 => format!(r#"{{"script": {list}"#),
+                _ => format!(r#"{{"script": [{list}]}}"#),
+            };
+            let trimmed = text.trim_start();
+            proptest::prop_assert_eq!(
+                Script::from_prompt(&text),
+                Script::from_value_text(trimmed),
+                "{}",
+                text
+            );
+        }
+    }
 
     #[test]
     fn non_scripts_are_demo_prompts() {
