@@ -39,19 +39,22 @@ pub fn update_message(n: &SessionNotification) -> String {
 /// notification gives (property-tested against it), without building the
 /// schema's types and a `_meta` map for each chunk.
 fn chunk_line(rec: &EventRecord, message: Option<&str>) -> Option<String> {
-    use std::io::Write as _;
     let (kind, text) = match &rec.body {
         EventBody::AgentMessageChunk { text } => ("agent_message_chunk", text),
         EventBody::AgentThoughtChunk { text } => ("agent_thought_chunk", text),
         _ => return None,
     };
     let mut out: Vec<u8> = Vec::with_capacity(text.len() + 300);
+    // Ids written from their canonical form, encoded on the stack.
+    let mut id = [0; 36];
     let wrote: std::io::Result<()> = (|| {
-        write!(
-            out,
-            r#"{{"jsonrpc":"2.0","method":"session/update","params":{{"sessionId":"{}","update":{{"sessionUpdate":"{kind}","content":{{"type":"text","text":"#,
-            rec.session
-        )?;
+        out.extend_from_slice(
+            br#"{"jsonrpc":"2.0","method":"session/update","params":{"sessionId":""#,
+        );
+        out.extend_from_slice(rec.session.encode(&mut id).as_bytes());
+        out.extend_from_slice(br#"","update":{"sessionUpdate":""#);
+        out.extend_from_slice(kind.as_bytes());
+        out.extend_from_slice(br#"","content":{"type":"text","text":"#);
         serde_json::to_writer(&mut out, text)?;
         out.push(b'}');
         if let Some(m) = message {
@@ -62,11 +65,16 @@ fn chunk_line(rec: &EventRecord, message: Option<&str>) -> Option<String> {
         if rec.prompt.is_some() || rec.turn.is_some() {
             out.extend_from_slice(br#","_meta":{"tiller":{"#);
             if let Some(p) = rec.prompt {
-                write!(out, r#""promptId":"{p}""#)?;
+                out.extend_from_slice(br#""promptId":""#);
+                out.extend_from_slice(p.encode(&mut id).as_bytes());
+                out.push(b'"');
             }
             if let Some(t) = rec.turn {
-                let comma = if rec.prompt.is_some() { "," } else { "" };
-                write!(out, r#"{comma}"turnId":{}"#, t.0)?;
+                if rec.prompt.is_some() {
+                    out.push(b',');
+                }
+                out.extend_from_slice(br#""turnId":"#);
+                out.extend_from_slice(itoa::Buffer::new().format(t.0).as_bytes());
             }
             out.extend_from_slice(b"}}");
         }
@@ -533,17 +541,34 @@ pub const COMPACTION_NOTIFICATION: &str = "_tiller/compaction";
 pub enum ExtParams<'a> {
     #[serde(rename_all = "camelCase")]
     TurnStarted {
-        session_id: String,
-        prompt_id: Option<String>,
+        #[serde(serialize_with = "id_str")]
+        session_id: SessionId,
+        #[serde(serialize_with = "opt_id_str")]
+        prompt_id: Option<PromptId>,
         turn_id: Option<u64>,
     },
     #[serde(rename_all = "camelCase")]
     TurnSettled {
-        session_id: String,
-        prompt_id: Option<String>,
+        #[serde(serialize_with = "id_str")]
+        session_id: SessionId,
+        #[serde(serialize_with = "opt_id_str")]
+        prompt_id: Option<PromptId>,
         stop_reason: &'a str,
     },
     Other(Value),
+}
+
+/// An id as its canonical string, encoded on the stack.
+fn id_str<S: serde::Serializer>(id: &SessionId, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(id.encode(&mut [0; 36]))
+}
+
+/// [`id_str`] of an id that may be absent (`null`).
+fn opt_id_str<S: serde::Serializer>(id: &Option<PromptId>, s: S) -> Result<S::Ok, S::Error> {
+    match id {
+        Some(p) => s.serialize_str(p.encode(&mut [0; 36])),
+        None => s.serialize_none(),
+    }
 }
 
 /// `_tiller/*` notifications an event produces for live subscribers.
@@ -558,8 +583,8 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, ExtPar
         EventBody::UserMessage { .. } => Some((
             "_tiller/turn_started",
             ExtParams::TurnStarted {
-                session_id: session(),
-                prompt_id: prompt(),
+                session_id: rec.session,
+                prompt_id: rec.prompt,
                 turn_id: rec.turn.map(|t| t.0),
             },
         )),
@@ -583,8 +608,8 @@ pub fn extension_notification(rec: &EventRecord) -> Option<(&'static str, ExtPar
         EventBody::TurnComplete { stop_reason } => Some((
             "_tiller/turn_settled",
             ExtParams::TurnSettled {
-                session_id: session(),
-                prompt_id: prompt(),
+                session_id: rec.session,
+                prompt_id: rec.prompt,
                 stop_reason,
             },
         )),
