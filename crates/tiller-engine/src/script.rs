@@ -150,8 +150,12 @@ impl Script {
     }
 }
 
-/// A script whose steps are all plain ones, read without a `Value`.
+/// A script whose steps are all plain ones, read without a `Value`. Only
+/// `script`: another member would be skipped unchecked (a number beyond
+/// `f64`, a lone surrogate, nesting past the `Value` read's limit), where
+/// the `Value` read refuses the text as a script.
 #[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Plain {
     script: Vec<PlainStep>,
 }
@@ -431,12 +435,20 @@ mod tests {
                 ],
                 0..6,
             ),
-            shape in 0..7u8,
+            shape in 0..8u8,
+            other in proptest::sample::select(&[
+                r#""x""#, "[1]", "1e400", r#""\ud800""#, "deep",
+            ][..]),
         ) {
             let list = format!("[{}]", steps.join(", "));
+            let other = match other {
+                "deep" => format!("{}{}", "[".repeat(130), "]".repeat(130)),
+                o => o.to_owned(),
+            };
             let text = match shape {
                 0 => format!(r#"{{"script": {list}}}"#),
-                1 => format!(r#"  {{"note": "x", "script": {list}, "more": [1]}} and after"#),
+                1 => format!(r#"  {{"note": {other}, "script": {list}}} and after"#),
+                7 => format!(r#"{{"script": {list}, "more": {other}}}"#),
                 2 => format!(r#"{{"script": {list}, "script": [{{"say": "b"}}]}}"#),
                 3 => r#"{"script": null}"#.to_owned(),
                 4 => format!(r#"{{"scripts": {list}}}"#),
