@@ -385,7 +385,14 @@ impl EventRecord {
             kind: self.body.kind().to_owned(),
             prompt: self.prompt,
             turn: self.turn,
-            data: serde_json::to_string(&self.body).expect("events serialize"),
+            data: match &self.body {
+                // Nearly every event: written straight, the same bytes as
+                // serde's (property-tested).
+                EventBody::AgentMessageChunk { text } | EventBody::AgentThoughtChunk { text } => {
+                    chunk_json(self.body.kind(), text)
+                }
+                body => serde_json::to_string(body).expect("events serialize"),
+            },
         }
     }
 
@@ -426,9 +433,42 @@ impl EventRecord {
     }
 }
 
+/// The stored payload of a text chunk of `kind`: `{"type":kind,"text":text}`.
+fn chunk_json(kind: &str, text: &str) -> String {
+    let mut out = Vec::with_capacity(text.len() + kind.len() + 24);
+    out.extend_from_slice(br#"{"type":""#);
+    out.extend_from_slice(kind.as_bytes());
+    out.extend_from_slice(br#"","text":"#);
+    serde_json::to_writer(&mut out, text).expect("writing to memory does not fail");
+    out.push(b'}');
+    String::from_utf8(out).expect("JSON is UTF-8")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// A text chunk's payload written straight is serde's, byte for
+        /// byte, for any text (quotes, control characters, any Unicode).
+        #[test]
+        fn a_chunk_s_payload_is_the_serialized_body(text in proptest::prelude::any::<String>(), thought: bool) {
+            let body = if thought {
+                EventBody::AgentThoughtChunk { text: text.clone() }
+            } else {
+                EventBody::AgentMessageChunk { text: text.clone() }
+            };
+            let rec = EventRecord {
+                session: SessionId::new(),
+                seq: 1,
+                ts_ms: 0,
+                prompt: None,
+                turn: None,
+                body: body.clone(),
+            };
+            proptest::prop_assert_eq!(rec.to_stored().data, serde_json::to_string(&body).unwrap());
+        }
+    }
 
     #[test]
     fn bodies_round_trip_through_the_store_format() {
