@@ -134,7 +134,9 @@ describe("tiller acp", () => {
     let err = "";
     child.stdout.on("data", (x) => (out += x));
     child.stderr.on("data", (x) => (err += x));
-    const exited = new Promise((r) => child.on("exit", (code) => r(code)));
+    // "close", not "exit": the relay's stderr line may still be in the pipe
+    // when the process has exited.
+    const exited = new Promise((r) => child.on("close", (code) => r(code)));
     const send = (m) => child.stdin.write(JSON.stringify({ jsonrpc: "2.0", ...m }) + "\n");
     const lines = () => out.split("\n").filter(Boolean).map((l) => JSON.parse(l));
     const until = async (pred, what) => {
