@@ -14,6 +14,33 @@ fn contiguous(seqs: &[u64]) -> bool {
     seqs.iter().copied().eq(1..=seqs.len() as u64)
 }
 
+/// The session's log, which holds exactly one terminal for `prompt`:
+/// `turn_error` `store_unavailable`.
+async fn settled_store_unavailable_once(
+    s: &tiller_session::Sessions,
+    id: tiller_core::SessionId,
+    prompt: PromptId,
+) -> Vec<tiller_session::EventRecord> {
+    let log = s.events_after(id, 0, 1000).await.unwrap();
+    let terminals: Vec<_> = log
+        .iter()
+        .filter(|e| e.prompt == Some(prompt))
+        .filter(|e| {
+            matches!(
+                e.body,
+                EventBody::TurnComplete { .. } | EventBody::TurnError { .. }
+            )
+        })
+        .collect();
+    assert_eq!(terminals.len(), 1, "{:?}", kinds(&log));
+    assert!(
+        matches!(&terminals[0].body, EventBody::TurnError { error_kind, .. } if error_kind == "store_unavailable"),
+        "{:?}",
+        terminals[0].body
+    );
+    log
+}
+
 #[tokio::test]
 async fn a_prompt_the_store_cannot_record_is_refused_and_never_shown() {
     let dir = tempfile::tempdir().unwrap();
@@ -75,23 +102,7 @@ async fn a_terminal_the_store_cannot_record_is_never_reported_as_success() {
     store.fail_appends(false);
     // Once the store is back the log says the same, exactly once.
     let _h = s.open(h.id()).await.unwrap();
-    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
-    let terminals: Vec<_> = log
-        .iter()
-        .filter(|e| e.prompt == Some(prompt))
-        .filter(|e| {
-            matches!(
-                e.body,
-                EventBody::TurnComplete { .. } | EventBody::TurnError { .. }
-            )
-        })
-        .collect();
-    assert_eq!(terminals.len(), 1, "{:?}", kinds(&log));
-    assert!(
-        matches!(&terminals[0].body, EventBody::TurnError { error_kind, .. } if error_kind == "store_unavailable"),
-        "{:?}",
-        terminals[0].body
-    );
+    let log = settled_store_unavailable_once(&s, h.id(), prompt).await;
     let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
     assert!(contiguous(&seqs), "{seqs:?}");
 }
@@ -134,23 +145,7 @@ async fn a_failed_delete_leaves_a_failed_session_s_prompt_to_be_settled() {
     store.fail_deletes(false);
     store.fail_appends(false);
     let _h = s.open(h.id()).await.unwrap();
-    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
-    let terminals: Vec<_> = log
-        .iter()
-        .filter(|e| e.prompt == Some(prompt))
-        .filter(|e| {
-            matches!(
-                e.body,
-                EventBody::TurnComplete { .. } | EventBody::TurnError { .. }
-            )
-        })
-        .collect();
-    assert_eq!(terminals.len(), 1, "{:?}", kinds(&log));
-    assert!(
-        matches!(&terminals[0].body, EventBody::TurnError { error_kind, .. } if error_kind == "store_unavailable"),
-        "{:?}",
-        terminals[0].body
-    );
+    settled_store_unavailable_once(&s, h.id(), prompt).await;
 }
 
 #[tokio::test]

@@ -85,6 +85,33 @@ async fn run(h: &SessionHandle, text: &str, cancel_after: Option<u64>) -> Termin
         .terminal
 }
 
+/// Runs the fake agent's `loop` (`read-0`, `read-1`, ... until loop
+/// protection stops the turn), which must end `loop_detected`.
+async fn run_loop(h: &SessionHandle) {
+    let t = run(h, "loop", None).await;
+    assert!(
+        matches!(
+            t,
+            Terminal::Failed {
+                kind: ErrorKind::LoopDetected(_),
+                ..
+            }
+        ),
+        "{t:?}"
+    );
+}
+
+/// The ids tool calls were announced under, in order.
+fn announced(events: &[Arc<tiller_session::EventRecord>]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match &e.body {
+            EventBody::ToolCall { tool_call_id, .. } => Some(tool_call_id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 /// What the agent said of its `mode` option, turn by turn.
 fn modes_said(events: &[Arc<tiller_session::EventRecord>]) -> Vec<String> {
     events
@@ -322,31 +349,15 @@ async fn repeated_identical_calls_of_the_agent_trip_loop_protection() {
     let work = tempfile::tempdir().unwrap();
     let (sessions, _engine) = start(&dir, agent("fake", &[])).await;
     let (h, seen) = attached(&sessions, &work).await;
-    let t = run(&h, "loop", None).await;
-    assert!(
-        matches!(
-            t,
-            Terminal::Failed {
-                kind: ErrorKind::LoopDetected(_),
-                ..
-            }
-        ),
-        "{t:?}"
-    );
+    run_loop(&h).await;
     // Every call announced ended exactly once.
     let events = seen.events();
-    let announced: Vec<&String> = events
-        .iter()
-        .filter_map(|e| match &e.body {
-            EventBody::ToolCall { tool_call_id, .. } => Some(tool_call_id),
-            _ => None,
-        })
-        .collect();
+    let announced = announced(&events);
     for id in &announced {
         let ends = events
             .iter()
             .filter(|e| matches!(&e.body, EventBody::ToolCallUpdate { tool_call_id, status, .. }
-                if tool_call_id == *id && matches!(status, tiller_session::ToolStatus::Completed | tiller_session::ToolStatus::Failed)))
+                if tool_call_id == id && matches!(status, tiller_session::ToolStatus::Completed | tiller_session::ToolStatus::Failed)))
             .count();
         assert_eq!(ends, 1, "call {id}");
     }
@@ -605,28 +616,10 @@ async fn an_agent_s_repeated_call_ids_stay_unique_across_a_park() {
     let (sessions, _engine) = start_parking(&dir, agent("fake", &[]), Some(Duration::ZERO)).await;
     let (h, seen) = attached(&sessions, &work).await;
     for _ in 0..2 {
-        // `read-0`, `read-1`, ... until loop protection stops the turn.
-        let t = run(&h, "loop", None).await;
-        assert!(
-            matches!(
-                t,
-                Terminal::Failed {
-                    kind: ErrorKind::LoopDetected(_),
-                    ..
-                }
-            ),
-            "{t:?}"
-        );
+        run_loop(&h).await;
         tiller_test_support::parked(&sessions, 1).await;
     }
-    let ids: Vec<String> = seen
-        .events()
-        .iter()
-        .filter_map(|e| match &e.body {
-            EventBody::ToolCall { tool_call_id, .. } => Some(tool_call_id.clone()),
-            _ => None,
-        })
-        .collect();
+    let ids = announced(&seen.events());
     let unique: std::collections::HashSet<&String> = ids.iter().collect();
     assert!(ids.len() >= 4, "{ids:?}");
     assert_eq!(unique.len(), ids.len(), "{ids:?}");
