@@ -233,14 +233,69 @@ async fn start_daemon() -> Daemon {
     }
 }
 
-/// The sums and counts of the daemon's store-thread histograms, read from
-/// its `/metrics` (with the data directory's token).
-#[derive(Clone, Copy, Default)]
+/// The sums and counts of the daemon's store-thread histograms, and the
+/// buckets of the two that time a cancel's parts inside the daemon, read
+/// from its `/metrics` (with the data directory's token).
+#[derive(Clone, Default)]
 struct StoreTimes {
     /// Seconds and number of commits of appends.
     writes: (f64, f64),
     /// Seconds and number of checkpoints of SQLite's log.
     checkpoints: (f64, f64),
+    /// `tiller_cancel_latency_seconds`: from the cancel reaching its
+    /// session to the turn's end decided.
+    decided: Buckets,
+    /// `tiller_settle_latency_seconds`: from the input that settled a turn
+    /// (for a cancelled one, the engine's stop) to its end committed and
+    /// handed to the prompt's request.
+    settled: Buckets,
+}
+
+/// A histogram's cumulative buckets: upper bound in seconds, count.
+#[derive(Clone, Default)]
+struct Buckets(Vec<(f64, f64)>);
+
+impl Buckets {
+    fn read(body: &str, name: &str) -> Buckets {
+        let prefix = format!("{name}_bucket{{le=\"");
+        Buckets(
+            body.lines()
+                .filter_map(|l| l.strip_prefix(&prefix))
+                .filter_map(|l| {
+                    let (le, n) = l.split_once("\"} ")?;
+                    Some((le.parse().ok()?, n.trim().parse().ok()?))
+                })
+                .collect(),
+        )
+    }
+
+    /// What was recorded between `before` and `self`.
+    fn since(&self, before: &Buckets) -> Buckets {
+        Buckets(
+            self.0
+                .iter()
+                .map(|(le, n)| {
+                    let was = before.0.iter().find(|(b, _)| b == le).map_or(0.0, |b| b.1);
+                    (*le, n - was)
+                })
+                .collect(),
+        )
+    }
+
+    /// The least bucket bound, in milliseconds, that holds `p`% of what
+    /// was recorded (`inf` past the last bound; `-` when nothing was).
+    fn at_most(&self, p: f64) -> String {
+        let Some(&(_, all)) = self.0.last() else {
+            return "-".into();
+        };
+        if all <= 0.0 {
+            return "-".into();
+        }
+        self.0
+            .iter()
+            .find(|(_, n)| *n >= all * p / 100.0)
+            .map_or("-".into(), |(le, _)| format!("{}", le * 1000.0))
+    }
 }
 
 async fn store_times(d: &Daemon) -> StoreTimes {
@@ -272,6 +327,8 @@ async fn store_times(d: &Daemon) -> StoreTimes {
             sum("tiller_store_checkpoint_seconds_sum"),
             sum("tiller_store_checkpoint_seconds_count"),
         ),
+        decided: Buckets::read(&body, "tiller_cancel_latency_seconds"),
+        settled: Buckets::read(&body, "tiller_settle_latency_seconds"),
     }
 }
 
@@ -439,6 +496,8 @@ async fn cancel_latency(
             store1.checkpoints.0 - store0.checkpoints.0,
             store1.checkpoints.1 - store0.checkpoints.1,
         ),
+        decided: store1.decided.since(&store0.decided),
+        settled: store1.settled.since(&store0.settled),
     };
     for (c, sessions) in groups {
         for s in sessions {
@@ -645,6 +704,17 @@ async fn main() {
             1000.0 * w / wn.max(1.0),
             100.0 * k / c.wall,
             1000.0 * k / kn.max(1.0),
+        );
+        // Where the answer's time went, as the daemon's histograms bucket
+        // it: the rest is the hops between (the connection's reader, the
+        // store's thread, the runtime's queues) and this process's own.
+        let (d, s) = (&c.store.decided, &c.store.settled);
+        println!(
+            "  inside the daemon (histogram buckets, ms): the turn's end decided p50 <= {}, p99 <= {} after the cancel reached its session; its end committed and handed to the request p50 <= {}, p99 <= {} after the engine stopped",
+            d.at_most(50.0),
+            d.at_most(99.0),
+            s.at_most(50.0),
+            s.at_most(99.0),
         );
     }
     println!(
