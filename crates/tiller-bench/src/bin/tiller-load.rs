@@ -738,3 +738,33 @@ async fn main() {
     }
     let _ = std::fs::remove_dir_all(&d._dir);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Buckets;
+
+    const BEFORE: &str = "tiller_cancel_latency_seconds_bucket{le=\"0.001\"} 10\n\
+        tiller_cancel_latency_seconds_bucket{le=\"0.0025\"} 10\n\
+        tiller_cancel_latency_seconds_bucket{le=\"+Inf\"} 10\n\
+        tiller_cancel_latency_seconds_sum 0.005\n";
+    const AFTER: &str = "tiller_cancel_latency_seconds_bucket{le=\"0.001\"} 108\n\
+        tiller_cancel_latency_seconds_bucket{le=\"0.0025\"} 109\n\
+        tiller_cancel_latency_seconds_bucket{le=\"+Inf\"} 110\n\
+        tiller_settle_latency_seconds_bucket{le=\"0.001\"} 1\n";
+
+    /// Only what was recorded between two scrapes counts, and a bound is
+    /// the least bucket holding that share of it.
+    #[test]
+    fn a_phase_s_bucket_bounds_count_only_what_it_recorded() {
+        let name = "tiller_cancel_latency_seconds";
+        let phase = Buckets::read(AFTER, name).since(&Buckets::read(BEFORE, name));
+        assert_eq!(
+            phase.0,
+            [(0.001, 98.0), (0.0025, 99.0), (f64::INFINITY, 100.0)]
+        );
+        assert_eq!(phase.at_most(50.0), "1");
+        assert_eq!(phase.at_most(99.0), "2.5");
+        assert_eq!(phase.at_most(100.0), "inf");
+        assert_eq!(Buckets::read("", name).at_most(99.0), "-");
+    }
+}
