@@ -936,7 +936,7 @@ impl Writer {
             && let Some((method, params)) = map::extension_notification(rec)
             && !(compaction && method == map::COMPACTION_NOTIFICATION)
         {
-            msgs.push(jsonrpc::notification_of(method, &params));
+            msgs.push(map::extension_line(method, &params));
         }
         msgs.extend(self.ask(rec));
         let mut asked = self.asked.lock().expect("poisoned");
