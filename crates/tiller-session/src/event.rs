@@ -386,10 +386,20 @@ impl EventRecord {
             prompt: self.prompt,
             turn: self.turn,
             data: match &self.body {
-                // Nearly every event: written straight, the same bytes as
-                // serde's (property-tested).
+                // Nearly every event (the chunks, and the three of every
+                // prompt): written straight, the same bytes as serde's
+                // (property-tested).
                 EventBody::AgentMessageChunk { text } | EventBody::AgentThoughtChunk { text } => {
-                    chunk_json(self.body.kind(), text)
+                    one_string_json(self.body.kind(), "text", text)
+                }
+                EventBody::UserMessage { text, images } if images.is_empty() => {
+                    one_string_json(self.body.kind(), "text", text)
+                }
+                EventBody::PromptStarted { origin } => {
+                    one_string_json(self.body.kind(), "origin", origin)
+                }
+                EventBody::TurnComplete { stop_reason } => {
+                    one_string_json(self.body.kind(), "stopReason", stop_reason)
                 }
                 body => serde_json::to_string(body).expect("events serialize"),
             },
@@ -433,13 +443,16 @@ impl EventRecord {
     }
 }
 
-/// The stored payload of a text chunk of `kind`: `{"type":kind,"text":text}`.
-fn chunk_json(kind: &str, text: &str) -> String {
-    let mut out = Vec::with_capacity(text.len() + kind.len() + 24);
+/// The stored payload of an event of `kind` with one string member
+/// `field` (neither needs escaping): `{"type":kind,field:value}`.
+fn one_string_json(kind: &str, field: &str, value: &str) -> String {
+    let mut out = Vec::with_capacity(value.len() + kind.len() + field.len() + 20);
     out.extend_from_slice(br#"{"type":""#);
     out.extend_from_slice(kind.as_bytes());
-    out.extend_from_slice(br#"","text":"#);
-    serde_json::to_writer(&mut out, text).expect("writing to memory does not fail");
+    out.extend_from_slice(br#"",""#);
+    out.extend_from_slice(field.as_bytes());
+    out.extend_from_slice(br#"":"#);
+    serde_json::to_writer(&mut out, value).expect("writing to memory does not fail");
     out.push(b'}');
     String::from_utf8(out).expect("JSON is UTF-8")
 }
@@ -449,14 +462,22 @@ mod tests {
     use super::*;
 
     proptest::proptest! {
-        /// A text chunk's payload written straight is serde's, byte for
-        /// byte, for any text (quotes, control characters, any Unicode).
+        /// A payload written straight (a text chunk, a prompt's start,
+        /// text and end) is serde's, byte for byte, for any text (quotes,
+        /// control characters, any Unicode); a prompt's text with images
+        /// is serialized.
         #[test]
-        fn a_chunk_s_payload_is_the_serialized_body(text in proptest::prelude::any::<String>(), thought: bool) {
-            let body = if thought {
-                EventBody::AgentThoughtChunk { text: text.clone() }
-            } else {
-                EventBody::AgentMessageChunk { text: text.clone() }
+        fn a_payload_written_straight_is_the_serialized_body(text in proptest::prelude::any::<String>(), kind in 0..6u8) {
+            let body = match kind {
+                0 => EventBody::AgentThoughtChunk { text: text.clone() },
+                1 => EventBody::AgentMessageChunk { text: text.clone() },
+                2 => EventBody::PromptStarted { origin: text.clone() },
+                3 => EventBody::TurnComplete { stop_reason: text.clone() },
+                4 => EventBody::UserMessage { text: text.clone(), images: Vec::new() },
+                _ => EventBody::UserMessage {
+                    text: text.clone(),
+                    images: vec![tiller_engine::Image { mime_type: "image/png".into(), data: text.clone() }],
+                },
             };
             let rec = EventRecord {
                 session: SessionId::new(),
