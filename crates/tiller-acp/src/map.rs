@@ -535,7 +535,9 @@ pub fn compaction_update(rec: &EventRecord, capable: bool) -> Option<SessionNoti
 pub const COMPACTION_NOTIFICATION: &str = "_tiller/compaction";
 
 /// The params of a `_tiller/*` notification: the two of every turn are
-/// serialized straight from their fields, the others through a `Value`.
+/// written straight from their fields ([`extension_line`]; their derived
+/// serialization is its reference in the tests), the others serialized
+/// through a `Value`.
 #[derive(Debug, serde::Serialize)]
 #[serde(untagged)]
 pub enum ExtParams<'a> {

@@ -446,6 +446,12 @@ impl EventRecord {
 /// The stored payload of an event of `kind` with one string member
 /// `field` (neither needs escaping): `{"type":kind,field:value}`.
 fn one_string_json(kind: &str, field: &str, value: &str) -> String {
+    debug_assert!(
+        [kind, field]
+            .iter()
+            .all(|s| s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\')),
+        "{kind:?} and {field:?} are written unescaped"
+    );
     let mut out = Vec::with_capacity(value.len() + kind.len() + field.len() + 20);
     out.extend_from_slice(br#"{"type":""#);
     out.extend_from_slice(kind.as_bytes());

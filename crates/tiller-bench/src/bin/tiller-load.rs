@@ -269,7 +269,8 @@ impl Buckets {
         )
     }
 
-    /// What was recorded between `before` and `self`.
+    /// What was recorded between `before` and `self` (a bucket the earlier
+    /// scrape lacked held nothing then).
     fn since(&self, before: &Buckets) -> Buckets {
         Buckets(
             self.0
@@ -514,6 +515,7 @@ async fn cancel_latency(
     }
     if ended > 0 {
         // The figures above then had less background than they say.
+        // (and their settlements are in the second window's figures).
         println!("{ended} background streams ended before the cancels did");
     }
     Cancels {
@@ -705,12 +707,13 @@ async fn main() {
             100.0 * k / c.wall,
             1000.0 * k / kn.max(1.0),
         );
-        // Where the answer's time went, as the daemon's histograms bucket
-        // it: the rest is the hops between (the connection's reader, the
-        // store's thread, the runtime's queues) and this process's own.
+        // Two windows of the answer's time, as the daemon's histograms
+        // bucket them. They overlap (both hold the engine's stop, and for
+        // a model's turn the save of its conversation), so they do not add
+        // up to the figure above, and bounds cannot be subtracted from it.
         let (d, s) = (&c.store.decided, &c.store.settled);
         println!(
-            "  inside the daemon (histogram buckets, ms): the turn's end decided p50 <= {}, p99 <= {} after the cancel reached its session; its end committed and handed to the request p50 <= {}, p99 <= {} after the engine stopped",
+            "  inside the daemon (two overlapping windows, to the histogram's bucket, ms): the turn's end decided p50 <= {}, p99 <= {} after the cancel reached its session; its end committed and handed to the request p50 <= {}, p99 <= {} after the input that ended it",
             d.at_most(50.0),
             d.at_most(99.0),
             s.at_most(50.0),
@@ -766,5 +769,10 @@ mod tests {
         assert_eq!(phase.at_most(99.0), "2.5");
         assert_eq!(phase.at_most(100.0), "inf");
         assert_eq!(Buckets::read("", name).at_most(99.0), "-");
+        let first = Buckets::read(AFTER, name).since(&Buckets::default());
+        assert_eq!(
+            first.0,
+            [(0.001, 108.0), (0.0025, 109.0), (f64::INFINITY, 110.0)]
+        );
     }
 }

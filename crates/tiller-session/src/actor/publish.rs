@@ -125,11 +125,13 @@ impl SessionState {
         .increment(1);
         metrics::histogram!("tiller_turn_duration_seconds", "origin" => origin.as_str())
             .record(now.saturating_sub(pending.admitted_at) as f64 / 1000.0);
+        // Recorded before the request hears it: a scrape after the answer
+        // counts it.
+        metrics::histogram!("tiller_settle_latency_seconds")
+            .record(self.input_at.elapsed().as_secs_f64());
         if let Some(tx) = pending.settled {
             let _ = tx.send(Settlement { prompt, terminal });
         }
-        metrics::histogram!("tiller_settle_latency_seconds")
-            .record(self.input_at.elapsed().as_secs_f64());
     }
 
     pub(super) fn snapshot(&self) -> Snapshot {
