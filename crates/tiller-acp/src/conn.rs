@@ -1171,7 +1171,11 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                         .await;
                     return;
                 }
-                let result = handle(&shared, &id, &method, params).await;
+                // Boxed: the handler's future is about 4 KB (its largest
+                // method's), which the task would otherwise carry, and
+                // tokio copies a task's future when it spawns it and
+                // again when it stores its output.
+                let result = Box::pin(handle(&shared, &id, &method, params)).await;
                 if let Ok(v) = &result
                     && method == "session/new"
                 {
