@@ -566,54 +566,60 @@ pub enum ExtParams<'a> {
 /// each key (`callgrind`: about 3,000 instructions a line that way, two
 /// lines in every turn). The others are serialized.
 pub fn extension_line(method: &str, params: &ExtParams<'_>) -> String {
-    let (session, prompt) = match params {
+    let mut out: Vec<u8> = Vec::with_capacity(200);
+    let wrote: serde_json::Result<()> = match params {
         ExtParams::TurnStarted {
             session_id,
             prompt_id,
-            ..
-        }
-        | ExtParams::TurnSettled {
+            turn_id,
+        } => (|| {
+            ext_head(&mut out, method, session_id, prompt_id)?;
+            out.extend_from_slice(br#","turnId":"#);
+            match turn_id {
+                Some(t) => out.extend_from_slice(itoa::Buffer::new().format(*t).as_bytes()),
+                None => out.extend_from_slice(b"null"),
+            }
+            Ok(())
+        })(),
+        ExtParams::TurnSettled {
             session_id,
             prompt_id,
-            ..
-        } => (session_id, prompt_id),
+            stop_reason,
+        } => (|| {
+            ext_head(&mut out, method, session_id, prompt_id)?;
+            out.extend_from_slice(br#","stopReason":"#);
+            serde_json::to_writer(&mut out, stop_reason)
+        })(),
         ExtParams::Other(_) => return crate::jsonrpc::notification_of(method, params),
     };
-    let mut out: Vec<u8> = Vec::with_capacity(200);
-    let mut id = [0; 36];
-    let wrote: serde_json::Result<()> = (|| {
-        out.extend_from_slice(br#"{"jsonrpc":"2.0","method":"#);
-        serde_json::to_writer(&mut out, method)?;
-        out.extend_from_slice(br#","params":{"sessionId":""#);
-        out.extend_from_slice(session.encode(&mut id).as_bytes());
-        out.extend_from_slice(br#"","promptId":"#);
-        match prompt {
-            Some(p) => {
-                out.push(b'"');
-                out.extend_from_slice(p.encode(&mut id).as_bytes());
-                out.push(b'"');
-            }
-            None => out.extend_from_slice(b"null"),
-        }
-        match params {
-            ExtParams::TurnStarted { turn_id, .. } => {
-                out.extend_from_slice(br#","turnId":"#);
-                match turn_id {
-                    Some(t) => out.extend_from_slice(itoa::Buffer::new().format(*t).as_bytes()),
-                    None => out.extend_from_slice(b"null"),
-                }
-            }
-            ExtParams::TurnSettled { stop_reason, .. } => {
-                out.extend_from_slice(br#","stopReason":"#);
-                serde_json::to_writer(&mut out, stop_reason)?;
-            }
-            ExtParams::Other(_) => unreachable!("serialized above"),
-        }
-        out.extend_from_slice(b"}}");
-        Ok(())
-    })();
     wrote.expect("writing to memory does not fail");
+    out.extend_from_slice(b"}}");
     String::from_utf8(out).expect("JSON is UTF-8")
+}
+
+/// A turn notification's line up to its last param: the method, the
+/// session's id and the prompt's (`null` when absent).
+fn ext_head(
+    out: &mut Vec<u8>,
+    method: &str,
+    session: &SessionId,
+    prompt: &Option<PromptId>,
+) -> serde_json::Result<()> {
+    let mut id = [0; 36];
+    out.extend_from_slice(br#"{"jsonrpc":"2.0","method":"#);
+    serde_json::to_writer(&mut *out, method)?;
+    out.extend_from_slice(br#","params":{"sessionId":""#);
+    out.extend_from_slice(session.encode(&mut id).as_bytes());
+    out.extend_from_slice(br#"","promptId":"#);
+    match prompt {
+        Some(p) => {
+            out.push(b'"');
+            out.extend_from_slice(p.encode(&mut id).as_bytes());
+            out.push(b'"');
+        }
+        None => out.extend_from_slice(b"null"),
+    }
+    Ok(())
 }
 
 /// An id as its canonical string, encoded on the stack.

@@ -385,24 +385,27 @@ impl EventRecord {
             kind: self.body.kind().to_owned(),
             prompt: self.prompt,
             turn: self.turn,
-            data: match &self.body {
-                // Nearly every event (the chunks, and the three of every
-                // prompt): written straight, the same bytes as serde's
-                // (property-tested).
-                EventBody::AgentMessageChunk { text } | EventBody::AgentThoughtChunk { text } => {
-                    one_string_json(self.body.kind(), "text", text)
-                }
-                EventBody::UserMessage { text, images } if images.is_empty() => {
-                    one_string_json(self.body.kind(), "text", text)
-                }
-                EventBody::PromptStarted { origin } => {
-                    one_string_json(self.body.kind(), "origin", origin)
-                }
-                EventBody::TurnComplete { stop_reason } => {
-                    one_string_json(self.body.kind(), "stopReason", stop_reason)
-                }
-                body => serde_json::to_string(body).expect("events serialize"),
+            // Nearly every event (the chunks, and the three of every
+            // prompt) has one string member: written straight, the same
+            // bytes as serde's (property-tested).
+            data: match self.one_string() {
+                Some((field, value)) => one_string_json(self.body.kind(), field, value),
+                None => serde_json::to_string(&self.body).expect("events serialize"),
             },
+        }
+    }
+
+    /// The one member and its value of an event that has only a string
+    /// besides its type.
+    fn one_string(&self) -> Option<(&'static str, &str)> {
+        match &self.body {
+            EventBody::AgentMessageChunk { text } | EventBody::AgentThoughtChunk { text } => {
+                Some(("text", text))
+            }
+            EventBody::UserMessage { text, images } if images.is_empty() => Some(("text", text)),
+            EventBody::PromptStarted { origin } => Some(("origin", origin)),
+            EventBody::TurnComplete { stop_reason } => Some(("stopReason", stop_reason)),
+            _ => None,
         }
     }
 

@@ -514,8 +514,8 @@ async fn cancel_latency(
         }
     }
     if ended > 0 {
-        // The figures above then had less background than they say.
-        // (and their settlements are in the second window's figures).
+        // The figures above then had less background than they say, and
+        // those streams' settlements are in the second window's figures.
         println!("{ended} background streams ended before the cancels did");
     }
     Cancels {
