@@ -1,6 +1,11 @@
 //! JSON-RPC 2.0 framing for ACP: classifying incoming messages and building
 //! responses and errors with the codes of `interfaces.md`.
 
+use std::borrow::Cow;
+
+use agent_client_protocol_schema::v1::{ContentBlock, PromptRequest, TextContent};
+use serde::de::DeserializeOwned;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 /// Error codes Tiller answers with.
@@ -53,17 +58,113 @@ impl RpcError {
     }
 }
 
+/// A request's or notification's params as the client sent them (`null`
+/// when absent): checked as JSON, read into their type once, by the
+/// method's handler, without a `Value` in between.
+#[derive(Debug)]
+pub struct Params(Box<RawValue>);
+
+impl Params {
+    /// No params.
+    pub fn null() -> Self {
+        Params(RawValue::NULL.to_owned())
+    }
+
+    fn of(v: &Value) -> Self {
+        // A `Value` always serializes; `null` is only the unreachable case.
+        serde_json::value::to_raw_value(v).map_or_else(|_| Params::null(), Params)
+    }
+
+    /// The params' JSON text.
+    pub fn text(&self) -> &str {
+        self.0.get()
+    }
+
+    /// The params read into `T`. The error is serde's message without its
+    /// position (which would count in the params, not in the frame).
+    pub fn read<T: DeserializeOwned>(&self) -> Result<T, String> {
+        serde_json::from_str(self.text()).map_err(|e| {
+            let why = e.to_string();
+            let at = format!(" at line {} column {}", e.line(), e.column());
+            match why.strip_suffix(&at) {
+                Some(w) if e.line() > 0 => w.to_owned(),
+                _ => why,
+            }
+        })
+    }
+
+    /// `session/prompt`'s params. The shape clients send most, a session
+    /// and text blocks with nothing else, is read in one pass into plain
+    /// structs; any other shape is read by the protocol's own types (whose
+    /// internally tagged blocks are read twice), which give its errors.
+    pub fn read_prompt(&self) -> Result<PromptRequest, String> {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Plain {
+            #[serde(rename = "sessionId")]
+            session_id: String,
+            prompt: Vec<PlainText>,
+        }
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct PlainText {
+            #[serde(rename = "type")]
+            _kind: TextTag,
+            text: String,
+        }
+        #[derive(serde::Deserialize)]
+        enum TextTag {
+            #[serde(rename = "text")]
+            Text,
+        }
+        if let Ok(p) = serde_json::from_str::<Plain>(self.text()) {
+            let blocks = p.prompt.into_iter();
+            return Ok(PromptRequest::new(
+                p.session_id,
+                blocks
+                    .map(|b| ContentBlock::Text(TextContent::new(b.text)))
+                    .collect(),
+            ));
+        }
+        self.read()
+    }
+
+    /// The `sessionId` member when the params are an object holding one
+    /// as a string (an array is not read by position).
+    pub fn session_id(&self) -> Option<Cow<'_, str>> {
+        #[derive(serde::Deserialize)]
+        struct Peek<'a> {
+            #[serde(rename = "sessionId", borrow, default)]
+            session_id: Option<Cow<'a, str>>,
+        }
+        if !self.text().trim_start().starts_with('{') {
+            return None;
+        }
+        serde_json::from_str::<Peek<'_>>(self.text())
+            .ok()
+            .and_then(|p| p.session_id)
+    }
+}
+
+/// Params are equal when their JSON values are (whitespace and the
+/// spelling of escapes aside).
+impl PartialEq for Params {
+    fn eq(&self, other: &Self) -> bool {
+        self.read::<Value>().ok() == other.read::<Value>().ok()
+    }
+}
+
 /// An incoming message, classified.
 #[derive(Debug, PartialEq)]
 pub enum Incoming {
     Request {
         id: Value,
         method: String,
-        params: Value,
+        params: Params,
     },
     Notification {
         method: String,
-        params: Value,
+        params: Params,
     },
     /// A response to a request we sent.
     Response {
@@ -88,14 +189,16 @@ struct Frame {
     #[serde(default, deserialize_with = "present")]
     method: Option<Value>,
     #[serde(default, deserialize_with = "present")]
-    params: Option<Value>,
+    params: Option<Box<RawValue>>,
     #[serde(default, deserialize_with = "present")]
     result: Option<Value>,
     #[serde(default, deserialize_with = "present")]
     error: Option<Value>,
 }
 
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+fn present<'de, D: serde::Deserializer<'de>, T: serde::Deserialize<'de>>(
+    d: D,
+) -> Result<Option<T>, D::Error> {
     serde::Deserialize::deserialize(d).map(Some)
 }
 
@@ -125,7 +228,7 @@ fn parse_value(frame: &str) -> Incoming {
             id: obj.remove("id"),
             jsonrpc: obj.remove("jsonrpc"),
             method: obj.remove("method"),
-            params: obj.remove("params"),
+            params: obj.remove("params").map(|v| Params::of(&v).0),
             result: obj.remove("result"),
             error: obj.remove("error"),
         }),
@@ -193,7 +296,7 @@ fn classify(frame: Frame) -> Incoming {
             };
         }
     };
-    let params = params.unwrap_or(Value::Null);
+    let params = params.map_or_else(Params::null, Params);
     match id {
         Some(id) => Incoming::Request { id, method, params },
         None => Incoming::Notification { method, params },
@@ -225,6 +328,24 @@ pub fn error(id: &Value, error: &RpcError) -> String {
 /// A request from us to the client.
 pub fn request(id: &str, method: &str, params: Value) -> String {
     json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params }).to_string()
+}
+
+/// A request passed on as it came (its params' text unchanged).
+pub fn request_of(id: &Value, method: &str, params: &Params) -> String {
+    #[derive(serde::Serialize)]
+    struct Request<'a> {
+        jsonrpc: &'static str,
+        id: &'a Value,
+        method: &'a str,
+        params: &'a RawValue,
+    }
+    serde_json::to_string(&Request {
+        jsonrpc: "2.0",
+        id,
+        method,
+        params: &params.0,
+    })
+    .expect("serialize")
 }
 
 /// A notification.
@@ -289,7 +410,7 @@ mod tests {
             Incoming::Request {
                 id: json!("a"),
                 method: "m".into(),
-                params: Value::Null
+                params: Params::null()
             }
         );
     }
@@ -316,7 +437,125 @@ mod tests {
         );
     }
 
+    /// Params of a method's shape: each member absent or one of a few
+    /// values (right, wrong type, escaped, `null`), a key maybe spelled
+    /// with an escape, in any order; or params that are not an object.
+    fn params_text() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let members: [(&[&str], &[&str]); 4] = [
+            (
+                &["sessionId", "session\\u0049d"],
+                &["\"s-1\"", "\"\\u0073\"", "1", "null", "[]"],
+            ),
+            (
+                &["prompt"],
+                &[
+                    "[]",
+                    r#"[{"type":"text","text":"hi"}]"#,
+                    r#"[{"text":"b","type":"text"},{"type":"text","text":""}]"#,
+                    r#"[{"type":"text","text":"hi","_meta":{"k":1}}]"#,
+                    r#"[{"type":"text","text":"hi","annotations":{"priority":0.5}}]"#,
+                    r#"[{"type":"text","text":"a\"b\\u00e9\n"}]"#,
+                    r#"[{"type":"image","data":"eA==","mimeType":"image/png"}]"#,
+                    r#"[{"type":"nope"}]"#,
+                    r#"[{"text":"no type"}]"#,
+                    "{}",
+                    "\"x\"",
+                    "null",
+                ],
+            ),
+            (&["_meta"], &[r#"{"a":[1,2.5]}"#, "null", "3"]),
+            (&["other", "messageId"], &["1", "\"m\"", "{}", "null"]),
+        ];
+        let object = (
+            proptest::collection::vec((0..3usize, 0..10usize), 4),
+            proptest::collection::vec(0..8usize, 4),
+        )
+            .prop_map(move |(picks, order)| {
+                let mut out: Vec<String> = Vec::new();
+                for (((keys, values), (k, v)), at) in members.iter().zip(&picks).zip(&order) {
+                    if *k == 2 {
+                        continue; // absent
+                    }
+                    let key = keys[k % keys.len()];
+                    let member = format!("\"{key}\": {}", values[v % values.len()]);
+                    out.insert(at % (out.len() + 1), member);
+                }
+                format!("{{{}}}", out.join(","))
+            });
+        prop_oneof![
+            6 => object,
+            1 => proptest::sample::select(&["null", "3", "\"s\"", "[\"s-1\", []]", "[\"s-1\"]", " {\"sessionId\":\"s\"} "][..])
+                .prop_map(str::to_owned),
+        ]
+    }
+
+    /// Params read as the client sent them, through [`Params`].
+    fn params_of(text: &str) -> Params {
+        let frame = format!(r#"{{"jsonrpc":"2.0","id":1,"method":"m","params":{text}}}"#);
+        match parse(&frame) {
+            Incoming::Request { params, .. } => params,
+            other => panic!("{frame}: {other:?}"),
+        }
+    }
+
+    /// `read` through a `Value`, as the params were read before.
+    fn through_value<T: DeserializeOwned>(text: &str) -> Result<T, String> {
+        let v: Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        serde_json::from_value(v).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_params_error_names_no_position() {
+        let p = params_of(r#"{"prompt": []}"#);
+        let e = p.read::<PromptRequest>().unwrap_err();
+        assert_eq!(e, "missing field `sessionId`");
+        let p = params_of("{\n\"sessionId\": 3}");
+        let e = p
+            .read::<agent_client_protocol_schema::v1::CancelNotification>()
+            .unwrap_err();
+        assert_eq!(e, "invalid type: integer `3`, expected a string");
+    }
+
+    #[test]
+    fn a_passed_on_request_keeps_its_params_text() {
+        let text = r#"{ "sessionId" : "s", "prompt": [{"type":"text","text":"\u00e9"}] }"#;
+        let line = request_of(&json!(7), "session/prompt", &params_of(text));
+        assert_eq!(
+            line,
+            format!(r#"{{"jsonrpc":"2.0","id":7,"method":"session/prompt","params":{text}}}"#)
+        );
+        assert_eq!(
+            request_of(&json!("a"), "m", &Params::null()),
+            r#"{"jsonrpc":"2.0","id":"a","method":"m","params":null}"#
+        );
+    }
+
     proptest::proptest! {
+        /// A method's params read straight from their text give what
+        /// reading them through a `Value` gave: the same request, or the
+        /// same error message; and the same `sessionId` for routing.
+        #[test]
+        fn params_read_straight_as_through_a_value(text in params_text()) {
+            use agent_client_protocol_schema::v1::CancelNotification;
+            let p = params_of(&text);
+            proptest::prop_assert_eq!(p.read::<PromptRequest>(), through_value::<PromptRequest>(&text), "{}", text);
+            proptest::prop_assert_eq!(p.read_prompt(), through_value::<PromptRequest>(&text), "{}", text);
+            proptest::prop_assert_eq!(
+                p.read::<CancelNotification>(),
+                through_value::<CancelNotification>(&text),
+                "{}", text
+            );
+            let v: Value = serde_json::from_str(&text).unwrap();
+            let peeked = p.session_id();
+            proptest::prop_assert_eq!(
+                peeked.as_deref(),
+                v.get("sessionId").and_then(Value::as_str),
+                "{}", text
+            );
+            proptest::prop_assert_eq!(p.read::<Value>().ok(), Some(v), "{}", text);
+        }
+
         /// Reading a frame straight into its members classifies it as
         /// reading it through a `Value` does: each member absent, `null`,
         /// right or of the wrong type, in any order, given twice, among
