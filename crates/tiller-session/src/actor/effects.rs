@@ -245,17 +245,18 @@ impl SessionState {
             self.title_from(&prepared.text).await;
         }
         let actor = myself.clone();
-        let pace = self.pace.clone();
+        let signals = self.signals.clone();
         let sink: tiller_engine::SignalSink = Arc::new(move |sig| {
-            pace.sent();
-            let _ = actor.send_message(SessionMsg::Engine(sig));
+            if signals.push(sig) {
+                let _ = actor.send_message(SessionMsg::Signals);
+            }
         });
         let ctx = TurnContext {
             conversation: self.conversation.clone(),
             tools: self.toolbox.specs(),
             model: self.model.clone(),
             switches: self.switch_values(),
-            pace: self.pace.clone(),
+            pace: self.signals.pace.clone(),
             host: tiller_engine::HostInfo {
                 session: self.id.to_string(),
                 cwd: self.toolbox.root().clone(),

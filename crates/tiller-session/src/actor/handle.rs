@@ -79,28 +79,34 @@ impl SessionState {
                 }
                 self.feed(myself, Input::Withdraw { prompt }, None).await;
             }
-            SessionMsg::Engine(sig) => {
-                self.pace.handled();
-                // Content may go ahead of a deferred admission; a tool
-                // batch, a hosted agent's call or request, a steer's
-                // receipt may not.
-                let content = matches!(
-                    sig.kind,
-                    SignalKind::Update(_) | SignalKind::Result(_) | SignalKind::Idle
-                );
-                if !content && !self.store_admission().await {
-                    return;
+            SessionMsg::Signals => {
+                let (run, more) = self.signals.take();
+                if more {
+                    let _ = myself.send_message(SessionMsg::Signals);
                 }
-                let signal = core_signal(&sig.kind);
-                self.feed(
-                    myself,
-                    Input::Signal {
-                        turn: sig.turn,
-                        signal,
-                    },
-                    Some(sig.kind),
-                )
-                .await;
+                for sig in run {
+                    self.signals.pace.handled();
+                    // Content may go ahead of a deferred admission; a tool
+                    // batch, a hosted agent's call or request, a steer's
+                    // receipt may not.
+                    let content = matches!(
+                        sig.kind,
+                        SignalKind::Update(_) | SignalKind::Result(_) | SignalKind::Idle
+                    );
+                    if !content && !self.store_admission().await {
+                        continue;
+                    }
+                    let signal = core_signal(&sig.kind);
+                    self.feed(
+                        myself,
+                        Input::Signal {
+                            turn: sig.turn,
+                            signal,
+                        },
+                        Some(sig.kind),
+                    )
+                    .await;
+                }
             }
             SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
             SessionMsg::Committed(seq) => self.committed(seq),

@@ -28,6 +28,7 @@ mod options;
 mod park;
 mod pipeline;
 mod publish;
+mod signals;
 
 use effects::core_signal;
 use publish::{LINGER_AFTER, Ledger, unlingered};
@@ -151,8 +152,8 @@ pub enum SessionMsg {
         option_id: String,
         reply: oneshot::Sender<Result<(), PermissionRefused>>,
     },
-    /// A signal from this session's engine.
-    Engine(EngineSignal),
+    /// Signals from this session's engine wait in `signals`.
+    Signals,
     /// The store committed this session's events up to this one: shown.
     Committed(u64),
     /// A commit of streamed events failed (see `Recovery`).
@@ -372,9 +373,8 @@ pub struct SessionState {
     /// Numbers the session's tool calls, keeps their published ids unique
     /// (made at the first tool call: an idle session pays one pointer).
     call_ids: Option<Box<CallIds>>,
-    /// The engine's signals waiting in this mailbox (engines wait while
-    /// it is high).
-    pace: Arc<tiller_engine::Pace>,
+    /// The engine's signals waiting (engines wait while they are many).
+    signals: Arc<signals::Signals>,
     /// The model chosen with `session/set_config_option`.
     model: Option<String>,
     /// The `permission_requested` the running turn waits on.
@@ -510,7 +510,7 @@ impl Actor for SessionActor {
             ),
             conversation,
             call_ids: CallIds::after(args.head.last_turn),
-            pace: Arc::new(tiller_engine::Pace::new(args.config.budget.clone())),
+            signals: Arc::new(signals::Signals::new(&args.config.budget)),
             model: settings.model,
             id: args.id,
             core: SessionCore::new(args.config.turn.clone(), args.head.last_turn)

@@ -229,7 +229,7 @@ impl SessionState {
         // shown once committed (`committed`): a viewer never sees an event
         // the log may not keep, nor a number the log may give another.
         self.unconfirmed.push((rec, op));
-        self.pace.held(self.unconfirmed.len());
+        self.signals.pace.held(self.unconfirmed.len());
         if self.unsent == 0 {
             // A slow stream (a model's pace) lingers: its chunks go to the
             // store together, at most every `LINGER`, so a commit carries
@@ -373,7 +373,7 @@ impl SessionState {
         self.fanned = self.fanned.max(seq);
         self.recovery.lost = 0;
         self.unconfirmed.retain(|(r, _)| r.seq > seq);
-        self.pace.held(self.unconfirmed.len());
+        self.signals.pace.held(self.unconfirmed.len());
     }
 
     /// Appends an event, waits for its commit, and only then fans it out
@@ -423,7 +423,7 @@ impl SessionState {
                     self.fan_out(&rec);
                     self.fanned = rec.seq;
                     self.unconfirmed.clear();
-                    self.pace.held(0);
+                    self.signals.pace.held(0);
                     return Ok(());
                 }
                 Err(e) if attempt < retries && e.is_unavailable() => {
@@ -529,7 +529,7 @@ impl SessionState {
                 self.fan_out(&msg);
                 self.fanned = msg.seq;
                 self.unconfirmed.clear();
-                self.pace.held(0);
+                self.signals.pace.held(0);
                 Ok(())
             }
             Err(e) => {
