@@ -1081,12 +1081,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
         Incoming::Response { .. } => {}
         Incoming::Notification { method, params } => {
             if method == "$/cancel_request" {
-                #[derive(serde::Deserialize)]
-                struct CancelRequest {
-                    #[serde(rename = "requestId")]
-                    request_id: Value,
-                }
-                let Ok(CancelRequest { request_id: id }) = params.read() else {
+                let Some(id) = params.get("requestId").cloned() else {
                     return;
                 };
                 // Marked at once, in the order the client sent it; only the
@@ -1102,7 +1097,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 return;
             }
             if method == "session/cancel" {
-                let Ok(p) = params.read::<CancelNotification>() else {
+                let Ok(p) = serde_json::from_value::<CancelNotification>(params) else {
                     return;
                 };
                 let Some(id) = SessionId::parse(&p.session_id.0) else {
@@ -1141,14 +1136,8 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 }
             }
             let shared = shared.clone();
-            // A prompt is read here, once: the session it names decides
-            // where it goes.
-            let ahead = (method == "session/prompt").then(|| params.read_prompt());
             // The session a resume names (a new one's id is in its answer).
-            let mut params_session = match &ahead {
-                Some(Ok(p)) => SessionId::parse(&p.session_id.0),
-                _ => params.session_id().as_deref().and_then(SessionId::parse),
-            };
+            let mut params_session = params.session_id().and_then(SessionId::parse);
             match method.as_str() {
                 "session/prompt" => {
                     shared.cancel_flags(&id, params_session, None);
@@ -1165,7 +1154,9 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                     && let Some((node, address)) = shared.elsewhere(session).await
                 {
                     shared.settled(&id);
-                    let request = jsonrpc::request_of(&id, &method, &params);
+                    let request =
+                        json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params.into_value() })
+                            .to_string();
                     let _ = shared
                         .handover
                         .send(crate::splice::Handover {
@@ -1181,7 +1172,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 // method's), which the task would otherwise carry, and
                 // tokio copies a task's future when it spawns it and
                 // again when it stores its output.
-                let result = Box::pin(handle(&shared, &id, &method, params, ahead)).await;
+                let result = Box::pin(handle(&shared, &id, &method, params)).await;
                 if let Ok(v) = &result
                     && method == "session/new"
                 {
@@ -1307,9 +1298,8 @@ impl From<RpcError> for Reply {
     }
 }
 
-fn params<T: DeserializeOwned>(raw: &Params) -> Result<T, Reply> {
-    raw.read()
-        .map_err(|e| Reply::Error(RpcError::invalid_params(e)))
+fn params<T: DeserializeOwned>(v: Value) -> Result<T, Reply> {
+    serde_json::from_value(v).map_err(|e| Reply::Error(RpcError::invalid_params(e)))
 }
 
 fn session_id(raw: &str) -> Result<SessionId, Reply> {
@@ -1572,17 +1562,13 @@ impl Shared {
     }
 }
 
-/// `ahead`: a prompt's params, read by the dispatch.
-async fn handle(
-    shared: &Shared,
-    id: &Value,
-    method: &str,
-    raw: Params,
-    ahead: Option<Result<PromptRequest, String>>,
-) -> Result<Value, Reply> {
+async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Result<Value, Reply> {
+    let (raw, prompt_read) = match raw {
+        Params::Prompt(p) => (Value::Null, Some(p)),
+        Params::Value(v) => (v, None),
+    };
     match method {
         "initialize" => {
-            let raw: Value = params(&raw)?;
             *shared.initialize.lock().expect("poisoned") = Some(raw.clone());
             shared.calls.set_caps(ClientCaps::from_initialize(&raw));
             let all_turns = raw["clientCapabilities"]["_meta"]["tiller"]["allTurns"] == json!(true);
@@ -1592,8 +1578,7 @@ async fn handle(
             shared.booleans.store(booleans, Ordering::Relaxed);
             let compaction = raw["clientCapabilities"]["session"]["compaction"].is_object();
             shared.compaction.store(compaction, Ordering::Relaxed);
-            let _req: InitializeRequest = serde_json::from_value(raw)
-                .map_err(|e| Reply::Error(RpcError::invalid_params(e)))?;
+            let _req: InitializeRequest = params(raw)?;
             let caps = AgentCapabilities::new()
                 .load_session(true)
                 .prompt_capabilities(prompt_capabilities(&shared.sessions))
@@ -1623,7 +1608,7 @@ async fn handle(
             Ok(res)
         }
         "session/new" => {
-            let req: NewSessionRequest = params(&raw)?;
+            let req: NewSessionRequest = params(raw)?;
             // Checked before anything is made for the session.
             let dirs: Vec<String> = req
                 .additional_directories
@@ -1676,7 +1661,7 @@ async fn handle(
             ))
         }
         "session/set_mode" => {
-            let req: SetSessionModeRequest = params(&raw)?;
+            let req: SetSessionModeRequest = params(raw)?;
             let handle = shared.open_attached(&req.session_id.0).await?;
             handle
                 .set_option("permission_mode".into(), req.mode_id.0.to_string())
@@ -1690,7 +1675,7 @@ async fn handle(
             Ok(to_value(SetSessionModeResponse::new()))
         }
         "session/set_config_option" => {
-            let req: SetSessionConfigOptionRequest = params(&raw)?;
+            let req: SetSessionConfigOptionRequest = params(raw)?;
             let value = match serde_json::to_value(&req.value) {
                 Ok(Value::Object(o)) => match o.get("value") {
                     Some(Value::String(s)) => s.clone(),
@@ -1714,7 +1699,7 @@ async fn handle(
             )))
         }
         "session/load" => {
-            let req: LoadSessionRequest = params(&raw)?;
+            let req: LoadSessionRequest = params(raw)?;
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
             shared.connect_mcp(&handle, mcp).await?;
@@ -1742,7 +1727,7 @@ async fn handle(
             })
         }
         "session/resume" => {
-            let req: ResumeSessionRequest = params(&raw)?;
+            let req: ResumeSessionRequest = params(raw)?;
             let mcp = map::mcp_servers(&req.mcp_servers).map_err(Reply::Error)?;
             let handle = shared.open(&req.session_id.0).await?;
             shared.connect_mcp(&handle, mcp).await?;
@@ -1761,7 +1746,7 @@ async fn handle(
             ))
         }
         "session/list" => {
-            let req: ListSessionsRequest = params(&raw)?;
+            let req: ListSessionsRequest = params(raw)?;
             let cwd = req.cwd.as_ref().map(|c| c.display().to_string());
             let page = shared
                 .sessions
@@ -1782,7 +1767,7 @@ async fn handle(
             ))
         }
         "session/delete" => {
-            let req: DeleteSessionRequest = params(&raw)?;
+            let req: DeleteSessionRequest = params(raw)?;
             let id = session_id(&req.session_id.0)?;
             // Attached clients (this one included) hear
             // `_tiller/session_deleted` once it is committed.
@@ -1790,7 +1775,7 @@ async fn handle(
             Ok(to_value(DeleteSessionResponse::new()))
         }
         "session/close" => {
-            let req: CloseSessionRequest = params(&raw)?;
+            let req: CloseSessionRequest = params(raw)?;
             let handle = shared.open(&req.session_id.0).await?;
             if let Some((h, sub)) = shared.attached.lock().await.remove(&handle.id()) {
                 h.unsubscribe(sub);
@@ -1801,9 +1786,10 @@ async fn handle(
         "session/prompt" => {
             // The writer learns the id first: the client has the text, it
             // is not echoed back live.
-            let req = ahead
-                .unwrap_or_else(|| raw.read_prompt())
-                .map_err(|e| Reply::Error(RpcError::invalid_params(e)))?;
+            let req: PromptRequest = match prompt_read {
+                Some(p) => p,
+                None => params(raw)?,
+            };
             let session = session_id(&req.session_id.0)?;
             let mine = PromptId::new();
             let _ = shared
@@ -1920,7 +1906,7 @@ async fn prompt(
 }
 
 /// `_session/steering` (see `turn-lifecycle.md`, Steering).
-async fn steering(shared: &Shared, raw: Params) -> Result<Value, Reply> {
+async fn steering(shared: &Shared, raw: Value) -> Result<Value, Reply> {
     #[derive(serde::Deserialize)]
     #[serde(rename_all = "camelCase")]
     struct SteerParams {
@@ -1929,7 +1915,7 @@ async fn steering(shared: &Shared, raw: Params) -> Result<Value, Reply> {
         #[serde(rename = "_meta", default)]
         meta: Option<Value>,
     }
-    let req: SteerParams = params(&raw)?;
+    let req: SteerParams = params(raw)?;
     let prompt_required = match req
         .meta
         .as_ref()

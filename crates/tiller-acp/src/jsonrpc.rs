@@ -4,7 +4,6 @@
 use std::borrow::Cow;
 
 use agent_client_protocol_schema::v1::{ContentBlock, PromptRequest, TextContent};
-use serde::de::DeserializeOwned;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
@@ -58,99 +57,46 @@ impl RpcError {
     }
 }
 
-/// A request's or notification's params as the client sent them (`null`
-/// when absent): checked as JSON, read into their type once, by the
-/// method's handler, without a `Value` in between.
+/// A request's params.
 #[derive(Debug)]
-pub struct Params(Box<RawValue>);
+pub enum Params {
+    /// `session/prompt`'s params in the shape clients send most, an object
+    /// holding a session and text blocks and nothing else: read straight
+    /// from the frame into the request, without a `Value` in between.
+    Prompt(PromptRequest),
+    /// Any other params (`null` when absent).
+    Value(Value),
+}
 
 impl Params {
-    /// No params.
-    pub fn null() -> Self {
-        Params(RawValue::NULL.to_owned())
+    /// The params as a `Value`.
+    pub fn into_value(self) -> Value {
+        match self {
+            Params::Prompt(p) => serde_json::to_value(p).unwrap_or(Value::Null),
+            Params::Value(v) => v,
+        }
     }
 
-    fn of(v: &Value) -> Self {
-        // A `Value` always serializes; `null` is only the unreachable case.
-        serde_json::value::to_raw_value(v).map_or_else(|_| Params::null(), Params)
+    fn as_value(&self) -> Cow<'_, Value> {
+        match self {
+            Params::Prompt(p) => Cow::Owned(serde_json::to_value(p).unwrap_or(Value::Null)),
+            Params::Value(v) => Cow::Borrowed(v),
+        }
     }
 
-    /// The params' JSON text.
-    pub fn text(&self) -> &str {
-        self.0.get()
-    }
-
-    /// The params read into `T`. The error is serde's message without its
-    /// position (which would count in the params, not in the frame).
-    pub fn read<T: DeserializeOwned>(&self) -> Result<T, String> {
-        serde_json::from_str(self.text()).map_err(|e| {
-            let why = e.to_string();
-            let at = format!(" at line {} column {}", e.line(), e.column());
-            match why.strip_suffix(&at) {
-                Some(w) if e.line() > 0 => w.to_owned(),
-                _ => why,
-            }
-        })
-    }
-
-    /// `session/prompt`'s params. The shape clients send most, a session
-    /// and text blocks with nothing else, is read in one pass into plain
-    /// structs; any other shape is read by the protocol's own types (whose
-    /// internally tagged blocks are read twice), which give its errors.
-    pub fn read_prompt(&self) -> Result<PromptRequest, String> {
-        #[derive(serde::Deserialize)]
-        #[serde(deny_unknown_fields)]
-        struct Plain {
-            #[serde(rename = "sessionId")]
-            session_id: String,
-            prompt: Vec<PlainText>,
+    /// The `sessionId` the params name (a string member of an object).
+    pub fn session_id(&self) -> Option<&str> {
+        match self {
+            Params::Prompt(p) => Some(&p.session_id.0),
+            Params::Value(v) => v.get("sessionId").and_then(Value::as_str),
         }
-        #[derive(serde::Deserialize)]
-        #[serde(deny_unknown_fields)]
-        struct PlainText {
-            #[serde(rename = "type")]
-            _kind: TextTag,
-            text: String,
-        }
-        #[derive(serde::Deserialize)]
-        enum TextTag {
-            #[serde(rename = "text")]
-            Text,
-        }
-        if let Ok(p) = serde_json::from_str::<Plain>(self.text()) {
-            let blocks = p.prompt.into_iter();
-            return Ok(PromptRequest::new(
-                p.session_id,
-                blocks
-                    .map(|b| ContentBlock::Text(TextContent::new(b.text)))
-                    .collect(),
-            ));
-        }
-        self.read()
-    }
-
-    /// The `sessionId` member when the params are an object holding one
-    /// as a string (an array is not read by position).
-    pub fn session_id(&self) -> Option<Cow<'_, str>> {
-        #[derive(serde::Deserialize)]
-        struct Peek<'a> {
-            #[serde(rename = "sessionId", borrow, default)]
-            session_id: Option<Cow<'a, str>>,
-        }
-        if !self.text().trim_start().starts_with('{') {
-            return None;
-        }
-        serde_json::from_str::<Peek<'_>>(self.text())
-            .ok()
-            .and_then(|p| p.session_id)
     }
 }
 
-/// Params are equal when their JSON values are (whitespace and the
-/// spelling of escapes aside).
+/// Params are equal when their JSON values are.
 impl PartialEq for Params {
     fn eq(&self, other: &Self) -> bool {
-        self.read::<Value>().ok() == other.read::<Value>().ok()
+        self.as_value() == other.as_value()
     }
 }
 
@@ -164,7 +110,7 @@ pub enum Incoming {
     },
     Notification {
         method: String,
-        params: Params,
+        params: Value,
     },
     /// A response to a request we sent.
     Response {
@@ -181,7 +127,8 @@ pub enum Incoming {
 /// The members of a frame that classify it; any other member is ignored.
 /// A member given as `null` is `Some(Value::Null)`, not absent.
 #[derive(serde::Deserialize)]
-struct Frame {
+#[serde(bound(deserialize = "P: serde::Deserialize<'de>"))]
+struct Frame<P> {
     #[serde(default, deserialize_with = "present")]
     id: Option<Value>,
     #[serde(default, deserialize_with = "present")]
@@ -189,7 +136,7 @@ struct Frame {
     #[serde(default, deserialize_with = "present")]
     method: Option<Value>,
     #[serde(default, deserialize_with = "present")]
-    params: Option<Box<RawValue>>,
+    params: Option<P>,
     #[serde(default, deserialize_with = "present")]
     result: Option<Value>,
     #[serde(default, deserialize_with = "present")]
@@ -202,6 +149,43 @@ fn present<'de, D: serde::Deserializer<'de>, T: serde::Deserialize<'de>>(
     serde::Deserialize::deserialize(d).map(Some)
 }
 
+/// `session/prompt`'s params when they are an object of a session and
+/// text blocks with nothing else; `None` for any other shape (or text a
+/// `Value` read would refuse), which is read as a `Value`.
+fn plain_prompt(params: &RawValue) -> Option<PromptRequest> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Plain {
+        #[serde(rename = "sessionId")]
+        session_id: String,
+        prompt: Vec<PlainText>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct PlainText {
+        #[serde(rename = "type")]
+        _kind: TextTag,
+        text: String,
+    }
+    #[derive(serde::Deserialize)]
+    enum TextTag {
+        #[serde(rename = "text")]
+        Text,
+    }
+    // Not an array: serde would read one into the members by position.
+    if !params.get().starts_with('{') {
+        return None;
+    }
+    let p = serde_json::from_str::<Plain>(params.get()).ok()?;
+    let blocks = p.prompt.into_iter();
+    Some(PromptRequest::new(
+        p.session_id,
+        blocks
+            .map(|b| ContentBlock::Text(TextContent::new(b.text)))
+            .collect(),
+    ))
+}
+
 /// Classifies one frame.
 pub fn parse(frame: &str) -> Incoming {
     // An object is read straight into its members (every prompt comes this
@@ -209,10 +193,31 @@ pub fn parse(frame: &str) -> Incoming {
     // (a member given twice, say), is read as a `Value`, which says why.
     // (Not an array: serde would read one into the members by position.)
     // Members not read are skipped, their values unchecked beyond syntax.
+    // The params are kept as text until the method is known: a prompt's
+    // are read straight into it, others into a `Value` (text that it
+    // refuses makes the frame's `Value` read say why, as before).
     if frame.trim_start().starts_with('{')
-        && let Ok(f) = serde_json::from_str::<Frame>(frame)
+        && let Ok(f) = serde_json::from_str::<Frame<&RawValue>>(frame)
     {
-        return classify(f);
+        let prompt = f.method.as_ref().and_then(Value::as_str) == Some("session/prompt");
+        let params = match f.params {
+            None => None,
+            Some(raw) => match prompt.then(|| plain_prompt(raw)).flatten() {
+                Some(p) => Some(Params::Prompt(p)),
+                None => match serde_json::from_str(raw.get()) {
+                    Ok(v) => Some(Params::Value(v)),
+                    Err(_) => return parse_value(frame),
+                },
+            },
+        };
+        return classify(Frame {
+            id: f.id,
+            jsonrpc: f.jsonrpc,
+            method: f.method,
+            params,
+            result: f.result,
+            error: f.error,
+        });
     }
     parse_value(frame)
 }
@@ -228,7 +233,7 @@ fn parse_value(frame: &str) -> Incoming {
             id: obj.remove("id"),
             jsonrpc: obj.remove("jsonrpc"),
             method: obj.remove("method"),
-            params: obj.remove("params").map(|v| Params::of(&v).0),
+            params: obj.remove("params").map(Params::Value),
             result: obj.remove("result"),
             error: obj.remove("error"),
         }),
@@ -242,7 +247,7 @@ fn parse_value(frame: &str) -> Incoming {
     }
 }
 
-fn classify(frame: Frame) -> Incoming {
+fn classify(frame: Frame<Params>) -> Incoming {
     let Frame {
         id,
         jsonrpc,
@@ -296,10 +301,13 @@ fn classify(frame: Frame) -> Incoming {
             };
         }
     };
-    let params = params.map_or_else(Params::null, Params);
+    let params = params.unwrap_or(Params::Value(Value::Null));
     match id {
         Some(id) => Incoming::Request { id, method, params },
-        None => Incoming::Notification { method, params },
+        None => Incoming::Notification {
+            method,
+            params: params.into_value(),
+        },
     }
 }
 
@@ -328,24 +336,6 @@ pub fn error(id: &Value, error: &RpcError) -> String {
 /// A request from us to the client.
 pub fn request(id: &str, method: &str, params: Value) -> String {
     json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params }).to_string()
-}
-
-/// A request passed on as it came (its params' text unchanged).
-pub fn request_of(id: &Value, method: &str, params: &Params) -> String {
-    #[derive(serde::Serialize)]
-    struct Request<'a> {
-        jsonrpc: &'static str,
-        id: &'a Value,
-        method: &'a str,
-        params: &'a RawValue,
-    }
-    serde_json::to_string(&Request {
-        jsonrpc: "2.0",
-        id,
-        method,
-        params: &params.0,
-    })
-    .expect("serialize")
 }
 
 /// A notification.
@@ -410,7 +400,7 @@ mod tests {
             Incoming::Request {
                 id: json!("a"),
                 method: "m".into(),
-                params: Params::null()
+                params: Params::Value(Value::Null)
             }
         );
     }
@@ -437,15 +427,25 @@ mod tests {
         );
     }
 
-    /// Params of a method's shape: each member absent or one of a few
-    /// values (right, wrong type, escaped, `null`), a key maybe spelled
-    /// with an escape, in any order; or params that are not an object.
-    fn params_text() -> impl proptest::strategy::Strategy<Value = String> {
+    /// `session/prompt` params: each member absent or one of a few values
+    /// (right, wrong type, escaped, `null`, given twice), a key maybe
+    /// spelled with an escape, in any order; or params that are not an
+    /// object, or that a `Value` read refuses.
+    fn prompt_params() -> impl proptest::strategy::Strategy<Value = String> {
         use proptest::prelude::*;
         let members: [(&[&str], &[&str]); 4] = [
             (
                 &["sessionId", "session\\u0049d"],
-                &["\"s-1\"", "\"\\u0073\"", "1", "null", "[]"],
+                &[
+                    "\"s-1\"",
+                    "\"s-1\"",
+                    "\"s-1\"",
+                    "\"\\u0073\"",
+                    "1",
+                    "null",
+                    "[]",
+                    "\"\\ud83d\"",
+                ],
             ),
             (
                 &["prompt"],
@@ -453,9 +453,13 @@ mod tests {
                     "[]",
                     r#"[{"type":"text","text":"hi"}]"#,
                     r#"[{"text":"b","type":"text"},{"type":"text","text":""}]"#,
+                    r#"[{"type":"text","text":"a\"b\\u00e9\n"}]"#,
+                    r#"[{"type":"text","text":"x","text":"y"}]"#,
+                    r#"[{"type":"text","text":"\ud83d"}]"#,
                     r#"[{"type":"text","text":"hi","_meta":{"k":1}}]"#,
                     r#"[{"type":"text","text":"hi","annotations":{"priority":0.5}}]"#,
-                    r#"[{"type":"text","text":"a\"b\\u00e9\n"}]"#,
+                    r#"[{"type":"image","text":"x"}]"#,
+                    r#"[{"type":"Text","text":"x"}]"#,
                     r#"[{"type":"image","data":"eA==","mimeType":"image/png"}]"#,
                     r#"[{"type":"nope"}]"#,
                     r#"[{"text":"no type"}]"#,
@@ -464,17 +468,22 @@ mod tests {
                     "null",
                 ],
             ),
-            (&["_meta"], &[r#"{"a":[1,2.5]}"#, "null", "3"]),
-            (&["other", "messageId"], &["1", "\"m\"", "{}", "null"]),
+            (&["_meta"], &[r#"{"a":[1,2.5]}"#, "null", "3", "1e400"]),
+            (&["other", "sessionId"], &["1", "\"m\"", "{}", "null"]),
         ];
+        // In eighths: how often each member is there (the plain shape,
+        // a session and text blocks alone, comes often).
+        let present = [7, 7, 2, 2];
         let object = (
-            proptest::collection::vec((0..3usize, 0..10usize), 4),
+            proptest::collection::vec((0..8usize, 0..2usize, 0..16usize), 4),
             proptest::collection::vec(0..8usize, 4),
         )
             .prop_map(move |(picks, order)| {
                 let mut out: Vec<String> = Vec::new();
-                for (((keys, values), (k, v)), at) in members.iter().zip(&picks).zip(&order) {
-                    if *k == 2 {
+                for ((((keys, values), (there, k, v)), at), p) in
+                    members.iter().zip(&picks).zip(&order).zip(present)
+                {
+                    if *there >= p {
                         continue; // absent
                     }
                     let key = keys[k % keys.len()];
@@ -485,75 +494,40 @@ mod tests {
             });
         prop_oneof![
             6 => object,
-            1 => proptest::sample::select(&["null", "3", "\"s\"", "[\"s-1\", []]", "[\"s-1\"]", " {\"sessionId\":\"s\"} "][..])
+            1 => proptest::sample::select(&["null", "3", "[\"s-1\", []]", "[\"s-1\"]", r#"["s-1",[{"type":"text","text":"hi"}]]"#][..])
                 .prop_map(str::to_owned),
         ]
     }
 
-    /// Params read as the client sent them, through [`Params`].
-    fn params_of(text: &str) -> Params {
-        let frame = format!(r#"{{"jsonrpc":"2.0","id":1,"method":"m","params":{text}}}"#);
-        match parse(&frame) {
-            Incoming::Request { params, .. } => params,
-            other => panic!("{frame}: {other:?}"),
-        }
-    }
-
-    /// `read` through a `Value`, as the params were read before.
-    fn through_value<T: DeserializeOwned>(text: &str) -> Result<T, String> {
-        let v: Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
-        serde_json::from_value(v).map_err(|e| e.to_string())
-    }
-
-    #[test]
-    fn a_params_error_names_no_position() {
-        let p = params_of(r#"{"prompt": []}"#);
-        let e = p.read::<PromptRequest>().unwrap_err();
-        assert_eq!(e, "missing field `sessionId`");
-        let p = params_of("{\n\"sessionId\": 3}");
-        let e = p
-            .read::<agent_client_protocol_schema::v1::CancelNotification>()
-            .unwrap_err();
-        assert_eq!(e, "invalid type: integer `3`, expected a string");
-    }
-
-    #[test]
-    fn a_passed_on_request_keeps_its_params_text() {
-        let text = r#"{ "sessionId" : "s", "prompt": [{"type":"text","text":"\u00e9"}] }"#;
-        let line = request_of(&json!(7), "session/prompt", &params_of(text));
-        assert_eq!(
-            line,
-            format!(r#"{{"jsonrpc":"2.0","id":7,"method":"session/prompt","params":{text}}}"#)
-        );
-        assert_eq!(
-            request_of(&json!("a"), "m", &Params::null()),
-            r#"{"jsonrpc":"2.0","id":"a","method":"m","params":null}"#
-        );
-    }
-
     proptest::proptest! {
-        /// A method's params read straight from their text give what
-        /// reading them through a `Value` gave: the same request, or the
-        /// same error message; and the same `sessionId` for routing.
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
+
+        /// A prompt's params read straight into the request give what
+        /// reading them through a `Value` gives: the same classification,
+        /// the same request, the same session to route it by.
         #[test]
-        fn params_read_straight_as_through_a_value(text in params_text()) {
-            use agent_client_protocol_schema::v1::CancelNotification;
-            let p = params_of(&text);
-            proptest::prop_assert_eq!(p.read::<PromptRequest>(), through_value::<PromptRequest>(&text), "{}", text);
-            proptest::prop_assert_eq!(p.read_prompt(), through_value::<PromptRequest>(&text), "{}", text);
-            proptest::prop_assert_eq!(
-                p.read::<CancelNotification>(),
-                through_value::<CancelNotification>(&text),
-                "{}", text
+        fn a_prompt_read_straight_is_the_prompt_read_through_a_value(
+            text in prompt_params(),
+            spaced in proptest::bool::ANY,
+        ) {
+            let sep = if spaced { " " } else { "" };
+            let frame = format!(
+                r#"{{"jsonrpc":"2.0","id":1,"method":"session/prompt","params":{sep}{text}{sep}}}"#
             );
-            let v: Value = serde_json::from_str(&text).unwrap();
-            let peeked = p.session_id();
-            proptest::prop_assert_eq!(
-                peeked.as_deref(),
-                v.get("sessionId").and_then(Value::as_str),
-                "{}", text
-            );
-            proptest::prop_assert_eq!(p.read::<Value>().ok(), Some(v), "{}", text);
+            let direct = parse(&frame);
+            proptest::prop_assert_eq!(&direct, &parse_value(&frame), "{}", frame);
+            if let Incoming::Request { params, .. } = direct {
+                let v = params.as_value().into_owned();
+                proptest::prop_assert_eq!(
+                    params.session_id(),
+                    v.get("sessionId").and_then(Value::as_str),
+                    "{}", frame
+                );
+                if let Params::Prompt(p) = params {
+                    let through: PromptRequest = serde_json::from_value(v).expect("read through a Value");
+                    proptest::prop_assert_eq!(p, through, "{}", frame);
+                }
+            }
         }
 
         /// Reading a frame straight into its members classifies it as
