@@ -10,6 +10,10 @@ pub(crate) struct Slot {
     pub(crate) id: SessionId,
     pub(crate) state: std::sync::Mutex<SlotState>,
     pub(crate) registry: ActorRef<RegistryMsg>,
+    /// Messages sent through the slot so far: an engine's signal is
+    /// stamped with it, so none is handled before a message sent before it
+    /// (see `actor/signals.rs`).
+    sent: AtomicU64,
 }
 
 /// See [`Slot`]. Messages wait in a queue only while no actor may take
@@ -35,7 +39,13 @@ impl Slot {
             id,
             state: std::sync::Mutex::new(SlotState::Parked(Vec::new())),
             registry,
+            sent: AtomicU64::new(0),
         })
+    }
+
+    /// How many messages were sent through the slot.
+    pub(crate) fn sent(&self) -> u64 {
+        self.sent.load(Ordering::SeqCst)
     }
 
     pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
@@ -48,6 +58,9 @@ impl Slot {
     /// a client's drop may do anything, even send here again.
     pub(crate) fn send(&self, msg: SessionMsg) -> Result<(), SessionError> {
         let mut state = self.lock();
+        // Counted before it is in the mailbox: a signal stamped after it
+        // waits behind it.
+        self.sent.fetch_add(1, Ordering::SeqCst);
         match &mut *state {
             SlotState::Running(actor) => {
                 let sent = actor.send_message(msg);

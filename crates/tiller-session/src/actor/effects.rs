@@ -245,9 +245,9 @@ impl SessionState {
             self.title_from(&prepared.text).await;
         }
         let actor = myself.clone();
-        let signals = self.signals.clone();
+        let (signals, slot) = (self.signals.clone(), self.slot.clone());
         let sink: tiller_engine::SignalSink = Arc::new(move |sig| {
-            if signals.push(sig) {
+            if signals.push(sig, slot.sent()) {
                 let _ = actor.send_message(SessionMsg::Signals);
             }
         });

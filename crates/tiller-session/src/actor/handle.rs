@@ -80,11 +80,16 @@ impl SessionState {
                 self.feed(myself, Input::Withdraw { prompt }, None).await;
             }
             SessionMsg::Signals => {
-                let (run, more) = self.signals.take();
+                let (run, more) = self.signals.take(self.slot.sent());
                 if more {
                     let _ = myself.send_message(SessionMsg::Signals);
                 }
                 for sig in run {
+                    if self.failed.is_some() {
+                        break; // the actor stops after this message
+                    }
+                    // Each signal is an input of its own (settle latency).
+                    self.input_at = crate::clock::instant();
                     self.signals.pace.handled();
                     // Content may go ahead of a deferred admission; a tool
                     // batch, a hosted agent's call or request, a steer's

@@ -6,7 +6,18 @@
 //! At most one such message is in the mailbox, exactly while the queue is
 //! not empty: the sender rings when the queue becomes non-empty, and the
 //! session, which takes at most [`RUN`] signals a message, rings again
-//! when it leaves some (other messages are handled between runs).
+//! when it leaves some.
+//!
+//! Order: with a message per signal, a signal sent after a client's
+//! message (a cancel, a steer) was handled after it. A run would take it
+//! ahead: so each signal is stamped with how many messages the session's
+//! handles had sent ([`crate::handle::Slot`]), each ring with the same
+//! count, and a run stops at the first signal stamped after its ring (the
+//! session rings again, behind those messages). A signal may wait behind
+//! a message sent after it, never go ahead of one sent before it: a
+//! cancel still wins over a result sent after it.
+//!
+//! [`SessionMsg::Signals`]: super::SessionMsg::Signals
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -21,7 +32,15 @@ pub(super) const RUN: usize = 32;
 pub(super) struct Signals {
     /// Counts each signal in ([`Signals::push`]) and out (the session).
     pub(super) pace: Arc<Pace>,
-    queue: Mutex<VecDeque<EngineSignal>>,
+    queue: Mutex<Queue>,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    /// Signals with the count of messages sent when each was.
+    signals: VecDeque<(u64, EngineSignal)>,
+    /// The count when the message in the mailbox was sent.
+    rung: u64,
 }
 
 impl Signals {
@@ -29,25 +48,48 @@ impl Signals {
     pub(super) fn new(budget: &Arc<Budget>) -> Signals {
         Signals {
             pace: Arc::new(Pace::new(budget.clone())),
-            queue: Mutex::new(VecDeque::new()),
+            queue: Mutex::new(Queue::default()),
         }
     }
 
-    /// Queues `sig`: true when the caller must ring (the queue was empty).
-    pub(super) fn push(&self, sig: EngineSignal) -> bool {
-        self.pace.sent();
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        q.push_back(sig);
-        q.len() == 1
+    fn lock(&self) -> std::sync::MutexGuard<'_, Queue> {
+        // Nothing panics while holding it.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Takes the next run, oldest first: true with it when signals are
-    /// left (the caller rings again).
-    pub(super) fn take(&self) -> (Vec<EngineSignal>, bool) {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        let n = q.len().min(RUN);
-        let run = q.drain(..n).collect();
-        (run, !q.is_empty())
+    /// Queues `sig`, sent when `sent` messages had been: true when the
+    /// caller must ring (the queue was empty).
+    pub(super) fn push(&self, sig: EngineSignal, sent: u64) -> bool {
+        self.pace.sent();
+        let mut q = self.lock();
+        q.signals.push_back((sent, sig));
+        let ring = q.signals.len() == 1;
+        if ring {
+            q.rung = sent;
+        }
+        ring
+    }
+
+    /// Takes the next run, oldest first, now that `sent` messages have
+    /// been: true with it when signals are left (the caller rings again).
+    pub(super) fn take(&self, sent: u64) -> (Vec<EngineSignal>, bool) {
+        let mut q = self.lock();
+        let rung = q.rung;
+        let n = q
+            .signals
+            .iter()
+            .take(RUN)
+            .take_while(|(stamp, _)| *stamp <= rung)
+            .count();
+        let run = q.signals.drain(..n).map(|(_, s)| s).collect();
+        let more = !q.signals.is_empty();
+        if more {
+            q.rung = sent;
+        } else if q.signals.capacity() > RUN {
+            // A burst's room is not kept by a session that goes idle.
+            q.signals = VecDeque::new();
+        }
+        (run, more)
     }
 }
 
@@ -58,45 +100,109 @@ mod tests {
     use tiller_core::TurnId;
     use tiller_engine::SignalKind;
 
-    fn signal(n: u64) -> EngineSignal {
-        EngineSignal {
-            turn: TurnId(n),
-            kind: SignalKind::Idle,
+    /// What is in the mailbox.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Mail {
+        /// A handle's message, numbered from 1.
+        Message(u64),
+        Ring,
+    }
+
+    /// The session's side: its mailbox and what it handled.
+    #[derive(Default)]
+    struct Session {
+        mailbox: VecDeque<Mail>,
+        /// Messages sent through the handles.
+        sent: u64,
+        /// Messages handled.
+        handled: u64,
+        /// Per signal: the messages sent before it.
+        before: Vec<u64>,
+        /// Signals handled.
+        got: Vec<u64>,
+    }
+
+    impl Session {
+        fn rings(&self) -> usize {
+            self.mailbox.iter().filter(|m| **m == Mail::Ring).count()
+        }
+
+        /// Handles the next message.
+        fn handle(&mut self, s: &Signals) -> Result<(), TestCaseError> {
+            match self.mailbox.pop_front() {
+                Some(Mail::Message(n)) => {
+                    prop_assert_eq!(n, self.handled + 1);
+                    self.handled = n;
+                }
+                Some(Mail::Ring) => {
+                    let (run, more) = s.take(self.sent);
+                    prop_assert!(run.len() <= RUN);
+                    for sig in run {
+                        let i = sig.turn.0 as usize;
+                        prop_assert!(
+                            self.before[i] <= self.handled,
+                            "signal {} handled before message {}",
+                            i,
+                            self.before[i]
+                        );
+                        self.got.push(i as u64);
+                    }
+                    if more {
+                        self.mailbox.push_back(Mail::Ring);
+                    } else {
+                        prop_assert!(s.lock().signals.capacity() <= RUN, "a burst's room kept");
+                    }
+                }
+                None => {}
+            }
+            Ok(())
         }
     }
 
     proptest! {
-        /// Under any interleaving of sends and takes, the session gets
-        /// every signal once, in order; one message is in the mailbox
-        /// exactly while signals wait; no run is longer than `RUN`.
+        /// Under any interleaving of signals, handles' messages and the
+        /// session handling its mailbox: every signal is handled once, in
+        /// order, and none before a message sent before it; one ring is in
+        /// the mailbox exactly while signals wait; no run is longer than
+        /// `RUN`; an emptied queue keeps no burst's room; once nothing
+        /// more is sent, the mailbox empties.
         #[test]
-        fn every_signal_arrives_once_in_order_with_one_ring_pending(
-            steps in proptest::collection::vec(0..4u8, 1..400),
+        fn signals_arrive_once_in_order_and_never_before_an_earlier_message(
+            steps in proptest::collection::vec(0..7u8, 1..400),
         ) {
             let s = Signals::new(&Arc::new(Budget::default()));
-            let (mut sent, mut got, mut rings) = (0u64, Vec::new(), 0usize);
+            let mut m = Session::default();
             for step in steps {
-                if step < 3 {
-                    rings += usize::from(s.push(signal(sent)));
-                    sent += 1;
-                } else if rings > 0 {
-                    rings -= 1; // the session handles the message
-                    let (run, more) = s.take();
-                    prop_assert!(!run.is_empty() && run.len() <= RUN);
-                    got.extend(run.iter().map(|g| g.turn.0));
-                    rings += usize::from(more);
+                match step {
+                    // One signal, or a burst of them.
+                    0 | 1 | 6 => {
+                        for _ in 0..if step == 6 { RUN + 9 } else { 1 } {
+                            let n = m.before.len() as u64;
+                            m.before.push(m.sent);
+                            let sig = EngineSignal { turn: TurnId(n), kind: SignalKind::Idle };
+                            if s.push(sig, m.sent) {
+                                m.mailbox.push_back(Mail::Ring);
+                            }
+                        }
+                    }
+                    2 => {
+                        m.sent += 1;
+                        m.mailbox.push_back(Mail::Message(m.sent));
+                    }
+                    _ => m.handle(&s)?,
                 }
-                prop_assert!(rings <= 1);
-                prop_assert_eq!(rings == 1, got.len() as u64 != sent);
+                prop_assert!(m.rings() <= 1);
+                prop_assert_eq!(m.rings() == 1, m.got.len() != m.before.len());
             }
-            while rings > 0 {
-                rings -= 1;
-                let (run, more) = s.take();
-                got.extend(run.iter().map(|g| g.turn.0));
-                rings += usize::from(more);
+            let signals = m.before.len();
+            let mut bound = m.mailbox.len() + 2 * (signals / RUN + 2);
+            while !m.mailbox.is_empty() {
+                prop_assert!(bound > 0, "the mailbox does not empty");
+                bound -= 1;
+                m.handle(&s)?;
             }
-            prop_assert_eq!(got, (0..sent).collect::<Vec<_>>());
-            prop_assert_eq!(s.pace.backlog(), sent as usize);
+            prop_assert_eq!(m.got, (0..signals as u64).collect::<Vec<_>>());
+            prop_assert_eq!(s.pace.backlog(), signals);
         }
     }
 }
