@@ -160,17 +160,52 @@ fn plain_prompt(params: &RawValue) -> Option<PromptRequest> {
         session_id: String,
         prompt: Vec<PlainText>,
     }
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct PlainText {
-        #[serde(rename = "type")]
-        _kind: TextTag,
-        text: String,
+    /// `{"type": "text", "text": ..}`, an object only (a derived struct
+    /// would take an array by position, and an enum tag an object).
+    struct PlainText(String);
+    impl<'de> serde::Deserialize<'de> for PlainText {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_map(PlainTextVisitor)
+        }
     }
-    #[derive(serde::Deserialize)]
-    enum TextTag {
-        #[serde(rename = "text")]
-        Text,
+    struct PlainTextVisitor;
+    impl<'de> serde::de::Visitor<'de> for PlainTextVisitor {
+        type Value = PlainText;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a text block")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<PlainText, A::Error> {
+            #[derive(serde::Deserialize)]
+            #[serde(field_identifier)]
+            enum Field {
+                #[serde(rename = "type")]
+                Type,
+                #[serde(rename = "text")]
+                Text,
+            }
+            use serde::de::Error;
+            let (mut kind, mut text) = (false, None);
+            while let Some(field) = map.next_key::<Field>()? {
+                match field {
+                    Field::Type if !kind => {
+                        let k: String = map.next_value()?;
+                        if k != "text" {
+                            return Err(A::Error::custom("not a text block"));
+                        }
+                        kind = true;
+                    }
+                    Field::Text if text.is_none() => text = Some(map.next_value()?),
+                    _ => return Err(A::Error::custom("a member given twice")),
+                }
+            }
+            match (kind, text) {
+                (true, Some(t)) => Ok(PlainText(t)),
+                _ => Err(A::Error::custom("a member is missing")),
+            }
+        }
     }
     // Not an array: serde would read one into the members by position.
     if !params.get().starts_with('{') {
@@ -181,7 +216,7 @@ fn plain_prompt(params: &RawValue) -> Option<PromptRequest> {
     Some(PromptRequest::new(
         p.session_id,
         blocks
-            .map(|b| ContentBlock::Text(TextContent::new(b.text)))
+            .map(|b| ContentBlock::Text(TextContent::new(b.0)))
             .collect(),
     ))
 }
@@ -204,8 +239,10 @@ pub fn parse(frame: &str) -> Incoming {
             None => None,
             Some(raw) => match prompt.then(|| plain_prompt(raw)).flatten() {
                 Some(p) => Some(Params::Prompt(p)),
-                None => match serde_json::from_str(raw.get()) {
-                    Ok(v) => Some(Params::Value(v)),
+                // Inside brackets: nested as deep as inside the frame, so
+                // the recursion limit is met where the frame's read met it.
+                None => match serde_json::from_str::<(Value,)>(&format!("[{}]", raw.get())) {
+                    Ok((v,)) => Some(Params::Value(v)),
                     Err(_) => return parse_value(frame),
                 },
             },
@@ -460,6 +497,9 @@ mod tests {
                     r#"[{"type":"text","text":"hi","annotations":{"priority":0.5}}]"#,
                     r#"[{"type":"image","text":"x"}]"#,
                     r#"[{"type":"Text","text":"x"}]"#,
+                    r#"[{"type":{"text":null},"text":"x"}]"#,
+                    r#"[["text","x"]]"#,
+                    r#"[{"type":"te\u0078t","text":"x"},{"type":"text","type":"text","text":"y"}]"#,
                     r#"[{"type":"image","data":"eA==","mimeType":"image/png"}]"#,
                     r#"[{"type":"nope"}]"#,
                     r#"[{"text":"no type"}]"#,
@@ -475,7 +515,7 @@ mod tests {
         // a session and text blocks alone, comes often).
         let present = [7, 7, 2, 2];
         let object = (
-            proptest::collection::vec((0..8usize, 0..2usize, 0..16usize), 4),
+            proptest::collection::vec((0..8usize, 0..2usize, 0..19usize), 4),
             proptest::collection::vec(0..8usize, 4),
         )
             .prop_map(move |(picks, order)| {
@@ -499,6 +539,27 @@ mod tests {
         ]
     }
 
+    /// Params nested near serde_json's recursion limit meet it where the
+    /// frame's `Value` read does.
+    #[test]
+    fn deep_params_are_refused_as_through_a_value() {
+        for method in ["m", "session/prompt"] {
+            for depth in 124..130 {
+                for (open, close) in [("[", "]"), ("{\"a\":", "}")] {
+                    let params = format!("{}1{}", open.repeat(depth), close.repeat(depth));
+                    let frame = format!(
+                        r#"{{"jsonrpc":"2.0","id":1,"method":"{method}","params":{params}}}"#
+                    );
+                    assert_eq!(
+                        parse(&frame),
+                        parse_value(&frame),
+                        "{method} {depth} {open}"
+                    );
+                }
+            }
+        }
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(1024))]
 
@@ -514,18 +575,27 @@ mod tests {
             let frame = format!(
                 r#"{{"jsonrpc":"2.0","id":1,"method":"session/prompt","params":{sep}{text}{sep}}}"#
             );
-            let direct = parse(&frame);
-            proptest::prop_assert_eq!(&direct, &parse_value(&frame), "{}", frame);
-            if let Incoming::Request { params, .. } = direct {
-                let v = params.as_value().into_owned();
+            let (direct, value) = (parse(&frame), parse_value(&frame));
+            proptest::prop_assert_eq!(&direct, &value, "{}", frame);
+            if let (
+                Incoming::Request { params, .. },
+                Incoming::Request { params: Params::Value(v), .. },
+            ) = (direct, value)
+            {
                 proptest::prop_assert_eq!(
                     params.session_id(),
                     v.get("sessionId").and_then(Value::as_str),
                     "{}", frame
                 );
-                if let Params::Prompt(p) = params {
-                    let through: PromptRequest = serde_json::from_value(v).expect("read through a Value");
-                    proptest::prop_assert_eq!(p, through, "{}", frame);
+                // What the handler reads: the request, or the same error.
+                let through = serde_json::from_value::<PromptRequest>(v).map_err(|e| e.to_string());
+                match params {
+                    Params::Prompt(p) => proptest::prop_assert_eq!(Ok(p), through, "{}", frame),
+                    Params::Value(d) => proptest::prop_assert_eq!(
+                        serde_json::from_value::<PromptRequest>(d).map_err(|e| e.to_string()),
+                        through,
+                        "{}", frame
+                    ),
                 }
             }
         }

@@ -10,9 +10,9 @@ pub(crate) struct Slot {
     pub(crate) id: SessionId,
     pub(crate) state: std::sync::Mutex<SlotState>,
     pub(crate) registry: ActorRef<RegistryMsg>,
-    /// Messages sent through the slot so far: an engine's signal is
-    /// stamped with it, so none is handled before a message sent before it
-    /// (see `actor/signals.rs`).
+    /// Messages sent through the slot so far, counted and read under its
+    /// lock: an engine's signal is stamped with it, so none is handled
+    /// before a message sent before it (see `actor/signals.rs`).
     sent: AtomicU64,
 }
 
@@ -43,9 +43,10 @@ impl Slot {
         })
     }
 
-    /// How many messages were sent through the slot.
+    /// How many messages were sent through the slot (read with its lock
+    /// held, for an order with them).
     pub(crate) fn sent(&self) -> u64 {
-        self.sent.load(Ordering::SeqCst)
+        self.sent.load(Ordering::Relaxed)
     }
 
     pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
@@ -58,9 +59,8 @@ impl Slot {
     /// a client's drop may do anything, even send here again.
     pub(crate) fn send(&self, msg: SessionMsg) -> Result<(), SessionError> {
         let mut state = self.lock();
-        // Counted before it is in the mailbox: a signal stamped after it
-        // waits behind it.
-        self.sent.fetch_add(1, Ordering::SeqCst);
+        // Counted with the lock held until it is in the mailbox.
+        self.sent.fetch_add(1, Ordering::Relaxed);
         match &mut *state {
             SlotState::Running(actor) => {
                 let sent = actor.send_message(msg);

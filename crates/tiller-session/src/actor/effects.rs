@@ -246,11 +246,7 @@ impl SessionState {
         }
         let actor = myself.clone();
         let (signals, slot) = (self.signals.clone(), self.slot.clone());
-        let sink: tiller_engine::SignalSink = Arc::new(move |sig| {
-            if signals.push(sig, slot.sent()) {
-                let _ = actor.send_message(SessionMsg::Signals);
-            }
-        });
+        let sink: tiller_engine::SignalSink = Arc::new(move |sig| signals.send(sig, &slot, &actor));
         let ctx = TurnContext {
             conversation: self.conversation.clone(),
             tools: self.toolbox.specs(),

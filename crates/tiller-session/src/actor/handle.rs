@@ -80,11 +80,7 @@ impl SessionState {
                 self.feed(myself, Input::Withdraw { prompt }, None).await;
             }
             SessionMsg::Signals => {
-                let (run, more) = self.signals.take(self.slot.sent());
-                if more {
-                    let _ = myself.send_message(SessionMsg::Signals);
-                }
-                for sig in run {
+                for sig in self.signals.next_run(&self.slot, myself) {
                     if self.failed.is_some() {
                         break; // the actor stops after this message
                     }

@@ -11,18 +11,24 @@
 //! Order: with a message per signal, a signal sent after a client's
 //! message (a cancel, a steer) was handled after it. A run would take it
 //! ahead: so each signal is stamped with how many messages the session's
-//! handles had sent ([`crate::handle::Slot`]), each ring with the same
-//! count, and a run stops at the first signal stamped after its ring (the
-//! session rings again, behind those messages). A signal may wait behind
-//! a message sent after it, never go ahead of one sent before it: a
-//! cancel still wins over a result sent after it.
+//! handles had sent ([`Slot`]), each ring with the same count, and a run
+//! stops at the first signal stamped after its ring (the session rings
+//! again, behind those messages). Stamps and rings are taken under the
+//! slot's lock, which a message holds from its count to its place in the
+//! mailbox: a ring's count covers exactly the messages ahead of it. A
+//! signal may wait behind a message sent after it, never go ahead of one
+//! sent before it: a cancel still wins over a result sent after it.
 //!
 //! [`SessionMsg::Signals`]: super::SessionMsg::Signals
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
+use ractor::ActorRef;
 use tiller_engine::{Budget, EngineSignal, Pace};
+
+use super::SessionMsg;
+use crate::handle::Slot;
 
 /// Most signals the session handles for one message.
 pub(super) const RUN: usize = 32;
@@ -57,9 +63,38 @@ impl Signals {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The engine's side: queues `sig`, ringing `session` when the queue
+    /// was empty.
+    pub(super) fn send(&self, sig: EngineSignal, slot: &Slot, session: &ActorRef<SessionMsg>) {
+        let _order = slot.lock();
+        if self.push(sig, slot.sent()) {
+            let _ = session.send_message(SessionMsg::Signals);
+        }
+    }
+
+    /// The session's side, at a ring: the next run, ringing again when
+    /// signals are left.
+    pub(super) fn next_run(
+        &self,
+        slot: &Slot,
+        session: &ActorRef<SessionMsg>,
+    ) -> Vec<EngineSignal> {
+        let _order = slot.lock();
+        let (run, more) = self.take(slot.sent());
+        if more {
+            let _ = session.send_message(SessionMsg::Signals);
+        }
+        run
+    }
+
+    /// No signal waits.
+    pub(super) fn is_empty(&self) -> bool {
+        self.lock().signals.is_empty()
+    }
+
     /// Queues `sig`, sent when `sent` messages had been: true when the
     /// caller must ring (the queue was empty).
-    pub(super) fn push(&self, sig: EngineSignal, sent: u64) -> bool {
+    fn push(&self, sig: EngineSignal, sent: u64) -> bool {
         self.pace.sent();
         let mut q = self.lock();
         q.signals.push_back((sent, sig));
@@ -72,7 +107,7 @@ impl Signals {
 
     /// Takes the next run, oldest first, now that `sent` messages have
     /// been: true with it when signals are left (the caller rings again).
-    pub(super) fn take(&self, sent: u64) -> (Vec<EngineSignal>, bool) {
+    fn take(&self, sent: u64) -> (Vec<EngineSignal>, bool) {
         let mut q = self.lock();
         let rung = q.rung;
         let n = q
