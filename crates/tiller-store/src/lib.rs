@@ -598,18 +598,16 @@ impl Store {
         event: StoredEvent,
         ledger: Option<LedgerOp>,
     ) -> Result<(), StoreError> {
-        self.append_durable_after(Vec::new(), None, event, ledger)
-            .await
+        self.append_durable_after(Vec::new(), event, ledger).await
     }
 
     /// [`Store::append_durable`] after `before` (events of the same
-    /// session, appended in order first, in the same transaction, with
-    /// `on_commit` told as for [`Store::append_many`]): one commit for what a session had not yet
-    /// sent and the event it must wait for.
+    /// session, appended in order first, in the same transaction, so its
+    /// outcome is theirs): one commit for what a session had not yet sent
+    /// and the event it must wait for.
     pub async fn append_durable_after(
         &self,
         before: Vec<(StoredEvent, Option<LedgerOp>)>,
-        on_commit: Option<OnCommit>,
         event: StoredEvent,
         ledger: Option<LedgerOp>,
     ) -> Result<(), StoreError> {
@@ -617,7 +615,7 @@ impl Store {
         // a joined group is one session's).
         debug_assert!(before.iter().all(|(e, _)| e.session == event.session));
         let (reply, rx) = oneshot::channel();
-        let mut batch = pending(before, on_commit);
+        let mut batch = pending(before, None);
         // One transaction for all of it, however the writer cuts batches.
         for p in &mut batch {
             p.joined = true;

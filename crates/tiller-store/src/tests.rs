@@ -648,7 +648,6 @@ mod ledger {
                     (ev(s, 1, "prompt_started"), admit(p1)),
                     (ev(s, 2, "prompt_queued"), admit(p2)),
                 ],
-                None,
                 ev(s, 3, "turn_complete"),
                 settle(p1),
             )
@@ -668,7 +667,6 @@ mod ledger {
                     (ev(s, 4, "turn_complete"), settle(p2)),
                     (ev(s, 5, "prompt_started"), admit(p3)),
                 ],
-                None,
                 ev(s, 6, "turn_complete"),
                 settle(p3),
             )

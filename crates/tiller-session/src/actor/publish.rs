@@ -404,15 +404,11 @@ impl SessionState {
         // What was published before it goes first, in the same commit.
         let mut before = self.take_unsent();
         loop {
-            let tell = (!before.is_empty()).then(|| self.on_commit());
+            // Nothing to tell: what went before commits or fails with it,
+            // in one transaction, and both outcomes are handled below.
             let r = self
                 .store
-                .append_durable_after(
-                    std::mem::take(&mut before),
-                    tell,
-                    rec.to_stored(),
-                    op.clone(),
-                )
+                .append_durable_after(std::mem::take(&mut before), rec.to_stored(), op.clone())
                 .await;
             match r {
                 Ok(()) => {
@@ -460,11 +456,8 @@ impl SessionState {
             return true;
         };
         let seq = last.seq;
-        let tell = self.on_commit();
-        let r = self
-            .store
-            .append_durable_after(events, Some(tell), last, op)
-            .await;
+        // Its outcome is the events' too (one transaction): nothing to tell.
+        let r = self.store.append_durable_after(events, last, op).await;
         match r {
             Ok(()) => {
                 self.admission_stored();
@@ -516,10 +509,10 @@ impl SessionState {
         let msg = self.record(Some(prompt), Some(turn), message);
         let mut before = self.take_unsent();
         before.push((rec.to_stored(), op));
-        let tell = self.on_commit();
+        // Its outcome is theirs too (one transaction): nothing to tell.
         let r = self
             .store
-            .append_durable_after(before, Some(tell), msg.to_stored(), msg.ledger_op())
+            .append_durable_after(before, msg.to_stored(), msg.ledger_op())
             .await;
         match r {
             Ok(()) => {
