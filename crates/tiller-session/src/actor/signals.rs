@@ -15,9 +15,11 @@
 //! stops at the first signal stamped after its ring (the session rings
 //! again, behind those messages). Stamps and rings are taken under the
 //! slot's lock, which a message holds from its count to its place in the
-//! mailbox: a ring's count covers exactly the messages ahead of it. A
-//! signal may wait behind a message sent after it, never go ahead of one
-//! sent before it: a cancel still wins over a result sent after it.
+//! mailbox (or in the slot's queue while the session is asked to park: a
+//! ring then queues there too, behind it): a ring's count covers exactly
+//! the messages ahead of it. A signal may wait behind a message sent after
+//! it, never go ahead of one sent before it: a cancel still wins over a
+//! result sent after it.
 //!
 //! [`SessionMsg::Signals`]: super::SessionMsg::Signals
 
@@ -28,7 +30,20 @@ use ractor::ActorRef;
 use tiller_engine::{Budget, EngineSignal, Pace};
 
 use super::SessionMsg;
-use crate::handle::Slot;
+use crate::handle::{Slot, SlotState};
+
+/// Puts a ring behind every message counted so far: in the slot's queue
+/// while the session is asked to park (the queue goes to the mailbox
+/// first if it stays), else in the session's mailbox (a stopped session
+/// drops it: its engine's signals are then stale).
+fn ring(slot: &mut SlotState, session: &ActorRef<SessionMsg>) {
+    match slot {
+        SlotState::Parking(held) => held.push(SessionMsg::Signals),
+        _ => {
+            let _ = session.send_message(SessionMsg::Signals);
+        }
+    }
+}
 
 /// Most signals the session handles for one message.
 pub(super) const RUN: usize = 32;
@@ -66,9 +81,9 @@ impl Signals {
     /// The engine's side: queues `sig`, ringing `session` when the queue
     /// was empty.
     pub(super) fn send(&self, sig: EngineSignal, slot: &Slot, session: &ActorRef<SessionMsg>) {
-        let _order = slot.lock();
+        let mut state = slot.lock();
         if self.push(sig, slot.sent()) {
-            let _ = session.send_message(SessionMsg::Signals);
+            ring(&mut state, session);
         }
     }
 
@@ -79,10 +94,10 @@ impl Signals {
         slot: &Slot,
         session: &ActorRef<SessionMsg>,
     ) -> Vec<EngineSignal> {
-        let _order = slot.lock();
+        let mut state = slot.lock();
         let (run, more) = self.take(slot.sent());
         if more {
-            let _ = session.send_message(SessionMsg::Signals);
+            ring(&mut state, session);
         }
         run
     }
@@ -192,6 +207,61 @@ mod tests {
             }
             Ok(())
         }
+    }
+
+    /// A session that records the rings it is sent.
+    struct Rings(Arc<Mutex<usize>>);
+
+    impl ractor::Actor for Rings {
+        type Msg = SessionMsg;
+        type State = ();
+        type Arguments = ();
+
+        async fn pre_start(
+            &self,
+            _: ActorRef<SessionMsg>,
+            (): (),
+        ) -> Result<(), ractor::ActorProcessingErr> {
+            Ok(())
+        }
+
+        async fn handle(
+            &self,
+            _: ActorRef<SessionMsg>,
+            msg: SessionMsg,
+            (): &mut (),
+        ) -> Result<(), ractor::ActorProcessingErr> {
+            if matches!(msg, SessionMsg::Signals) {
+                *self.0.lock().unwrap() += 1;
+            }
+            Ok(())
+        }
+    }
+
+    /// While the session is asked to park, the messages sent to it wait
+    /// in the slot's queue: a ring waits there too, behind them, not in
+    /// the mailbox ahead of them.
+    #[tokio::test]
+    async fn a_ring_waits_behind_the_messages_held_while_parking() {
+        let rung = Arc::new(Mutex::new(0));
+        let (session, task) = ractor::Actor::spawn(None, Rings(rung.clone()), ())
+            .await
+            .unwrap();
+        let mut parking = SlotState::Parking(vec![SessionMsg::Cancel]);
+        ring(&mut parking, &session);
+        let SlotState::Parking(held) = &parking else {
+            unreachable!()
+        };
+        assert!(matches!(
+            held[..],
+            [SessionMsg::Cancel, SessionMsg::Signals]
+        ));
+        let mut running = SlotState::Running(session.clone());
+        ring(&mut running, &session);
+        // Handles what its mailbox holds, then stops.
+        session.drain().unwrap();
+        task.await.unwrap();
+        assert_eq!(*rung.lock().unwrap(), 1, "the running session's ring");
     }
 
     proptest! {
