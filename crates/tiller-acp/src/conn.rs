@@ -1564,8 +1564,8 @@ impl Shared {
 
 async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Result<Value, Reply> {
     let (raw, prompt_read) = match raw {
-        Params::Prompt(p) => (Value::Null, Some(p)),
-        Params::Value(v) => (v, None),
+        Params::Prompt(p) if method == "session/prompt" => (Value::Null, Some(p)),
+        other => (other.into_value(), None),
     };
     match method {
         "initialize" => {

@@ -153,72 +153,194 @@ fn present<'de, D: serde::Deserializer<'de>, T: serde::Deserialize<'de>>(
 /// text blocks with nothing else; `None` for any other shape (or text a
 /// `Value` read would refuse), which is read as a `Value`.
 fn plain_prompt(params: &RawValue) -> Option<PromptRequest> {
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct Plain {
-        #[serde(rename = "sessionId")]
-        session_id: String,
-        prompt: Vec<PlainText>,
-    }
-    /// `{"type": "text", "text": ..}`, an object only (a derived struct
-    /// would take an array by position, and an enum tag an object).
-    struct PlainText(String);
-    impl<'de> serde::Deserialize<'de> for PlainText {
-        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_map(PlainTextVisitor)
-        }
-    }
-    struct PlainTextVisitor;
-    impl<'de> serde::de::Visitor<'de> for PlainTextVisitor {
-        type Value = PlainText;
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a text block")
-        }
-        fn visit_map<A: serde::de::MapAccess<'de>>(
-            self,
-            mut map: A,
-        ) -> Result<PlainText, A::Error> {
-            #[derive(serde::Deserialize)]
-            #[serde(field_identifier)]
-            enum Field {
-                #[serde(rename = "type")]
-                Type,
-                #[serde(rename = "text")]
-                Text,
+    serde_json::from_str::<PlainPrompt>(params.get())
+        .ok()
+        .map(|p| p.0)
+}
+
+/// `session/prompt`'s params in the shape clients send most: an object of
+/// `sessionId` and text blocks, each member once, nothing else. Any other
+/// shape is an error here (and is read through a `Value`). Objects only:
+/// a derived struct would also take an array by position.
+struct PlainPrompt(PromptRequest);
+
+impl<'de> serde::Deserialize<'de> for PlainPrompt {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = PlainPrompt;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a prompt of text blocks")
             }
-            use serde::de::Error;
-            let (mut kind, mut text) = (false, None);
-            while let Some(field) = map.next_key::<Field>()? {
-                match field {
-                    Field::Type if !kind => {
-                        let k: String = map.next_value()?;
-                        if k != "text" {
-                            return Err(A::Error::custom("not a text block"));
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<PlainPrompt, A::Error> {
+                #[derive(serde::Deserialize)]
+                #[serde(field_identifier)]
+                enum Field {
+                    #[serde(rename = "sessionId")]
+                    SessionId,
+                    #[serde(rename = "prompt")]
+                    Prompt,
+                }
+                let (mut session, mut blocks) = (None, None);
+                while let Some(field) = map.next_key::<Field>()? {
+                    match field {
+                        Field::SessionId if session.is_none() => {
+                            session = Some(map.next_value::<String>()?);
                         }
-                        kind = true;
+                        Field::Prompt if blocks.is_none() => {
+                            blocks = Some(map.next_value::<Vec<PlainText>>()?);
+                        }
+                        _ => return Err(serde::de::Error::custom("a member given twice")),
                     }
-                    Field::Text if text.is_none() => text = Some(map.next_value()?),
-                    _ => return Err(A::Error::custom("a member given twice")),
+                }
+                let (Some(session), Some(blocks)) = (session, blocks) else {
+                    return Err(serde::de::Error::custom("a member is missing"));
+                };
+                let blocks = blocks.into_iter();
+                Ok(PlainPrompt(PromptRequest::new(
+                    session,
+                    blocks
+                        .map(|b| ContentBlock::Text(TextContent::new(b.0)))
+                        .collect(),
+                )))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// `{"type": "text", "text": ..}`, an object only (a derived struct would
+/// take an array by position, and an enum tag an object).
+struct PlainText(String);
+
+impl<'de> serde::Deserialize<'de> for PlainText {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = PlainText;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a text block")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<PlainText, A::Error> {
+                #[derive(serde::Deserialize)]
+                #[serde(field_identifier)]
+                enum Field {
+                    #[serde(rename = "type")]
+                    Type,
+                    #[serde(rename = "text")]
+                    Text,
+                }
+                use serde::de::Error;
+                let (mut kind, mut text) = (false, None);
+                while let Some(field) = map.next_key::<Field>()? {
+                    match field {
+                        Field::Type if !kind => {
+                            let k: String = map.next_value()?;
+                            if k != "text" {
+                                return Err(A::Error::custom("not a text block"));
+                            }
+                            kind = true;
+                        }
+                        Field::Text if text.is_none() => text = Some(map.next_value()?),
+                        _ => return Err(A::Error::custom("a member given twice")),
+                    }
+                }
+                match (kind, text) {
+                    (true, Some(t)) => Ok(PlainText(t)),
+                    _ => Err(A::Error::custom("a member is missing")),
                 }
             }
-            match (kind, text) {
-                (true, Some(t)) => Ok(PlainText(t)),
-                _ => Err(A::Error::custom("a member is missing")),
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// A frame's params as first read: a prompt's in the plain shape, read
+/// straight when its method came before them (as clients write it), or
+/// any params kept as text.
+enum FirstRead<'a> {
+    Prompt(PromptRequest),
+    Raw(&'a RawValue),
+}
+
+/// A frame read in one pass (see [`FirstRead`]); as a derived `Frame`, a
+/// member given twice is an error, and any other member is skipped.
+struct OnePass<'a>(Frame<FirstRead<'a>>);
+
+impl<'de> serde::Deserialize<'de> for OnePass<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = OnePass<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON-RPC object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<OnePass<'de>, A::Error> {
+                #[derive(serde::Deserialize)]
+                #[serde(field_identifier, rename_all = "lowercase")]
+                enum Field {
+                    Id,
+                    Jsonrpc,
+                    Method,
+                    Params,
+                    Result,
+                    Error,
+                    #[serde(other)]
+                    Other,
+                }
+                fn once<T, E: serde::de::Error>(slot: &mut Option<T>, v: T) -> Result<(), E> {
+                    match slot {
+                        Some(_) => Err(E::custom("a member given twice")),
+                        None => {
+                            *slot = Some(v);
+                            Ok(())
+                        }
+                    }
+                }
+                let mut f = Frame {
+                    id: None,
+                    jsonrpc: None,
+                    method: None,
+                    params: None,
+                    result: None,
+                    error: None,
+                };
+                while let Some(field) = map.next_key::<Field>()? {
+                    match field {
+                        Field::Id => once(&mut f.id, map.next_value()?)?,
+                        Field::Jsonrpc => once(&mut f.jsonrpc, map.next_value()?)?,
+                        Field::Method => once(&mut f.method, map.next_value()?)?,
+                        Field::Params => {
+                            let prompt =
+                                f.method.as_ref().and_then(Value::as_str) == Some("session/prompt");
+                            let p = if prompt {
+                                FirstRead::Prompt(map.next_value::<PlainPrompt>()?.0)
+                            } else {
+                                FirstRead::Raw(map.next_value()?)
+                            };
+                            once(&mut f.params, p)?;
+                        }
+                        Field::Result => once(&mut f.result, map.next_value()?)?,
+                        Field::Error => once(&mut f.error, map.next_value()?)?,
+                        Field::Other => {
+                            map.next_value::<serde::de::IgnoredAny>()?;
+                        }
+                    }
+                }
+                Ok(OnePass(f))
             }
         }
+        d.deserialize_map(V)
     }
-    // Not an array: serde would read one into the members by position.
-    if !params.get().starts_with('{') {
-        return None;
-    }
-    let p = serde_json::from_str::<Plain>(params.get()).ok()?;
-    let blocks = p.prompt.into_iter();
-    Some(PromptRequest::new(
-        p.session_id,
-        blocks
-            .map(|b| ContentBlock::Text(TextContent::new(b.0)))
-            .collect(),
-    ))
 }
 
 /// Classifies one frame.
@@ -228,35 +350,50 @@ pub fn parse(frame: &str) -> Incoming {
     // (a member given twice, say), is read as a `Value`, which says why.
     // (Not an array: serde would read one into the members by position.)
     // Members not read are skipped, their values unchecked beyond syntax.
-    // The params are kept as text until the method is known: a prompt's
-    // are read straight into it, others into a `Value` (text that it
-    // refuses makes the frame's `Value` read say why, as before).
-    if frame.trim_start().starts_with('{')
-        && let Ok(f) = serde_json::from_str::<Frame<&RawValue>>(frame)
-    {
-        let prompt = f.method.as_ref().and_then(Value::as_str) == Some("session/prompt");
-        let params = match f.params {
-            None => None,
-            Some(raw) => match prompt.then(|| plain_prompt(raw)).flatten() {
-                Some(p) => Some(Params::Prompt(p)),
-                // Inside brackets: nested as deep as inside the frame, so
-                // the recursion limit is met where the frame's read met it.
-                None => match serde_json::from_str::<(Value,)>(&format!("[{}]", raw.get())) {
-                    Ok((v,)) => Some(Params::Value(v)),
-                    Err(_) => return parse_value(frame),
-                },
-            },
-        };
-        return classify(Frame {
-            id: f.id,
-            jsonrpc: f.jsonrpc,
-            method: f.method,
-            params,
-            result: f.result,
-            error: f.error,
-        });
+    // A prompt's plain params are read straight into it, others into a
+    // `Value` once the method is known (text that it refuses makes the
+    // frame's `Value` read say why, as before).
+    if !frame.trim_start().starts_with('{') {
+        return parse_value(frame);
     }
-    parse_value(frame)
+    // In one pass when it can be (a plain prompt whose method comes
+    // first, or any other frame), else with its params kept as text.
+    let f = match serde_json::from_str::<OnePass<'_>>(frame) {
+        Ok(OnePass(f)) => f,
+        Err(_) => match serde_json::from_str::<Frame<&RawValue>>(frame) {
+            Ok(f) => Frame {
+                id: f.id,
+                jsonrpc: f.jsonrpc,
+                method: f.method,
+                params: f.params.map(FirstRead::Raw),
+                result: f.result,
+                error: f.error,
+            },
+            Err(_) => return parse_value(frame),
+        },
+    };
+    let prompt = f.method.as_ref().and_then(Value::as_str) == Some("session/prompt");
+    let params = match f.params {
+        None => None,
+        Some(FirstRead::Prompt(p)) => Some(Params::Prompt(p)),
+        Some(FirstRead::Raw(raw)) => match prompt.then(|| plain_prompt(raw)).flatten() {
+            Some(p) => Some(Params::Prompt(p)),
+            // Inside brackets: nested as deep as inside the frame, so the
+            // recursion limit is met where the frame's read met it.
+            None => match serde_json::from_str::<(Value,)>(&format!("[{}]", raw.get())) {
+                Ok((v,)) => Some(Params::Value(v)),
+                Err(_) => return parse_value(frame),
+            },
+        },
+    };
+    classify(Frame {
+        id: f.id,
+        jsonrpc: f.jsonrpc,
+        method: f.method,
+        params,
+        result: f.result,
+        error: f.error,
+    })
 }
 
 /// [`parse`] through a `Value`.
@@ -570,11 +707,16 @@ mod tests {
         fn a_prompt_read_straight_is_the_prompt_read_through_a_value(
             text in prompt_params(),
             spaced in proptest::bool::ANY,
+            params_first in proptest::bool::ANY,
         ) {
             let sep = if spaced { " " } else { "" };
-            let frame = format!(
-                r#"{{"jsonrpc":"2.0","id":1,"method":"session/prompt","params":{sep}{text}{sep}}}"#
-            );
+            // Read in one pass when the method comes first, else with the
+            // params kept as text until it is known.
+            let frame = if params_first {
+                format!(r#"{{"jsonrpc":"2.0","params":{sep}{text}{sep},"id":1,"method":"session/prompt"}}"#)
+            } else {
+                format!(r#"{{"jsonrpc":"2.0","id":1,"method":"session/prompt","params":{sep}{text}{sep}}}"#)
+            };
             let (direct, value) = (parse(&frame), parse_value(&frame));
             proptest::prop_assert_eq!(&direct, &value, "{}", frame);
             if let (
