@@ -348,7 +348,8 @@ pub fn parse(frame: &str) -> Incoming {
     // An object is read straight into its members (every prompt comes this
     // way). Anything else, or an object the members cannot be read from
     // (a member given twice, say), is read as a `Value`, which says why.
-    // (Not an array: serde would read one into the members by position.)
+    // (Not an array: the fallback's derived read would take one into the
+    // members by position.)
     // Members not read are skipped, their values unchecked beyond syntax.
     // A prompt's plain params are read straight into it, others into a
     // `Value` once the method is known (text that it refuses makes the
@@ -674,6 +675,24 @@ mod tests {
             1 => proptest::sample::select(&["null", "3", "[\"s-1\", []]", "[\"s-1\"]", r#"["s-1",[{"type":"text","text":"hi"}]]"#][..])
                 .prop_map(str::to_owned),
         ]
+    }
+
+    /// A member given twice is read as through a `Value` (the last one),
+    /// even when the first is one a `Value` read refuses: the frame is
+    /// refused as a whole, as it always was.
+    #[test]
+    fn a_member_given_twice_is_read_as_through_a_value() {
+        let plain = r#"{"sessionId":"s-1","prompt":[{"type":"text","text":"hi"}]}"#;
+        for method in ["m", "session/prompt"] {
+            for first in ["1e400", "\"\\ud800\"", "{}", plain, "null"] {
+                for member in ["params", "method", "id", "jsonrpc"] {
+                    let frame = format!(
+                        r#"{{"jsonrpc":"2.0","id":1,"method":"{method}","params":{first},"{member}":{plain}}}"#
+                    );
+                    assert_eq!(parse(&frame), parse_value(&frame), "{frame}");
+                }
+            }
+        }
     }
 
     /// Params nested near serde_json's recursion limit meet it where the
