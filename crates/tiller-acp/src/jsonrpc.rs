@@ -158,6 +158,18 @@ fn plain_prompt(params: &RawValue) -> Option<PromptRequest> {
         .map(|p| p.0)
 }
 
+/// A member read into its slot: an error when it was given already (as a
+/// derived struct refuses it).
+fn once<T, E: serde::de::Error>(slot: &mut Option<T>, v: T) -> Result<(), E> {
+    match slot {
+        Some(_) => Err(E::custom("a member given twice")),
+        None => {
+            *slot = Some(v);
+            Ok(())
+        }
+    }
+}
+
 /// `session/prompt`'s params in the shape clients send most: an object of
 /// `sessionId` and text blocks, each member once, nothing else. Any other
 /// shape is an error here (and is read through a `Value`). Objects only:
@@ -187,13 +199,8 @@ impl<'de> serde::Deserialize<'de> for PlainPrompt {
                 let (mut session, mut blocks) = (None, None);
                 while let Some(field) = map.next_key::<Field>()? {
                     match field {
-                        Field::SessionId if session.is_none() => {
-                            session = Some(map.next_value::<String>()?);
-                        }
-                        Field::Prompt if blocks.is_none() => {
-                            blocks = Some(map.next_value::<Vec<PlainText>>()?);
-                        }
-                        _ => return Err(serde::de::Error::custom("a member given twice")),
+                        Field::SessionId => once(&mut session, map.next_value::<String>()?)?,
+                        Field::Prompt => once(&mut blocks, map.next_value::<Vec<PlainText>>()?)?,
                     }
                 }
                 let (Some(session), Some(blocks)) = (session, blocks) else {
@@ -237,23 +244,16 @@ impl<'de> serde::Deserialize<'de> for PlainText {
                     Text,
                 }
                 use serde::de::Error;
-                let (mut kind, mut text) = (false, None);
+                let (mut kind, mut text) = (None, None);
                 while let Some(field) = map.next_key::<Field>()? {
                     match field {
-                        Field::Type if !kind => {
-                            let k: String = map.next_value()?;
-                            if k != "text" {
-                                return Err(A::Error::custom("not a text block"));
-                            }
-                            kind = true;
-                        }
-                        Field::Text if text.is_none() => text = Some(map.next_value()?),
-                        _ => return Err(A::Error::custom("a member given twice")),
+                        Field::Type => once(&mut kind, map.next_value::<String>()?)?,
+                        Field::Text => once(&mut text, map.next_value::<String>()?)?,
                     }
                 }
                 match (kind, text) {
-                    (true, Some(t)) => Ok(PlainText(t)),
-                    _ => Err(A::Error::custom("a member is missing")),
+                    (Some(k), Some(t)) if k == "text" => Ok(PlainText(t)),
+                    _ => Err(A::Error::custom("not a text block")),
                 }
             }
         }
@@ -296,15 +296,6 @@ impl<'de> serde::Deserialize<'de> for OnePass<'de> {
                     Error,
                     #[serde(other)]
                     Other,
-                }
-                fn once<T, E: serde::de::Error>(slot: &mut Option<T>, v: T) -> Result<(), E> {
-                    match slot {
-                        Some(_) => Err(E::custom("a member given twice")),
-                        None => {
-                            *slot = Some(v);
-                            Ok(())
-                        }
-                    }
                 }
                 let mut f = Frame {
                     id: None,
