@@ -24,11 +24,11 @@ use agent_client_protocol_schema::v1::{
     DeleteSessionRequest, DeleteSessionResponse, Implementation, InitializeRequest,
     InitializeResponse, ListSessionsRequest, ListSessionsResponse, LoadSessionRequest,
     LoadSessionResponse, McpCapabilities, NewSessionRequest, NewSessionResponse,
-    PromptCapabilities, PromptRequest, ResumeSessionRequest, ResumeSessionResponse,
+    PromptCapabilities, PromptRequest, PromptResponse, ResumeSessionRequest, ResumeSessionResponse,
     SessionAdditionalDirectoriesCapabilities, SessionCapabilities, SessionCloseCapabilities,
     SessionDeleteCapabilities, SessionInfo, SessionListCapabilities, SessionResumeCapabilities,
     SetSessionConfigOptionRequest, SetSessionConfigOptionResponse, SetSessionModeRequest,
-    SetSessionModeResponse,
+    SetSessionModeResponse, StopReason,
 };
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -709,8 +709,7 @@ impl Writer {
                     self.write(response).await?;
                 }
                 if loaded {
-                    let n = map::available_commands(session);
-                    self.write(map::update_message(&n)).await?;
+                    self.write(map::available_commands_line(session)).await?;
                 }
             }
             Out::Event(sub, rec) => {
@@ -1136,8 +1135,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 }
             }
             let shared = shared.clone();
-            // The session a resume names (a new one's id is in its answer).
-            let mut params_session = params.session_id().and_then(SessionId::parse);
+            let params_session = params.session_id().and_then(SessionId::parse);
             match method.as_str() {
                 "session/prompt" => {
                     shared.cancel_flags(&id, params_session, None);
@@ -1173,23 +1171,29 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 // tokio copies a task's future when it spawns it and
                 // again when it stores its output.
                 let result = Box::pin(handle(&shared, &id, &method, params)).await;
-                if let Ok(v) = &result
-                    && method == "session/new"
-                {
-                    params_session = v["sessionId"].as_str().and_then(SessionId::parse);
-                }
-                let opened =
-                    result.is_ok() && matches!(method.as_str(), "session/new" | "session/resume");
                 let msg = match result {
-                    Ok(result) => jsonrpc::response(&id, result),
+                    Ok(result) => jsonrpc::response(&id, &result),
                     Err(Reply::Error(e)) => jsonrpc::error(&id, &e),
+                    Err(Reply::Opened { result, session }) => {
+                        shared.settled(&id);
+                        let msg = jsonrpc::response(&id, &result);
+                        let _ = shared.tx.send(Out::Raw(msg)).await;
+                        // The answer goes out on its own first (the writer
+                        // runs meanwhile): the client waits on it, not on
+                        // the command list, which would otherwise share
+                        // its write.
+                        tokio::task::yield_now().await;
+                        let line = map::available_commands_line(session);
+                        let _ = shared.tx.send(Out::Raw(line)).await;
+                        return;
+                    }
                     Err(Reply::Mine {
                         result,
                         session,
                         prompt,
                     }) => {
                         let msg = match *result {
-                            Ok(v) => jsonrpc::response(&id, v),
+                            Ok(v) => jsonrpc::response(&id, &v),
                             Err(e) => jsonrpc::error(&id, &e),
                         };
                         shared.settled(&id);
@@ -1218,7 +1222,7 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                                 sub,
                                 last,
                                 pending,
-                                response: jsonrpc::response(&id, result),
+                                response: jsonrpc::response(&id, &result),
                                 cancelled: jsonrpc::error(&id, &request_cancelled()),
                                 cancel,
                                 request: id.clone(),
@@ -1229,13 +1233,6 @@ fn dispatch(shared: &Arc<Shared>, msg: Incoming, inflight: OwnedSemaphorePermit)
                 };
                 shared.settled(&id);
                 let _ = shared.tx.send(Out::Raw(msg)).await;
-                if opened {
-                    // The answer goes out on its own first (the writer runs
-                    // meanwhile): the client waits on it, not on the
-                    // command list, which would otherwise share its write.
-                    tokio::task::yield_now().await;
-                    commands_for(&shared, &params_session).await;
-                }
             });
         }
     }
@@ -1255,13 +1252,6 @@ fn prompt_capabilities(sessions: &Sessions) -> PromptCapabilities {
 }
 
 /// After a session is opened on this connection: the commands it has.
-async fn commands_for(shared: &Shared, session: &Option<SessionId>) {
-    if let Some(s) = session {
-        let n = map::available_commands(*s);
-        let _ = shared.tx.send(Out::Raw(map::update_message(&n))).await;
-    }
-}
-
 fn send_raw(shared: &Arc<Shared>, msg: String, inflight: OwnedSemaphorePermit) {
     let tx = shared.tx.clone();
     tokio::spawn(async move {
@@ -1275,9 +1265,15 @@ enum Reply {
     Error(RpcError),
     /// The answer to this connection's prompt `prompt`.
     Mine {
-        result: Box<Result<Value, RpcError>>,
+        result: Box<Result<Json, RpcError>>,
         session: SessionId,
         prompt: PromptId,
+    },
+    /// `session/new`, `session/resume`: the answer, then the session's
+    /// commands.
+    Opened {
+        result: Json,
+        session: SessionId,
     },
     /// `session/load`: the history goes out before the response.
     Replay {
@@ -1286,7 +1282,7 @@ enum Reply {
         last: u64,
         /// The permission request the session waits on: asked after the replay.
         pending: Option<Arc<EventRecord>>,
-        result: Value,
+        result: Json,
         /// Set by `$/cancel_request`.
         cancel: Arc<AtomicBool>,
     },
@@ -1383,8 +1379,13 @@ fn refused(e: PromptRefused) -> Reply {
     }
 }
 
-fn to_value<T: serde::Serialize>(v: T) -> Value {
-    serde_json::to_value(v).expect("ACP types serialize")
+/// A request's result as JSON text, written straight from its ACP type
+/// (no `Value` in between: `session/new`'s options and modes, a prompt's
+/// stop reason).
+type Json = Box<serde_json::value::RawValue>;
+
+fn json<T: serde::Serialize + ?Sized>(v: &T) -> Json {
+    serde_json::value::to_raw_value(v).expect("ACP types serialize")
 }
 
 impl Shared {
@@ -1562,7 +1563,7 @@ impl Shared {
     }
 }
 
-async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Result<Value, Reply> {
+async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Result<Json, Reply> {
     let (raw, prompt_read) = match raw {
         Params::Prompt(p) if method == "session/prompt" => (Value::Null, Some(p)),
         other => (other.into_value(), None),
@@ -1596,16 +1597,17 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
                         .as_object()
                         .cloned(),
                 );
-            let mut res = to_value(
+            let mut res = serde_json::to_value(
                 InitializeResponse::new(ProtocolVersion::V1)
                     .agent_capabilities(caps)
                     .agent_info(Implementation::new("tiller", shared.config.version.clone())),
-            );
+            )
+            .expect("ACP types serialize");
             res["_meta"] = json!({
                 "tiller": { "version": shared.config.version, "promptQueueing": true },
                 "steering": { "supported": true },
             });
-            Ok(res)
+            Ok(json(&res))
         }
         "session/new" => {
             let req: NewSessionRequest = params(raw)?;
@@ -1651,14 +1653,17 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
             }
             shared.attach(&handle).await?;
             let options = handle.options().await.map_err(session_error)?;
-            Ok(to_value(
-                NewSessionResponse::new(handle.id().to_string())
-                    .config_options(map::config_options(
-                        &options,
-                        shared.booleans.load(Ordering::Relaxed),
-                    ))
-                    .modes(map::modes(&options)),
-            ))
+            Err(Reply::Opened {
+                result: json(
+                    &NewSessionResponse::new(handle.id().to_string())
+                        .config_options(map::config_options(
+                            &options,
+                            shared.booleans.load(Ordering::Relaxed),
+                        ))
+                        .modes(map::modes(&options)),
+                ),
+                session: handle.id(),
+            })
         }
         "session/set_mode" => {
             let req: SetSessionModeRequest = params(raw)?;
@@ -1672,7 +1677,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
                         RpcError::invalid_params(e).with_data(json!({ "field": "modeId" })),
                     )
                 })?;
-            Ok(to_value(SetSessionModeResponse::new()))
+            Ok(json(&SetSessionModeResponse::new()))
         }
         "session/set_config_option" => {
             let req: SetSessionConfigOptionRequest = params(raw)?;
@@ -1694,7 +1699,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
                         RpcError::invalid_params(e).with_data(json!({ "field": "configId/value" })),
                     )
                 })?;
-            Ok(to_value(SetSessionConfigOptionResponse::new(
+            Ok(json(&SetSessionConfigOptionResponse::new(
                 map::config_options(&options, shared.booleans.load(Ordering::Relaxed)),
             )))
         }
@@ -1716,8 +1721,8 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
                 sub,
                 last: snap.last_seq,
                 pending: snap.pending_permission,
-                result: to_value(
-                    LoadSessionResponse::new()
+                result: json(
+                    &LoadSessionResponse::new()
                         .config_options(map::config_options(
                             &options,
                             shared.booleans.load(Ordering::Relaxed),
@@ -1736,14 +1741,17 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
                 .await?;
             shared.attach(&handle).await?;
             let options = handle.options().await.map_err(session_error)?;
-            Ok(to_value(
-                ResumeSessionResponse::new()
-                    .config_options(map::config_options(
-                        &options,
-                        shared.booleans.load(Ordering::Relaxed),
-                    ))
-                    .modes(map::modes(&options)),
-            ))
+            Err(Reply::Opened {
+                result: json(
+                    &ResumeSessionResponse::new()
+                        .config_options(map::config_options(
+                            &options,
+                            shared.booleans.load(Ordering::Relaxed),
+                        ))
+                        .modes(map::modes(&options)),
+                ),
+                session: handle.id(),
+            })
         }
         "session/list" => {
             let req: ListSessionsRequest = params(raw)?;
@@ -1762,8 +1770,8 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
                         .updated_at(rfc3339(s.updated_ms))
                 })
                 .collect();
-            Ok(to_value(
-                ListSessionsResponse::new(sessions).next_cursor(page.next_cursor),
+            Ok(json(
+                &ListSessionsResponse::new(sessions).next_cursor(page.next_cursor),
             ))
         }
         "session/delete" => {
@@ -1772,7 +1780,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
             // Attached clients (this one included) hear
             // `_tiller/session_deleted` once it is committed.
             shared.sessions.delete(id).await.map_err(session_error)?;
-            Ok(to_value(DeleteSessionResponse::new()))
+            Ok(json(&DeleteSessionResponse::new()))
         }
         "session/close" => {
             let req: CloseSessionRequest = params(raw)?;
@@ -1781,7 +1789,7 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
                 h.unsubscribe(sub);
             }
             handle.close().await.map_err(session_error)?;
-            Ok(to_value(CloseSessionResponse::new()))
+            Ok(json(&CloseSessionResponse::new()))
         }
         "session/prompt" => {
             // The writer learns the id first: the client has the text, it
@@ -1802,12 +1810,10 @@ async fn handle(shared: &Shared, id: &Value, method: &str, raw: Params) -> Resul
             let cancel = shared.cancel_flags(id, Some(session), Some((session, mine)));
             let result = match prompt(shared, req, mine, &cancel).await {
                 // Cancelled by `$/cancel_request`: answered as JSON-RPC says.
-                Ok(v)
-                    if cancel.request.load(Ordering::Acquire) && v["stopReason"] == "cancelled" =>
-                {
+                Ok(StopReason::Cancelled) if cancel.request.load(Ordering::Acquire) => {
                     Err(request_cancelled())
                 }
-                Ok(v) => Ok(v),
+                Ok(stop) => Ok(json(&PromptResponse::new(stop))),
                 Err(Reply::Error(e)) => Err(e),
                 Err(_) => Err(RpcError::new(code::INTERNAL_ERROR, "unexpected reply")),
             };
@@ -1831,7 +1837,7 @@ async fn prompt(
     req: PromptRequest,
     mine: PromptId,
     cancel: &CancelFlags,
-) -> Result<Value, Reply> {
+) -> Result<StopReason, Reply> {
     let handle = shared.open_attached(&req.session_id.0).await?;
     let (text, images) = map::prompt_content(&req.prompt).map_err(Reply::Error)?;
     // Tiller's slash commands are the daemon's, whatever the engine.
@@ -1853,11 +1859,7 @@ async fn prompt(
         };
         let note = map::agent_text(handle.id(), &message);
         let _ = shared.tx.send(Out::Raw(map::update_message(&note))).await;
-        return Ok(to_value(
-            agent_client_protocol_schema::v1::PromptResponse::new(
-                agent_client_protocol_schema::v1::StopReason::EndTurn,
-            ),
-        ));
+        return Ok(StopReason::EndTurn);
     }
     // Origin comes from the ingress, never from `_meta`.
     let meta = req.meta.clone().map(Value::Object);
@@ -1867,11 +1869,7 @@ async fn prompt(
         return Err(Reply::Error(request_cancelled()));
     }
     if cancel.session.load(Ordering::Acquire) {
-        return Ok(to_value(
-            agent_client_protocol_schema::v1::PromptResponse::new(
-                agent_client_protocol_schema::v1::StopReason::Cancelled,
-            ),
-        ));
+        return Ok(StopReason::Cancelled);
     }
     let (prompt, settled) = handle
         // Its one answer is its result: the admission commits with the
@@ -1906,7 +1904,7 @@ async fn prompt(
 }
 
 /// `_session/steering` (see `turn-lifecycle.md`, Steering).
-async fn steering(shared: &Shared, raw: Value) -> Result<Value, Reply> {
+async fn steering(shared: &Shared, raw: Value) -> Result<Json, Reply> {
     #[derive(serde::Deserialize)]
     #[serde(rename_all = "camelCase")]
     struct SteerParams {
@@ -1942,7 +1940,7 @@ async fn steering(shared: &Shared, raw: Value) -> Result<Value, Reply> {
         .await
         .map_err(session_error)?
         .map_err(refused)?;
-    Ok(map::steer_answer(&answer))
+    Ok(json(&map::steer_answer(&answer)))
 }
 
 /// A steer's text: what a prompt's content gives (refused the same way);

@@ -479,17 +479,17 @@ fn classify(frame: Frame<Params>) -> Incoming {
 
 /// A success response (serialized straight, without a `Value` around it:
 /// every prompt's answer takes this path).
-pub fn response(id: &Value, result: Value) -> String {
+pub fn response<T: serde::Serialize + ?Sized>(id: &Value, result: &T) -> String {
     #[derive(serde::Serialize)]
-    struct Response<'a> {
+    struct Response<'a, T: ?Sized> {
         jsonrpc: &'static str,
         id: &'a Value,
-        result: &'a Value,
+        result: &'a T,
     }
     serde_json::to_string(&Response {
         jsonrpc: "2.0",
         id,
-        result: &result,
+        result,
     })
     .expect("serialize")
 }

@@ -347,6 +347,29 @@ pub fn available_commands(session: SessionId) -> SessionNotification {
     )
 }
 
+/// [`available_commands`]'s `session/update` line, serialized: the same
+/// for every session but its id, so the rest is serialized once (a
+/// session made or resumed pays a copy, not the command list's
+/// serialization).
+pub fn available_commands_line(session: SessionId) -> String {
+    static AROUND: std::sync::LazyLock<(String, String)> = std::sync::LazyLock::new(|| {
+        // A session id's text has no escapes and a fixed length; the
+        // commands' texts never hold this one.
+        let at = SessionId::from_u128(0);
+        let line = update_message(&available_commands(at));
+        let (before, after) = line
+            .split_once(&at.to_string())
+            .expect("the line names its session");
+        (before.to_owned(), after.to_owned())
+    });
+    let (before, after) = &*AROUND;
+    let mut line = String::with_capacity(before.len() + 36 + after.len());
+    line.push_str(before);
+    line.push_str(session.encode(&mut [0; 36]));
+    line.push_str(after);
+    line
+}
+
 /// Tiller's commands, then a hosted agent's own (those Tiller does not
 /// answer itself: its prompts reach the agent).
 fn command_list(agent: impl Iterator<Item = AvailableCommand>) -> Vec<AvailableCommand> {
@@ -722,17 +745,14 @@ fn acp_stop(r: StopReason) -> AcpStop {
     }
 }
 
-/// The `session/prompt` answer for a terminal.
+/// The `session/prompt` answer for a terminal: its stop reason, or the error.
 pub fn prompt_result(
     session: SessionId,
     prompt: PromptId,
     terminal: &Terminal,
-) -> Result<Value, RpcError> {
+) -> Result<AcpStop, RpcError> {
     match terminal {
-        Terminal::Completed(r) => Ok(serde_json::to_value(
-            agent_client_protocol_schema::v1::PromptResponse::new(acp_stop(*r)),
-        )
-        .expect("serialize")),
+        Terminal::Completed(r) => Ok(acp_stop(*r)),
         Terminal::Failed { kind, message } => {
             let mut data = json!({
                 "errorKind": kind.as_str(),
@@ -916,6 +936,18 @@ mod tests {
                 &session_update(&rec, message.as_deref(), false).expect("a chunk shows"),
             );
             prop_assert_eq!(fast, slow);
+        }
+
+        /// The command list's line, serialized once around a session's
+        /// id, is, byte for byte, the serialization of that session's
+        /// notification.
+        #[test]
+        fn the_commands_line_is_the_serialized_notification(id in any::<u128>()) {
+            let session = SessionId::from_u128(id);
+            prop_assert_eq!(
+                available_commands_line(session),
+                update_message(&available_commands(session))
+            );
         }
 
         /// A turn's start and end notifications written straight to their
