@@ -230,12 +230,30 @@ struct Shared {
     /// See [`Writer::compaction`].
     compaction: Arc<AtomicBool>,
     /// The client's requests that `$/cancel_request` can cancel, by id.
-    cancellable: std::sync::Mutex<HashMap<String, Cancellable>>,
+    cancellable: std::sync::Mutex<HashMap<RequestKey, Cancellable>>,
     /// The client's `initialize` parameters (repeated to the owner when the
     /// connection is handed over).
     initialize: std::sync::Mutex<Option<Value>>,
     /// Asks the connection's loop to hand the connection over.
     handover: mpsc::Sender<crate::splice::Handover>,
+}
+
+/// A request's id as a map key: a number is kept as it is read (no text
+/// to format per lookup), anything else as its JSON text, so `1` and
+/// `"1"` stay two requests, as they are.
+#[derive(PartialEq, Eq, Hash)]
+enum RequestKey {
+    Number(serde_json::Number),
+    Text(String),
+}
+
+impl RequestKey {
+    fn of(id: &Value) -> RequestKey {
+        match id {
+            Value::Number(n) => RequestKey::Number(n.clone()),
+            other => RequestKey::Text(other.to_string()),
+        }
+    }
 }
 
 /// A request of the client's under way that it may cancel.
@@ -284,12 +302,14 @@ impl Shared {
         prompt: Option<(SessionId, PromptId)>,
     ) -> CancelFlags {
         let mut all = self.cancellable.lock().expect("poisoned");
-        let c = all.entry(id.to_string()).or_insert_with(|| Cancellable {
-            flag: Arc::new(AtomicBool::new(false)),
-            stopped: Arc::new(AtomicBool::new(false)),
-            session: None,
-            prompt: None,
-        });
+        let c = all
+            .entry(RequestKey::of(id))
+            .or_insert_with(|| Cancellable {
+                flag: Arc::new(AtomicBool::new(false)),
+                stopped: Arc::new(AtomicBool::new(false)),
+                session: None,
+                prompt: None,
+            });
         if session.is_some() {
             c.session = session;
         }
@@ -318,7 +338,7 @@ impl Shared {
         self.cancellable
             .lock()
             .expect("poisoned")
-            .contains_key(&id.to_string())
+            .contains_key(&RequestKey::of(id))
     }
 
     /// The node serving `session` when it is another one and this
@@ -336,7 +356,7 @@ impl Shared {
         self.cancellable
             .lock()
             .expect("poisoned")
-            .remove(&id.to_string());
+            .remove(&RequestKey::of(id));
     }
 
     /// `$/cancel_request`: a prompt is withdrawn (answered -32800 once it
@@ -345,7 +365,7 @@ impl Shared {
     /// Returns the prompt to withdraw, if the request submitted one.
     fn cancel_request(&self, id: &Value) -> Option<(SessionId, PromptId)> {
         let all = self.cancellable.lock().expect("poisoned");
-        let c = all.get(&id.to_string())?;
+        let c = all.get(&RequestKey::of(id))?;
         c.flag.store(true, Ordering::Release);
         c.prompt
     }

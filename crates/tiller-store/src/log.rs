@@ -136,8 +136,8 @@ fn insert_batch(
                         )?),
                     };
                     admit.execute(params![
-                        prompt.to_string(),
-                        e.session.to_string(),
+                        prompt.encode(&mut [0; 36]),
+                        e.session.encode(&mut [0; 36]),
                         origin,
                         e.ts_ms
                     ])?;
@@ -158,7 +158,7 @@ fn insert_batch(
                     None => settle
                         .insert(tx.prepare_cached("DELETE FROM prompts WHERE prompt_id = ?1")?),
                 };
-                settle.execute(params![prompt.to_string()])?;
+                settle.execute(params![prompt.encode(&mut [0; 36])])?;
                 if let Some(d) = delivery {
                     crate::deliveries::add(tx, d)?;
                 }
@@ -233,7 +233,8 @@ pub(crate) fn insert_events<'a>(
     events: impl Iterator<Item = &'a StoredEvent>,
     mut next_n: Option<&mut i64>,
 ) -> rusqlite::Result<(u64, Vec<Entry>)> {
-    let id = session.to_string();
+    let mut id = [0; 36];
+    let id = session.encode(&mut id);
     let mut insert = tx.prepare_cached(
         "INSERT INTO log (n, session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
@@ -246,7 +247,7 @@ pub(crate) fn insert_events<'a>(
         )
     })?;
     let mut entries = Vec::new();
-    for seg in segment::split(events) {
+    for seg in segment::split(events.iter().copied()) {
         let n = next_n.as_deref_mut().map(|next| {
             *next += 1;
             *next - 1

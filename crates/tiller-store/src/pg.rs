@@ -429,7 +429,7 @@ impl Db for PgDb {
                     "INSERT INTO log (session_id, first_seq, last_seq, last_ts_ms, max_turn, kinds, body)
                      VALUES ($1, $2, $3, $4, $5, $6, $7)",
                 )?;
-                for seg in segment::split(events) {
+                for seg in segment::split(events.iter().copied()) {
                     let first = seg.first_seq as i64;
                     let last_seq = seg.last_seq as i64;
                     let max_turn = seg.max_turn.map(|t| t as i64);

@@ -70,9 +70,7 @@ impl Segment {
         self.kinds |= kind_bit(&e.kind);
         let mut n = itoa::Buffer::new();
         let b = &mut self.body;
-        // The header is at most about 125 bytes besides its kind (three
-        // 20-digit numbers, a 36-byte prompt id, a length, separators).
-        b.reserve(e.data.len() + e.kind.len() + 125);
+        b.reserve(e.data.len() + e.kind.len() + HEADER);
         b.extend_from_slice(n.format(e.seq).as_bytes());
         b.push(b' ');
         b.extend_from_slice(n.format(e.ts_ms).as_bytes());
@@ -103,14 +101,24 @@ impl Segment {
 }
 
 /// Cuts a session's events (in order) into segments.
-pub(crate) fn split<'a>(events: impl IntoIterator<Item = &'a StoredEvent>) -> Vec<Segment> {
+pub(crate) fn split<'a, I>(events: I) -> Vec<Segment>
+where
+    I: IntoIterator<Item = &'a StoredEvent>,
+    I::IntoIter: Clone,
+{
     let mut out = Vec::new();
     let mut cur = Segment::new();
     let mut n = 0;
-    for e in events {
+    let mut events = events.into_iter();
+    loop {
+        let ahead = events.clone();
+        let Some(e) = events.next() else { break };
         if n > 0 && (n == MAX_EVENTS || cur.body.len() + e.data.len() > MAX_BYTES) {
             out.push(std::mem::replace(&mut cur, Segment::new()));
             n = 0;
+        }
+        if n == 0 {
+            cur.body.reserve_exact(room(ahead));
         }
         cur.push(e);
         n += 1;
@@ -120,6 +128,26 @@ pub(crate) fn split<'a>(events: impl IntoIterator<Item = &'a StoredEvent>) -> Ve
     }
     out
 }
+
+/// Room for the segment that starts with the first of `events`: what
+/// [`Segment::push`] reserves for each event it can take (a segment cuts
+/// no later: its body counts the headers too), so its body is allocated
+/// once.
+fn room<'a>(events: impl Iterator<Item = &'a StoredEvent>) -> usize {
+    let (mut room, mut payload) = (0, 0);
+    for (i, e) in events.enumerate() {
+        if i > 0 && (i == MAX_EVENTS || payload + e.data.len() > MAX_BYTES) {
+            break;
+        }
+        payload += e.data.len();
+        room += e.data.len() + e.kind.len() + HEADER;
+    }
+    room
+}
+
+/// Most bytes of an event's header besides its kind (three 20-digit
+/// numbers, a 36-byte prompt id, a length, separators).
+const HEADER: usize = 125;
 
 /// Why a stored segment could not be read.
 #[derive(Debug, thiserror::Error)]
@@ -209,6 +237,9 @@ mod tests {
             let segments = split(&events);
             let mut back = Vec::new();
             for s in &segments {
+                // Allocated once: the room reserved up front was enough.
+                let at = events.iter().position(|e| e.seq == s.first_seq).unwrap();
+                prop_assert_eq!(s.body.capacity(), room(events[at..].iter()));
                 let got = decode(session, &s.body).unwrap();
                 prop_assert!(got.len() <= MAX_EVENTS);
                 prop_assert_eq!(s.first_seq, got[0].seq);
