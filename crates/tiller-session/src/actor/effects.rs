@@ -142,7 +142,10 @@ impl SessionState {
                     tracing::warn!(session = %self.id, kind, "watchdog fired");
                     metrics::counter!("tiller_watchdog_fired_total", "kind" => kind).increment(1);
                 }
-                Effect::ArmTimer { at } => self.arm(myself, at),
+                Effect::ArmTimer { at } => {
+                    let now = self.now();
+                    self.wake.arm(myself, now, at);
+                }
                 Effect::Poll { origin, poll } => {
                     let inbox: Arc<dyn Inbox> = self.slot.clone();
                     if !self.automation.poll(origin, self.id, poll, inbox) {
@@ -286,16 +289,6 @@ impl SessionState {
             stopping: false,
             span,
         });
-    }
-
-    pub(super) fn arm(&mut self, myself: &ActorRef<SessionMsg>, at: Option<Millis>) {
-        if let Some(t) = self.timer.take() {
-            t.abort();
-        }
-        if let Some(at) = at {
-            let delay = Duration::from_millis(at.saturating_sub(self.now()));
-            self.timer = Some(myself.send_after(delay, || SessionMsg::Tick));
-        }
     }
 }
 

@@ -109,7 +109,12 @@ impl SessionState {
                     .await;
                 }
             }
-            SessionMsg::Tick => self.feed(myself, Input::Tick, None).await,
+            SessionMsg::Tick(generation) => {
+                let now = self.now();
+                if self.wake.fired(myself, generation, now) {
+                    self.feed(myself, Input::Tick, None).await;
+                }
+            }
             SessionMsg::Committed(seq) => self.committed(seq),
             SessionMsg::AppendFailed(reopens, e) => self.append_failed(reopens, &e).await,
             SessionMsg::Flush if !self.flush_deferred && self.unsent > 0 => {

@@ -29,6 +29,7 @@ mod park;
 mod pipeline;
 mod publish;
 mod signals;
+mod wake;
 
 use effects::core_signal;
 use publish::{LINGER_AFTER, Ledger, unlingered};
@@ -187,8 +188,8 @@ pub enum SessionMsg {
         value: String,
         reply: oneshot::Sender<Result<Vec<ConfigOption>, String>>,
     },
-    /// A timer armed by the core fired.
-    Tick,
+    /// A timer armed by the core fired (its generation: see `wake.rs`).
+    Tick(u64),
     /// Attach a subscriber; answers with the state at that instant, whose
     /// `last_seq` is the last event already published (every later event
     /// goes to the subscriber).
@@ -415,7 +416,7 @@ pub struct SessionState {
     /// Attached subscribers.
     subscribers: crate::subscribers::Subscribers,
     /// The wake-up timer the core asked for.
-    timer: Option<tokio::task::JoinHandle<Result<(), ractor::MessagingErr<SessionMsg>>>>,
+    wake: wake::Wake,
     /// The actor's clock origin (time is an input to the core).
     epoch: tokio::time::Instant,
     /// When the message being handled arrived, for `settle_latency_seconds`
@@ -540,7 +541,7 @@ impl Actor for SessionActor {
             last_turn_error,
             running: None,
             subscribers: args.subscribers,
-            timer: None,
+            wake: Default::default(),
             epoch: crate::clock::instant(),
             input_at: crate::clock::instant(),
             cancel_at: None,
@@ -586,9 +587,7 @@ impl Actor for SessionActor {
         st: &mut SessionState,
     ) -> Result<(), ActorProcessingErr> {
         st.flush();
-        if let Some(t) = st.timer.take() {
-            t.abort();
-        }
+        st.wake.stop();
         // A failed actor leaves prompts queued (they are reconciled from
         // the ledger); they no longer wait here.
         let queued = st.core.queued().count();

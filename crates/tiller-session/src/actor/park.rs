@@ -30,7 +30,7 @@ impl SessionState {
             && !self.lingering
             && !self.flush_deferred
             && self.fanned == self.seq
-            && self.timer.as_ref().is_none_or(|t| t.is_finished())
+            && self.wake.idle()
             && self.pending_permission.is_none()
             && self.cancel_at.is_none()
             && !self.closing
