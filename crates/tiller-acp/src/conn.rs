@@ -238,20 +238,24 @@ struct Shared {
     handover: mpsc::Sender<crate::splice::Handover>,
 }
 
-/// A request's id as a map key: a number is kept as it is read (no text
+/// A request's id as a map key: an integer is kept as it is read (no text
 /// to format per lookup), anything else as its JSON text, so `1` and
-/// `"1"` stay two requests, as they are.
+/// `"1"` stay two requests, as do `-0` and `0.0` (equal as floats).
 #[derive(PartialEq, Eq, Hash)]
 enum RequestKey {
-    Number(serde_json::Number),
+    Integer(i128),
     Text(String),
 }
 
 impl RequestKey {
     fn of(id: &Value) -> RequestKey {
-        match id {
-            Value::Number(n) => RequestKey::Number(n.clone()),
-            other => RequestKey::Text(other.to_string()),
+        let integer = match id {
+            Value::Number(n) => n.as_i64().map(i128::from).or(n.as_u64().map(i128::from)),
+            _ => None,
+        };
+        match integer {
+            Some(i) => RequestKey::Integer(i),
+            None => RequestKey::Text(id.to_string()),
         }
     }
 }
@@ -1990,6 +1994,48 @@ pub(crate) fn rfc3339(ms: i64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// A request id as a client may write it (read from its text, as the
+    /// connection reads it: `-0` is a float there).
+    fn id_text() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<i64>().prop_map(|i| i.to_string()),
+            any::<u64>().prop_map(|u| u.to_string()),
+            (0..3u8).prop_map(|i| i.to_string()),
+            Just("-0".to_string()),
+            Just("0.0".to_string()),
+            Just("-0.0".to_string()),
+            Just("1.0".to_string()),
+            Just("1e0".to_string()),
+            Just("18446744073709551616".to_string()),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(|f| f.to_string()),
+            "[0-9]{1,3}".prop_map(|s| format!("\"{s}\"")),
+            Just("null".to_string()),
+        ]
+    }
+
+    proptest! {
+        /// Two ids are one request exactly when their JSON texts are the
+        /// same, as when the keys were those texts.
+        #[test]
+        fn request_keys_are_equal_exactly_when_the_ids_texts_are(
+            a in id_text(),
+            b in id_text(),
+        ) {
+            let (a, b): (Value, Value) =
+                (serde_json::from_str(&a).unwrap(), serde_json::from_str(&b).unwrap());
+            // The texts, not the values: `-0` and `0.0` are equal floats.
+            let (text_a, text_b) = (a.to_string(), b.to_string());
+            prop_assert_eq!(
+                RequestKey::of(&a) == RequestKey::of(&b),
+                text_a == text_b,
+                "{} {}", a, b
+            );
+        }
+    }
 
     #[test]
     fn rfc3339_table() {

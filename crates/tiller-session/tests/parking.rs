@@ -357,3 +357,30 @@ fn a_client_dropped_with_what_waited_for_a_parked_session_may_call_it() {
         .recv_timeout(Duration::from_secs(30))
         .expect("the session's slot is not locked while a dropped client calls it");
 }
+
+/// The stall bound a turn armed outlives the turn (its timer is kept, not
+/// aborted: see `actor/wake.rs`); when it fires on the idle session it
+/// wakes no one and does not count as input, so the session parks once it
+/// has been idle for `park_after`, not that long after the stale tick.
+/// (Paused time over an inline store: no thread to wait on, so the clock
+/// moves only to timers.)
+#[tokio::test(start_paused = true)]
+async fn a_timer_outliving_its_turn_does_not_put_off_parking() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = tiller_test_support::Store::open_inline(&dir.path().join("t.db")).unwrap();
+    let mut config = tiller_test_support::session_config();
+    config.turn.stall_timeout = 60_000;
+    config.park_after = Some(Duration::from_secs(60));
+    let s = Sessions::start(
+        store,
+        tiller_session::Engines::single(Arc::new(ScriptedEngine)),
+        config,
+    )
+    .await
+    .unwrap();
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    end_turn(&h, "hello").await;
+    // The turn's timer fires at about 60 s, the session idle all along.
+    tokio::time::sleep(Duration::from_millis(60_020)).await;
+    parked(&s, 1).await;
+}

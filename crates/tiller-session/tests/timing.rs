@@ -55,3 +55,27 @@ async fn a_cancel_the_engine_ignores_settles_at_the_cancel_grace() {
     let grace = Duration::from_millis(session_config().turn.cancel_grace);
     assert!(took <= grace + Duration::from_millis(50), "{took:?}");
 }
+
+/// A prompt refused once a deadline has passed (the session closing, its
+/// turn's cancel grace over, the timer's tick not handled yet) still has
+/// the rest of its step carried out: the cancelled turn settles then. The
+/// close waits on the store, so paused time jumps to the grace meanwhile,
+/// with the prompt already in the mailbox ahead of the tick.
+#[tokio::test(start_paused = true)]
+async fn a_prompt_refused_past_a_deadline_still_settles_the_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let (h, rx) = silent_turn(&dir).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    h.cancel().unwrap();
+    let (closed, refused) = tokio::join!(h.close(), h.prompt("hello".into(), Origin::Interactive));
+    closed.unwrap();
+    assert!(matches!(
+        refused.unwrap(),
+        Err(tiller_session::PromptRefused::SessionClosed)
+    ));
+    let (done, _) = virtual_elapsed(rx).await;
+    assert_eq!(
+        done.expect("the turn's settlement").terminal,
+        Terminal::Completed(StopReason::Cancelled)
+    );
+}

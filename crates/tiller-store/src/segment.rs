@@ -130,16 +130,16 @@ where
 }
 
 /// Room for the segment that starts with the first of `events`: what
-/// [`Segment::push`] reserves for each event it can take (a segment cuts
-/// no later: its body counts the headers too), so its body is allocated
-/// once.
+/// [`Segment::push`] reserves for each event it can take, so its body is
+/// allocated once. The events counted are those a body of the fewest
+/// bytes per header would take (a segment cuts no later).
 fn room<'a>(events: impl Iterator<Item = &'a StoredEvent>) -> usize {
-    let (mut room, mut payload) = (0, 0);
+    let (mut room, mut least) = (0, 0);
     for (i, e) in events.enumerate() {
-        if i > 0 && (i == MAX_EVENTS || payload + e.data.len() > MAX_BYTES) {
+        if i > 0 && (i == MAX_EVENTS || least + e.data.len() > MAX_BYTES) {
             break;
         }
-        payload += e.data.len();
+        least += e.data.len() + e.kind.len() + HEADER_MIN;
         room += e.data.len() + e.kind.len() + HEADER;
     }
     room
@@ -148,6 +148,9 @@ fn room<'a>(events: impl Iterator<Item = &'a StoredEvent>) -> usize {
 /// Most bytes of an event's header besides its kind (three 20-digit
 /// numbers, a 36-byte prompt id, a length, separators).
 const HEADER: usize = 125;
+/// Fewest bytes of an event's header besides its kind (`1 1 - - `, a
+/// space, a one-digit length, the newline).
+const HEADER_MIN: usize = 10;
 
 /// Why a stored segment could not be read.
 #[derive(Debug, thiserror::Error)]

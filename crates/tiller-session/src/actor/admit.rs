@@ -59,13 +59,17 @@ impl SessionState {
         let mut deferred = false;
         let admission = match step.answer {
             Answer::Rejected { reason, .. } => {
-                return refuse(
+                refuse(
                     admitted,
                     match reason {
                         Rejection::Overloaded => PromptRefused::Overloaded,
                         Rejection::Closed => PromptRefused::SessionClosed,
                     },
                 );
+                // The step may hold more than the refusal: a deadline
+                // passed before this prompt was handled (its tick behind
+                // it in the mailbox) settles the turn here.
+                return self.apply(myself, step.effects, None).await;
             }
             Answer::Queued { depth } => {
                 // It waits in the core from now on (a failed actor takes

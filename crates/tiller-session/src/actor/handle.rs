@@ -14,7 +14,11 @@ impl SessionState {
             SessionMsg::Park => return self.park(myself),
             _ => {}
         }
-        self.input_at = crate::clock::instant();
+        // A tick that wakes no one is not input either: it must not put
+        // off parking (see `wake.rs`).
+        if !matches!(msg, SessionMsg::Tick(_)) {
+            self.input_at = crate::clock::instant();
+        }
         match msg {
             SessionMsg::ParkIfIdle | SessionMsg::Park => {}
             SessionMsg::Prompt {
@@ -112,6 +116,7 @@ impl SessionState {
             SessionMsg::Tick(generation) => {
                 let now = self.now();
                 if self.wake.fired(myself, generation, now) {
+                    self.input_at = crate::clock::instant();
                     self.feed(myself, Input::Tick, None).await;
                 }
             }
