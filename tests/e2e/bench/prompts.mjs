@@ -15,7 +15,7 @@
 // Asserts nothing about speed.
 
 import { spawn } from "node:child_process";
-import { mkdtempSync, writeFileSync } from "node:fs";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import os from "node:os";
 import path from "node:path";
 import { Readable, Writable } from "node:stream";
@@ -158,4 +158,5 @@ if (by.tiller && by["node-same"]) {
   );
 }
 if (json) console.log(JSON.stringify({ prompts: rows }));
+rmSync(tmp, { recursive: true, force: true });
 process.exit(0);

@@ -3,7 +3,7 @@
 
 import { spawn } from "node:child_process";
 import { createHash } from "node:crypto";
-import { mkdtempSync, existsSync, readFileSync } from "node:fs";
+import { mkdtempSync, existsSync, readFileSync, rmSync } from "node:fs";
 import net from "node:net";
 import os from "node:os";
 import path from "node:path";
@@ -35,8 +35,23 @@ export function storeEnv(dataDir) {
   return { TILLER_STORE__KIND: "postgres", TILLER_STORE__SCHEMA: schema, TILLER_DATABASE_URL: url };
 }
 
+/** The directories this test file made, removed when it exits. */
+const made = [];
+process.on("exit", () => {
+  for (const dir of made) {
+    try {
+      rmSync(dir, { recursive: true, force: true });
+    } catch {
+      // A test may leave a directory it cannot remove (no permission):
+      // it stays, as before.
+    }
+  }
+});
+
 export function tempDir() {
-  return mkdtempSync(path.join(os.tmpdir(), "tiller-e2e-"));
+  const dir = mkdtempSync(path.join(os.tmpdir(), "tiller-e2e-"));
+  made.push(dir);
+  return dir;
 }
 
 /** Short timers so the tests exercise every bound quickly. */
