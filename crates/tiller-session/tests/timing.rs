@@ -79,3 +79,38 @@ async fn a_prompt_refused_past_a_deadline_still_settles_the_turn() {
         Terminal::Completed(StopReason::Cancelled)
     );
 }
+
+/// A steer taken by a turn in the same step as the turn's stall bound ends
+/// it (the tick still behind it in the mailbox) is stored under the prompt
+/// of the turn that took it, not under the next prompt that started then.
+/// The queued prompt's admission waits on the store, so paused time jumps
+/// to the stall bound meanwhile, with the steer already in the mailbox.
+#[tokio::test(start_paused = true)]
+async fn a_steer_taken_as_its_turn_stalls_is_stored_under_that_turn_s_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let silent = r#"{"script": [{"sleep_ms": 600000}]}"#;
+    let (a, _a_done) = h
+        .prompt(silent.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    let (queued, steered) = tokio::join!(
+        h.prompt(silent.into(), Origin::Interactive),
+        h.steer("look again".into(), true)
+    );
+    let (b, _b_done) = queued.unwrap().unwrap();
+    let answer = steered.unwrap().unwrap();
+    let tiller_core::SteerOutcome::Injected { turn } = answer.outcome else {
+        panic!("{answer:?}");
+    };
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let accepted: Vec<_> = log
+        .iter()
+        .filter(|e| matches!(e.body, tiller_session::EventBody::SteerAccepted { .. }))
+        .collect();
+    assert_eq!(accepted.len(), 1);
+    assert_eq!(accepted[0].turn, Some(turn));
+    assert_eq!(accepted[0].prompt, Some(a), "not b: {b}");
+}

@@ -183,6 +183,10 @@ impl SessionState {
             text: text.clone(),
             idle_behavior,
         };
+        // The turn that takes the steer may end in the same step (a
+        // deadline passed, its tick behind this message): the steer is
+        // stored under that turn's prompt, not the next one's.
+        let before = self.core.active();
         let step = self.core.on(self.now(), input);
         // A prompt payload the steer did not use is simply dropped.
         let Answer::Steer { outcome, .. } = step.answer else {
@@ -193,7 +197,7 @@ impl SessionState {
         let stored = match outcome {
             SteerOutcome::Injected { turn } => {
                 self.publish_durable(
-                    self.core.active().map(|(p, _)| p),
+                    before.filter(|(_, t)| *t == turn).map(|(p, _)| p),
                     Some(turn),
                     EventBody::SteerAccepted {
                         steer_id: steer.to_string(),

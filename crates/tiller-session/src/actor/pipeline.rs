@@ -4,10 +4,27 @@
 use super::*;
 
 impl SessionState {
+    /// The prompt of `turn`: its running engine's, else the core's when it
+    /// is the active turn. Inside a step the core may already have moved on
+    /// (a deadline ended the turn and the next one started), so the core's
+    /// active prompt alone is not the turn's.
+    fn prompt_of(&self, turn: TurnId) -> Option<PromptId> {
+        self.running
+            .as_ref()
+            .filter(|r| r.turn == turn)
+            .map(|r| r.prompt)
+            .or_else(|| {
+                self.core
+                    .active()
+                    .filter(|(_, t)| *t == turn)
+                    .map(|(p, _)| p)
+            })
+    }
+
     /// Publishes or runs a signal's content. Returns a loop trip, if the
     /// tool pipeline's guard found one.
     pub(super) fn deliver(&mut self, turn: TurnId, kind: SignalKind) -> Option<LoopType> {
-        let prompt = self.core.active().map(|(p, _)| p);
+        let prompt = self.prompt_of(turn);
         if let SignalKind::Hosted(h) = kind {
             let (events, trip) = self.hosted(turn, h);
             for body in events {
@@ -179,7 +196,7 @@ impl SessionState {
     /// or runs resolves it as cancelled (a running call is stopped), so no
     /// call stays pending.
     pub(super) fn abandon_permission(&mut self, turn: TurnId) {
-        let prompt = self.core.active().map(|(p, _)| p);
+        let prompt = self.prompt_of(turn);
         for body in self.hosted_abandon(turn) {
             self.publish(prompt, Some(turn), body);
         }
@@ -388,6 +405,18 @@ fn usage_event(
     }
 }
 
+/// A tool call never outlives its turn, as its engine does not: a turn
+/// that ends stops its call first (`abandon_permission`), and a session
+/// that fails (its actor's state dropped, no `post_stop` on that path)
+/// stops it here. A `JoinHandle` dropped would only detach it.
+impl Drop for RunningEngine {
+    fn drop(&mut self) {
+        if let Some(task) = self.exec.take() {
+            task.abort();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;
@@ -424,6 +453,37 @@ mod tests {
         ) -> BoxFuture<Result<CommandOutput, String>> {
             Box::pin(async { Err("no".into()) })
         }
+    }
+
+    /// The state of a failed session is dropped without `post_stop`: the
+    /// call its turn was running stops then, not when it would finish.
+    #[tokio::test(start_paused = true)]
+    async fn a_running_call_stops_when_its_turn_s_state_is_dropped() {
+        let (held, gone) = oneshot::channel::<()>();
+        let call = tokio::spawn(async move {
+            let _held = held;
+            std::future::pending::<()>().await;
+        });
+        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let run = RunningEngine {
+            turn: TurnId(1),
+            prompt: PromptId::new(),
+            origin: Origin::Interactive,
+            handle: EngineHandle::new(tx, tokio::spawn(std::future::pending())),
+            guard: LoopGuard::new(LoopConfig::default()),
+            text: String::new(),
+            batch: None,
+            exec: Some(call),
+            hosted: None,
+            stopping: false,
+            span: Span::none(),
+        };
+        drop(run);
+        let stopped = tokio::time::timeout(Duration::from_secs(3600), gone).await;
+        assert!(
+            matches!(stopped, Ok(Err(_))),
+            "the call still runs: {stopped:?}"
+        );
     }
 
     #[tokio::test]
