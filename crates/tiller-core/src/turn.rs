@@ -630,6 +630,11 @@ impl<P, S: Clone> SessionCore<P, S> {
         self.queue.iter().map(|w| w.prompt)
     }
 
+    /// Queued prompts and their payloads, oldest first.
+    pub fn queued_payloads_mut(&mut self) -> impl Iterator<Item = (PromptId, &mut P)> + '_ {
+        self.queue.iter_mut().map(|w| (w.prompt, &mut w.payload))
+    }
+
     /// The highest turn id handed out so far.
     pub fn last_turn(&self) -> TurnId {
         TurnId(self.last_turn)

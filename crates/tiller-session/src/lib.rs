@@ -243,7 +243,7 @@ pub enum PromptRefused {
 
 /// Why a session actor failed on purpose (the registry reconciles its
 /// prompts with the matching error kind).
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Copy, Debug, thiserror::Error)]
 pub enum SessionFailed {
     #[error("the store could not record the session's events")]
     StoreUnavailable,
@@ -259,6 +259,16 @@ impl SessionFailed {
         match e.fenced() {
             Some(_) => SessionFailed::LeaseLost,
             None => SessionFailed::StoreUnavailable,
+        }
+    }
+
+    /// What the log will say of the prompts it had in flight once they
+    /// are reconciled (here, or by the session's new owner), and so what
+    /// their owners are told.
+    pub(crate) fn kind(self) -> tiller_core::ErrorKind {
+        match self {
+            SessionFailed::StoreUnavailable => tiller_core::ErrorKind::StoreUnavailable,
+            SessionFailed::LeaseLost => tiller_core::ErrorKind::NodeLost,
         }
     }
 }

@@ -747,3 +747,42 @@ async fn a_session_set_aside_while_live_stops_growing_and_its_delete_repairs_it(
         Terminal::Completed(StopReason::EndTurn)
     );
 }
+
+/// A session that fails with a prompt queued behind its turn tells that
+/// prompt's owner what its log will say once reconciled, as it tells the
+/// running one's: the failed actor's state, dropped without `post_stop`,
+/// once dropped the port unsent (the ACP edge then answered
+/// `session_restarted` while the log stored `store_unavailable`).
+#[tokio::test]
+async fn a_prompt_queued_in_a_failed_session_is_told_what_its_log_will_say() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (a, a_done) = h
+        .prompt(
+            r#"{"script": [{"say": "a"}, {"sleep_ms": 300}, {"say": "b"}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    let (b, b_done) = h
+        .prompt("hello".into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.fail_appends(true);
+    let failed = Terminal::failed(ErrorKind::StoreUnavailable);
+    assert_eq!(a_done.await.unwrap().terminal, failed);
+    // A hang detector, not a timing.
+    let told = tokio::time::timeout(Duration::from_secs(30), b_done)
+        .await
+        .expect("the queued prompt's owner is told")
+        .expect("told, not dropped");
+    assert_eq!((told.prompt, told.terminal), (b, failed.clone()));
+    store.fail_appends(false);
+    let _h = s.open(h.id()).await.unwrap();
+    settled_store_unavailable_once(&s, h.id(), a).await;
+    settled_store_unavailable_once(&s, h.id(), b).await;
+}

@@ -575,7 +575,7 @@ impl Actor for SessionActor {
         // span (entered per message, 4% of the CPU under load): the log
         // lines name the session (`session = %self.id`).
         Box::pin(st.handle(&myself, msg)).await;
-        match st.failed.take() {
+        match st.failed {
             Some(why) => Err(Box::new(why)),
             None => Ok(()),
         }
@@ -588,12 +588,6 @@ impl Actor for SessionActor {
     ) -> Result<(), ActorProcessingErr> {
         st.flush();
         st.wake.stop();
-        // A failed actor leaves prompts queued (they are reconciled from
-        // the ledger); they no longer wait here.
-        let queued = st.core.queued().count();
-        if queued > 0 {
-            metrics::gauge!("tiller_prompt_queue_depth").decrement(queued as f64);
-        }
         Ok(())
     }
 }

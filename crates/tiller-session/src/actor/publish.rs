@@ -104,7 +104,7 @@ impl SessionState {
             Ok(()) => terminal,
             // Not stored: the owner hears what the log will say once the
             // failed session is reconciled.
-            Err(_) => Terminal::failed(tiller_core::ErrorKind::StoreUnavailable),
+            Err(_) => Terminal::failed(self.failure_kind()),
         };
         if self.failed.is_none() {
             if delivers && let Some(w) = &self.config.delivery_wake {
@@ -330,7 +330,7 @@ impl SessionState {
                 .active_payload_mut()
                 .and_then(|p| p.settled.take()),
         ) {
-            let terminal = Terminal::failed(tiller_core::ErrorKind::StoreUnavailable);
+            let terminal = Terminal::failed(self.failure_kind());
             let _ = tx.send(Settlement { prompt, terminal });
         }
     }
@@ -439,6 +439,48 @@ impl SessionState {
 }
 
 impl SessionState {
+    /// What the log will say of this failing session's prompts once they
+    /// are reconciled (see [`crate::SessionFailed::kind`]).
+    fn failure_kind(&self) -> tiller_core::ErrorKind {
+        self.failed
+            .map_or(tiller_core::ErrorKind::StoreUnavailable, |f| f.kind())
+    }
+}
+
+/// However the actor ends (stopped, failed, panicked: a failure and a
+/// panic skip `post_stop`), the prompts whose ports it still holds are
+/// told, and no longer counted as queued. A failed session's owners hear
+/// what its log will say once reconciled; after a panic the ports are
+/// dropped, which the edges report as `session_restarted`, what the
+/// registry then stores.
+impl Drop for SessionState {
+    fn drop(&mut self) {
+        let queued = self.core.queued().count();
+        if queued > 0 {
+            metrics::gauge!("tiller_prompt_queue_depth").decrement(queued as f64);
+        }
+        let Some(failed) = self.failed else {
+            return;
+        };
+        let terminal = Terminal::failed(failed.kind());
+        let tell = |prompt, payload: &mut Pending| {
+            if let Some(tx) = payload.settled.take() {
+                let terminal = terminal.clone();
+                let _ = tx.send(Settlement { prompt, terminal });
+            }
+        };
+        if let Some((prompt, _)) = self.core.active()
+            && let Some(payload) = self.core.active_payload_mut()
+        {
+            tell(prompt, payload);
+        }
+        for (prompt, payload) in self.core.queued_payloads_mut() {
+            tell(prompt, payload);
+        }
+    }
+}
+
+impl SessionState {
     /// Stores what was published and not sent (a deferred admission among
     /// it, see `Acknowledge::Terminal`) and waits for the commit: a turn
     /// goes no further than streaming content before its prompt is stored.
@@ -473,7 +515,7 @@ impl SessionState {
                     .active_payload_mut()
                     .and_then(|p| p.settled.take())
                 {
-                    let terminal = Terminal::failed(tiller_core::ErrorKind::StoreUnavailable);
+                    let terminal = Terminal::failed(self.failure_kind());
                     let _ = tx.send(Settlement { prompt, terminal });
                 }
                 false
