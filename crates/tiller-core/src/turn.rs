@@ -643,36 +643,48 @@ impl<P, S: Clone> SessionCore<P, S> {
     /// Feeds one input at time `now`; returns the answer for its sender and
     /// the effects, in order.
     pub fn on(&mut self, now: Millis, input: Input<P, S>) -> Step<P, S> {
-        let mut fx = Vec::new();
+        let mut effects = Vec::new();
+        let answer = self.on_into(now, input, &mut effects);
+        Step { answer, effects }
+    }
+
+    /// [`SessionCore::on`], the effects appended to `fx` (a buffer the
+    /// caller keeps: no allocation per input).
+    pub fn on_into(
+        &mut self,
+        now: Millis,
+        input: Input<P, S>,
+        fx: &mut Vec<Effect<P, S>>,
+    ) -> Answer<P> {
         let answer = match input {
             Input::Prompt {
                 prompt,
                 origin,
                 payload,
-            } => self.prompt(now, prompt, origin, payload, &mut fx),
+            } => self.prompt(now, prompt, origin, payload, fx),
             Input::Steer {
                 steer,
                 text,
                 idle_behavior,
-            } => self.steer(now, steer, text, idle_behavior, &mut fx),
+            } => self.steer(now, steer, text, idle_behavior, fx),
             Input::Cancel => {
-                self.cancel(now, &mut fx);
+                self.cancel(now, fx);
                 Answer::None
             }
             Input::Withdraw { prompt } => {
-                self.withdraw(now, prompt, &mut fx);
+                self.withdraw(now, prompt, fx);
                 Answer::None
             }
             Input::Close => {
-                self.close(now, &mut fx);
+                self.close(now, fx);
                 Answer::None
             }
             Input::Signal { turn, signal } => {
-                self.signal(now, turn, signal, &mut fx);
+                self.signal(now, turn, signal, fx);
                 Answer::None
             }
             Input::LoopTrip { turn, loop_type } => {
-                self.loop_trip(now, turn, loop_type, &mut fx);
+                self.loop_trip(now, turn, loop_type, fx);
                 Answer::None
             }
             Input::ToolProgress { turn } => {
@@ -687,19 +699,16 @@ impl<P, S: Clone> SessionCore<P, S> {
                 if self.polling.is_some() {
                     self.rekick = true;
                 } else if self.active.is_none() && !self.closing {
-                    self.poll_from(0, &mut fx);
+                    self.poll_from(0, fx);
                 }
                 Answer::None
             }
-            Input::Offer { origin, poll, work } => self.offer(now, origin, poll, work, &mut fx),
+            Input::Offer { origin, poll, work } => self.offer(now, origin, poll, work, fx),
         };
         // Deadlines after the input: a signal that arrives late still counts.
-        self.expire(now, &mut fx);
-        self.rearm(&mut fx);
-        Step {
-            answer,
-            effects: fx,
-        }
+        self.expire(now, fx);
+        self.rearm(fx);
+        answer
     }
 
     fn prompt(

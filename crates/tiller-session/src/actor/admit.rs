@@ -51,13 +51,14 @@ impl SessionState {
             origin,
             payload,
         };
-        let step = self.core.on(self.now(), input);
+        let mut effects = std::mem::take(&mut self.fx);
+        let answer = self.core.on_into(self.now(), input, &mut effects);
         // Durable before acknowledged: the admission event is committed
         // before the caller hears of it (for `Acknowledge::Terminal`, a start is
         // committed with the turn's first events, before anything of it is
         // shown and before its terminal).
         let mut deferred = false;
-        let admission = match step.answer {
+        let admission = match answer {
             Answer::Rejected { reason, .. } => {
                 refuse(
                     admitted,
@@ -69,7 +70,7 @@ impl SessionState {
                 // The step may hold more than the refusal: a deadline
                 // passed before this prompt was handled (its tick behind
                 // it in the mailbox) settles the turn here.
-                return self.apply(myself, step.effects, None).await;
+                return self.apply(myself, effects, None).await;
             }
             Answer::Queued { depth } => {
                 // It waits in the core from now on (a failed actor takes
@@ -111,7 +112,7 @@ impl SessionState {
             let _ = a.send(Ok(prompt));
         }
         // A start effect publishes `user_message` and runs the engine.
-        self.apply(myself, step.effects, None).await;
+        self.apply(myself, effects, None).await;
     }
 
     /// Takes (or refuses) automatic work offered by a queue actor.

@@ -13,8 +13,10 @@ impl SessionState {
         content: Option<SignalKind>,
     ) {
         // Only the effects: the rest of the step (an answer that may hold
-        // a prompt) would live in this future while it waits.
-        let fx = self.core.on(self.now(), input).effects;
+        // a prompt) would live in this future while it waits. Into the
+        // actor's buffer, given back once carried out.
+        let mut fx = std::mem::take(&mut self.fx);
+        self.core.on_into(self.now(), input, &mut fx);
         self.apply(myself, fx, content).await;
     }
 
@@ -22,11 +24,11 @@ impl SessionState {
     pub(super) async fn apply(
         &mut self,
         myself: &ActorRef<SessionMsg>,
-        fx: Vec<Effect<Pending, String>>,
+        mut fx: Vec<Effect<Pending, String>>,
         mut content: Option<SignalKind>,
     ) {
         let mut trip = None;
-        for e in fx {
+        for e in fx.drain(..) {
             if self.failed.is_some() {
                 return; // the session is failing: its state is not the log's
             }
@@ -167,6 +169,12 @@ impl SessionState {
                     }
                 }
             }
+        }
+        // The buffer is kept for the running turn's next input (one a
+        // nested step took meanwhile is there already); an idle session
+        // holds none (most sessions are idle: their memory counts).
+        if self.fx.capacity() == 0 && self.core.active().is_some() {
+            self.fx = fx;
         }
         // A loop trip found while delivering content is the core's next input.
         if let Some(input) = trip {

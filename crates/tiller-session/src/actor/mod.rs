@@ -417,6 +417,8 @@ pub struct SessionState {
     subscribers: crate::subscribers::Subscribers,
     /// The wake-up timer the core asked for.
     wake: wake::Wake,
+    /// The core's effects, a buffer reused from input to input.
+    fx: Vec<Effect<Pending, String>>,
     /// The actor's clock origin (time is an input to the core).
     epoch: tokio::time::Instant,
     /// When the message being handled arrived, for `settle_latency_seconds`
@@ -542,6 +544,7 @@ impl Actor for SessionActor {
             running: None,
             subscribers: args.subscribers,
             wake: Default::default(),
+            fx: Vec::new(),
             epoch: crate::clock::instant(),
             input_at: crate::clock::instant(),
             cancel_at: None,
