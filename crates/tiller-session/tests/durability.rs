@@ -786,3 +786,37 @@ async fn a_prompt_queued_in_a_failed_session_is_told_what_its_log_will_say() {
     settled_store_unavailable_once(&s, h.id(), a).await;
     settled_store_unavailable_once(&s, h.id(), b).await;
 }
+
+/// A cancel that settles two queued prompts while the store fails: the
+/// first's terminal cannot be stored, the session fails, and the second's
+/// `Settled` is never carried out; its owner is still told what its log
+/// will say (its port left the core with that effect: it was dropped).
+#[tokio::test]
+async fn terminals_left_in_a_failing_step_are_told_what_the_log_will_say() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let slow = r#"{"script": [{"say": "a"}, {"sleep_ms": 300}, {"say": "b"}]}"#;
+    let mut ports = Vec::new();
+    for _ in 0..3 {
+        ports.push(
+            h.prompt(slow.into(), Origin::Interactive)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    store.fail_appends(true);
+    h.cancel().unwrap();
+    let failed = Terminal::failed(ErrorKind::StoreUnavailable);
+    for (prompt, done) in ports.drain(..) {
+        // A hang detector, not a timing.
+        let told = tokio::time::timeout(Duration::from_secs(30), done)
+            .await
+            .expect("its owner is told")
+            .expect("told, not dropped");
+        assert_eq!((told.prompt, told.terminal), (prompt, failed.clone()));
+    }
+    store.fail_appends(false);
+    let _h = s.open(h.id()).await.unwrap();
+}

@@ -104,7 +104,8 @@ impl SessionState {
             // Never acknowledged, never fanned out; the session fails and
             // is rebuilt from the store (see `publish_durable`).
             tracing::warn!(session = %self.id, error = %e, "prompt refused: the store is unavailable");
-            return refuse(admitted, PromptRefused::StoreUnavailable);
+            refuse(admitted, PromptRefused::StoreUnavailable);
+            return self.told_failed(effects.into_iter());
         } else {
             count_admitted(origin);
         }
@@ -224,7 +225,7 @@ impl SessionState {
         if stored.is_err() {
             // Not acknowledged; the session fails after this message.
             let _ = reply.send(Err(PromptRefused::StoreUnavailable));
-            return;
+            return self.told_failed(step.effects.into_iter());
         }
         if let SteerOutcome::StartedNewTurn { .. } = outcome {
             count_admitted(Origin::Interactive);

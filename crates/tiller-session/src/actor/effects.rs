@@ -28,9 +28,12 @@ impl SessionState {
         mut content: Option<SignalKind>,
     ) {
         let mut trip = None;
-        for e in fx.drain(..) {
+        let mut rest = fx.drain(..);
+        while let Some(e) = rest.next() {
             if self.failed.is_some() {
-                return; // the session is failing: its state is not the log's
+                // The session is failing: its state is not the log's. The
+                // owners of the terminals left hear what it will say.
+                return self.told_failed(std::iter::once(e).chain(rest));
             }
             match e {
                 Effect::ForwardSteer { turn, steer, text } => {
@@ -170,6 +173,7 @@ impl SessionState {
                 }
             }
         }
+        drop(rest);
         // The buffer is kept for the running turn's next input (one a
         // nested step took meanwhile is there already); an idle session
         // holds none (most sessions are idle: their memory counts).

@@ -445,6 +445,42 @@ impl SessionState {
         self.failed
             .map_or(tiller_core::ErrorKind::StoreUnavailable, |f| f.kind())
     }
+
+    /// A failing session's effects that will not be carried out: each
+    /// terminal's owner hears what the log will say once reconciled (its
+    /// port left the core with the effect), and a queued prompt settled or
+    /// started here no longer counts as queued.
+    pub(super) fn told_failed(&mut self, effects: impl Iterator<Item = Effect<Pending, String>>) {
+        let terminal = Terminal::failed(self.failure_kind());
+        for e in effects {
+            match e {
+                Effect::Settled {
+                    prompt,
+                    turn,
+                    mut payload,
+                    ..
+                } => {
+                    if turn.is_none() {
+                        metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
+                    }
+                    if let Some(tx) = payload.settled.take() {
+                        let terminal = terminal.clone();
+                        let _ = tx.send(Settlement { prompt, terminal });
+                    }
+                }
+                Effect::StartTurn {
+                    prompt,
+                    deferred: true,
+                    ..
+                } if self.core.active().is_some_and(|(p, _)| p == prompt)
+                    && self.core.active_payload().is_some_and(|p| p.work.is_none()) =>
+                {
+                    metrics::gauge!("tiller_prompt_queue_depth").decrement(1.0);
+                }
+                _ => {}
+            }
+        }
+    }
 }
 
 /// However the actor ends (stopped, failed, panicked: a failure and a
