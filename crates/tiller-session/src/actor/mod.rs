@@ -22,6 +22,7 @@ use tracing::{Instrument, Span};
 
 mod admit;
 mod effects;
+mod failure;
 mod handle;
 mod hosted;
 mod options;
@@ -417,7 +418,7 @@ pub struct SessionState {
     subscribers: crate::subscribers::Subscribers,
     /// The wake-up timer the core asked for.
     wake: wake::Wake,
-    /// The core's effects, a buffer reused from input to input.
+    /// The core's effects, a buffer reused while a turn runs.
     fx: Vec<Effect<Pending, String>>,
     /// The actor's clock origin (time is an input to the core).
     epoch: tokio::time::Instant,
