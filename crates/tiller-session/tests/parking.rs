@@ -22,6 +22,14 @@ async fn parking_after(dir: &tempfile::TempDir, after: Duration) -> Sessions {
     let mut config = tiller_test_support::session_config();
     config.park_after = Some(after);
     config.max_sessions = 100;
+    started(store, config).await
+}
+
+/// Sessions on the scripted engine over `store`.
+async fn started(
+    store: tiller_test_support::Store,
+    config: tiller_session::SessionConfig,
+) -> Sessions {
     Sessions::start(
         store,
         tiller_session::Engines::single(Arc::new(ScriptedEngine)),
@@ -371,13 +379,7 @@ async fn a_timer_outliving_its_turn_does_not_put_off_parking() {
     let mut config = tiller_test_support::session_config();
     config.turn.stall_timeout = 60_000;
     config.park_after = Some(Duration::from_secs(60));
-    let s = Sessions::start(
-        store,
-        tiller_session::Engines::single(Arc::new(ScriptedEngine)),
-        config,
-    )
-    .await
-    .unwrap();
+    let s = started(store, config).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
     end_turn(&h, "hello").await;
     // The turn's timer fires at about 60 s, the session idle all along.
