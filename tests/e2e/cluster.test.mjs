@@ -250,6 +250,41 @@ describe("cluster over PostgreSQL", { skip }, () => {
     assert.equal(events.filter((e) => e.type === "turn_complete").length, 2);
   });
 
+  test("an owner that finds its lease taken tells its clients' prompts node_lost, what the new owner stores", async () => {
+    const schema = `cluster_${randomBytes(6).toString("hex")}`;
+    // No stall watchdog to fire first when a resumes.
+    const a = await startNode(schema, "node-a", tempDir(), { TILLER_TURN__STALL_TIMEOUT: "600s" });
+    const b = await startNode(schema, "node-b");
+    const sid = (await api(a, "POST", "/api/sessions", { cwd: "/tmp" })).body.id;
+    const onA = await connectWs(a);
+    try {
+      await initialize(onA);
+      await onA.request("session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+      // A quiet turn: nothing is written while it sleeps, so a finds its
+      // lease lost by renewing it, not by a fenced write.
+      const prompt = onA.request("session/prompt", textPrompt(sid, script([{ say: "working" }, { sleep_ms: 60000 }])));
+      const answered = prompt.then(
+        (r) => ({ result: r }),
+        (e) => ({ error: e }),
+      );
+      await onA.until(() => agentText(onA, sid) === "working");
+      await pause(a.child);
+      await until("b takes the session", async () => (await api(b, "GET", `/api/sessions/${sid}`)).status === 200);
+      const events = await history(b, sid);
+      const started = events.find((e) => e.type === "prompt_started");
+      const terms = terminalsOf(events, started.promptId);
+      assert.equal(terms.length, 1, "the new owner settled the prompt left in flight");
+      assert.equal(terms[0].data.errorKind, "node_lost");
+      a.child.kill("SIGCONT");
+      const { result, error } = await answered;
+      assert.equal(result, undefined, `a's client heard a result: ${JSON.stringify(result)}`);
+      assert.equal(error.data?.errorKind, "node_lost", `a's client heard: ${JSON.stringify(error)}`);
+      assert.equal(error.data?.promptId, started.promptId);
+    } finally {
+      onA.close();
+    }
+  });
+
   test("background notifications: each owner queues and runs its own, one sent through another node too, ids never collide", async () => {
     const schema = `cluster_${randomBytes(6).toString("hex")}`;
     const a = await startNode(schema, "node-a");

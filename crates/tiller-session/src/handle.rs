@@ -27,8 +27,12 @@ pub(crate) enum SlotState {
     /// No actor. The first message asks the registry to start one.
     Parked(Vec<SessionMsg>),
     /// The session is no longer served here (its actor failed or was
-    /// stopped, its lease was lost): handles are stale.
+    /// stopped): handles are stale.
     Gone,
+    /// As `Gone`, because another node took the session over (this node
+    /// found its lease lost): its stopping actor tells the prompts it
+    /// holds `node_lost`, what their new owner stores.
+    Taken,
 }
 
 impl Slot {
@@ -100,7 +104,7 @@ impl Slot {
                 }
                 Ok(())
             }
-            SlotState::Gone => Err(SessionError::Stopped),
+            SlotState::Gone | SlotState::Taken => Err(SessionError::Stopped),
         }
     }
 }
@@ -148,7 +152,7 @@ impl SessionHandle {
         match &*self.slot.lock() {
             SlotState::Running(a) => a.get_status() == ractor::ActorStatus::Running,
             SlotState::Parking(_) | SlotState::Parked(_) => true,
-            SlotState::Gone => false,
+            SlotState::Gone | SlotState::Taken => false,
         }
     }
 

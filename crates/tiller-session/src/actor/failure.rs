@@ -12,6 +12,18 @@ impl SessionState {
             .map_or(tiller_core::ErrorKind::StoreUnavailable, |f| f.kind())
     }
 
+    /// Whether the session stops because another node took it over (this
+    /// node found its lease lost): then it fails as a write refused by
+    /// the lease would have, and the owners of the prompts it holds hear
+    /// `node_lost`, what the new owner stores (see the `Drop` below).
+    pub(super) fn taken_over(&mut self) -> bool {
+        let taken = matches!(*self.slot.lock(), crate::handle::SlotState::Taken);
+        if taken {
+            self.failed = Some(crate::SessionFailed::LeaseLost);
+        }
+        taken
+    }
+
     /// A failing session's effects that will not be carried out: each
     /// terminal's owner hears what the log will say once reconciled (its
     /// port left the core with the effect), and a queued prompt settled or
@@ -51,10 +63,10 @@ impl SessionState {
 
 /// However the actor ends (stopped, failed, panicked: a failure and a
 /// panic skip `post_stop`), the prompts whose ports it still holds are
-/// told, and no longer counted as queued. A failed session's owners hear
-/// what its log will say once reconciled; after a panic the ports are
-/// dropped, which the edges report as `session_restarted`, what the
-/// registry then stores.
+/// told, and no longer counted as queued. A failed session's owners (and a
+/// taken-over one's) hear what its log will say once reconciled; after a
+/// panic the ports are dropped, which the edges report as
+/// `session_restarted`, what the registry then stores.
 impl Drop for SessionState {
     fn drop(&mut self) {
         let queued = self.core.queued().count();

@@ -590,8 +590,11 @@ impl Actor for SessionActor {
         _myself: ActorRef<SessionMsg>,
         st: &mut SessionState,
     ) -> Result<(), ActorProcessingErr> {
-        st.flush();
         st.wake.stop();
+        // A session taken over writes nothing more (it would be refused).
+        if !st.taken_over() {
+            st.flush();
+        }
         Ok(())
     }
 }

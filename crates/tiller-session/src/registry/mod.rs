@@ -284,10 +284,16 @@ impl RegistryState {
                         continue; // it runs on a newer lease
                     }
                     tracing::warn!(session = %id, "another node took this session over; it stops here");
-                    if let Some(actor) = self.live.get(&id).and_then(|l| l.run.actor().cloned()) {
+                    let Some(live) = self.live.get(&id) else {
+                        continue;
+                    };
+                    let (slot, actor) = (live.slot.clone(), live.run.actor().cloned());
+                    resumed.extend(self.drop_live(id).into_iter().flatten());
+                    // Marked before the stop, which its actor reads.
+                    *slot.lock() = SlotState::Taken;
+                    if let Some(actor) = actor {
                         actor.stop(Some("lease lost".into()));
                     }
-                    resumed.extend(self.drop_live(id).into_iter().flatten());
                 }
                 return Some(resumed);
             }

@@ -38,7 +38,7 @@ pub(super) fn resume(slot: &Slot, actor: ActorRef<SessionMsg>) {
         let mut state = slot.lock();
         let queued = match &mut *state {
             SlotState::Parking(q) | SlotState::Parked(q) => std::mem::take(q),
-            SlotState::Running(_) | SlotState::Gone => Vec::new(),
+            SlotState::Running(_) | SlotState::Gone | SlotState::Taken => Vec::new(),
         };
         for m in queued {
             if let Err(e) = actor.send_message(m) {
