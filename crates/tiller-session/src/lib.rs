@@ -271,6 +271,14 @@ impl SessionFailed {
             SessionFailed::LeaseLost => tiller_core::ErrorKind::NodeLost,
         }
     }
+
+    /// The answer to a request the failure cut short.
+    pub(crate) fn error(self) -> SessionError {
+        match self {
+            SessionFailed::StoreUnavailable => SessionError::Store(StoreError::LogBroken),
+            SessionFailed::LeaseLost => SessionError::Stopped,
+        }
+    }
 }
 
 /// The answer to a steer.

@@ -820,3 +820,55 @@ async fn terminals_left_in_a_failing_step_are_told_what_the_log_will_say() {
     store.fail_appends(false);
     let _h = s.open(h.id()).await.unwrap();
 }
+
+/// A close whose step fails the session (a queued prompt's terminal cannot
+/// be stored) writes nothing more: it answers with the failure, and the
+/// log holds what the owners were told once it is reconciled, not the
+/// close's own writes made once the store came back.
+#[tokio::test]
+async fn a_close_that_fails_its_session_stores_nothing_more() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let slow = r#"{"script": [{"say": "a"}, {"sleep_ms": 60000}]}"#;
+    let mut ports = Vec::new();
+    for _ in 0..2 {
+        ports.push(
+            h.prompt(slow.into(), Origin::Interactive)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    store.fail_appends(true);
+    let closing = tokio::spawn({
+        let h = h.clone();
+        async move { h.close().await }
+    });
+    let failed = Terminal::failed(ErrorKind::StoreUnavailable);
+    let (queued, done) = ports.pop().unwrap();
+    // A hang detector, not a timing.
+    let told = tokio::time::timeout(Duration::from_secs(30), done)
+        .await
+        .expect("the queued prompt's owner is told")
+        .expect("told, not dropped");
+    assert_eq!((told.prompt, told.terminal), (queued, failed));
+    // The store is back while the close is answered.
+    store.fail_appends(false);
+    let closed = tokio::time::timeout(Duration::from_secs(30), closing)
+        .await
+        .expect("the close is answered")
+        .unwrap();
+    assert!(
+        closed.is_err(),
+        "a close that failed its session answered {closed:?}"
+    );
+    let h = s.open(h.id()).await.unwrap();
+    let log = settled_store_unavailable_once(&s, h.id(), queued).await;
+    settled_store_unavailable_once(&s, h.id(), ports[0].0).await;
+    assert!(
+        !kinds(&log).contains(&"session_closed"),
+        "{:?}",
+        kinds(&log)
+    );
+}

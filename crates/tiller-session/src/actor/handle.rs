@@ -266,15 +266,20 @@ impl SessionState {
                         self.cancel_at = Some(crate::clock::instant());
                     }
                     self.feed(myself, Input::Close, None).await;
-                    // Answered only once the close is stored.
-                    let stored = match self
-                        .publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
-                        .await
-                    {
-                        Ok(()) => self.store.close_session(self.id).await,
-                        Err(e) => Err(e),
+                    // Answered only once the close is stored. A session its
+                    // step failed writes nothing more.
+                    let stored = match self.failed {
+                        Some(f) => Err(f.error()),
+                        None => match self
+                            .publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
+                            .await
+                        {
+                            Ok(()) => self.store.close_session(self.id).await,
+                            Err(e) => Err(e),
+                        }
+                        .map_err(crate::SessionError::from),
                     };
-                    let _ = reply.send(stored.map_err(crate::SessionError::from));
+                    let _ = reply.send(stored);
                 } else {
                     let _ = reply.send(Ok(()));
                 }
