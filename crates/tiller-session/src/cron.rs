@@ -17,7 +17,7 @@ use tokio::sync::oneshot;
 
 use crate::SessionError;
 use crate::event::EventBody;
-use crate::ports::{Inbox, Waker, Work, WorkQueue};
+use crate::ports::{PollReply, Waker, Work, WorkQueue};
 
 /// Why a job could not be added.
 #[derive(Debug, thiserror::Error)]
@@ -55,9 +55,7 @@ pub enum CronMsg {
     /// An idle session asks for its next fire (answered as an `Offer`).
     Poll {
         session: SessionId,
-        /// Echoed in the answer.
-        poll: u64,
-        inbox: Arc<dyn Inbox>,
+        reply: PollReply,
     },
     /// The session was deleted (its rows are gone): forget its jobs and
     /// fires.
@@ -143,11 +141,7 @@ impl Actor for CronActor {
                 st.arm(&myself);
             }
             CronMsg::Tick => st.tick(&myself).await,
-            CronMsg::Poll {
-                session,
-                poll,
-                inbox,
-            } => {
+            CronMsg::Poll { session, reply } => {
                 // Nodes sharing the store: the session's fires are read
                 // again first (see the notification actor's poll).
                 if st.store.shared_by_nodes() {
@@ -158,7 +152,7 @@ impl Actor for CronActor {
                         ),
                         Err(e) => {
                             tracing::warn!(%session, error = %e, "cannot read the session's cron fires");
-                            inbox.offer(Origin::Cron, poll, None);
+                            reply.offer(None);
                             return Ok(());
                         }
                     }
@@ -174,7 +168,7 @@ impl Actor for CronActor {
                         fired_ms: w.fired_ms,
                     })
                 });
-                inbox.offer(Origin::Cron, poll, work);
+                reply.offer(work);
             }
             CronMsg::Started { session, id } => st.fires.consumed(session, id),
             CronMsg::Reload(reply) => {
@@ -349,13 +343,9 @@ impl WorkQueue for ActorRef<CronMsg> {
         Origin::Cron
     }
 
-    fn poll(&self, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool {
-        self.send_message(CronMsg::Poll {
-            session,
-            poll,
-            inbox,
-        })
-        .is_ok()
+    fn poll(&self, session: SessionId, reply: PollReply) {
+        // Not sent (the queue stopped): the reply, dropped, answers.
+        let _ = self.send_message(CronMsg::Poll { session, reply });
     }
 
     fn started(&self, session: SessionId, work: &Work) {

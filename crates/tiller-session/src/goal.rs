@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 use std::sync::Arc;
 
 use crate::event::EventBody;
-use crate::ports::{Ack, Inbox, Work, WorkQueue};
+use crate::ports::{Ack, Inbox, PollReply, Work, WorkQueue};
 
 /// Where a change's event goes: the session's inbox, and the answer the
 /// caller waits for once the event is stored. A change publishes its event
@@ -63,9 +63,7 @@ pub enum GoalMsg {
     /// An idle session asks for a continuation (answered as an `Offer`).
     Poll {
         session: SessionId,
-        /// Echoed in the answer.
-        poll: u64,
-        inbox: Arc<dyn Inbox>,
+        reply: PollReply,
     },
     /// A goal turn of the session ended.
     TurnEnded {
@@ -185,11 +183,7 @@ impl Actor for GoalActor {
                 }
                 let _ = reply.send(r);
             }
-            GoalMsg::Poll {
-                session,
-                poll,
-                inbox,
-            } => {
+            GoalMsg::Poll { session, reply } => {
                 let text = match store.goal_get(session).await {
                     Ok(Some(row)) => to_core(&row).continuation(),
                     Ok(None) => None,
@@ -198,7 +192,7 @@ impl Actor for GoalActor {
                         None
                     }
                 };
-                inbox.offer(Origin::Goal, poll, text.map(Work::Goal));
+                reply.offer(text.map(Work::Goal));
             }
             GoalMsg::TurnEnded {
                 session,
@@ -265,13 +259,9 @@ impl WorkQueue for ActorRef<GoalMsg> {
         Origin::Goal
     }
 
-    fn poll(&self, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool {
-        self.send_message(GoalMsg::Poll {
-            session,
-            poll,
-            inbox,
-        })
-        .is_ok()
+    fn poll(&self, session: SessionId, reply: PollReply) {
+        // Not sent (the queue stopped): the reply, dropped, answers.
+        let _ = self.send_message(GoalMsg::Poll { session, reply });
     }
 
     fn turn_ended(&self, session: SessionId, loop_stopped: bool, inbox: Arc<dyn Inbox>) {

@@ -5,15 +5,13 @@
 //! session polls it; it offers the oldest notification, which stays queued
 //! until the session's stored start consumes it.
 
-use std::sync::Arc;
-
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tiller_core::notify::{Queued, Queues};
 use tiller_core::{Origin, SessionId};
 use tiller_store::{Enqueued, Notification, Store, StoreError};
 use tokio::sync::oneshot;
 
-use crate::ports::{Inbox, Work, WorkQueue};
+use crate::ports::{PollReply, Work, WorkQueue};
 
 /// The closed set of messages the notification actor handles.
 pub enum NotifyMsg {
@@ -27,9 +25,7 @@ pub enum NotifyMsg {
     /// A session is idle and asks for its next notification.
     Poll {
         session: SessionId,
-        /// Echoed in the answer.
-        poll: u64,
-        inbox: Arc<dyn Inbox>,
+        reply: PollReply,
     },
     /// The session started the notification `id` (its start consumes it).
     Started { session: SessionId, id: i64 },
@@ -133,11 +129,7 @@ impl Actor for NotifyActor {
                 st.gauge();
                 let _ = reply.send(r);
             }
-            NotifyMsg::Poll {
-                session,
-                poll,
-                inbox,
-            } => {
+            NotifyMsg::Poll { session, reply } => {
                 // Nodes sharing the store: what is queued for the session
                 // is read again first (the node that served it before may
                 // have run some, or queued more); this node holds its
@@ -150,7 +142,7 @@ impl Actor for NotifyActor {
                         ),
                         Err(e) => {
                             tracing::warn!(%session, error = %e, "cannot read the session's notifications");
-                            inbox.offer(Origin::Notification, poll, None);
+                            reply.offer(None);
                             return Ok(());
                         }
                     }
@@ -164,7 +156,7 @@ impl Actor for NotifyActor {
                         created_ms: q.created_ms,
                     })
                 });
-                inbox.offer(Origin::Notification, poll, work);
+                reply.offer(work);
             }
             NotifyMsg::Started { session, id } => {
                 st.queues.consumed(session, id);
@@ -192,13 +184,9 @@ impl WorkQueue for ActorRef<NotifyMsg> {
         Origin::Notification
     }
 
-    fn poll(&self, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool {
-        self.send_message(NotifyMsg::Poll {
-            session,
-            poll,
-            inbox,
-        })
-        .is_ok()
+    fn poll(&self, session: SessionId, reply: PollReply) {
+        // Not sent (the queue stopped): the reply, dropped, answers.
+        let _ = self.send_message(NotifyMsg::Poll { session, reply });
     }
 
     fn started(&self, session: SessionId, work: &Work) {

@@ -50,6 +50,44 @@ pub trait Inbox: Send + Sync + 'static {
     fn event(&self, body: EventBody, kick: bool, ack: Option<Ack>);
 }
 
+/// A poll's one answer, given with [`PollReply::offer`]; a reply dropped
+/// unanswered (its queue stopped or failed before it answered, or never
+/// took the message) answers that nothing is due, so a session never
+/// waits on a poll.
+pub struct PollReply {
+    origin: Origin,
+    poll: u64,
+    inbox: Option<Arc<dyn Inbox>>,
+}
+
+impl PollReply {
+    /// The reply to poll `poll` of the queue of `origin`, for `inbox`.
+    pub fn new(origin: Origin, poll: u64, inbox: Arc<dyn Inbox>) -> PollReply {
+        PollReply {
+            origin,
+            poll,
+            inbox: Some(inbox),
+        }
+    }
+
+    /// Answers with one item, or nothing due.
+    pub fn offer(mut self, work: Option<Work>) {
+        self.answer(work);
+    }
+
+    fn answer(&mut self, work: Option<Work>) {
+        if let Some(inbox) = self.inbox.take() {
+            inbox.offer(self.origin, self.poll, work);
+        }
+    }
+}
+
+impl Drop for PollReply {
+    fn drop(&mut self) {
+        self.answer(None);
+    }
+}
+
 /// Answered once an event is stored: what a caller waits for before it
 /// acknowledges the change the event records.
 pub type Ack = tokio::sync::oneshot::Sender<Result<(), crate::SessionError>>;
@@ -58,9 +96,9 @@ pub type Ack = tokio::sync::oneshot::Sender<Result<(), crate::SessionError>>;
 pub trait WorkQueue: Send + Sync + 'static {
     /// Which origin its work runs as.
     fn origin(&self) -> Origin;
-    /// Asks for the session's next work; the answer goes to `inbox`.
-    /// False when the queue cannot answer (stopped).
-    fn poll(&self, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool;
+    /// Asks for the session's next work; `reply` answers it (dropped,
+    /// nothing due).
+    fn poll(&self, session: SessionId, reply: PollReply);
     /// A prompt the queue offered has started (its stored start consumes
     /// the row; the queue forgets the item).
     fn started(&self, _session: SessionId, _work: &Work) {}
@@ -77,3 +115,40 @@ pub trait Waker: Send + Sync + 'static {
 
 /// What [`Waker::wake`] returns.
 pub type WakeFuture<'a> = std::pin::Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// Records every answer.
+    #[derive(Default)]
+    struct Answers(Mutex<Vec<(Origin, u64, Option<String>)>>);
+
+    impl Inbox for Answers {
+        fn offer(&self, origin: Origin, poll: u64, work: Option<Work>) {
+            let text = work.map(|w| w.text().to_owned());
+            self.0.lock().unwrap().push((origin, poll, text));
+        }
+        fn event(&self, _: EventBody, _: bool, _: Option<Ack>) {}
+    }
+
+    #[test]
+    fn a_poll_is_answered_exactly_once_however_its_reply_ends() {
+        let inbox = Arc::new(Answers::default());
+        // Answered with work: that answer only.
+        PollReply::new(Origin::Goal, 1, inbox.clone()).offer(Some(Work::Goal("go on".into())));
+        // Dropped unanswered (its queue failed, or never took it).
+        drop(PollReply::new(Origin::Cron, 2, inbox.clone()));
+        // A message holding it, dropped with it (a stopped actor's mailbox).
+        drop(vec![PollReply::new(Origin::Notification, 3, inbox.clone())]);
+        assert_eq!(
+            *inbox.0.lock().unwrap(),
+            vec![
+                (Origin::Goal, 1, Some("go on".into())),
+                (Origin::Cron, 2, None),
+                (Origin::Notification, 3, None),
+            ]
+        );
+    }
+}

@@ -153,14 +153,7 @@ impl SessionState {
                 }
                 Effect::Poll { origin, poll } => {
                     let inbox: Arc<dyn Inbox> = self.slot.clone();
-                    if !self.automation.poll(origin, self.id, poll, inbox) {
-                        // No actor for that queue: nothing is due there.
-                        let _ = myself.send_message(SessionMsg::Offer {
-                            origin,
-                            poll,
-                            work: None,
-                        });
-                    }
+                    self.automation.poll(origin, self.id, poll, inbox);
                 }
                 Effect::Idle => {
                     tracing::debug!(session = %self.id, "session idle");

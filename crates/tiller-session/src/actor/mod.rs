@@ -64,10 +64,12 @@ impl Automation {
     }
 
     /// Asks the queue of `origin` for its next work (the answer comes as
-    /// `SessionMsg::Offer`). False when no queue can answer.
-    fn poll(&self, origin: Origin, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) -> bool {
-        self.queue(origin)
-            .is_some_and(|q| q.poll(session, poll, inbox))
+    /// `SessionMsg::Offer`; without such a queue, at once: nothing due).
+    fn poll(&self, origin: Origin, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) {
+        let reply = crate::ports::PollReply::new(origin, poll, inbox);
+        if let Some(q) = self.queue(origin) {
+            q.poll(session, reply);
+        }
     }
 }
 
