@@ -50,6 +50,39 @@ pub trait Inbox: Send + Sync + 'static {
     fn event(&self, body: EventBody, kick: bool, ack: Option<Ack>);
 }
 
+/// The queues a session polls when idle, in admission order (goal,
+/// notification, cron), behind the [`WorkQueue`] port.
+#[derive(Clone, Default)]
+pub struct Automation {
+    /// Shared by every session (a clone is one reference count).
+    pub queues: Arc<[Arc<dyn WorkQueue>]>,
+}
+
+impl Automation {
+    pub(crate) fn origins(&self) -> Vec<Origin> {
+        self.queues.iter().map(|q| q.origin()).collect()
+    }
+
+    pub(crate) fn queue(&self, origin: Origin) -> Option<&Arc<dyn WorkQueue>> {
+        self.queues.iter().find(|q| q.origin() == origin)
+    }
+
+    /// Asks the queue of `origin` for its next work (the answer comes as
+    /// the session's `Offer`; without such a queue, at once: nothing due).
+    pub(crate) fn poll(
+        &self,
+        origin: Origin,
+        session: SessionId,
+        poll: u64,
+        inbox: Arc<dyn Inbox>,
+    ) {
+        let reply = PollReply::new(origin, poll, inbox);
+        if let Some(q) = self.queue(origin) {
+            q.poll(session, reply);
+        }
+    }
+}
+
 /// A poll's one answer, given with [`PollReply::offer`]; a reply dropped
 /// unanswered (its queue stopped or failed before it answered, or never
 /// took the message) answers that nothing is due, so a session never

@@ -37,41 +37,14 @@ use publish::{LINGER_AFTER, Ledger, unlingered};
 
 use crate::Acknowledge;
 use crate::event::{ConfigOption, EventBody, EventRecord};
-pub use crate::ports::Work;
-use crate::ports::{Ack, Inbox, WorkQueue};
+use crate::ports::{Ack, Inbox};
+pub use crate::ports::{Automation, Work};
 use crate::tools::{Batch, CallIds, Decision, PermissionMode, Permissions, Progress};
 use crate::{
     PermissionRefused, PromptRefused, SessionConfig, Snapshot, SteerAnswer, Subscriber,
     SubscriberId, TurnState,
 };
 use tiller_core::pipeline::CallId;
-
-/// The queues a session polls when idle, in admission order (goal,
-/// notification, cron), behind the [`WorkQueue`] port.
-#[derive(Clone, Default)]
-pub struct Automation {
-    /// Shared by every session (a clone is one reference count).
-    pub queues: Arc<[Arc<dyn WorkQueue>]>,
-}
-
-impl Automation {
-    fn origins(&self) -> Vec<Origin> {
-        self.queues.iter().map(|q| q.origin()).collect()
-    }
-
-    fn queue(&self, origin: Origin) -> Option<&Arc<dyn WorkQueue>> {
-        self.queues.iter().find(|q| q.origin() == origin)
-    }
-
-    /// Asks the queue of `origin` for its next work (the answer comes as
-    /// `SessionMsg::Offer`; without such a queue, at once: nothing due).
-    fn poll(&self, origin: Origin, session: SessionId, poll: u64, inbox: Arc<dyn Inbox>) {
-        let reply = crate::ports::PollReply::new(origin, poll, inbox);
-        if let Some(q) = self.queue(origin) {
-            q.poll(session, reply);
-        }
-    }
-}
 
 /// How a prompt's terminal is reported to its owner.
 #[derive(Debug)]
