@@ -247,6 +247,10 @@ pub enum PromptRefused {
 pub enum SessionFailed {
     #[error("the store could not record the session's events")]
     StoreUnavailable,
+    /// The session's log was set aside as damaged (its appends refused
+    /// until it is deleted).
+    #[error("the session's log is damaged")]
+    Damaged,
     /// Another node took the session over: its new owner settles what
     /// was in flight; this node settles nothing.
     #[error("another node took the session over")]
@@ -256,9 +260,12 @@ pub enum SessionFailed {
 impl SessionFailed {
     /// Why a failed write stops the session.
     pub(crate) fn of(e: &StoreError) -> SessionFailed {
-        match e.fenced() {
-            Some(_) => SessionFailed::LeaseLost,
-            None => SessionFailed::StoreUnavailable,
+        if e.fenced().is_some() {
+            SessionFailed::LeaseLost
+        } else if e.is_damaged_log() {
+            SessionFailed::Damaged
+        } else {
+            SessionFailed::StoreUnavailable
         }
     }
 
@@ -267,15 +274,22 @@ impl SessionFailed {
     /// their owners are told.
     pub(crate) fn kind(self) -> tiller_core::ErrorKind {
         match self {
-            SessionFailed::StoreUnavailable => tiller_core::ErrorKind::StoreUnavailable,
+            SessionFailed::StoreUnavailable | SessionFailed::Damaged => {
+                tiller_core::ErrorKind::StoreUnavailable
+            }
             SessionFailed::LeaseLost => tiller_core::ErrorKind::NodeLost,
         }
     }
 
-    /// The answer to a request the failure cut short.
-    pub(crate) fn error(self) -> SessionError {
+    /// The answer to a request the failure of session `id` cut short
+    /// (a damaged log's answer says how to repair it).
+    pub(crate) fn error(self, id: SessionId) -> SessionError {
         match self {
             SessionFailed::StoreUnavailable => SessionError::Store(StoreError::LogBroken),
+            SessionFailed::Damaged => SessionError::Store(StoreError::Damaged {
+                session: id,
+                why: "it was set aside".into(),
+            }),
             SessionFailed::LeaseLost => SessionError::Stopped,
         }
     }

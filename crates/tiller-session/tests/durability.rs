@@ -872,3 +872,32 @@ async fn a_close_that_fails_its_session_stores_nothing_more() {
         kinds(&log)
     );
 }
+
+/// A damaged session with a prompt queued behind a quiet turn: the close
+/// that its delete begins with settles the queued prompt, which the set
+/// aside log refuses, and fails the session; the delete still goes on (it
+/// is the repair), as it does when the close's own event is refused.
+#[tokio::test]
+async fn a_damaged_session_with_a_queued_prompt_is_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = patient_sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let slow = r#"{"script": [{"say": "a"}, {"sleep_ms": 60000}]}"#;
+    let mut ports = Vec::new();
+    for _ in 0..2 {
+        ports.push(
+            h.prompt(slow.into(), Origin::Interactive)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.set_aside(h.id(), "damaged by a test").await.unwrap();
+    let deleted = s.delete(h.id()).await;
+    assert!(deleted.is_ok(), "{deleted:?}");
+    assert!(
+        matches!(s.open(h.id()).await, Err(SessionError::Unknown(_))),
+        "deleted"
+    );
+}

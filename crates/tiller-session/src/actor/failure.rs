@@ -8,20 +8,26 @@ impl SessionState {
     /// What the log will say of this failing session's prompts once they
     /// are reconciled (see [`crate::SessionFailed::kind`]).
     pub(super) fn failure_kind(&self) -> tiller_core::ErrorKind {
-        self.failed
+        self.failure()
             .map_or(tiller_core::ErrorKind::StoreUnavailable, |f| f.kind())
     }
 
-    /// Whether the session stops because another node took it over (this
-    /// node found its lease lost): then it fails as a write refused by
-    /// the lease would have, and the owners of the prompts it holds hear
-    /// `node_lost`, what the new owner stores (see the `Drop` below).
-    pub(super) fn taken_over(&mut self) -> bool {
-        let taken = matches!(*self.slot.lock(), crate::handle::SlotState::Taken);
-        if taken {
-            self.failed = Some(crate::SessionFailed::LeaseLost);
+    /// Why the session fails: another node took it over (this node found
+    /// its lease lost, whatever else failed meanwhile), or what its store
+    /// refused. The owners of its prompts hear what the log will say.
+    fn failure(&self) -> Option<crate::SessionFailed> {
+        if self.taken_over() {
+            return Some(crate::SessionFailed::LeaseLost);
         }
-        taken
+        self.failed
+    }
+
+    /// Whether another node took the session over (this node found its
+    /// lease lost): it writes nothing more, and the owners of the prompts
+    /// it holds hear `node_lost`, what the new owner stores (see the
+    /// `Drop` below).
+    pub(super) fn taken_over(&self) -> bool {
+        matches!(*self.slot.lock(), crate::handle::SlotState::Taken)
     }
 
     /// A failing session's effects that will not be carried out: each
@@ -73,7 +79,7 @@ impl Drop for SessionState {
         if queued > 0 {
             metrics::gauge!("tiller_prompt_queue_depth").decrement(queued as f64);
         }
-        let Some(failed) = self.failed else {
+        let Some(failed) = self.failure() else {
             return;
         };
         let terminal = Terminal::failed(failed.kind());

@@ -269,7 +269,7 @@ impl SessionState {
                     // Answered only once the close is stored. A session its
                     // step failed writes nothing more.
                     let stored = match self.failed {
-                        Some(f) => Err(f.error()),
+                        Some(f) => Err(f.error(self.id)),
                         None => match self
                             .publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
                             .await

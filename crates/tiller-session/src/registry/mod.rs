@@ -53,9 +53,11 @@ pub enum RegistryMsg {
     /// queues (the others are not served here).
     Kick(Vec<SessionId>),
     /// Another node took these sessions over (the leases this node held
-    /// at these fences): their actors stop at once, settling nothing (the
-    /// new owner settles what was in flight). An actor started since on a
-    /// newer lease of the same session is not one of them.
+    /// at these fences): their actors stop after the message they are
+    /// handling, storing nothing more (the new owner settles what was in
+    /// flight, `node_lost`, what their prompts' owners here are told). An
+    /// actor started since on a newer lease of the same session is not
+    /// one of them.
     LeasesLost(Vec<(SessionId, i64)>),
     /// Cancel every running turn and wait (bounded) until all are idle.
     Shutdown(oneshot::Sender<()>),
@@ -194,6 +196,14 @@ impl Actor for Registry {
                     tracing::error!(session = %id, error = %err, "session actor failed; it reloads from the store on next use");
                     st.failed(id, &err).await;
                     waiting
+                }
+                // A session taken over fails as its writes are refused.
+                None if matches!(
+                    err.downcast_ref::<crate::SessionFailed>(),
+                    Some(crate::SessionFailed::LeaseLost)
+                ) =>
+                {
+                    None
                 }
                 None => {
                     tracing::error!(error = %err, "an actor the registry no longer tracks failed");
@@ -354,11 +364,9 @@ impl RegistryState {
     /// anyone can open it again (this runs before the next message).
     async fn failed(&mut self, id: SessionId, err: &ActorProcessingErr) {
         let kind = match err.downcast_ref::<crate::SessionFailed>() {
-            Some(crate::SessionFailed::StoreUnavailable) => {
-                tiller_core::ErrorKind::StoreUnavailable
-            }
             // Its new owner settles them.
             Some(crate::SessionFailed::LeaseLost) => return,
+            Some(f) => f.kind(),
             None => tiller_core::ErrorKind::SessionRestarted,
         };
         match crate::reconcile(&self.store, Some(id), kind).await {
