@@ -58,6 +58,27 @@ impl CallState {
     }
 }
 
+/// How the session's rules weigh a hosted agent's permission request.
+/// The agent asks for what it would not do unasked (a read outside its
+/// directory, a fetch, its own tools, a command), and Tiller does not
+/// confine what the agent does itself: an edit weighs as an edit, anything
+/// else as a command. A command line the agent names is weighed as a
+/// `shell` call, so "always" covers that command's prefix, never the
+/// agent's whole tool.
+fn asked(mut call: tiller_engine::ToolCall) -> tiller_engine::ToolCall {
+    if call.kind == ToolKind::Edit {
+        return call;
+    }
+    call.kind = ToolKind::Execute;
+    call.name = "shell".into();
+    call.input = match call.input.get("command") {
+        Some(serde_json::Value::String(c)) => serde_json::json!({ "command": c }),
+        // No command line: "always" covers nothing but this call.
+        _ => serde_json::Value::Null,
+    };
+    call
+}
+
 fn status(s: Option<&str>) -> Option<ToolStatus> {
     Some(match s? {
         "pending" => ToolStatus::Pending,
@@ -268,9 +289,10 @@ impl SessionState {
         let hosted = run.hosted.as_mut()?;
         let s = &hosted.calls[i];
         let tool = s.as_tool_call();
+        let weighed = asked(tool.clone());
         // The session's rules may allow the call without asking; else
         // nobody answers for an automatic turn.
-        if !self.permissions.needs(&tool) {
+        if !self.permissions.needs(&weighed) {
             answer(PermissionAnswer::AllowOnce);
             return None;
         }
@@ -283,7 +305,7 @@ impl SessionState {
             request_id: request_id.clone(),
             tool_call_id: s.wire.clone(),
             title: call.title.clone().unwrap_or_else(|| s.name.clone()),
-            options: crate::tools::options(&tool),
+            options: crate::tools::options(&weighed),
             call: Box::new(AskedCall {
                 name: s.name.clone(),
                 input: tool.input.clone(),
@@ -343,8 +365,14 @@ impl SessionState {
         let answer = match decision {
             Decision::AllowOnce => PermissionAnswer::AllowOnce,
             Decision::AllowAlways => {
-                self.permissions.allow_always(&s.as_tool_call());
-                PermissionAnswer::AllowAlways
+                let call = asked(s.as_tool_call());
+                if crate::tools::may_always(&call) {
+                    self.permissions.allow_always(&call);
+                    PermissionAnswer::AllowAlways
+                } else {
+                    // Not offered: the agent is not told to remember more.
+                    PermissionAnswer::AllowOnce
+                }
             }
             Decision::Reject => PermissionAnswer::Reject,
             Decision::Cancelled => PermissionAnswer::Cancelled,

@@ -234,8 +234,15 @@ impl Permissions {
     }
 }
 
+/// Whether "always" can cover more than this one call: not for a `shell`
+/// call without a command line (no prefix to remember).
+pub fn may_always(call: &ToolCall) -> bool {
+    call.name != "shell" || shell_command(call).is_some()
+}
+
 /// The options a permission request for `call` offers. For `shell`, the
-/// "always" option names the commands it covers.
+/// "always" option names the commands it covers (none without a command
+/// line).
 pub fn options(call: &ToolCall) -> Vec<PermissionOption> {
     let always = shell_command(call).map_or_else(
         || "Always allow".to_owned(),
@@ -247,6 +254,7 @@ pub fn options(call: &ToolCall) -> Vec<PermissionOption> {
         ("reject_once", "Deny".to_owned(), "reject_once"),
     ]
     .into_iter()
+    .filter(|(id, ..)| *id != "allow_always" || may_always(call))
     .map(|(id, name, kind)| PermissionOption {
         option_id: id.into(),
         name,

@@ -13,6 +13,7 @@
 //! | `ignore-cancel` | streams a chunk, ignores the cancel, never answers |
 //! | `ask PATH` | announces a write, asks permission, writes PATH through the client when allowed |
 //! | `ask-vanish` | asks permission, then exits |
+//! | `ask-kind KIND ARG` | asks permission for a call of ACP kind KIND (its input a `command`, `url` or `path` ARG); streams `allowed` or `refused` |
 //! | `loop` | makes the same tool call (read, completed, same output) 12 times |
 //! | `read PATH` | reads PATH through the client and streams its text |
 //! | `write PATH` | writes PATH through the client without asking; streams `wrote` or why not |
@@ -287,6 +288,38 @@ fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Va
                 );
                 chunk(session, &format!("not allowed ({})", r["outcome"]));
             }
+            end("end_turn");
+        }
+        "ask-kind" => {
+            let mut parts = text.trim().splitn(3, ' ').skip(1);
+            let (kind, arg) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+            let input = match kind {
+                "execute" => json!({"command": arg}),
+                "fetch" => json!({"url": arg}),
+                _ => json!({"path": arg}),
+            };
+            let n = shared.next.fetch_add(1, Ordering::Relaxed);
+            let call = format!("call-{kind}-{n}");
+            update(
+                session,
+                json!({"sessionUpdate": "tool_call", "toolCallId": call, "title": format!("{kind} {arg}"),
+                       "kind": kind, "status": "pending", "rawInput": input}),
+            );
+            let ask = json!({"sessionId": session,
+                "toolCall": {"toolCallId": call, "title": format!("{kind} {arg}"), "kind": kind, "rawInput": input},
+                "options": [
+                    {"optionId": "yes", "name": "Allow", "kind": "allow_once"},
+                    {"optionId": "always", "name": "Always", "kind": "allow_always"},
+                    {"optionId": "no", "name": "Reject", "kind": "reject_once"}]});
+            let r = shared.ask("session/request_permission", ask);
+            let chosen = r["outcome"]["optionId"].as_str().unwrap_or_default();
+            let allowed = chosen == "yes" || chosen == "always";
+            update(
+                session,
+                json!({"sessionUpdate": "tool_call_update", "toolCallId": call,
+                       "status": if allowed { "completed" } else { "failed" }}),
+            );
+            chunk(session, if allowed { "allowed" } else { "refused" });
             end("end_turn");
         }
         "loop" => {
