@@ -300,13 +300,16 @@ fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Va
             };
             let n = shared.next.fetch_add(1, Ordering::Relaxed);
             let call = format!("call-{kind}-{n}");
+            // Named as Claude Code names its tools (one name per kind).
+            let meta = json!({"claudeCode": {"toolName": format!("Tool-{kind}")}});
             update(
                 session,
                 json!({"sessionUpdate": "tool_call", "toolCallId": call, "title": format!("{kind} {arg}"),
-                       "kind": kind, "status": "pending", "rawInput": input}),
+                       "kind": kind, "status": "pending", "rawInput": input, "_meta": meta}),
             );
             let ask = json!({"sessionId": session,
-                "toolCall": {"toolCallId": call, "title": format!("{kind} {arg}"), "kind": kind, "rawInput": input},
+                "toolCall": {"toolCallId": call, "title": format!("{kind} {arg}"), "kind": kind,
+                             "rawInput": input, "_meta": meta},
                 "options": [
                     {"optionId": "yes", "name": "Allow", "kind": "allow_once"},
                     {"optionId": "always", "name": "Always", "kind": "allow_always"},
