@@ -158,15 +158,25 @@ pub(super) fn plain_argument(word: &str) -> bool {
         && !word.contains("..")
 }
 
-/// The command line of a `shell` call.
+/// The command line of a `shell` call that an "always" rule may cover:
+/// one run in the session's directory. Given another directory (`cwd`),
+/// the same command line may run that directory's scripts (`npm test`
+/// reads the `package.json` it finds there), so no rule covers it.
 pub(super) fn shell_command(call: &ToolCall) -> Option<&str> {
-    (call.name == "shell")
-        .then(|| {
-            call.input
-                .get("command")
-                .and_then(serde_json::Value::as_str)
-        })
-        .flatten()
+    if call.name != "shell" {
+        return None;
+    }
+    let elsewhere = match call.input.get("cwd") {
+        None | Some(serde_json::Value::Null) => false,
+        Some(serde_json::Value::String(d)) => !d.is_empty() && d != ".",
+        Some(_) => true,
+    };
+    if elsewhere {
+        return None;
+    }
+    call.input
+        .get("command")
+        .and_then(serde_json::Value::as_str)
 }
 
 impl Permissions {

@@ -488,3 +488,25 @@ fn canonical_json_sorts_keys_deeply() {
     let a = serde_json::json!({"z": [{"y": 1, "x": 2}], "a": "s"});
     assert_eq!(canonical_json(&a), r#"{"a":"s","z":[{"x":2,"y":1}]}"#);
 }
+
+/// "Always" on a command covers it in the session's directory only: the
+/// same command line elsewhere (`cwd`) may run another directory's scripts
+/// (`npm test` reads the `package.json` it finds), so it asks; a command
+/// given a directory is not offered "always".
+#[test]
+fn an_always_rule_covers_its_command_in_the_session_s_directory_only() {
+    let shell = |input| call("s", "shell", input, true, "");
+    let mut perms = Permissions::new(PermissionMode::Ask);
+    perms.allow_always(&shell(serde_json::json!({ "command": "npm test" })));
+    assert!(!perms.needs(&shell(serde_json::json!({ "command": "npm test" }))));
+    let elsewhere = shell(serde_json::json!({ "command": "npm test", "cwd": "examples/x" }));
+    assert!(
+        perms.needs(&elsewhere),
+        "the same command in another directory asks"
+    );
+    assert!(!may_always(&elsewhere));
+    assert!(!options(&elsewhere).iter().any(|o| o.kind == "allow_always"));
+    // Its "always" remembers nothing that covers it.
+    perms.allow_always(&elsewhere);
+    assert!(perms.needs(&elsewhere));
+}
