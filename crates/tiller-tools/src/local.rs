@@ -477,6 +477,9 @@ async fn write_file(
     let n = content.len();
     if let Some(c) = client.filter(|c| c.can_write()) {
         let p = editor_path(root, &path).await?;
+        if let Some(refused) = confine::git_dir_refusal(&p, &path) {
+            return Err(refused);
+        }
         c.write_text_file(p.clone(), content).await?;
         return Ok(format!("wrote {n} bytes to {}", p.display()));
     }

@@ -46,6 +46,25 @@ fn protected_path(path: &Path) -> bool {
         .is_some_and(|l| l.iter().any(|p| path.starts_with(p)))
 }
 
+/// Why a write into a repository's own directory (`.git`, by its name in
+/// `path`) is refused: git runs what its config and hooks name, so a write
+/// there is a command, which the file tools never make. `None` elsewhere.
+pub(crate) fn git_dir_refusal(path: &Path, shown: &str) -> Option<String> {
+    path.components().any(|c| c.as_os_str() == ".git").then(|| {
+        format!(
+            "{} is inside a repository's own directory (.git), whose config and hooks git runs; \
+                 the file tools do not write there (use shell, which asks)",
+            Shown(shown)
+        )
+    })
+}
+
+/// [`git_dir_refusal`] for the file open as `fd`, by its real path.
+fn git_dir_refusal_of(fd: &impl std::os::fd::AsRawFd, shown: &str) -> Option<String> {
+    let real = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
+    git_dir_refusal(&real, shown)
+}
+
 fn protected_message(path: &str) -> String {
     format!(
         "{} is part of the daemon's own data (its data directory or configuration); the file tools never touch it",
@@ -308,6 +327,9 @@ impl Root {
     /// directories; emptied): a regular file, checked on the opened handle
     /// before anything is changed.
     pub fn open_write(&self, rel: &Path, path: &str) -> Result<File, String> {
+        if let Some(refused) = git_dir_refusal(rel, path) {
+            return Err(refused);
+        }
         match self.dir.metadata(rel) {
             Ok(m) => {
                 if let Some(kind) = not_regular(&m) {
@@ -330,6 +352,10 @@ impl Root {
             .open_with(rel, &o)
             .map_err(|e| self.error("write", path, &e))?;
         self.vet(&file, path)?;
+        // Reached by another name (a link to it).
+        if let Some(refused) = git_dir_refusal_of(&file, path) {
+            return Err(refused);
+        }
         file.set_len(0).map_err(|e| self.error("write", path, &e))?;
         Ok(file)
     }

@@ -1120,3 +1120,58 @@ async fn at_most_a_bounded_number_of_background_commands_run() {
     let out = tool(&tb, "shell", json!({"command": "true", "background": true})).await;
     assert!(out.ok && out.output.contains("command 9"), "{out:?}");
 }
+
+/// A repository's own directory (`.git`) holds what git runs (its config's
+/// `core.fsmonitor`, its hooks): the file tools do not write there, by any
+/// name (a link to it too), so an edit the permission mode lets through
+/// cannot become a command the next `git status` runs.
+#[tokio::test]
+async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::create_dir_all(root.join(".git/hooks")).unwrap();
+    std::fs::write(root.join(".git/config"), "[core]\n").unwrap();
+    std::os::unix::fs::symlink(".git", root.join("g")).unwrap();
+    for (name, input) in [
+        (
+            "write_file",
+            json!({"path": ".git/config", "content": "[core]\n\tfsmonitor = evil\n"}),
+        ),
+        (
+            "write_file",
+            json!({"path": ".git/hooks/pre-commit", "content": "#!/bin/sh\nevil\n"}),
+        ),
+        (
+            "write_file",
+            json!({"path": "g/config", "content": "[core]\n\tfsmonitor = evil\n"}),
+        ),
+        (
+            "edit",
+            json!({"path": ".git/config", "old_string": "[core]", "new_string": "[core]\n\tfsmonitor = evil"}),
+        ),
+        (
+            "apply_patch",
+            json!({"patch": "--- /dev/null\n+++ b/.git/hooks/post-checkout\n@@ -0,0 +1 @@\n+evil\n"}),
+        ),
+    ] {
+        let out = go(root, name, input.clone()).await;
+        assert!(!out.ok, "{name} {input}: {}", out.output);
+        assert!(out.output.contains(".git"), "{name}: {}", out.output);
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join(".git/config")).unwrap(),
+        "[core]\n"
+    );
+    assert!(!root.join(".git/hooks/pre-commit").exists());
+    assert!(!root.join(".git/hooks/post-checkout").exists());
+    // Elsewhere in the repository, as before.
+    assert!(
+        go(
+            root,
+            "write_file",
+            json!({"path": "src/a.txt", "content": "x"})
+        )
+        .await
+        .ok
+    );
+}
