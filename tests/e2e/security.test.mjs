@@ -335,6 +335,38 @@ describe("tools cannot leave their directory", () => {
     assert.equal(readFileSync(path.join(outside, "secret.txt"), "utf8"), "TOP SECRET");
   });
 
+  test("a database kept in a session's directory, new at start, is the daemon's own data, its log files too", async () => {
+    const home = tempDir();
+    const db = path.join(home, "state", "tiller.db");
+    const d = await startDaemon({
+      args: ["--config", configPath],
+      env: { MOCK_MODEL_KEY: MODEL_KEY, HOOK_SECRET, TILLER_STORE__KIND: "sqlite", TILLER_STORE__PATH: db },
+    });
+    try {
+      const sid = (await api(d, "POST", "/api/sessions", { cwd: home, engine: "mock" })).body.id;
+      assert.ok(existsSync(`${db}-wal`), "the database has its log");
+      const n = mock.requests.length;
+      mock.reply(
+        {
+          events: openai.tools([
+            { id: "db", name: "read_file", args: { path: "state/tiller.db" } },
+            { id: "wal", name: "read_file", args: { path: "state/tiller.db-wal" } },
+            { id: "shm", name: "write_file", args: { path: "state/tiller.db-shm", content: "x" } },
+            { id: "new", name: "write_file", args: { path: "state/tiller.db-journal", content: "x" } },
+          ]),
+        },
+        { events: openai.text("done") },
+      );
+      assert.equal((await api(d, "POST", `/api/sessions/${sid}/prompts`, { text: "go" })).status, 202);
+      await until(() => mock.requests.length >= n + 2, 10000, "the model's second call");
+      const r = Object.fromEntries(userSide(mock.requests[n + 1]).filter((m) => m.role === "tool").map((m) => [m.id, m.text]));
+      for (const id of ["db", "wal", "shm", "new"]) assert.match(r[id], /daemon's own data/, `${id}: ${r[id]}`);
+      assert.ok(!existsSync(`${db}-journal`), "nothing was created");
+    } finally {
+      await d.stop();
+    }
+  });
+
   test("a session whose directory holds the daemon's data cannot touch it", async () => {
     // A session in $HOME contains ~/.local/share/tiller.
     const home = tempDir();

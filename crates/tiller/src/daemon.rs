@@ -230,19 +230,25 @@ async fn start_sessions(
     advertise: Option<String>,
 ) -> anyhow::Result<Sessions> {
     prepare_data_dir(&cfg.data_dir())?;
+    if let Some(dir) = db.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
     // No session's file tools may touch the daemon's own data, even when
-    // its directory contains it (a session in $HOME).
+    // its directory contains it (a session in $HOME): the database with
+    // SQLite's files beside it, before any of them exists.
     let mut own = vec![
         cfg.data_dir(),
         db.to_owned(),
         cfg.token_path(),
         cfg.socket_path(),
     ];
+    own.extend(["-wal", "-shm", "-journal"].map(|end| {
+        let mut name = db.as_os_str().to_owned();
+        name.push(end);
+        std::path::PathBuf::from(name)
+    }));
     own.extend(cfg.source.clone());
     tiller_tools::protect(&own);
-    if let Some(dir) = db.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    }
     let postgres = cfg.store.postgres_url().map_err(anyhow::Error::msg)?;
     let cluster = match postgres {
         Some(_) => Some(tiller_session::ClusterConfig {

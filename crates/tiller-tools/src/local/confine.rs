@@ -22,10 +22,19 @@ const MAX_DEPTH: usize = 128;
 /// Set once at start by the daemon ([`crate::protect`]).
 static PROTECTED: std::sync::OnceLock<Vec<PathBuf>> = std::sync::OnceLock::new();
 
-/// Protects `paths` (canonicalized; missing ones are skipped) from the
-/// file tools, for the life of the process. The first call wins.
+/// Protects `paths` from the file tools, for the life of the process
+/// (canonicalized; one that does not exist yet, as a new database, by its
+/// canonical parent and its name; one whose parent is missing too is
+/// skipped). The first call wins.
 pub fn protect(paths: &[PathBuf]) {
-    let canonical = paths.iter().filter_map(|p| p.canonicalize().ok()).collect();
+    let canonical = paths
+        .iter()
+        .filter_map(|p| {
+            p.canonicalize()
+                .ok()
+                .or_else(|| Some(p.parent()?.canonicalize().ok()?.join(p.file_name()?)))
+        })
+        .collect();
     let _ = PROTECTED.set(canonical);
 }
 
@@ -324,10 +333,13 @@ impl Root {
     }
 
     /// Opens `rel` for writing (created if missing, with its parent
-    /// directories; emptied): a regular file, checked on the opened handle
-    /// before anything is changed.
+    /// directories; emptied): where it lands checked first, then a regular
+    /// file, checked on the opened handle before anything is changed.
     pub fn open_write(&self, rel: &Path, path: &str) -> Result<File, String> {
-        if let Some(refused) = git_dir_refusal(rel, path) {
+        // Where it would land, before anything is created: not the
+        // daemon's own data, not a repository's own directory.
+        let real = self.editor_path(rel, path)?;
+        if let Some(refused) = git_dir_refusal(&real, path) {
             return Err(refused);
         }
         match self.dir.metadata(rel) {
