@@ -208,6 +208,18 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| format!("the tool failed: {e}"))?
 }
 
+/// Whether `path` names anything inside `root` (links inside followed).
+async fn exists(root: &Path, path: &str) -> bool {
+    let (root, path) = (root.to_owned(), path.to_owned());
+    blocking(move || {
+        let r = Root::open(&root)?;
+        let rel = r.relative(&path)?;
+        r.metadata(&rel, &path).map(|_| ())
+    })
+    .await
+    .is_ok()
+}
+
 /// Runs a built-in tool.
 pub(crate) async fn run(
     root: &Path,
@@ -730,7 +742,10 @@ async fn apply_patch(
         let parsed = diffy::Patch::from_str(&f.text)
             .map_err(|e| format!("the patch for {} does not parse: {e}", f.path))?;
         let base = if f.new {
-            if edit_text(root, &f.path, client.clone()).await.is_ok() {
+            // Anything there counts, text or not (a file the tools cannot
+            // read as text is not a missing one).
+            if exists(root, &f.path).await || edit_text(root, &f.path, client.clone()).await.is_ok()
+            {
                 return Err(format!(
                     "the patch creates {}, which exists; no file was changed",
                     f.path

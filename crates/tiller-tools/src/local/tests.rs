@@ -1175,3 +1175,35 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
         .ok
     );
 }
+
+/// A patch that creates a file refuses one that exists, whatever it holds:
+/// a binary, non-UTF-8 or large file the tools cannot read as text is not
+/// taken for a missing one (it was emptied and shown as new).
+#[tokio::test]
+async fn a_patch_creating_a_file_never_overwrites_one_that_exists() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let bytes = vec![0u8, 159, 146, 150, 0, 1, 2];
+    std::fs::write(root.join("blob.bin"), &bytes).unwrap();
+    let out = go(
+        root,
+        "apply_patch",
+        json!({"patch": "--- /dev/null\n+++ b/blob.bin\n@@ -0,0 +1 @@\n+text\n"}),
+    )
+    .await;
+    assert!(!out.ok, "{}", out.output);
+    assert!(out.output.contains("exists"), "{}", out.output);
+    assert_eq!(std::fs::read(root.join("blob.bin")).unwrap(), bytes);
+    // A file that does not exist is created, as before.
+    let out = go(
+        root,
+        "apply_patch",
+        json!({"patch": "--- /dev/null\n+++ b/new.txt\n@@ -0,0 +1 @@\n+text\n"}),
+    )
+    .await;
+    assert!(out.ok, "{}", out.output);
+    assert_eq!(
+        std::fs::read_to_string(root.join("new.txt")).unwrap(),
+        "text\n"
+    );
+}
