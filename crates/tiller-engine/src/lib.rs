@@ -162,6 +162,10 @@ pub enum PermissionAnswer {
     Cancelled,
 }
 
+/// Variables every child (a hosted agent, a command, an MCP server) gets
+/// when the daemon has them; anything more is passed by name.
+pub const BASE_ENV: &[&str] = &["PATH", "HOME", "LANG", "TERM"];
+
 /// What a tool does, which decides whether it needs permission.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ToolKind {

@@ -783,3 +783,34 @@ async fn an_agent_s_requests_ask_a_person_whatever_their_kind() {
         "another command of the same tool still asks"
     );
 }
+
+/// The agent's own secrets (what its `env` and `pass_env` give it) never
+/// reach the session's log or its clients through the agent's error text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_s_error_never_carries_its_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let secret = "sk-ant-0123456789abcdef";
+    let (sessions, _engine) = start(&dir, agent("fake", &[("FAKE_KEY", secret)])).await;
+    let (h, seen) = attached(&sessions, &work).await;
+    let t = run(&h, "fail-echo FAKE_KEY", None).await;
+    let Terminal::Failed { kind, message } = t else {
+        panic!("{t:?}")
+    };
+    assert_eq!(kind, ErrorKind::EngineCrashed);
+    let logged = seen
+        .events()
+        .iter()
+        .find_map(|e| match &e.body {
+            EventBody::TurnError { message, .. } => Some(message.clone()),
+            _ => None,
+        })
+        .unwrap();
+    for m in [message, logged] {
+        assert!(
+            m.contains("cannot call the model with key [redacted]"),
+            "{m}"
+        );
+        assert!(!m.contains(secret), "{m}");
+    }
+}

@@ -143,8 +143,7 @@ impl Default for ToolsConfig {
     }
 }
 
-/// Variables every child gets when the daemon has them.
-const BASE_ENV: &[&str] = &["PATH", "HOME", "LANG", "TERM"];
+use tiller_engine::BASE_ENV;
 
 /// The environment for children, from `vars` (usually
 /// `std::env::vars()`): only `PATH`, `HOME`, `LANG`, `TERM` and the names

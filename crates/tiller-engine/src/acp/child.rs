@@ -113,13 +113,38 @@ struct State {
 /// A running agent process.
 pub(super) struct Child {
     engine: Arc<str>,
+    /// The values of what the agent is given beyond the base variables
+    /// (its `env` and `pass_env`: its keys), never let out in its error
+    /// text.
+    secrets: Box<[String]>,
     pid: Option<u32>,
     out: mpsc::UnboundedSender<String>,
     state: Mutex<State>,
     caps: Mutex<Caps>,
 }
 
+/// The values in `env` that may be secrets: every one but the base
+/// variables', at least 8 characters long (a shorter one would blank out
+/// ordinary words).
+fn secrets(env: &[(String, String)]) -> Box<[String]> {
+    env.iter()
+        .filter(|(k, v)| !crate::BASE_ENV.contains(&k.as_str()) && v.len() >= 8)
+        .map(|(_, v)| v.clone())
+        .collect()
+}
+
 impl Child {
+    /// `text` with every secret the agent was given replaced.
+    fn redact(&self, text: &str) -> String {
+        let mut text = text.to_owned();
+        for s in &self.secrets {
+            if text.contains(s.as_str()) {
+                text = text.replace(s.as_str(), "[redacted]");
+            }
+        }
+        text
+    }
+
     /// Starts the process in its own process group with the configured
     /// environment only, and its reader, writer and exit watcher.
     pub(super) fn spawn(cfg: &AcpConfig) -> Result<Arc<Child>, String> {
@@ -139,6 +164,7 @@ impl Child {
         let (tx, mut rx) = mpsc::unbounded_channel::<String>();
         let child = Arc::new(Child {
             engine: cfg.name.clone(),
+            secrets: secrets(&cfg.env),
             pid: proc.id(),
             out: tx,
             state: Mutex::new(State::default()),
@@ -498,10 +524,10 @@ impl Child {
                 let result = match msg.get("error") {
                     Some(e) => Err(RpcError::Agent {
                         code: e.get("code").and_then(Value::as_i64).unwrap_or(0),
-                        message: e
-                            .get("message")
-                            .and_then(Value::as_str)
-                            .unwrap_or("error")
+                        // Redacted whole, then cut (a cut secret's head
+                        // would not match).
+                        message: self
+                            .redact(e.get("message").and_then(Value::as_str).unwrap_or("error"))
                             .chars()
                             .take(500)
                             .collect(),

@@ -13,6 +13,7 @@
 //! | `ignore-cancel` | streams a chunk, ignores the cancel, never answers |
 //! | `ask PATH` | announces a write, asks permission, writes PATH through the client when allowed |
 //! | `ask-vanish` | asks permission, then exits |
+//! | `fail-echo VAR` | fails the prompt with an error quoting its variable VAR |
 //! | `ask-kind KIND ARG` | asks permission for a call of ACP kind KIND (its input a `command`, `url` or `path` ARG); streams `allowed` or `refused` |
 //! | `loop` | makes the same tool call (read, completed, same output) 12 times |
 //! | `read PATH` | reads PATH through the client and streams its text |
@@ -289,6 +290,11 @@ fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Va
                 chunk(session, &format!("not allowed ({})", r["outcome"]));
             }
             end("end_turn");
+        }
+        "fail-echo" => {
+            let value = std::env::var(&arg).unwrap_or_default();
+            out(json!({"jsonrpc": "2.0", "id": id,
+                       "error": {"code": -32603, "message": format!("cannot call the model with key {value}")}}));
         }
         "ask-kind" => {
             let mut parts = text.trim().splitn(3, ' ').skip(1);
