@@ -337,9 +337,15 @@ impl Root {
     /// file, checked on the opened handle before anything is changed.
     pub fn open_write(&self, rel: &Path, path: &str) -> Result<File, String> {
         // Where it would land, before anything is created: not the
-        // daemon's own data, not a repository's own directory.
-        let real = self.editor_path(rel, path)?;
-        if let Some(refused) = git_dir_refusal(&real, path) {
+        // daemon's own data, not a repository's own directory. (A path
+        // that cannot be resolved so, as one through a dangling link
+        // inside, is checked by its name here and on the opened handle.)
+        let real = match self.editor_path(rel, path) {
+            Ok(real) => Some(real),
+            Err(e) if e == protected_message(path) => return Err(e),
+            Err(_) => None,
+        };
+        if let Some(refused) = git_dir_refusal(real.as_deref().unwrap_or(rel), path) {
             return Err(refused);
         }
         match self.dir.metadata(rel) {
