@@ -266,6 +266,16 @@ async fn editor_path(root: &Path, path: &str) -> Result<PathBuf, String> {
     .await
 }
 
+/// [`editor_path`] for a write: never into a repository's own directory
+/// (see `confine::git_dir_refusal`).
+async fn editor_write_path(root: &Path, path: &str) -> Result<PathBuf, String> {
+    let p = editor_path(root, path).await?;
+    match confine::git_dir_refusal(&p, path) {
+        Some(refused) => Err(refused),
+        None => Ok(p),
+    }
+}
+
 /// Reads one line into `line` (without its `\n`), keeping at most `cap`
 /// bytes of it and skipping the rest. Returns the line's full length, or
 /// `None` at the end of the input.
@@ -488,10 +498,7 @@ async fn write_file(
     let content = str_arg(input, "content")?.to_owned();
     let n = content.len();
     if let Some(c) = client.filter(|c| c.can_write()) {
-        let p = editor_path(root, &path).await?;
-        if let Some(refused) = confine::git_dir_refusal(&p, &path) {
-            return Err(refused);
-        }
+        let p = editor_write_path(root, &path).await?;
         c.write_text_file(p.clone(), content).await?;
         return Ok(format!("wrote {n} bytes to {}", p.display()));
     }
@@ -660,7 +667,7 @@ async fn put_text(
     client: Option<Arc<dyn ClientTools>>,
 ) -> Result<(), String> {
     if let Some(c) = client.filter(|c| c.can_write()) {
-        let p = editor_path(root, path).await?;
+        let p = editor_write_path(root, path).await?;
         return c.write_text_file(p, text).await;
     }
     let (root, path) = (root.to_owned(), path.to_owned());

@@ -61,19 +61,32 @@ impl CallState {
 /// How the session's rules weigh a hosted agent's permission request.
 /// The agent asks for what it would not do unasked (a read outside its
 /// directory, a fetch, its own tools, a command), and Tiller does not
-/// confine what the agent does itself: an edit weighs as an edit, anything
-/// else as a command. A command line the agent names is weighed as a
-/// `shell` call, so "always" covers that command's prefix, never the
-/// agent's whole tool.
-fn asked(mut call: tiller_engine::ToolCall) -> tiller_engine::ToolCall {
-    if call.kind == ToolKind::Edit {
+/// confine what the agent does itself: an edit weighs as an edit (unless
+/// it touches a repository's own directory, whose config and hooks git
+/// runs), anything else as a command. A bare command line the agent names
+/// is weighed as a `shell` call, so "always" covers that command's prefix,
+/// never the agent's whole tool; with anything more (a directory...),
+/// "always" covers nothing but this call.
+fn asked(mut call: tiller_engine::ToolCall, locations: &[String]) -> tiller_engine::ToolCall {
+    let paths = ["path", "file_path"]
+        .iter()
+        .filter_map(|k| call.input.get(*k).and_then(serde_json::Value::as_str));
+    let into_git = locations.iter().map(String::as_str).chain(paths).any(|p| {
+        std::path::Path::new(p)
+            .components()
+            .any(|c| c.as_os_str() == ".git")
+    });
+    if call.kind == ToolKind::Edit && !into_git {
         return call;
     }
+    let bare = call.input.as_object().is_some_and(|o| {
+        o.keys()
+            .all(|k| ["command", "description", "timeout"].contains(&k.as_str()))
+    });
     call.kind = ToolKind::Execute;
     call.name = "shell".into();
     call.input = match call.input.get("command") {
-        Some(serde_json::Value::String(c)) => serde_json::json!({ "command": c }),
-        // No command line: "always" covers nothing but this call.
+        Some(serde_json::Value::String(c)) if bare => serde_json::json!({ "command": c }),
         _ => serde_json::Value::Null,
     };
     call
@@ -289,7 +302,7 @@ impl SessionState {
         let hosted = run.hosted.as_mut()?;
         let s = &hosted.calls[i];
         let tool = s.as_tool_call();
-        let weighed = asked(tool.clone());
+        let weighed = asked(tool.clone(), &s.locations);
         // The session's rules may allow the call without asking; else
         // nobody answers for an automatic turn.
         if !self.permissions.needs(&weighed) {
@@ -353,7 +366,7 @@ impl SessionState {
     pub(super) fn hosted_answer(
         &mut self,
         request_id: &str,
-        decision: Decision,
+        mut decision: Decision,
     ) -> Option<Vec<EventBody>> {
         let run = self.running.as_mut()?;
         let hosted = run.hosted.as_mut()?;
@@ -365,14 +378,17 @@ impl SessionState {
         let answer = match decision {
             Decision::AllowOnce => PermissionAnswer::AllowOnce,
             Decision::AllowAlways => {
-                let call = asked(s.as_tool_call());
+                // Tiller remembers the rule and answers the agent's later
+                // requests by it; the agent itself is told once only (its
+                // own "always" may cover its whole tool).
+                let call = asked(s.as_tool_call(), &s.locations);
                 if crate::tools::may_always(&call) {
                     self.permissions.allow_always(&call);
-                    PermissionAnswer::AllowAlways
                 } else {
-                    // Not offered: the agent is not told to remember more.
-                    PermissionAnswer::AllowOnce
+                    // Not offered: nothing is remembered.
+                    decision = Decision::AllowOnce;
                 }
+                PermissionAnswer::AllowOnce
             }
             Decision::Reject => PermissionAnswer::Reject,
             Decision::Cancelled => PermissionAnswer::Cancelled,

@@ -168,7 +168,10 @@ pub(super) fn shell_command(call: &ToolCall) -> Option<&str> {
     }
     let elsewhere = match call.input.get("cwd") {
         None | Some(serde_json::Value::Null) => false,
-        Some(serde_json::Value::String(d)) => !d.is_empty() && d != ".",
+        // `""`, `.`, `./`: the session's directory.
+        Some(serde_json::Value::String(d)) => std::path::Path::new(d)
+            .components()
+            .any(|c| c != std::path::Component::CurDir),
         Some(_) => true,
     };
     if elsewhere {

@@ -499,6 +499,13 @@ fn an_always_rule_covers_its_command_in_the_session_s_directory_only() {
     let mut perms = Permissions::new(PermissionMode::Ask);
     perms.allow_always(&shell(serde_json::json!({ "command": "npm test" })));
     assert!(!perms.needs(&shell(serde_json::json!({ "command": "npm test" }))));
+    for here in ["", ".", "./"] {
+        let call = shell(serde_json::json!({ "command": "npm test", "cwd": here }));
+        assert!(
+            !perms.needs(&call),
+            "cwd {here:?} is the session's directory"
+        );
+    }
     let elsewhere = shell(serde_json::json!({ "command": "npm test", "cwd": "examples/x" }));
     assert!(
         perms.needs(&elsewhere),

@@ -14,7 +14,7 @@
 //! | `ask PATH` | announces a write, asks permission, writes PATH through the client when allowed |
 //! | `ask-vanish` | asks permission, then exits |
 //! | `fail-echo VAR` | fails the prompt with an error quoting its variable VAR |
-//! | `ask-kind KIND ARG` | asks permission for a call of ACP kind KIND (its input a `command`, `url` or `path` ARG); streams `allowed` or `refused` |
+//! | `ask-kind KIND ARG` | asks permission for a call of ACP kind KIND (its input a `command`, `url` or `path` ARG; `execute-dir`: a command with a `directory`); streams `allowed`, `allowed always` or `refused` |
 //! | `loop` | makes the same tool call (read, completed, same output) 12 times |
 //! | `read PATH` | reads PATH through the client and streams its text |
 //! | `write PATH` | writes PATH through the client without asking; streams `wrote` or why not |
@@ -301,11 +301,14 @@ fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Va
             let (kind, arg) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
             let input = match kind {
                 "execute" => json!({"command": arg}),
+                // A command run in another directory (`execute-dir`).
+                "execute-dir" => json!({"command": arg, "directory": "elsewhere"}),
                 "fetch" => json!({"url": arg}),
                 _ => json!({"path": arg}),
             };
             let n = shared.next.fetch_add(1, Ordering::Relaxed);
             let call = format!("call-{kind}-{n}");
+            let kind = kind.trim_end_matches("-dir");
             // Named as Claude Code names its tools (one name per kind).
             let meta = json!({"claudeCode": {"toolName": format!("Tool-{kind}")}});
             update(
@@ -328,7 +331,13 @@ fn turn(shared: &Shared, session: &str, id: &Value, text: &str, rx: &Receiver<Va
                 json!({"sessionUpdate": "tool_call_update", "toolCallId": call,
                        "status": if allowed { "completed" } else { "failed" }}),
             );
-            chunk(session, if allowed { "allowed" } else { "refused" });
+            // What it was told, so a test sees whether it was to remember.
+            let said = match chosen {
+                "always" => "allowed always",
+                "yes" => "allowed",
+                _ => "refused",
+            };
+            chunk(session, said);
             end("end_turn");
         }
         "loop" => {

@@ -1174,6 +1174,40 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
         .await
         .ok
     );
+    // Nor through an attached editor, whichever tool writes.
+    let editor = Arc::new(Editor::default());
+    let config = root.canonicalize().unwrap().join(".git/config");
+    editor
+        .files
+        .lock()
+        .unwrap()
+        .insert(config.clone(), "[core]\n".into());
+    let client: Option<Arc<dyn ClientTools>> = Some(editor.clone());
+    for (name, input) in [
+        (
+            "write_file",
+            json!({"path": ".git/config", "content": "[core]\n\tfsmonitor = evil\n"}),
+        ),
+        (
+            "edit",
+            json!({"path": ".git/config", "old_string": "[core]", "new_string": "[core]\n\tfsmonitor = evil"}),
+        ),
+        (
+            "apply_patch",
+            json!({"patch": "--- /dev/null\n+++ b/.git/hooks/post-checkout\n@@ -0,0 +1 @@\n+evil\n"}),
+        ),
+    ] {
+        let out = run(
+            root,
+            &ToolsConfig::default(),
+            &call(name, input.clone()),
+            client.clone(),
+        )
+        .await;
+        assert!(!out.ok, "{name} {input} through the editor: {}", out.output);
+    }
+    assert_eq!(editor.files.lock().unwrap()[&config], "[core]\n");
+    assert_eq!(editor.files.lock().unwrap().len(), 1);
 }
 
 /// A patch that creates a file refuses one that exists, whatever it holds:
