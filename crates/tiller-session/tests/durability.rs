@@ -41,6 +41,28 @@ async fn settled_store_unavailable_once(
     log
 }
 
+/// `n` prompts of `script` sent to `h` (the first runs, the others queue
+/// behind it), with their terminals' ports.
+async fn queued(
+    h: &tiller_session::SessionHandle,
+    script: &str,
+    n: usize,
+) -> Vec<(
+    PromptId,
+    tokio::sync::oneshot::Receiver<tiller_session::Settlement>,
+)> {
+    let mut ports = Vec::new();
+    for _ in 0..n {
+        ports.push(
+            h.prompt(script.into(), Origin::Interactive)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    ports
+}
+
 #[tokio::test]
 async fn a_prompt_the_store_cannot_record_is_refused_and_never_shown() {
     let dir = tempfile::tempdir().unwrap();
@@ -797,15 +819,7 @@ async fn terminals_left_in_a_failing_step_are_told_what_the_log_will_say() {
     let (s, store) = sessions(&dir).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
     let slow = r#"{"script": [{"say": "a"}, {"sleep_ms": 300}, {"say": "b"}]}"#;
-    let mut ports = Vec::new();
-    for _ in 0..3 {
-        ports.push(
-            h.prompt(slow.into(), Origin::Interactive)
-                .await
-                .unwrap()
-                .unwrap(),
-        );
-    }
+    let mut ports = queued(&h, slow, 3).await;
     store.fail_appends(true);
     h.cancel().unwrap();
     let failed = Terminal::failed(ErrorKind::StoreUnavailable);
@@ -831,15 +845,7 @@ async fn a_close_that_fails_its_session_stores_nothing_more() {
     let (s, store) = sessions(&dir).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
     let slow = r#"{"script": [{"say": "a"}, {"sleep_ms": 60000}]}"#;
-    let mut ports = Vec::new();
-    for _ in 0..2 {
-        ports.push(
-            h.prompt(slow.into(), Origin::Interactive)
-                .await
-                .unwrap()
-                .unwrap(),
-        );
-    }
+    let mut ports = queued(&h, slow, 2).await;
     store.fail_appends(true);
     let closing = tokio::spawn({
         let h = h.clone();
@@ -883,15 +889,7 @@ async fn a_damaged_session_with_a_queued_prompt_is_deleted() {
     let (s, store) = patient_sessions(&dir).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
     let slow = r#"{"script": [{"say": "a"}, {"sleep_ms": 60000}]}"#;
-    let mut ports = Vec::new();
-    for _ in 0..2 {
-        ports.push(
-            h.prompt(slow.into(), Origin::Interactive)
-                .await
-                .unwrap()
-                .unwrap(),
-        );
-    }
+    let _ports = queued(&h, slow, 2).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     store.set_aside(h.id(), "damaged by a test").await.unwrap();
     let deleted = s.delete(h.id()).await;

@@ -44,8 +44,12 @@ fn protected(fd: &impl std::os::fd::AsRawFd) -> bool {
     let Some(list) = PROTECTED.get().filter(|l| !l.is_empty()) else {
         return false;
     };
-    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        .is_ok_and(|real| list.iter().any(|p| real.starts_with(p)))
+    real_path(fd).is_some_and(|real| list.iter().any(|p| real.starts_with(p)))
+}
+
+/// The real path of what is open as `fd`, from the kernel.
+fn real_path(fd: &impl std::os::fd::AsRawFd) -> Option<PathBuf> {
+    std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()
 }
 
 /// Whether `path` (absolute, canonical) is one of the daemon's own.
@@ -70,8 +74,7 @@ pub(crate) fn git_dir_refusal(path: &Path, shown: &str) -> Option<String> {
 
 /// [`git_dir_refusal`] for the file open as `fd`, by its real path.
 fn git_dir_refusal_of(fd: &impl std::os::fd::AsRawFd, shown: &str) -> Option<String> {
-    let real = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
-    git_dir_refusal(&real, shown)
+    git_dir_refusal(&real_path(fd)?, shown)
 }
 
 fn protected_message(path: &str) -> String {
