@@ -358,8 +358,8 @@ pub const ALL: &[Metric] = &[
     Metric {
         name: "tiller_store_checkpoint_seconds",
         kind: Kind::Histogram,
-        help: "Time of one checkpoint of SQLite's write-ahead log into the database (its fsyncs included); the store writes nothing meanwhile.",
-        labels: &[],
+        help: "Time of one checkpoint of SQLite's write-ahead log into the database (its fsyncs included). `thread`: the checkpoint thread's, beside the commits; `writer`: one the writer ran itself, committing nothing meanwhile (`tiller serve` once the log holds 2,000 frames; inline, as in `tiller acp --embedded`, every one).",
+        labels: &[fixed("by", || vec!["thread", "writer"])],
     },
     Metric {
         name: "tiller_store_damaged_sessions",

@@ -178,14 +178,9 @@ impl Drop for Sqlite {
 
 impl Db for Sqlite {
     fn checkpoint(&mut self) -> R<bool> {
-        // PASSIVE: the store's one connection holds the file, so nothing
-        // should keep it from copying every frame (checked all the same).
-        let (busy, log, copied): (i64, i64, i64) =
-            self.conn
-                .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-                })?;
-        Ok(busy == 0 && copied >= log)
+        // The writer runs it only while the checkpoint thread is idle, so
+        // nothing should keep it from copying every frame.
+        crate::checkpoint::passive(&self.conn)
     }
     fn refusal(&self, session: SessionId) -> Option<StoreError> {
         self.tail.refusal(session)

@@ -15,6 +15,7 @@
 
 #![warn(missing_docs)]
 
+mod checkpoint;
 mod db;
 mod deliveries;
 mod error;
@@ -73,6 +74,11 @@ pub fn damaged_logs(path: &Path) -> Result<Vec<String>, StoreError> {
 }
 
 fn read_only(path: &Path) -> Result<Connection, StoreError> {
+    if checkpoint::Claim::held(path) {
+        return Err(StoreError::InUse {
+            path: path.to_owned(),
+        });
+    }
     let conn = Connection::open_with_flags(
         path,
         rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -122,8 +128,11 @@ pub(crate) struct Shared {
     pub(crate) wal_frames: AtomicUsize,
     /// Frames written to SQLite's write-ahead log in all (tests read it).
     pub(crate) frames_written: AtomicUsize,
-    /// Checkpoints the writer ran (tests read it).
+    /// Checkpoints tried, by the checkpoint thread or the writer (tests
+    /// read it).
     pub(crate) checkpoints: AtomicUsize,
+    /// Of those, the ones the writer ran itself (tests read it).
+    pub(crate) writer_checkpoints: AtomicUsize,
     /// Transactions of appends committed (tests read it).
     pub(crate) append_commits: AtomicUsize,
 }
@@ -170,7 +179,7 @@ impl Store {
     /// caller then waits for too), which in that process only its one
     /// client waits for anyway.
     pub fn open_inline(path: &Path) -> Result<Store, StoreError> {
-        let (writer, shared) = Self::connect(path)?;
+        let (writer, shared) = Self::connect(path, false)?;
         Ok(Store {
             tx: Route::Inline(Arc::new(std::sync::Mutex::new(Some(writer)))),
             shared,
@@ -179,7 +188,7 @@ impl Store {
 
     /// Opens (creating if needed) the database at `path` and starts its thread.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
-        let (writer, shared) = Self::connect(path)?;
+        let (writer, shared) = Self::connect(path, true)?;
         let (tx, rx) = std_mpsc::channel();
         std::thread::Builder::new()
             .name("tiller-store".into())
@@ -226,7 +235,13 @@ impl Store {
         })
     }
 
-    fn connect(path: &Path) -> Result<(Writer, Arc<Shared>), StoreError> {
+    /// Opens SQLite's file for the writer; `beside`: with a checkpoint
+    /// thread (the store thread's), else (inline) the connection holds
+    /// the file alone (`locking_mode = EXCLUSIVE`: no transaction takes
+    /// even the process's own locks) and the writer runs every
+    /// checkpoint, as the caller's thread has the CPU to spare and a
+    /// client of its own waiting anyway.
+    fn connect(path: &Path, beside: bool) -> Result<(Writer, Arc<Shared>), StoreError> {
         let open_err = |source: rusqlite::Error| match source.sqlite_error_code() {
             Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
                 StoreError::InUse {
@@ -242,7 +257,12 @@ impl Store {
             path: path.to_owned(),
             source: e,
         })?;
-        let mut conn = Connection::open(path).map_err(open_err)?;
+        let claim = checkpoint::Claim::take(path)?;
+        let mut conn = checkpoint::open(path).map_err(open_err)?;
+        if !beside {
+            conn.pragma_update(None, "locking_mode", "EXCLUSIVE")
+                .map_err(open_err)?;
+        }
         // Every statement the store runs stays prepared (the default of 16
         // is fewer than it has: evicted ones were parsed again per use).
         conn.set_prepared_statement_cache_capacity(256);
@@ -275,7 +295,12 @@ impl Store {
         ))
         .map_err(open_err)?;
         let db = db::Sqlite::new(conn).map_err(open_err)?;
-        Ok((Writer::new(Box::new(db), shared.clone()), shared))
+        let mut writer = Writer::new(Box::new(db), shared.clone());
+        if beside {
+            writer.checkpointer = Some(checkpoint::Checkpointer::start(path, shared.clone())?);
+        }
+        writer.claim = Some(claim);
+        Ok((writer, shared))
     }
 
     /// The one command path: runs `f` on the store thread, in order,

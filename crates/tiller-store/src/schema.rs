@@ -10,12 +10,18 @@ use rusqlite::Connection;
 /// 0600 first covers them; files left by an older version are tightened.
 pub(crate) fn restrict(path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
-    std::fs::OpenOptions::new()
+    // Created when missing, and never opened here when it exists: closing
+    // a descriptor of a file would let go of every lock this process holds
+    // on it (POSIX), a store's of this process included.
+    match std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(false)
+        .create_new(true)
         .mode(0o600)
-        .open(path)?;
+        .open(path)
+    {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
+    }
     for suffix in ["", "-wal", "-shm", "-journal"] {
         let mut p = path.as_os_str().to_owned();
         p.push(suffix);
@@ -231,12 +237,12 @@ pub(crate) fn version(conn: &Connection) -> rusqlite::Result<i64> {
 }
 
 pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
-    // One process owns the store: the lock is taken at open and held (a
-    // second daemon on the same file fails at start instead of settling
-    // the first one's prompts as "restarted"), and no transaction pays for
-    // file locks or a shared-memory index.
-    conn.busy_timeout(std::time::Duration::from_secs(5))?;
-    conn.pragma_update(None, "locking_mode", "EXCLUSIVE")?;
+    // One process owns the store: opened on the `unix-excl` VFS (see
+    // `crate::checkpoint`), its first read takes the file's lock for the
+    // process and keeps it (a second daemon on the same file fails at
+    // start instead of settling the first one's prompts as "restarted"),
+    // and no transaction pays for file locks or a shared-memory index.
+    conn.busy_timeout(crate::checkpoint::BUSY_WAIT)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     // WAL + NORMAL: a commit survives a process crash (kill -9); the last
     // commits may be lost on power failure. See ARCHITECTURE.md.

@@ -39,6 +39,9 @@ mod basics {
         let owner = Store::open(&path).unwrap();
         let r = rec(1);
         owner.create_session(r.clone()).await.unwrap();
+        // The log's index is in the process's memory (the `unix-excl`
+        // VFS), not in a file another process could map.
+        assert!(!dir.path().join("t.db-shm").exists());
         let second = {
             let path = path.clone();
             tokio::task::spawn_blocking(move || Store::open(&path))
@@ -65,10 +68,11 @@ mod basics {
         );
     }
 
-    /// The writer checkpoints SQLite's write-ahead log itself (SQLite's
+    /// The store checkpoints SQLite's write-ahead log itself (SQLite's
     /// automatic checkpoint is replaced by the hook that counts frames):
-    /// however much is written, on the store thread or inline, the log's
-    /// file stays about [`crate::writer::CHECKPOINT_FRAMES`] frames long.
+    /// however much is written without a pause, on the store thread or
+    /// inline, the log's file stays bounded by
+    /// [`crate::writer::WAL_CAP_FRAMES`].
     #[tokio::test]
     async fn the_write_ahead_log_stays_bounded_by_the_writers_checkpoints() {
         for inline in [false, true] {
@@ -82,21 +86,69 @@ mod basics {
             let a = rec(1);
             store.create_session(a.clone()).await.unwrap();
             // Each durable append commits alone, with its 6 KB on pages of
-            // their own: about 40 MB of log frames in all.
+            // their own: about 60 MB of log frames in all.
             let body = "x".repeat(6000);
-            for seq in 1..=3000 {
+            for seq in 1..=4500 {
                 let mut e = ev(a.id, seq);
                 e.data = format!("{{\"n\":{seq},\"pad\":\"{body}\"}}");
                 store.append_durable(e, None).await.unwrap();
             }
             assert_log_bounded(dir.path(), &format!("inline {inline}: "));
             let (_, head) = store.get_session(a.id).await.unwrap().unwrap();
-            assert_eq!(head.last_seq, 3000, "inline {inline}");
+            assert_eq!(head.last_seq, 4500, "inline {inline}");
             // The writer's checkpoints, not SQLite's own, kept it short.
             assert!(
                 store.shared.checkpoints.load(Ordering::Relaxed) > 0,
                 "inline {inline}: the writer never checkpointed"
             );
+            store.close().await;
+        }
+    }
+
+    /// On the store thread, writes that pause now and then have their log
+    /// checkpointed on the checkpoint thread, beside the commits, never by
+    /// the writer (whose checkpoint a commit queued meanwhile waited for):
+    /// in a pause, a pass copies everything and the log starts over.
+    #[tokio::test]
+    async fn a_log_written_with_pauses_is_checkpointed_beside_the_writer() {
+        {
+            let dir = tempfile::tempdir().unwrap();
+            let store = Store::open(&dir.path().join("t.db")).unwrap();
+            let a = rec(1);
+            store.create_session(a.clone()).await.unwrap();
+            let mut seq = 0;
+            // Bursts of a few hundred frames, then a pause: the pass asked
+            // for in each burst finds nothing after it.
+            for _ in 0..16 {
+                for _ in 0..150 {
+                    seq += 1;
+                    store.append_durable(ev(a.id, seq), None).await.unwrap();
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            // More than the cap in all: had the log not started over in
+            // the pauses, the writer would have checkpointed it.
+            let frames = store.shared.frames_written.load(Ordering::Relaxed);
+            assert!(frames > writer::WAL_CAP_FRAMES, "{frames} frames written");
+            assert!(
+                store.shared.checkpoints.load(Ordering::Relaxed) > 0,
+                "nothing checkpointed"
+            );
+            assert_eq!(
+                store.shared.writer_checkpoints.load(Ordering::Relaxed),
+                0,
+                "the writer checkpointed"
+            );
+            // One more commit after the last pass: the log started over.
+            seq += 1;
+            store.append_durable(ev(a.id, seq), None).await.unwrap();
+            let now = store.shared.wal_frames.load(Ordering::Relaxed);
+            assert!(
+                now < writer::CHECKPOINT_FRAMES,
+                "the log holds {now} frames"
+            );
+            let all = store.events_after(a.id, 0, 10_000).await.unwrap();
+            assert_eq!(all.len() as u64, seq);
             store.close().await;
         }
     }
@@ -128,9 +180,14 @@ mod basics {
             store.append_durable(ev(a.id, seq), None).await.unwrap();
         }
         assert!(store.shared.checkpoints.load(Ordering::Relaxed) > tried);
+        // Past the cap the writer checkpoints itself: the log (about 8,000
+        // frames when checkpoints failed) started over, and 2,000 appends
+        // later is shorter.
+        assert!(frames > writer::WAL_CAP_FRAMES, "{frames}");
+        let now = store.shared.wal_frames.load(Ordering::Relaxed);
         assert!(
-            store.shared.wal_frames.load(Ordering::Relaxed) < 2 * writer::CHECKPOINT_FRAMES,
-            "the log started over once a checkpoint worked"
+            now < frames,
+            "the log started over once a checkpoint worked: {now} frames, {frames} before"
         );
         let all = store.events_after(a.id, 0, 10_000).await.unwrap();
         assert_eq!(all.len(), 6000, "every event is kept");
@@ -205,13 +262,14 @@ mod basics {
         store.close().await;
     }
 
-    /// SQLite's log file in `dir` (`t.db`'s) stayed under two
-    /// checkpoints' worth of frames.
+    /// SQLite's log file in `dir` (`t.db`'s) stayed under twice the cap
+    /// past which the writer checkpoints itself (the checkpoint thread's
+    /// pass it waits for, then its own, are what it may grow meanwhile).
     fn assert_log_bounded(dir: &Path, context: &str) {
         let wal = std::fs::metadata(dir.join("t.db-wal")).unwrap().len();
         let frame = 4096 + 24;
         assert!(
-            wal < 2 * (writer::CHECKPOINT_FRAMES as u64) * frame,
+            wal < 2 * (writer::WAL_CAP_FRAMES as u64) * frame,
             "{context}the log grew to {wal} bytes"
         );
     }

@@ -7,11 +7,12 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc as std_mpsc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tiller_core::SessionId;
 use tokio::sync::oneshot;
 
+use crate::checkpoint::{self, Checkpointer, Claim};
 use crate::db::Db;
 use crate::{LedgerOp, OnCommit, Shared, StoreError, StoredEvent, log};
 
@@ -67,6 +68,27 @@ pub(crate) struct Queue {
     tickets: u64,
     /// Appends queued, in every lane.
     len: usize,
+}
+
+/// Least time between two commits of streamed appends only, on the store
+/// thread: a stream's events wait that long for the next ones, so a
+/// store thread that keeps up does not commit every few events apart
+/// (each commit has its cost, and its sessions' fan-out). An awaited
+/// append never waits for it.
+const STREAM_GAP: Duration = Duration::from_millis(1);
+
+impl Queue {
+    /// How much longer queued streamed appends wait, after a streamed
+    /// commit at `last`: none when nothing is queued or an awaited append
+    /// is.
+    fn lingers(&self, last: Instant) -> Option<Duration> {
+        if self.is_empty() || !self.urgent.is_empty() {
+            return None;
+        }
+        STREAM_GAP
+            .checked_sub(last.elapsed())
+            .filter(|d| !d.is_zero())
+    }
 }
 
 /// One session's queued appends, in the order sent.
@@ -174,6 +196,13 @@ pub(crate) struct Writer {
     /// failed, [`CHECKPOINT_FRAMES`] more (not every commit) before the
     /// next try.
     checkpoint_at: usize,
+    /// The thread that checkpoints beside the commits (SQLite's store
+    /// thread; none inline or on PostgreSQL). Dropped after the
+    /// connection.
+    pub(crate) checkpointer: Option<Checkpointer>,
+    /// This process's claim on SQLite's file, let go once both
+    /// connections are closed.
+    pub(crate) claim: Option<Claim>,
 }
 
 /// Frames in SQLite's write-ahead log that make a checkpoint due. A
@@ -185,6 +214,18 @@ pub(crate) struct Writer {
 /// with `tiller-load`: a checkpoint took 3.5 ms instead of 9 ms, cancels
 /// flat out p50 17 ms instead of 30 ms.
 pub(crate) const CHECKPOINT_FRAMES: usize = 250;
+
+/// Frames in the write-ahead log past which the writer checkpoints itself
+/// (when the checkpoint thread is idle) rather than ask the thread: the
+/// log starts over only after a pass that nothing was committed during,
+/// which writes that never pause do not leave. 8 MiB of log. A longer
+/// log costs every commit more (SQLite's index of the log chains each
+/// page's frames: a hot page's every version), a shorter one more of the
+/// writer's own checkpoints; measured with `tiller-load`, 1,000 made the
+/// writer checkpoint five times in the cancel probe at a model's pace
+/// (p99 5.84 ms), 4,000 cost 2,250 instructions a prompt in SQLite's
+/// index of the log.
+pub(crate) const WAL_CAP_FRAMES: usize = 2000;
 
 /// Most sessions a failed append's log line names.
 const NAMED: usize = 8;
@@ -204,16 +245,27 @@ const MAX_BATCH: usize = 4096;
 pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
     let mut queued = Queue::default();
     let mut urgent_last = false;
+    let mut streamed_at = Instant::now();
     loop {
+        let mut gone = false;
+        let linger = queued.lingers(streamed_at);
         let first = if queued.is_empty() {
             match rx.recv() {
                 Ok(c) => Some(c),
                 Err(_) => return, // every handle dropped
             }
+        } else if let Some(wait) = linger {
+            match rx.recv_timeout(wait) {
+                Ok(c) => Some(c),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => {
+                    gone = true;
+                    None
+                }
+            }
         } else {
             None
         };
-        let mut gone = false;
         for cmd in first
             .into_iter()
             .chain(std::iter::from_fn(|| match rx.try_recv() {
@@ -248,8 +300,14 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
             w.write_all(&mut queued);
             return;
         }
+        if queued.lingers(streamed_at).is_some() {
+            continue;
+        }
         let slice = w.conn.sessions_per_commit();
         if let Some(batch) = next_batch(&mut queued, slice, MAX_BATCH, &mut urgent_last) {
+            if !urgent_last {
+                streamed_at = Instant::now();
+            }
             w.append_timed(batch);
             w.upkeep();
         }
@@ -357,6 +415,8 @@ impl Writer {
             all_broken: false,
             reopened: Default::default(),
             checkpoint_at: CHECKPOINT_FRAMES,
+            checkpointer: None,
+            claim: None,
         }
     }
 
@@ -393,15 +453,16 @@ impl Writer {
 
     /// Checkpoints SQLite's write-ahead log once it holds
     /// [`CHECKPOINT_FRAMES`], after the commit that filled it was
-    /// answered and before the next one: after each batch of appends and
-    /// each command (not between a command's preceding writes and the
-    /// command), so a burst taken off the channel at once is checkpointed
-    /// as it goes. (SQLite's automatic checkpoint ran inside a commit, so
-    /// the callers waiting for it waited for the copy and its fsyncs too.)
-    /// Timed as `tiller_store_checkpoint_seconds`: what a commit queued
-    /// meanwhile waits for. A checkpoint that failed or could not copy
-    /// every frame loses nothing (the log keeps every frame); it is tried
-    /// again once the log grew by [`CHECKPOINT_FRAMES`] more.
+    /// answered: after each batch of appends and each command (not
+    /// between a command's preceding writes and the command), so a burst
+    /// taken off the channel at once is checkpointed as it goes. With a
+    /// checkpoint thread (the store thread's) the thread is asked (see
+    /// [`crate::checkpoint`]): the writer goes on committing meanwhile;
+    /// it runs one itself only once the log holds [`WAL_CAP_FRAMES`] and
+    /// the thread is idle. Inline, it runs every one (a commit queued
+    /// meanwhile waits for it). A checkpoint that failed or could not copy every frame loses
+    /// nothing (the log keeps every frame); it is tried again once the log
+    /// grew by [`CHECKPOINT_FRAMES`] more.
     fn checkpoint_if_due(&mut self) {
         let frames = self.shared.wal_frames.load(Ordering::Relaxed);
         if frames + CHECKPOINT_FRAMES < self.checkpoint_at {
@@ -411,14 +472,21 @@ impl Writer {
         if frames < self.checkpoint_at {
             return;
         }
-        let started = Instant::now();
-        self.shared.checkpoints.fetch_add(1, Ordering::Relaxed);
-        let outcome = if self.shared.fail_checkpoints.load(Ordering::Relaxed) {
-            Err(StoreError::Injected)
-        } else {
-            self.conn.checkpoint()
-        };
-        match outcome {
+        if let Some(c) = &self.checkpointer {
+            if c.running() {
+                return;
+            }
+            if frames < WAL_CAP_FRAMES {
+                if c.ask() {
+                    self.checkpoint_at = frames + CHECKPOINT_FRAMES;
+                }
+                return;
+            }
+        }
+        self.shared
+            .writer_checkpoints
+            .fetch_add(1, Ordering::Relaxed);
+        match checkpoint::timed(&self.shared, "writer", || self.conn.checkpoint()) {
             Ok(true) => {
                 // The log starts over at the next commit, which reports it.
                 self.shared.wal_frames.store(0, Ordering::Relaxed);
@@ -436,14 +504,12 @@ impl Writer {
                 self.checkpoint_at = frames + CHECKPOINT_FRAMES;
             }
         }
-        metrics::histogram!("tiller_store_checkpoint_seconds")
-            .record(started.elapsed().as_secs_f64());
     }
 
     fn append_timed(&mut self, batch: Vec<Pending>) {
         let n = batch.len();
         while self.shared.pause_appends.load(Ordering::Relaxed) {
-            std::thread::sleep(std::time::Duration::from_millis(1));
+            std::thread::sleep(Duration::from_millis(1));
         }
         let started = Instant::now();
         self.append(batch);

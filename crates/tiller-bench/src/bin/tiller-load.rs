@@ -240,8 +240,12 @@ async fn start_daemon() -> Daemon {
 struct StoreTimes {
     /// Seconds and number of commits of appends.
     writes: (f64, f64),
-    /// Seconds and number of checkpoints of SQLite's log.
+    /// Seconds and number of checkpoints of SQLite's log the store thread
+    /// ran itself (committing nothing meanwhile).
     checkpoints: (f64, f64),
+    /// Seconds and number of the checkpoint thread's passes (beside the
+    /// commits).
+    passes: (f64, f64),
     /// `tiller_cancel_latency_seconds`: from the cancel reaching its
     /// session to the turn's end decided.
     decided: Buckets,
@@ -319,14 +323,19 @@ async fn store_times(d: &Daemon) -> StoreTimes {
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };
+    let by = |name: &str, by: &str| sum(&format!("{name}{{by=\"{by}\"}}"));
     StoreTimes {
         writes: (
             sum("tiller_store_write_seconds_sum"),
             sum("tiller_store_write_seconds_count"),
         ),
         checkpoints: (
-            sum("tiller_store_checkpoint_seconds_sum"),
-            sum("tiller_store_checkpoint_seconds_count"),
+            by("tiller_store_checkpoint_seconds_sum", "writer"),
+            by("tiller_store_checkpoint_seconds_count", "writer"),
+        ),
+        passes: (
+            by("tiller_store_checkpoint_seconds_sum", "thread"),
+            by("tiller_store_checkpoint_seconds_count", "thread"),
         ),
         decided: Buckets::read(&body, "tiller_cancel_latency_seconds"),
         settled: Buckets::read(&body, "tiller_settle_latency_seconds"),
@@ -496,6 +505,10 @@ async fn cancel_latency(
         checkpoints: (
             store1.checkpoints.0 - store0.checkpoints.0,
             store1.checkpoints.1 - store0.checkpoints.1,
+        ),
+        passes: (
+            store1.passes.0 - store0.passes.0,
+            store1.passes.1 - store0.passes.1,
         ),
         decided: store1.decided.since(&store0.decided),
         settled: store1.settled.since(&store0.settled),
@@ -700,12 +713,15 @@ async fn main() {
         // What a durable append (the cancel's terminal) may wait behind.
         let (w, wn) = c.store.writes;
         let (k, kn) = c.store.checkpoints;
+        let (p, pn) = c.store.passes;
         println!(
-            "  the store thread meanwhile: committing {:.0}% of the time ({wn:.0} commits, {:.2} ms each on average), checkpointing {:.0}% ({kn:.0} checkpoints, {:.2} ms each)",
+            "  the store thread meanwhile: committing {:.0}% of the time ({wn:.0} commits, {:.2} ms each on average), checkpointing {:.0}% ({kn:.0} checkpoints, {:.2} ms each); the checkpoint thread beside it {:.0}% ({pn:.0} passes, {:.2} ms each)",
             100.0 * w / c.wall,
             1000.0 * w / wn.max(1.0),
             100.0 * k / c.wall,
             1000.0 * k / kn.max(1.0),
+            100.0 * p / c.wall,
+            1000.0 * p / pn.max(1.0),
         );
         // Two windows of the answer's time, as the daemon's histograms
         // bucket them. They overlap (both hold the engine's stop, and for
