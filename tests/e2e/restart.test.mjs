@@ -100,6 +100,36 @@ describe("restart", () => {
   });
 });
 
+describe("one daemon per SQLite store", () => {
+  test("a second daemon on the same store is refused at start, and the first goes on", async () => {
+    // SQLite whatever the suite's store: the lock is the file's.
+    const dataDir = tempDir();
+    const daemon = await startDaemon({ dataDir, env: { TILLER_STORE__KIND: "sqlite" } });
+    try {
+      const c = await transports.unix(daemon);
+      await initialize(c);
+      const first = await newSession(c);
+      const second = spawn(bin, ["serve", "--data-dir", dataDir, "--listen", "127.0.0.1:0"], {
+        env: { ...process.env, TILLER_STORE__KIND: "sqlite" },
+        stdio: ["ignore", "ignore", "pipe"],
+      });
+      let log = "";
+      second.stderr.on("data", (d) => (log += d.toString()));
+      const code = await new Promise((resolve) => second.on("exit", resolve));
+      assert.notEqual(code, 0, log);
+      assert.match(log, /in use by another Tiller process/);
+      // The first daemon still has its store, its socket and its sessions.
+      const after = await newSession(c);
+      assert.notEqual(after, first);
+      const { sessions } = await c.request("session/list", {});
+      assert.ok(sessions.some((s) => s.sessionId === first), JSON.stringify(sessions));
+      c.close();
+    } finally {
+      await daemon.stop();
+    }
+  });
+});
+
 describe("tiller acp", () => {
   test("--embedded runs a private daemon on stdio", async () => {
     const dataDir = tempDir();

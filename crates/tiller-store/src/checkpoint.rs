@@ -23,16 +23,19 @@
 //!
 //! Under writes that never pause (many sessions streaming), every pass
 //! ends with frames committed during it and the log never starts over;
-//! once it holds [`WAL_CAP_FRAMES`] the writer runs the checkpoint itself
-//! between commits, over what came during the thread's last pass (which,
-//! near the cap, passes again at once).
+//! once it holds [`WAL_CAP_FRAMES`] the writer waits for the pass under
+//! way (the thread stops at the cap) and runs the checkpoint itself
+//! between commits, over what came during that pass (near the cap the
+//! thread passes again at once, so that is little). The log stays
+//! bounded however slow the disk. A thread that ended (a panic) is not
+//! waited for: the writer checkpoints itself from then on.
 
 use std::collections::HashSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -55,10 +58,36 @@ pub(crate) fn open(path: &Path) -> rusqlite::Result<Connection> {
 pub(crate) struct Checkpointer {
     asks: Option<SyncSender<()>>,
     thread: Option<JoinHandle<()>>,
+    state: Arc<State>,
+}
+
+/// What the writer and the thread share.
+#[derive(Default)]
+struct State {
     /// Set by the writer when it asks, cleared by the thread once it
-    /// stops passing: the writer asks again, or checkpoints itself, only
-    /// when the thread is idle.
-    running: Arc<AtomicBool>,
+    /// stops passing (under `idle`, whose waiters it then wakes): the
+    /// writer asks again, or checkpoints itself, only when the thread is
+    /// idle.
+    running: AtomicBool,
+    idle: Mutex<()>,
+    wake: Condvar,
+}
+
+impl State {
+    fn stopped(&self) {
+        let _held = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        self.running.store(false, Ordering::Release);
+        self.wake.notify_all();
+    }
+}
+
+/// Clears `running` when the thread stops passing, or unwinds.
+struct Stopped<'a>(&'a State);
+
+impl Drop for Stopped<'_> {
+    fn drop(&mut self) {
+        self.0.stopped();
+    }
 }
 
 impl Checkpointer {
@@ -77,12 +106,12 @@ impl Checkpointer {
         conn.pragma_update(None, "wal_autocheckpoint", 0)
             .map_err(open_err)?;
         let (asks, rx) = sync_channel(1);
-        let running = Arc::new(AtomicBool::new(false));
+        let state = Arc::new(State::default());
         let thread = {
-            let running = running.clone();
+            let state = state.clone();
             std::thread::Builder::new()
                 .name("tiller-checkpoint".into())
-                .spawn(move || passes(conn, rx, &running, &shared))
+                .spawn(move || passes(conn, rx, &state, &shared))
                 .map_err(|e| StoreError::Io {
                     path: path.to_owned(),
                     source: e,
@@ -91,13 +120,33 @@ impl Checkpointer {
         Ok(Checkpointer {
             asks: Some(asks),
             thread: Some(thread),
-            running,
+            state,
         })
     }
 
     /// Whether a pass is under way.
     pub(crate) fn running(&self) -> bool {
-        self.running.load(Ordering::Acquire)
+        self.state.running.load(Ordering::Acquire)
+    }
+
+    /// Whether the thread ended while the writer still has it (a panic):
+    /// the writer then checkpoints itself.
+    pub(crate) fn dead(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+
+    /// Waits until the thread is idle (it stops passing at the cap, so at
+    /// most the rest of one pass), or dead.
+    pub(crate) fn wait_idle(&self) {
+        let mut held = self.state.idle.lock().unwrap_or_else(|e| e.into_inner());
+        while self.running() && !self.dead() {
+            held = self
+                .state
+                .wake
+                .wait_timeout(held, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     /// Asks the thread for a pass; false when it is in one already (or
@@ -107,12 +156,12 @@ impl Checkpointer {
             return false;
         }
         let Some(asks) = &self.asks else { return false };
-        self.running.store(true, Ordering::Release);
+        self.state.running.store(true, Ordering::Release);
         match asks.try_send(()) {
             Ok(()) => true,
             Err(TrySendError::Full(())) => true,
             Err(TrySendError::Disconnected(())) => {
-                self.running.store(false, Ordering::Release);
+                self.state.stopped();
                 false
             }
         }
@@ -132,8 +181,9 @@ impl Drop for Checkpointer {
 /// over it until the log can start over (a pass with nothing committed
 /// during it), the writer's turn comes (the cap), a pass fails, or the
 /// writer is gone.
-fn passes(conn: Connection, asks: Receiver<()>, running: &AtomicBool, shared: &Shared) {
+fn passes(conn: Connection, asks: Receiver<()>, state: &State, shared: &Shared) {
     while asks.recv().is_ok() {
+        let _stopped = Stopped(state);
         loop {
             let from = shared.wal_frames.load(Ordering::Relaxed);
             let copied = pass(&conn, shared, from);
@@ -141,7 +191,6 @@ fn passes(conn: Connection, asks: Receiver<()>, running: &AtomicBool, shared: &S
                 break;
             }
         }
-        running.store(false, Ordering::Release);
     }
 }
 
@@ -182,6 +231,14 @@ fn again(asks: &Receiver<()>, shared: &Shared, from: usize) -> bool {
 /// One pass, timed: whether it copied every frame the log held when it
 /// began (a failure loses nothing: the log keeps every frame).
 fn pass(conn: &Connection, shared: &Shared, frames: usize) -> bool {
+    assert!(
+        !shared.crash_passes.load(Ordering::Relaxed),
+        "a test made the checkpoint thread panic"
+    );
+    let slow = shared.slow_passes.load(Ordering::Relaxed);
+    if slow > 0 {
+        std::thread::sleep(Duration::from_millis(slow));
+    }
     match timed(shared, "thread", || passive(conn)) {
         Ok(all) => all,
         Err(e) => {

@@ -2,8 +2,11 @@
 //! (WAL). The only crate that knows SQL; it stores, it decides nothing.
 //!
 //! All SQLite work runs on one dedicated thread that owns the connection
-//! ([`writer`]); callers talk to it through a channel, so blocking I/O
-//! never runs on the async workers. Commands are executed in the order they
+//! ([`writer`]), but for the checkpoints of its log, which a thread of its
+//! own runs beside the commits on a second connection ([`checkpoint`]);
+//! callers talk to the writer through a channel, so blocking I/O never
+//! runs on the async workers (inline, `tiller acp --embedded`, the
+//! caller's thread is the writer and checkpoints too). Commands are executed in the order they
 //! are sent, queued appends are committed in batches (awaited ones first,
 //! each session's in order), and a reader always sees every append sent
 //! before it.
@@ -117,14 +120,19 @@ pub(crate) struct Shared {
     pub(crate) pause_appends: AtomicBool,
     /// Set by a test to make every checkpoint fail.
     pub(crate) fail_checkpoints: AtomicBool,
+    /// Set by a test: milliseconds each of the checkpoint thread's passes
+    /// waits first (a slow disk).
+    pub(crate) slow_passes: std::sync::atomic::AtomicU64,
+    /// Set by a test to make the checkpoint thread's next pass panic.
+    pub(crate) crash_passes: AtomicBool,
     /// Set by a test to make every session delete fail.
     pub(crate) fail_deletes: AtomicBool,
     /// Whether several daemons may share the store (PostgreSQL).
     pub(crate) clustered: AtomicBool,
     /// Frames in SQLite's write-ahead log after the last commit (set by
-    /// the connection's WAL hook; 0 on PostgreSQL): the writer checkpoints
+    /// the connection's WAL hook; 0 on PostgreSQL): a checkpoint is due
     /// once there are [`writer::CHECKPOINT_FRAMES`] (after a failed
-    /// checkpoint, that many more).
+    /// checkpoint, that many more); see [`checkpoint`].
     pub(crate) wal_frames: AtomicUsize,
     /// Frames written to SQLite's write-ahead log in all (tests read it).
     pub(crate) frames_written: AtomicUsize,
@@ -361,6 +369,18 @@ impl Store {
             Ok(())
         })
         .await
+    }
+
+    /// Makes each of the checkpoint thread's passes take `ms` longer.
+    #[cfg(feature = "test-hooks")]
+    pub fn slow_passes(&self, ms: u64) {
+        self.shared.slow_passes.store(ms, Ordering::Relaxed);
+    }
+
+    /// Makes the checkpoint thread's next pass panic (the thread ends).
+    #[cfg(feature = "test-hooks")]
+    pub fn crash_passes(&self) {
+        self.shared.crash_passes.store(true, Ordering::Relaxed);
     }
 
     /// Makes every checkpoint of SQLite's log fail until turned off.

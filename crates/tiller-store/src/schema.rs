@@ -19,6 +19,16 @@ pub(crate) fn restrict(path: &Path) -> std::io::Result<()> {
         .mode(0o600)
         .open(path)
     {
+        // A link to a file not there yet: made through the link, as
+        // SQLite would (no lock is held on a file that does not exist).
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && !path.exists() => {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(path)?;
+        }
         Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
         _ => {}
     }

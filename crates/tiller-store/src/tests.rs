@@ -71,8 +71,8 @@ mod basics {
     /// The store checkpoints SQLite's write-ahead log itself (SQLite's
     /// automatic checkpoint is replaced by the hook that counts frames):
     /// however much is written without a pause, on the store thread or
-    /// inline, the log's file stays bounded by
-    /// [`crate::writer::WAL_CAP_FRAMES`].
+    /// inline, the log's file stays bounded ([`THREAD_BOUND`],
+    /// [`INLINE_BOUND`]).
     #[tokio::test]
     async fn the_write_ahead_log_stays_bounded_by_the_writers_checkpoints() {
         for inline in [false, true] {
@@ -93,7 +93,8 @@ mod basics {
                 e.data = format!("{{\"n\":{seq},\"pad\":\"{body}\"}}");
                 store.append_durable(e, None).await.unwrap();
             }
-            assert_log_bounded(dir.path(), &format!("inline {inline}: "));
+            let bound = if inline { INLINE_BOUND } else { THREAD_BOUND };
+            assert_log_bounded(dir.path(), bound, &format!("inline {inline}: "));
             let (_, head) = store.get_session(a.id).await.unwrap().unwrap();
             assert_eq!(head.last_seq, 4500, "inline {inline}");
             // The writer's checkpoints, not SQLite's own, kept it short.
@@ -124,7 +125,7 @@ mod basics {
                     seq += 1;
                     store.append_durable(ev(a.id, seq), None).await.unwrap();
                 }
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             }
             // More than the cap in all: had the log not started over in
             // the pauses, the writer would have checkpointed it.
@@ -139,10 +140,18 @@ mod basics {
                 0,
                 "the writer checkpointed"
             );
-            // One more commit after the last pass: the log started over.
-            seq += 1;
-            store.append_durable(ev(a.id, seq), None).await.unwrap();
-            let now = store.shared.wal_frames.load(Ordering::Relaxed);
+            // A commit after a pass in a pause starts the log over (a
+            // commit every 50 ms, for up to 5 s, on a slow disk).
+            let mut now = usize::MAX;
+            for _ in 0..100 {
+                seq += 1;
+                store.append_durable(ev(a.id, seq), None).await.unwrap();
+                now = store.shared.wal_frames.load(Ordering::Relaxed);
+                if now < writer::CHECKPOINT_FRAMES {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
             assert!(
                 now < writer::CHECKPOINT_FRAMES,
                 "the log holds {now} frames"
@@ -151,6 +160,53 @@ mod basics {
             assert_eq!(all.len() as u64, seq);
             store.close().await;
         }
+    }
+
+    /// A checkpoint thread slower than the writes (a slow disk) does not
+    /// let the log grow past the cap: the writer waits there for the pass
+    /// under way, then checkpoints itself.
+    #[tokio::test]
+    async fn a_slow_checkpoint_thread_holds_the_writer_at_the_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let a = rec(1);
+        store.create_session(a.clone()).await.unwrap();
+        store.slow_passes(300);
+        let body = "x".repeat(6000);
+        let mut seq = 0;
+        while store.shared.frames_written.load(Ordering::Relaxed) < 3 * writer::WAL_CAP_FRAMES {
+            seq += 1;
+            let mut e = ev(a.id, seq);
+            e.data = format!("{{\"pad\":\"{body}\"}}");
+            store.append_durable(e, None).await.unwrap();
+        }
+        assert_log_bounded(dir.path(), THREAD_BOUND, "");
+        assert!(store.shared.writer_checkpoints.load(Ordering::Relaxed) > 0);
+        store.close().await;
+    }
+
+    /// A checkpoint thread that ended (a panic) is not waited for: the
+    /// writer checkpoints itself from then on, and the log stays bounded.
+    #[tokio::test]
+    async fn the_writer_checkpoints_itself_once_the_checkpoint_thread_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let a = rec(1);
+        store.create_session(a.clone()).await.unwrap();
+        store.crash_passes();
+        let body = "x".repeat(6000);
+        let mut seq = 0;
+        while store.shared.frames_written.load(Ordering::Relaxed) < 3 * writer::WAL_CAP_FRAMES {
+            seq += 1;
+            let mut e = ev(a.id, seq);
+            e.data = format!("{{\"pad\":\"{body}\"}}");
+            store.append_durable(e, None).await.unwrap();
+        }
+        assert_log_bounded(dir.path(), THREAD_BOUND, "");
+        assert!(store.shared.writer_checkpoints.load(Ordering::Relaxed) > 0);
+        let all = store.events_after(a.id, 0, 100_000).await.unwrap();
+        assert_eq!(all.len() as u64, seq);
+        store.close().await;
     }
 
     /// A checkpoint that fails loses nothing and is not tried at every
@@ -223,7 +279,7 @@ mod basics {
         tokio::task::yield_now().await;
         store.pause_appends(false);
         flushed.await.unwrap().unwrap();
-        assert_log_bounded(dir.path(), "");
+        assert_log_bounded(dir.path(), THREAD_BOUND, "");
         let (_, head) = store.get_session(sessions[2999].id).await.unwrap().unwrap();
         assert_eq!(head.last_seq, 1);
         store.close().await;
@@ -258,21 +314,29 @@ mod basics {
         for c in calls {
             c.await.unwrap().unwrap();
         }
-        assert_log_bounded(dir.path(), "");
+        assert_log_bounded(dir.path(), THREAD_BOUND, "");
         store.close().await;
     }
 
-    /// SQLite's log file in `dir` (`t.db`'s) stayed under twice the cap
-    /// past which the writer checkpoints itself (the checkpoint thread's
-    /// pass it waits for, then its own, are what it may grow meanwhile).
-    fn assert_log_bounded(dir: &Path, context: &str) {
+    /// SQLite's log file in `dir` (`t.db`'s) stayed under `frames`.
+    fn assert_log_bounded(dir: &Path, frames: usize, context: &str) {
         let wal = std::fs::metadata(dir.join("t.db-wal")).unwrap().len();
         let frame = 4096 + 24;
         assert!(
-            wal < 2 * (writer::WAL_CAP_FRAMES as u64) * frame,
+            wal < frames as u64 * frame,
             "{context}the log grew to {wal} bytes"
         );
     }
+
+    /// What the store thread's log stays under: the cap, past which the
+    /// writer waits for the checkpoint thread's pass under way and
+    /// checkpoints itself (reached at most a due ask's frames late), and
+    /// one commit's frames.
+    const THREAD_BOUND: usize = writer::WAL_CAP_FRAMES + 2 * writer::CHECKPOINT_FRAMES;
+
+    /// What the inline store's log stays under: its writer checkpoints
+    /// every [`writer::CHECKPOINT_FRAMES`].
+    const INLINE_BOUND: usize = 2 * writer::CHECKPOINT_FRAMES;
 
     fn rec(n: i64) -> SessionRecord {
         SessionRecord {

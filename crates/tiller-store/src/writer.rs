@@ -73,16 +73,17 @@ pub(crate) struct Queue {
 /// Least time between two commits of streamed appends only, on the store
 /// thread: a stream's events wait that long for the next ones, so a
 /// store thread that keeps up does not commit every few events apart
-/// (each commit has its cost, and its sessions' fan-out). An awaited
-/// append never waits for it.
+/// (each commit has its cost, and its sessions' fan-out). Not while an
+/// awaited append is queued, nor while more sessions than one commit
+/// takes are (a backlog is written without a pause).
 const STREAM_GAP: Duration = Duration::from_millis(1);
 
 impl Queue {
     /// How much longer queued streamed appends wait, after a streamed
-    /// commit at `last`: none when nothing is queued or an awaited append
-    /// is.
-    fn lingers(&self, last: Instant) -> Option<Duration> {
-        if self.is_empty() || !self.urgent.is_empty() {
+    /// commit at `last`: none when nothing is queued, an awaited append
+    /// is, or more than `sessions` sessions' appends are.
+    fn lingers(&self, last: Instant, sessions: usize) -> Option<Duration> {
+        if self.is_empty() || !self.urgent.is_empty() || self.order.len() > sessions {
             return None;
         }
         STREAM_GAP
@@ -205,10 +206,11 @@ pub(crate) struct Writer {
     pub(crate) claim: Option<Claim>,
 }
 
-/// Frames in SQLite's write-ahead log that make a checkpoint due. A
-/// quarter of SQLite's own default for its automatic one: a checkpoint is
-/// a stall of the store thread (what an awaited append queued meanwhile
-/// waits for), and since commits no longer write the log's index (see
+/// Frames in SQLite's write-ahead log that make a checkpoint due (the
+/// checkpoint thread's next pass; inline, the writer's own). A quarter of
+/// SQLite's own default for its automatic one: a checkpoint the writer
+/// runs is a stall (what an awaited append queued meanwhile waits for),
+/// and since commits no longer write the log's index (see
 /// [`crate::index`]) most frames are new pages, not the same hot ones
 /// again, so copying them more often costs little more in all. Measured
 /// with `tiller-load`: a checkpoint took 3.5 ms instead of 9 ms, cancels
@@ -248,7 +250,8 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
     let mut streamed_at = Instant::now();
     loop {
         let mut gone = false;
-        let linger = queued.lingers(streamed_at);
+        let slice = w.conn.sessions_per_commit();
+        let linger = queued.lingers(streamed_at, slice);
         let first = if queued.is_empty() {
             match rx.recv() {
                 Ok(c) => Some(c),
@@ -300,10 +303,9 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
             w.write_all(&mut queued);
             return;
         }
-        if queued.lingers(streamed_at).is_some() {
+        if queued.lingers(streamed_at, slice).is_some() {
             continue;
         }
-        let slice = w.conn.sessions_per_commit();
         if let Some(batch) = next_batch(&mut queued, slice, MAX_BATCH, &mut urgent_last) {
             if !urgent_last {
                 streamed_at = Instant::now();
@@ -472,16 +474,20 @@ impl Writer {
         if frames < self.checkpoint_at {
             return;
         }
+        if self.checkpointer.as_ref().is_some_and(Checkpointer::dead) {
+            tracing::warn!("the store's checkpoint thread stopped; the writer checkpoints itself");
+            self.checkpointer = None;
+        }
         if let Some(c) = &self.checkpointer {
-            if c.running() {
-                return;
-            }
             if frames < WAL_CAP_FRAMES {
                 if c.ask() {
                     self.checkpoint_at = frames + CHECKPOINT_FRAMES;
                 }
                 return;
             }
+            // The cap holds: the writer waits for the pass under way (the
+            // thread stops at the cap) and copies the rest itself.
+            c.wait_idle();
         }
         self.shared
             .writer_checkpoints

@@ -135,7 +135,9 @@ fn the_core_and_the_store_never_read_the_wall_clock() {
                     f.display(),
                     i + 1
                 );
-                // The store times its own writes for a metric, nothing more.
+                // The store times its own writes for a metric, and paces
+                // its checkpoint thread and streamed commits by a clock of
+                // its own (never the wall clock).
                 if krate == "tiller-core" {
                     assert!(
                         !code.contains("Instant::now"),
