@@ -172,14 +172,7 @@ mod basics {
         let a = rec(1);
         store.create_session(a.clone()).await.unwrap();
         store.slow_passes(300);
-        let body = "x".repeat(6000);
-        let mut seq = 0;
-        while store.shared.frames_written.load(Ordering::Relaxed) < 3 * writer::WAL_CAP_FRAMES {
-            seq += 1;
-            let mut e = ev(a.id, seq);
-            e.data = format!("{{\"pad\":\"{body}\"}}");
-            store.append_durable(e, None).await.unwrap();
-        }
+        append_padded_past(&store, a.id, 3 * writer::WAL_CAP_FRAMES).await;
         assert_log_bounded(dir.path(), THREAD_BOUND, "");
         assert!(store.shared.writer_checkpoints.load(Ordering::Relaxed) > 0);
         store.close().await;
@@ -194,14 +187,7 @@ mod basics {
         let a = rec(1);
         store.create_session(a.clone()).await.unwrap();
         store.crash_passes();
-        let body = "x".repeat(6000);
-        let mut seq = 0;
-        while store.shared.frames_written.load(Ordering::Relaxed) < 3 * writer::WAL_CAP_FRAMES {
-            seq += 1;
-            let mut e = ev(a.id, seq);
-            e.data = format!("{{\"pad\":\"{body}\"}}");
-            store.append_durable(e, None).await.unwrap();
-        }
+        let seq = append_padded_past(&store, a.id, 3 * writer::WAL_CAP_FRAMES).await;
         assert_log_bounded(dir.path(), THREAD_BOUND, "");
         assert!(store.shared.writer_checkpoints.load(Ordering::Relaxed) > 0);
         let all = store.events_after(a.id, 0, 100_000).await.unwrap();
@@ -316,6 +302,21 @@ mod basics {
         }
         assert_log_bounded(dir.path(), THREAD_BOUND, "");
         store.close().await;
+    }
+
+    /// Durable appends to `session` of about 6 KB each (two pages or so,
+    /// each committed alone) until the log took `frames` frames in all;
+    /// the last sequence number.
+    async fn append_padded_past(store: &Store, session: SessionId, frames: usize) -> u64 {
+        let body = "x".repeat(6000);
+        let mut seq = 0;
+        while store.shared.frames_written.load(Ordering::Relaxed) < frames {
+            seq += 1;
+            let mut e = ev(session, seq);
+            e.data = format!("{{\"pad\":\"{body}\"}}");
+            store.append_durable(e, None).await.unwrap();
+        }
+        seq
     }
 
     /// SQLite's log file in `dir` (`t.db`'s) stayed under `frames`.
