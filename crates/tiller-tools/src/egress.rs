@@ -404,5 +404,30 @@ pub fn redact(url: &str) -> String {
     }
 }
 
+/// `text` (an error's) with `url` in it as [`redact`] shows it: the HTTP
+/// client's errors name a request's URL whole, query included.
+pub fn scrub(text: &str, url: &str) -> String {
+    let shown = redact(url);
+    let text = text.replace(url, &shown);
+    match Url::parse(url) {
+        Ok(u) => text.replace(u.as_str(), &shown),
+        Err(_) => text,
+    }
+}
+
+/// A failed request's error with its causes (a refused connection, a
+/// name that did not resolve), and without its URL.
+pub fn describe(e: reqwest::Error) -> String {
+    let e = e.without_url();
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(&e);
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests;

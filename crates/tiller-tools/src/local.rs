@@ -833,10 +833,12 @@ async fn web_fetch(cfg: &ToolsConfig, input: &Value) -> Result<String, String> {
     let url = cfg.web_fetch.check(url)?;
     let shown = crate::egress::redact(url.as_str());
     let client = cfg.web_fetch.client(FETCH_TIMEOUT);
+    let asked = url.as_str().to_owned();
     let mut resp = client.get(url).send().await.map_err(|e| {
+        let why = crate::egress::describe(e);
         format!(
             "cannot fetch {shown}: {}",
-            crate::egress::redact(&e.to_string())
+            crate::egress::scrub(&why, &asked)
         )
     })?;
     let status = resp.status();

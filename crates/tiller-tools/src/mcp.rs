@@ -316,9 +316,10 @@ impl McpServer {
                         .build()
                         .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
                     let transport = StreamableHttpClientTransport::with_client(client, config);
-                    ().serve(transport)
-                        .await
-                        .map_err(|e| format!("initialize failed at {}: {e}", egress::redact(url)))?
+                    ().serve(transport).await.map_err(|e| {
+                        let why = egress::scrub(&e.to_string(), url);
+                        format!("initialize failed at {}: {why}", egress::redact(url))
+                    })?
                 }
             };
             let listed = service

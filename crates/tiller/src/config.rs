@@ -859,6 +859,12 @@ impl Config {
         }
         for (name, a) in &self.engine.agents {
             a.to_acp(name, [], Duration::ZERO).map_err(ConfigError)?;
+            if a.pass_env.contains(&self.store.url_env) {
+                return Err(ConfigError(format!(
+                    "key `engine.{name}.pass_env`: {} holds the store's connection string (store.url_env) and is never passed to agents",
+                    self.store.url_env
+                )));
+            }
         }
         let names = self.engine_names();
         if !names.contains(&self.engine.default) {
@@ -1076,6 +1082,8 @@ impl Config {
                 .map(|c| c.secret_env.clone())
                 .filter(|e| !e.is_empty()),
         );
+        // The store's connection string (its password).
+        v.push(self.store.url_env.clone());
         v
     }
 
@@ -1265,6 +1273,36 @@ mod tests {
         assert!(
             c.secret_variables()
                 .contains(&"ANTHROPIC_API_KEY".to_owned())
+        );
+    }
+
+    #[test]
+    fn the_store_s_connection_string_reaches_no_child_and_no_agent() {
+        // A variable of the operator's naming (not TILLER_*, which never
+        // passes): a tool command never gets it, whatever pass_env says.
+        let c = load_str(
+            "[store]\nurl_env = \"DATABASE_URL\"\n[tools]\npass_env = [\"DATABASE_URL\", \"CARGO_HOME\"]\n",
+            &[],
+        )
+        .unwrap();
+        assert!(c.secret_variables().contains(&"DATABASE_URL".to_owned()));
+        let vars = [
+            ("DATABASE_URL", "postgres://tiller:hunter22@db/tiller"),
+            ("CARGO_HOME", "/srv/cargo"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let env = tiller_tools::child_env(vars, &c.tools.pass_env, &c.secret_variables());
+        assert_eq!(env, [("CARGO_HOME".to_owned(), "/srv/cargo".to_owned())]);
+        // An agent asking for it is refused at load, naming the key.
+        let e = load_str(
+            "[store]\nurl_env = \"DATABASE_URL\"\n[engine.claude]\nkind = \"acp\"\ncommand = \"claude-agent-acp\"\npass_env = [\"DATABASE_URL\"]\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("engine.claude.pass_env") && e.contains("store.url_env"),
+            "{e}"
         );
     }
 

@@ -125,24 +125,34 @@ pub(super) struct Child {
 
 /// The values in `env` that may be secrets: every one but the base
 /// variables', at least 8 characters long (a shorter one would blank out
-/// ordinary words).
+/// ordinary words), longest first (a secret that holds another is
+/// replaced whole, before the shorter one could cut it).
 fn secrets(env: &[(String, String)]) -> Box<[String]> {
-    env.iter()
+    let mut found: Vec<String> = env
+        .iter()
         .filter(|(k, v)| !crate::BASE_ENV.contains(&k.as_str()) && v.len() >= 8)
         .map(|(_, v)| v.clone())
-        .collect()
+        .collect();
+    found.sort_by_key(|v| std::cmp::Reverse(v.len()));
+    found.into()
+}
+
+/// `text` with every one of `secrets` replaced, in their order
+/// ([`secrets`] gives the longest first).
+fn redact(secrets: &[String], text: &str) -> String {
+    let mut text = text.to_owned();
+    for s in secrets {
+        if text.contains(s.as_str()) {
+            text = text.replace(s.as_str(), "[redacted]");
+        }
+    }
+    text
 }
 
 impl Child {
     /// `text` with every secret the agent was given replaced.
     fn redact(&self, text: &str) -> String {
-        let mut text = text.to_owned();
-        for s in &self.secrets {
-            if text.contains(s.as_str()) {
-                text = text.replace(s.as_str(), "[redacted]");
-            }
-        }
-        text
+        redact(&self.secrets, text)
     }
 
     /// Starts the process in its own process group with the configured
@@ -595,7 +605,22 @@ impl Drop for Child {
 
 #[cfg(test)]
 mod tests {
-    use super::Death;
+    use super::{Death, redact, secrets};
+
+    #[test]
+    fn a_secret_inside_another_is_redacted_with_no_part_of_the_longer_left() {
+        let env = [
+            ("PATH", "/usr/bin"),
+            ("API_KEY", "sk-live-0123"),
+            ("API_KEY_FULL", "sk-live-0123-tail-of-the-secret"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let said = "auth failed for sk-live-0123-tail-of-the-secret (key sk-live-0123)";
+        assert_eq!(
+            redact(&secrets(&env), said),
+            "auth failed for [redacted] (key [redacted])"
+        );
+    }
 
     #[test]
     fn every_death_reason_is_registered_at_start_up() {

@@ -200,6 +200,21 @@ fn redact_removes_credentials_query_and_fragment() {
     }
 }
 
+#[test]
+fn an_error_naming_its_url_shows_it_redacted_as_given_or_as_parsed() {
+    let given = "HTTPS://u:pw@Host.example/mcp?token=hunter22";
+    for said in [
+        format!("error sending request for url ({given})"),
+        "error sending request for url (https://u:pw@host.example/mcp?token=hunter22)".to_owned(),
+    ] {
+        let shown = scrub(&said, given);
+        assert_eq!(
+            shown, "error sending request for url (https://host.example/mcp)",
+            "{said}"
+        );
+    }
+}
+
 /// A one-shot HTTP server on 127.0.0.1 answering every request with
 /// `response`; counts the connections it accepted.
 async fn serve(response: String) -> (u16, Arc<AtomicUsize>) {

@@ -889,6 +889,10 @@ async fn tiny_http() -> String {
 #[tokio::test]
 async fn web_fetch_reads_allowed_hosts_only() {
     let base = tiny_http().await;
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
     let dir = tempfile::tempdir().unwrap();
     let on = ToolsConfig {
         web_fetch: crate::egress::Policy::new(&["127.0.0.1".to_owned()])
@@ -931,6 +935,13 @@ async fn web_fetch_reads_allowed_hosts_only() {
             "only http and https",
         ),
         (&off, format!("{base}/text"), false, "web_fetch is off"),
+        // Nothing listens there: the error says why, and never the query.
+        (
+            &on,
+            format!("http://{closed}/page?token=hunter22"),
+            false,
+            "Connection refused",
+        ),
     ];
     for (cfg, url, ok, says) in cases {
         let out = run(
@@ -950,6 +961,7 @@ async fn web_fetch_reads_allowed_hosts_only() {
             out.output.len() <= cfg.max_output_bytes + 200,
             "{url}: bounded"
         );
+        assert!(!out.output.contains("hunter22"), "{url}: {}", out.output);
     }
 }
 
