@@ -341,13 +341,9 @@ impl Root {
     pub fn open_write(&self, rel: &Path, path: &str) -> Result<File, String> {
         // Where it would land, before anything is created: not the
         // daemon's own data, not a repository's own directory. (A path
-        // that cannot be resolved so, as one through a dangling link
-        // inside, is checked by its name here and on the opened handle.)
-        let real = match self.editor_path(rel, path) {
-            Ok(real) => Some(real),
-            Err(e) if e == protected_message(path) => return Err(e),
-            Err(_) => None,
-        };
+        // that cannot be resolved so is checked by its name here and on
+        // the opened handle.)
+        let real = self.landing(rel, path)?;
         if let Some(refused) = git_dir_refusal(real.as_deref().unwrap_or(rel), path) {
             return Err(refused);
         }
@@ -379,6 +375,32 @@ impl Root {
         }
         file.set_len(0).map_err(|e| self.error("write", path, &e))?;
         Ok(file)
+    }
+
+    /// Where a write to `rel` would land: [`Self::editor_path`], or, for a
+    /// dangling link (or a chain of them, up to 40), where its target
+    /// would be created; the open would create that file before its
+    /// handle could be checked. `None` when it cannot be told (a link
+    /// with an absolute target, never followed: the open refuses it).
+    fn landing(&self, rel: &Path, path: &str) -> Result<Option<PathBuf>, String> {
+        let mut at = rel.to_owned();
+        for _ in 0..40 {
+            match self.editor_path(&at, path) {
+                Ok(real) => return Ok(Some(real)),
+                Err(e) if e == protected_message(path) => return Err(e),
+                Err(_) => {}
+            }
+            let is_link = self
+                .dir
+                .symlink_metadata(&at)
+                .is_ok_and(|m| m.file_type().is_symlink());
+            let target = match self.dir.read_link_contents(&at) {
+                Ok(t) if is_link && t.is_relative() => t,
+                _ => return Ok(None),
+            };
+            at = at.parent().unwrap_or(Path::new("")).join(target);
+        }
+        Ok(None)
     }
 
     /// Opens the directory `rel`.

@@ -1138,6 +1138,67 @@ async fn at_most_a_bounded_number_of_background_commands_run() {
 /// name (a link to it too), so an edit the permission mode lets through
 /// cannot become a command the next `git status` runs.
 #[tokio::test]
+async fn a_dangling_link_into_a_repository_s_own_directory_creates_nothing_there() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    std::fs::create_dir_all(root.join(".git/hooks")).unwrap();
+    // An empty `.git/index.lock` stops every git command; a hook runs.
+    std::os::unix::fs::symlink(".git/index.lock", root.join("lock")).unwrap();
+    std::os::unix::fs::symlink(".git/hooks/post-checkout", root.join("patched")).unwrap();
+    std::os::unix::fs::symlink("hop", root.join("chain")).unwrap();
+    std::os::unix::fs::symlink(".git/hooks/pre-push", root.join("hop")).unwrap();
+    std::os::unix::fs::symlink(root.join(".git/hooks/post-merge"), root.join("abs")).unwrap();
+    std::fs::create_dir(root.join("sub")).unwrap();
+    std::os::unix::fs::symlink("../.git/hooks/pre-commit", root.join("sub/up")).unwrap();
+    for (name, input) in [
+        ("write_file", json!({"path": "lock", "content": ""})),
+        (
+            "write_file",
+            json!({"path": "chain", "content": "#!/bin/sh\nevil\n"}),
+        ),
+        (
+            "write_file",
+            json!({"path": "sub/up", "content": "#!/bin/sh\nevil\n"}),
+        ),
+        (
+            "apply_patch",
+            json!({"patch": "--- /dev/null\n+++ b/patched\n@@ -0,0 +1 @@\n+x\n"}),
+        ),
+    ] {
+        let out = go(&root, name, input.clone()).await;
+        assert!(!out.ok, "{name} {input}: {}", out.output);
+        assert!(out.output.contains(".git"), "{name}: {}", out.output);
+    }
+    // A link with an absolute target is never followed.
+    let out = go(&root, "write_file", json!({"path": "abs", "content": "x"})).await;
+    assert!(!out.ok, "{}", out.output);
+    let made: Vec<_> = [
+        "index.lock",
+        "hooks/post-checkout",
+        "hooks/pre-push",
+        "hooks/post-merge",
+        "hooks/pre-commit",
+    ]
+    .into_iter()
+    .filter(|f| root.join(".git").join(f).exists())
+    .collect();
+    assert!(made.is_empty(), "created in .git: {made:?}");
+    // A dangling link elsewhere inside still creates its target.
+    std::os::unix::fs::symlink("sub/new.txt", root.join("fresh")).unwrap();
+    let out = go(
+        &root,
+        "write_file",
+        json!({"path": "fresh", "content": "x"}),
+    )
+    .await;
+    assert!(out.ok, "{}", out.output);
+    assert_eq!(
+        std::fs::read_to_string(root.join("sub/new.txt")).unwrap(),
+        "x"
+    );
+}
+
+#[tokio::test]
 async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
