@@ -307,6 +307,7 @@ impl Claim {
             if Instant::now() >= deadline {
                 return Err(StoreError::InUse {
                     path: path.to_owned(),
+                    here: true,
                 });
             }
             std::thread::sleep(Duration::from_millis(5));

@@ -6,12 +6,16 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error(
-        "the store at {path} is in use by another Tiller process (one daemon, or one `tiller acp --embedded`, per data directory)"
+        "the store at {path} is {} (one daemon, or one `tiller acp --embedded`, per data directory)",
+        if *here { "already open in this process" } else { "in use by another Tiller process" }
     )]
-    /// Another process holds the database.
+    /// Another process holds the database, or (`here`) another store of
+    /// this one.
     InUse {
         /// The database file.
         path: PathBuf,
+        /// Held by this process.
+        here: bool,
     },
     #[error("cannot open the store at {path}: {source} (check the path and its permissions)")]
     /// The database could not be opened or migrated.
@@ -98,6 +102,19 @@ impl StoreError {
         match self {
             StoreError::Damaged { .. } => true,
             StoreError::Append(e) => e.is_damaged_log(),
+            _ => false,
+        }
+    }
+
+    /// Whether the database is held by a daemon (or a store of this
+    /// process): a check of it is to wait, not a finding.
+    pub fn is_in_use(&self) -> bool {
+        use rusqlite::ErrorCode as C;
+        match self {
+            StoreError::InUse { .. } => true,
+            StoreError::Sql(rusqlite::Error::SqliteFailure(e, _)) => {
+                matches!(e.code, C::DatabaseBusy | C::DatabaseLocked)
+            }
             _ => false,
         }
     }

@@ -80,6 +80,7 @@ fn read_only(path: &Path) -> Result<Connection, StoreError> {
     if checkpoint::Claim::held(path) {
         return Err(StoreError::InUse {
             path: path.to_owned(),
+            here: true,
         });
     }
     let conn = Connection::open_with_flags(
@@ -254,6 +255,7 @@ impl Store {
             Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => {
                 StoreError::InUse {
                     path: path.to_owned(),
+                    here: false,
                 }
             }
             _ => StoreError::Open {

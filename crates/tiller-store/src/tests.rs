@@ -52,9 +52,19 @@ mod basics {
             panic!("a second open of a store in use succeeded");
         };
         assert!(matches!(e, StoreError::InUse { .. }), "{e:?}");
+        // Said as it is: this process holds it (another process is
+        // refused by SQLite's lock, as the e2e test in restart.test.mjs
+        // shows).
         assert!(
-            e.to_string().contains("in use by another Tiller process"),
+            e.to_string().contains("already open in this process"),
             "{e}"
+        );
+        // A check of the file (what `tiller doctor` runs) is told the
+        // same, as a store that is busy, not a damaged one.
+        let e = crate::integrity_check(&path).unwrap_err();
+        assert!(
+            matches!(e, StoreError::InUse { .. }) && e.is_in_use(),
+            "{e:?}"
         );
         owner.close().await;
         assert!(matches!(

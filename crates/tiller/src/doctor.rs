@@ -227,7 +227,7 @@ fn store(cfg: &Config, daemon_running: bool) -> Finding {
                 found.into_iter().take(5).collect::<Vec<_>>().join("; ")
             ),
         ),
-        Err(e) if e.is_unavailable() => finding(
+        Err(e) if e.is_in_use() => finding(
             Level::Warn,
             "store",
             format!("{shown} is in use ({e}): stop the daemon to check it"),
