@@ -61,7 +61,7 @@ mod basics {
         );
         // A check of the file (what `tiller doctor` runs) is told the
         // same, as a store that is busy, not a damaged one.
-        let e = crate::integrity_check(&path).unwrap_err();
+        let e = integrity_check(&path).unwrap_err();
         assert!(
             matches!(e, StoreError::InUse { .. }) && e.is_in_use(),
             "{e:?}"
