@@ -203,6 +203,9 @@ pub struct McpServer {
     /// A stdio server's process group, killed on drop (whatever the
     /// server started dies with it).
     group: Option<Pid>,
+    /// An HTTP server's URL as configured: shown redacted in errors
+    /// (the HTTP client's errors name it whole, query included).
+    url: Option<String>,
 }
 
 impl std::fmt::Debug for McpServer {
@@ -212,6 +215,11 @@ impl std::fmt::Debug for McpServer {
             .field("tools", &self.tools.keys().collect::<Vec<_>>())
             .finish()
     }
+}
+
+/// `text` with an HTTP server's `url` in it redacted ([`egress::scrub`]).
+fn scrubbed(text: &str, url: Option<&str>) -> String {
+    url.map_or_else(|| text.to_owned(), |u| egress::scrub(text, u))
 }
 
 /// A tool name as providers accept it: `[A-Za-z0-9_-]`, at most 64 chars.
@@ -244,6 +252,10 @@ impl McpServer {
     /// requested.
     pub async fn connect(cfg: &McpServerConfig, tools: &ToolsConfig) -> Result<McpServer, String> {
         let name = cfg.name().to_owned();
+        let url = match cfg {
+            McpServerConfig::Http { url, .. } => Some(url.clone()),
+            McpServerConfig::Stdio { .. } => None,
+        };
         let timeout = tools.mcp.connect_timeout;
         let policy = &tools.mcp;
         let mut group = None;
@@ -316,10 +328,9 @@ impl McpServer {
                         .build()
                         .map_err(|e| format!("cannot build the HTTP client: {e}"))?;
                     let transport = StreamableHttpClientTransport::with_client(client, config);
-                    ().serve(transport).await.map_err(|e| {
-                        let why = egress::scrub(&e.to_string(), url);
-                        format!("initialize failed at {}: {why}", egress::redact(url))
-                    })?
+                    ().serve(transport)
+                        .await
+                        .map_err(|e| format!("initialize failed at {}: {e}", egress::redact(url)))?
                 }
             };
             let listed = service
@@ -343,7 +354,10 @@ impl McpServer {
             }
             Ok(Err(e)) => {
                 kill(group);
-                return Err(format!("MCP server `{name}`: {e}"));
+                return Err(format!(
+                    "MCP server `{name}`: {}",
+                    scrubbed(&e, url.as_deref())
+                ));
             }
             Ok(Ok(v)) => v,
         };
@@ -373,6 +387,7 @@ impl McpServer {
             service,
             tools,
             group,
+            url,
         })
     }
 
@@ -421,7 +436,11 @@ impl McpServer {
             Ok(Err(e)) => ToolOutput {
                 ok: false,
                 output: truncate(
-                    format!("MCP server `{}`: {e}", self.name),
+                    format!(
+                        "MCP server `{}`: {}",
+                        self.name,
+                        scrubbed(&e.to_string(), self.url.as_deref())
+                    ),
                     cfg.max_output_bytes,
                 ),
             },

@@ -183,3 +183,26 @@ async fn http_servers_are_reached_only_where_egress_allows() {
     .unwrap();
     assert_eq!(server.specs().len(), 2);
 }
+
+/// A server that went away after connecting: the call's error names it,
+/// and never its URL's query (the HTTP client's error names the URL
+/// whole).
+#[tokio::test]
+async fn an_http_server_s_errors_never_show_its_url_s_query() {
+    let fx = HttpFixture::start();
+    let cfg = McpServerConfig::Http {
+        name: "web".into(),
+        url: format!("http://127.0.0.1:{}/mcp?token=s3cret", fx.port),
+        headers: Vec::new(),
+    };
+    let server = McpServer::connect(&cfg, &allowing(&[], &["127.0.0.1"]))
+        .await
+        .unwrap();
+    drop(fx);
+    let out = server
+        .call("web__big", &json!({"bytes": 10}), &ToolsConfig::default())
+        .await;
+    assert!(!out.ok, "{out:?}");
+    assert!(out.output.contains("MCP server `web`"), "{}", out.output);
+    assert!(!out.output.contains("s3cret"), "{}", out.output);
+}

@@ -859,7 +859,7 @@ impl Config {
         }
         for (name, a) in &self.engine.agents {
             a.to_acp(name, [], Duration::ZERO).map_err(ConfigError)?;
-            if a.pass_env.contains(&self.store.url_env) {
+            if self.store.kind == "postgres" && a.pass_env.contains(&self.store.url_env) {
                 return Err(ConfigError(format!(
                     "key `engine.{name}.pass_env`: {} holds the store's connection string (store.url_env) and is never passed to agents",
                     self.store.url_env
@@ -1083,7 +1083,9 @@ impl Config {
                 .filter(|e| !e.is_empty()),
         );
         // The store's connection string (its password).
-        v.push(self.store.url_env.clone());
+        if self.store.kind == "postgres" {
+            v.push(self.store.url_env.clone());
+        }
         v
     }
 
@@ -1281,7 +1283,7 @@ mod tests {
         // A variable of the operator's naming (not TILLER_*, which never
         // passes): a tool command never gets it, whatever pass_env says.
         let c = load_str(
-            "[store]\nurl_env = \"DATABASE_URL\"\n[tools]\npass_env = [\"DATABASE_URL\", \"CARGO_HOME\"]\n",
+            "[store]\nkind = \"postgres\"\nurl_env = \"DATABASE_URL\"\n[tools]\npass_env = [\"DATABASE_URL\", \"CARGO_HOME\"]\n",
             &[],
         )
         .unwrap();
@@ -1295,7 +1297,7 @@ mod tests {
         assert_eq!(env, [("CARGO_HOME".to_owned(), "/srv/cargo".to_owned())]);
         // An agent asking for it is refused at load, naming the key.
         let e = load_str(
-            "[store]\nurl_env = \"DATABASE_URL\"\n[engine.claude]\nkind = \"acp\"\ncommand = \"claude-agent-acp\"\npass_env = [\"DATABASE_URL\"]\n",
+            "[store]\nkind = \"postgres\"\nurl_env = \"DATABASE_URL\"\n[engine.claude]\nkind = \"acp\"\ncommand = \"claude-agent-acp\"\npass_env = [\"DATABASE_URL\"]\n",
             &[],
         )
         .unwrap_err()
@@ -1304,6 +1306,19 @@ mod tests {
             e.contains("engine.claude.pass_env") && e.contains("store.url_env"),
             "{e}"
         );
+        // On SQLite the name is nobody's secret: a project's own
+        // DATABASE_URL passes as configured, to commands and to agents.
+        let c = load_str(
+            "[store]\nurl_env = \"DATABASE_URL\"\n[tools]\npass_env = [\"DATABASE_URL\"]\n",
+            &[],
+        )
+        .unwrap();
+        assert!(!c.secret_variables().contains(&"DATABASE_URL".to_owned()));
+        load_str(
+            "[store]\nurl_env = \"DATABASE_URL\"\n[engine.claude]\nkind = \"acp\"\ncommand = \"claude-agent-acp\"\npass_env = [\"DATABASE_URL\"]\n",
+            &[],
+        )
+        .unwrap();
     }
 
     #[test]

@@ -30,25 +30,33 @@ fn filter_of(env: Option<String>, level: &str) -> tracing_subscriber::EnvFilter 
     let spec = env
         .filter(|v| !v.trim().is_empty() && EnvFilter::try_new(v).is_ok())
         .unwrap_or_else(|| level.to_owned());
-    let filter = EnvFilter::new(&spec);
+    let mut filter = EnvFilter::new(&spec);
+    let names = |krate: &str| {
+        spec.split(',')
+            .any(|d| d.trim().split(['=', ':', '[']).next() == Some(krate))
+    };
     // A directive for ractor, only where it quiets something: added to a
     // filter at warn or quieter it would let ractor's warnings through.
-    let names_ractor = spec
-        .split(',')
-        .any(|d| d.trim().split(['=', ':', '[']).next() == Some("ractor"));
     let info = filter
         .max_level_hint()
         .is_none_or(|l| l >= LevelFilter::INFO);
-    if names_ractor || !info {
-        filter
-    } else {
-        filter.add_directive(QUIET_RACTOR.parse().expect("a valid directive"))
+    if !names("ractor") && info {
+        filter = filter.add_directive(QUIET_RACTOR.parse().expect("a valid directive"));
     }
+    if !names("rmcp") {
+        filter = filter.add_directive(QUIET_RMCP.parse().expect("a valid directive"));
+    }
+    filter
 }
 
 /// The directive that keeps ractor's per-actor spans (and its info
 /// events) out of the logs.
 pub(crate) const QUIET_RACTOR: &str = "ractor=warn";
+
+/// The directive that keeps rmcp's own events out of the logs: its errors
+/// name an MCP server's URL whole, credentials and query included (what
+/// Tiller reports of a server's failures shows it redacted).
+pub(crate) const QUIET_RMCP: &str = "rmcp=off";
 
 /// Logs go to stderr (stdout is ACP's in `tiller acp --embedded`); spans
 /// also to an OTLP collector when telemetry is on (keep the guard until
@@ -574,6 +582,37 @@ mod tests {
             };
             !span.is_disabled()
         })
+    }
+
+    /// Whether an error event of `target` is written under the filter.
+    fn errors_of(target_is_rmcp: bool, env: Option<&str>, level: &str) -> bool {
+        let filter = super::filter_of(env.map(str::to_owned), level);
+        let subscriber = tracing_subscriber::registry().with(
+            tracing_subscriber::Layer::with_filter(tracing_subscriber::fmt::layer(), filter),
+        );
+        tracing::subscriber::with_default(subscriber, || {
+            if target_is_rmcp {
+                tracing::enabled!(target: "rmcp::transport::worker", tracing::Level::ERROR)
+            } else {
+                tracing::enabled!(target: "tiller_tools::mcp", tracing::Level::ERROR)
+            }
+        })
+    }
+
+    fn rmcp_errors(env: Option<&str>, level: &str) -> bool {
+        errors_of(true, env, level)
+    }
+
+    #[test]
+    fn rmcp_s_own_events_are_off_unless_asked_for_by_name() {
+        assert!(!rmcp_errors(None, "info"));
+        assert!(!rmcp_errors(Some("trace"), "info"));
+        assert!(!rmcp_errors(None, "warn"));
+        assert!(rmcp_errors(Some("info,rmcp=error"), "info"));
+        assert!(rmcp_errors(None, "warn,rmcp::transport=debug"));
+        // Tiller's own errors still are.
+        assert!(errors_of(false, None, "info"));
+        assert!(errors_of(false, None, "warn"));
     }
 
     #[test]

@@ -125,28 +125,41 @@ pub(super) struct Child {
 
 /// The values in `env` that may be secrets: every one but the base
 /// variables', at least 8 characters long (a shorter one would blank out
-/// ordinary words), longest first (a secret that holds another is
-/// replaced whole, before the shorter one could cut it).
+/// ordinary words).
 fn secrets(env: &[(String, String)]) -> Box<[String]> {
-    let mut found: Vec<String> = env
-        .iter()
+    env.iter()
         .filter(|(k, v)| !crate::BASE_ENV.contains(&k.as_str()) && v.len() >= 8)
         .map(|(_, v)| v.clone())
-        .collect();
-    found.sort_by_key(|v| std::cmp::Reverse(v.len()));
-    found.into()
+        .collect()
 }
 
-/// `text` with every one of `secrets` replaced, in their order
-/// ([`secrets`] gives the longest first).
+/// `text` with every byte of every occurrence of `secrets` (overlapping
+/// ones too) replaced: each run of them becomes one `[redacted]`.
 fn redact(secrets: &[String], text: &str) -> String {
-    let mut text = text.to_owned();
-    for s in secrets {
-        if text.contains(s.as_str()) {
-            text = text.replace(s.as_str(), "[redacted]");
+    let mut hidden = vec![false; text.len()];
+    for s in secrets.iter().filter(|s| !s.is_empty()) {
+        let mut from = 0;
+        while let Some(at) = text[from..].find(s.as_str()) {
+            let at = from + at;
+            hidden[at..at + s.len()].fill(true);
+            // The next occurrence may overlap this one.
+            from = at + text[at..].chars().next().map_or(1, char::len_utf8);
         }
     }
-    text
+    let mut out = String::with_capacity(text.len());
+    let mut in_secret = false;
+    for (i, c) in text.char_indices() {
+        if hidden[i] {
+            if !in_secret {
+                out.push_str("[redacted]");
+            }
+            in_secret = true;
+        } else {
+            out.push(c);
+            in_secret = false;
+        }
+    }
+    out
 }
 
 impl Child {
@@ -524,7 +537,7 @@ impl Child {
                     .as_u64()
                     .and_then(|n| self.state.lock().unwrap().pending.remove(&n));
                 let Some(tx) = tx else {
-                    let shown: String = id.to_string().chars().take(40).collect();
+                    let shown: String = self.redact(&id.to_string()).chars().take(40).collect();
                     self.die(
                         Death::Protocol,
                         format!("the agent answered a request Tiller did not send or had answered (id {shown})"),
@@ -619,6 +632,18 @@ mod tests {
         assert_eq!(
             redact(&secrets(&env), said),
             "auth failed for [redacted] (key [redacted])"
+        );
+        // Two that overlap, neither holding the other; one that repeats
+        // over itself; text around them kept, a multi-byte one too.
+        let env = [
+            ("A", "abcdefgh12345678"),
+            ("B", "12345678zyxwvuts"),
+            ("C", "aaaaaaaa"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        assert_eq!(
+            redact(&secrets(&env), "é abcdefgh12345678zyxwvuts, aaaaaaaaaa é"),
+            "é [redacted], [redacted] é"
         );
     }
 

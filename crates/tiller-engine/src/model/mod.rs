@@ -716,7 +716,7 @@ impl Run {
             }
             Ok(Err(e)) => {
                 return Err(CallError::Retryable(
-                    format!("cannot reach the model: {}", error_chain(&e)),
+                    format!("cannot reach the model: {}", error_chain(&e.without_url())),
                     None,
                 ));
             }

@@ -16,6 +16,9 @@ use super::SKIP_DIRS;
 /// Deepest directory nesting the walkers descend into.
 const MAX_DEPTH: usize = 128;
 
+/// Most symbolic links one path goes through (as the kernel follows).
+const MAX_LINKS: usize = 40;
+
 /// The daemon's own files (its data directory: token, database, socket;
 /// its config file), which no session may touch even when its directory
 /// contains them (a session in `$HOME` contains `~/.local/share/tiller`).
@@ -378,13 +381,17 @@ impl Root {
     }
 
     /// Where a write to `rel` would land: [`Self::editor_path`], or, for a
-    /// dangling link (or a chain of them, up to 40), where its target
-    /// would be created; the open would create that file before its
-    /// handle could be checked. `None` when it cannot be told (a link
-    /// with an absolute target, never followed: the open refuses it).
+    /// dangling link (or a chain of them, as many as the kernel follows),
+    /// where its target would be created; the open would create that
+    /// file before its handle could be checked. `None` when it cannot be
+    /// told and nothing would be created unchecked (a link with an
+    /// absolute target, never followed: the open refuses it). A `..`
+    /// after a directory that does not exist is refused: creating the
+    /// parents would make it resolvable, past this check.
     fn landing(&self, rel: &Path, path: &str) -> Result<Option<PathBuf>, String> {
         let mut at = rel.to_owned();
-        for _ in 0..40 {
+        // The path itself, then each link's target: 40 links at most.
+        for _ in 0..=MAX_LINKS {
             match self.editor_path(&at, path) {
                 Ok(real) => return Ok(Some(real)),
                 Err(e) if e == protected_message(path) => return Err(e),
@@ -396,11 +403,37 @@ impl Root {
                 .is_ok_and(|m| m.file_type().is_symlink());
             let target = match self.dir.read_link_contents(&at) {
                 Ok(t) if is_link && t.is_relative() => t,
+                _ if self.climbs_from_missing(&at) => {
+                    return Err(format!(
+                        "{} goes through `..` after a directory that does not exist; give the path without it",
+                        Shown(path)
+                    ));
+                }
                 _ => return Ok(None),
             };
             at = at.parent().unwrap_or(Path::new("")).join(target);
         }
-        Ok(None)
+        Err(format!(
+            "{} goes through more than {MAX_LINKS} symbolic links",
+            Shown(path)
+        ))
+    }
+
+    /// Whether a `..` in `rel` follows a directory that does not exist
+    /// (the open would fail, but creating the parents first would make
+    /// it resolvable).
+    fn climbs_from_missing(&self, rel: &Path) -> bool {
+        let mut prefix = PathBuf::new();
+        for c in rel.components() {
+            if c == Component::ParentDir
+                && !prefix.as_os_str().is_empty()
+                && self.dir.symlink_metadata(&prefix).is_err()
+            {
+                return true;
+            }
+            prefix.push(c);
+        }
+        false
     }
 
     /// Opens the directory `rel`.

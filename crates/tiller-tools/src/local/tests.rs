@@ -1133,10 +1133,9 @@ async fn at_most_a_bounded_number_of_background_commands_run() {
     assert!(out.ok && out.output.contains("command 9"), "{out:?}");
 }
 
-/// A repository's own directory (`.git`) holds what git runs (its config's
-/// `core.fsmonitor`, its hooks): the file tools do not write there, by any
-/// name (a link to it too), so an edit the permission mode lets through
-/// cannot become a command the next `git status` runs.
+/// A write through a dangling link (or a chain of them) into `.git` is
+/// refused before the open would create its target there (an empty
+/// `index.lock` stops every git command; a hook runs).
 #[tokio::test]
 async fn a_dangling_link_into_a_repository_s_own_directory_creates_nothing_there() {
     let dir = tempfile::tempdir().unwrap();
@@ -1150,7 +1149,21 @@ async fn a_dangling_link_into_a_repository_s_own_directory_creates_nothing_there
     std::os::unix::fs::symlink(root.join(".git/hooks/post-merge"), root.join("abs")).unwrap();
     std::fs::create_dir(root.join("sub")).unwrap();
     std::os::unix::fs::symlink("../.git/hooks/pre-commit", root.join("sub/up")).unwrap();
+    std::os::unix::fs::symlink(".git", root.join("g")).unwrap();
+    // As many links as the kernel follows, the last into `.git`.
+    for i in 0..40 {
+        let to = if i == 39 {
+            ".git/hooks/post-rewrite".to_owned()
+        } else {
+            format!("l{:02}", i + 1)
+        };
+        std::os::unix::fs::symlink(to, root.join(format!("l{i:02}"))).unwrap();
+    }
     for (name, input) in [
+        (
+            "write_file",
+            json!({"path": "l00", "content": "#!/bin/sh\nevil\n"}),
+        ),
         ("write_file", json!({"path": "lock", "content": ""})),
         (
             "write_file",
@@ -1169,11 +1182,21 @@ async fn a_dangling_link_into_a_repository_s_own_directory_creates_nothing_there
         assert!(!out.ok, "{name} {input}: {}", out.output);
         assert!(out.output.contains(".git"), "{name}: {}", out.output);
     }
-    // A link with an absolute target is never followed.
-    let out = go(&root, "write_file", json!({"path": "abs", "content": "x"})).await;
-    assert!(!out.ok, "{}", out.output);
+    // A link with an absolute target is never followed; a `..` after a
+    // directory that does not exist is refused (creating the parents
+    // would make it resolvable).
+    for path in ["abs", "nd/../lock", "nd/../g/hooks/pre-rebase"] {
+        let out = go(&root, "write_file", json!({"path": path, "content": "x"})).await;
+        assert!(!out.ok, "{path}: {}", out.output);
+    }
+    assert!(
+        !root.join("nd").exists(),
+        "a parent made for a refused write"
+    );
     let made: Vec<_> = [
         "index.lock",
+        "hooks/post-rewrite",
+        "hooks/pre-rebase",
         "hooks/post-checkout",
         "hooks/pre-push",
         "hooks/post-merge",
@@ -1198,6 +1221,10 @@ async fn a_dangling_link_into_a_repository_s_own_directory_creates_nothing_there
     );
 }
 
+/// A repository's own directory (`.git`) holds what git runs (its config's
+/// `core.fsmonitor`, its hooks): the file tools do not write there, by any
+/// name (a link to it too), so an edit the permission mode lets through
+/// cannot become a command the next `git status` runs.
 #[tokio::test]
 async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
     let dir = tempfile::tempdir().unwrap();
