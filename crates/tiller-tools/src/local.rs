@@ -32,7 +32,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tiller_engine::{ToolCall, ToolKind, ToolOutput, ToolSpec};
@@ -242,7 +242,7 @@ pub(crate) async fn run(
         "todo" => todo(&call.input),
         "web_fetch" => web_fetch(cfg, &call.input).await,
         "list_dir" => list_dir(root, &call.input).await,
-        "glob" => glob(root, &call.input).await,
+        "glob" => glob(root, cfg, &call.input).await,
         "grep" => grep(root, cfg, &call.input).await,
         "shell" => shell(root, cfg, &call.input, client).await,
         other => Err(format!("unknown tool `{other}`")),
@@ -965,7 +965,36 @@ async fn list_dir(root: &Path, input: &Value) -> Result<String, String> {
     .await
 }
 
-async fn glob(root: &Path, input: &Value) -> Result<String, String> {
+/// Until when a search (`grep`, `glob`) walks: a command's bound
+/// (`tools.shell_timeout`), so a search over a huge tree ends, as a
+/// command would, rather than walk on after its turn ended.
+struct Deadline {
+    at: Instant,
+    after: Duration,
+}
+
+impl Deadline {
+    fn of(cfg: &ToolsConfig) -> Deadline {
+        Deadline {
+            at: Instant::now() + cfg.shell_timeout,
+            after: cfg.shell_timeout,
+        }
+    }
+
+    fn passed(&self) -> bool {
+        Instant::now() >= self.at
+    }
+
+    /// What the output ends with when the search stopped there.
+    fn note(&self) -> String {
+        format!(
+            "[stopped after {}s (tools.shell_timeout); narrow the search]",
+            self.after.as_secs()
+        )
+    }
+}
+
+async fn glob(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, String> {
     let pattern = str_arg(input, "pattern")?.to_owned();
     let path = input
         .get("path")
@@ -976,12 +1005,18 @@ async fn glob(root: &Path, input: &Value) -> Result<String, String> {
         .map_err(|e| format!("bad glob `{pattern}`: {e}"))?
         .compile_matcher();
     let root = root.to_owned();
+    let deadline = Deadline::of(cfg);
     blocking(move || {
         let r = Root::open(&root)?;
         let rel = r.relative(&path)?;
         let base = r.open_dir(&rel, &path)?;
         let mut found = Vec::new();
+        let mut stopped = false;
         let _ = confine::walk(&base, Path::new(""), &mut |_, rel, _| {
+            if deadline.passed() {
+                stopped = true;
+                return ControlFlow::Break(());
+            }
             if matcher.is_match(rel) {
                 found.push(rel.display().to_string());
                 if found.len() > MAX_RESULTS {
@@ -991,6 +1026,11 @@ async fn glob(root: &Path, input: &Value) -> Result<String, String> {
             ControlFlow::Continue(())
         });
         found.sort();
+        if stopped {
+            found.truncate(MAX_RESULTS);
+            found.push(deadline.note());
+            return Ok(found.join("\n"));
+        }
         if found.is_empty() {
             return Ok(format!("no files match `{pattern}`"));
         }
@@ -1013,6 +1053,21 @@ struct Matches {
     n: usize,
     /// Bound on `out`.
     max: usize,
+    deadline: Deadline,
+    /// Set once the deadline passed (and said so in `out`).
+    stopped: bool,
+}
+
+impl Matches {
+    /// Whether the search is to stop for time (saying so, once).
+    fn out_of_time(&mut self) -> bool {
+        if !self.stopped && self.deadline.passed() {
+            self.stopped = true;
+            self.out.push_str(&self.deadline.note());
+            self.out.push('\n');
+        }
+        self.stopped
+    }
 }
 
 /// Greps one file line by line; breaks when the output is full.
@@ -1030,6 +1085,9 @@ fn grep_file(
     let mut no = 0usize;
     while let Ok(Some(full)) = read_line_capped(&mut reader, &mut line, MAX_LINE) {
         no += 1;
+        if no.is_multiple_of(4096) && m.out_of_time() {
+            return ControlFlow::Break(());
+        }
         let cut = trim_cr(&mut line, full);
         if !re.is_match(&line) {
             continue;
@@ -1072,6 +1130,7 @@ async fn grep(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
     };
     let max = cfg.max_output_bytes;
     let root = root.to_owned();
+    let deadline = Deadline::of(cfg);
     blocking(move || {
         let r = Root::open(&root)?;
         let rel = r.relative(&path)?;
@@ -1079,10 +1138,15 @@ async fn grep(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
             out: String::new(),
             n: 0,
             max,
+            deadline,
+            stopped: false,
         };
         if r.metadata(&rel, &path)?.is_dir() {
             let base = r.open_dir(&rel, &path)?;
             let _ = confine::walk(&base, Path::new(""), &mut |dir, rel, name| {
+                if m.out_of_time() {
+                    return ControlFlow::Break(());
+                }
                 if filter.as_ref().is_some_and(|f| !f.is_match(rel)) {
                     return ControlFlow::Continue(());
                 }
@@ -1098,7 +1162,11 @@ async fn grep(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
                 let _ = grep_file(file, &name, &re, &mut m);
             }
         }
-        Ok(if m.n == 0 { "no matches".into() } else { m.out })
+        Ok(if m.n == 0 && !m.stopped {
+            "no matches".into()
+        } else {
+            m.out
+        })
     })
     .await
 }

@@ -358,7 +358,7 @@ async fn a_timed_out_command_returns_what_it_printed() {
 #[tokio::test]
 async fn a_background_process_holding_stdout_does_not_hang_the_call() {
     let d = tempfile::tempdir().unwrap();
-    let start = std::time::Instant::now();
+    let start = Instant::now();
     let out = go(
         d.path(),
         "shell",
@@ -1340,4 +1340,47 @@ async fn a_patch_creating_a_file_never_overwrites_one_that_exists() {
         std::fs::read_to_string(root.join("new.txt")).unwrap(),
         "text\n"
     );
+}
+
+/// A search over a large tree stops at the command bound
+/// (`tools.shell_timeout`) and says so, instead of walking on after its
+/// turn ended; here the bound has passed before the first file.
+#[tokio::test]
+async fn a_search_stops_at_the_command_bound_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("d")).unwrap();
+    std::fs::write(dir.path().join("d/a.txt"), "needle\n").unwrap();
+    let spent = ToolsConfig {
+        shell_timeout: Duration::ZERO,
+        ..ToolsConfig::default()
+    };
+    for (name, input) in [
+        ("grep", json!({"pattern": "needle"})),
+        ("glob", json!({"pattern": "**/*.txt"})),
+    ] {
+        let out = run(dir.path(), &spent, &call(name, input.clone()), None).await;
+        assert!(
+            out.output.contains("stopped after"),
+            "{name}: {}",
+            out.output
+        );
+        assert!(
+            out.output.contains("tools.shell_timeout"),
+            "{name}: {}",
+            out.output
+        );
+        // With time to spare it finds the file.
+        let out = run(
+            dir.path(),
+            &ToolsConfig::default(),
+            &call(name, input),
+            None,
+        )
+        .await;
+        assert!(
+            out.ok && out.output.contains("a.txt"),
+            "{name}: {}",
+            out.output
+        );
+    }
 }
