@@ -209,13 +209,38 @@ fn not_regular(meta: &Metadata) -> Option<&'static str> {
 /// have effects or never end.
 #[cfg(target_os = "linux")]
 fn pseudo_fs(file: &File) -> Option<&'static str> {
-    use rustix::fs::{FsWord, PROC_SUPER_MAGIC, fstatfs};
-    const SYSFS_MAGIC: FsWord = 0x6265_6572;
-    match fstatfs(file) {
-        Ok(s) if s.f_type == PROC_SUPER_MAGIC => Some("procfs"),
-        Ok(s) if s.f_type == SYSFS_MAGIC => Some("sysfs"),
-        _ => None,
-    }
+    pseudo_fs_named(rustix::fs::fstatfs(file).ok()?.f_type as u64)
+}
+
+/// The kernel's pseudo file systems by their magic number (`statfs`'s
+/// `f_type`, `linux/magic.h`): the kernel's and processes' state, whose
+/// files are not data on disk.
+#[cfg(target_os = "linux")]
+fn pseudo_fs_named(f_type: u64) -> Option<&'static str> {
+    const PSEUDO: &[(u64, &str)] = &[
+        (0x9fa0, "procfs"),
+        (0x6265_6572, "sysfs"),
+        (0x6462_6720, "debugfs"),
+        (0x7472_6163, "tracefs"),
+        (0x7363_6673, "securityfs"),
+        (0x6367_7270, "cgroup2"),
+        (0x0027_e0eb, "cgroup"),
+        (0x6265_6570, "configfs"),
+        (0xcafe_4a11, "bpffs"),
+        (0xde5e_81e4, "efivarfs"),
+        (0x6165_676c, "pstore"),
+        (0x6573_5543, "fusectl"),
+        (0x0000_1cd1, "devpts"),
+        (0xf97c_ff8c, "selinuxfs"),
+        (0x4341_5d53, "smackfs"),
+        (0x6e73_6673, "nsfs"),
+        (0x7655_821, "resctrl"),
+        (0xabba_1974, "xenfs"),
+    ];
+    PSEUDO
+        .iter()
+        .find(|(magic, _)| *magic == f_type)
+        .map(|(_, name)| *name)
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -583,6 +608,47 @@ pub(crate) fn open_walked(dir: &Dir, name: &OsStr) -> Option<File> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every pseudo file system the kernel's headers name is known by its
+    /// number (checked against libc's), and the real /proc and /sys are
+    /// found so on this machine; a disk's file is not.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn pseudo_file_systems_are_known_by_the_kernel_s_numbers() {
+        let known = [
+            (libc::PROC_SUPER_MAGIC as u64, "procfs"),
+            (libc::SYSFS_MAGIC as u64, "sysfs"),
+            (libc::DEBUGFS_MAGIC as u64, "debugfs"),
+            (libc::TRACEFS_MAGIC as u64, "tracefs"),
+            (libc::SECURITYFS_MAGIC as u64, "securityfs"),
+            (libc::CGROUP2_SUPER_MAGIC as u64, "cgroup2"),
+            (libc::CGROUP_SUPER_MAGIC as u64, "cgroup"),
+            (libc::BPF_FS_MAGIC as u64, "bpffs"),
+            (libc::DEVPTS_SUPER_MAGIC as u64, "devpts"),
+            (libc::SELINUX_MAGIC as u64, "selinuxfs"),
+            (libc::SMACK_MAGIC as u64, "smackfs"),
+            (libc::NSFS_MAGIC as u64, "nsfs"),
+            (libc::RDTGROUP_SUPER_MAGIC as u64, "resctrl"),
+            (libc::XENFS_SUPER_MAGIC as u64, "xenfs"),
+            // Not in libc: linux/magic.h.
+            (0xde5e_81e4, "efivarfs"),
+            (0x6165_676c, "pstore"),
+            (0x6573_5543, "fusectl"),
+            (0x6265_6570, "configfs"),
+        ];
+        for (magic, name) in known {
+            assert_eq!(pseudo_fs_named(magic), Some(name), "{magic:#x}");
+        }
+        let on = |dir: &str, file: &str| {
+            let d = Dir::open_ambient_dir(dir, cap_std::ambient_authority()).unwrap();
+            pseudo_fs(&d.open(file).unwrap())
+        };
+        assert_eq!(on("/proc/self", "status"), Some("procfs"));
+        assert_eq!(on("/sys/devices/system/cpu", "online"), Some("sysfs"));
+        let disk = tempfile::tempdir().unwrap();
+        std::fs::write(disk.path().join("f"), "x").unwrap();
+        assert_eq!(on(disk.path().to_str().unwrap(), "f"), None);
+    }
 
     #[test]
     fn absolute_and_relative_paths_map_into_the_root() {
