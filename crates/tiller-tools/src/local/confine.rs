@@ -234,7 +234,7 @@ fn pseudo_fs_named(f_type: u64) -> Option<&'static str> {
         (0xf97c_ff8c, "selinuxfs"),
         (0x4341_5d53, "smackfs"),
         (0x6e73_6673, "nsfs"),
-        (0x7655_821, "resctrl"),
+        (0x0765_5821, "resctrl"),
         (0xabba_1974, "xenfs"),
     ];
     PSEUDO
