@@ -969,20 +969,21 @@ async fn list_dir(root: &Path, input: &Value) -> Result<String, String> {
 /// (`tools.shell_timeout`), so a search over a huge tree ends, as a
 /// command would, rather than walk on after its turn ended.
 struct Deadline {
-    at: Instant,
+    /// `None` for a bound past what the clock can count.
+    at: Option<Instant>,
     after: Duration,
 }
 
 impl Deadline {
     fn of(cfg: &ToolsConfig) -> Deadline {
         Deadline {
-            at: Instant::now() + cfg.shell_timeout,
+            at: Instant::now().checked_add(cfg.shell_timeout),
             after: cfg.shell_timeout,
         }
     }
 
     fn passed(&self) -> bool {
-        Instant::now() >= self.at
+        self.at.is_some_and(|at| Instant::now() >= at)
     }
 
     /// What the output ends with when the search stopped there.

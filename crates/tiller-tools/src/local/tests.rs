@@ -1369,18 +1369,19 @@ async fn a_search_stops_at_the_command_bound_and_says_so() {
             "{name}: {}",
             out.output
         );
-        // With time to spare it finds the file.
-        let out = run(
-            dir.path(),
-            &ToolsConfig::default(),
-            &call(name, input),
-            None,
-        )
-        .await;
-        assert!(
-            out.ok && out.output.contains("a.txt"),
-            "{name}: {}",
-            out.output
-        );
+        // With time to spare it finds the file, whatever the bound.
+        let unbounded = ToolsConfig {
+            shell_timeout: Duration::MAX,
+            ..ToolsConfig::default()
+        };
+        for cfg in [&ToolsConfig::default(), &unbounded] {
+            let out = run(dir.path(), cfg, &call(name, input.clone()), None).await;
+            assert!(
+                out.ok && out.output.contains("a.txt"),
+                "{name}: {}",
+                out.output
+            );
+            assert!(!out.output.contains("stopped"), "{name}: {}", out.output);
+        }
     }
 }
