@@ -408,11 +408,15 @@ pub fn redact(url: &str) -> String {
 /// client's errors name a request's URL whole, query included.
 pub fn scrub(text: &str, url: &str) -> String {
     let shown = redact(url);
-    let text = text.replace(url, &shown);
-    match Url::parse(url) {
-        Ok(u) => text.replace(u.as_str(), &shown),
-        Err(_) => text,
+    let mut text = text.replace(url, &shown);
+    if let Ok(mut u) = Url::parse(url) {
+        text = text.replace(u.as_str(), &shown);
+        // As the client sends it: its credentials go in a header.
+        let _ = u.set_username("");
+        let _ = u.set_password(None);
+        text = text.replace(u.as_str(), &shown);
     }
+    text
 }
 
 /// A failed request's error with its causes (a refused connection, a

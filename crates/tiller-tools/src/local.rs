@@ -968,6 +968,7 @@ async fn list_dir(root: &Path, input: &Value) -> Result<String, String> {
 /// Until when a search (`grep`, `glob`) walks: a command's bound
 /// (`tools.shell_timeout`), so a search over a huge tree ends, as a
 /// command would, rather than walk on after its turn ended.
+#[derive(Clone, Copy)]
 struct Deadline {
     /// `None` for a bound past what the clock can count.
     at: Option<Instant>,
@@ -989,8 +990,8 @@ impl Deadline {
     /// What the output ends with when the search stopped there.
     fn note(&self) -> String {
         format!(
-            "[stopped after {}s (tools.shell_timeout); narrow the search]",
-            self.after.as_secs()
+            "[stopped after {:?} (tools.shell_timeout); narrow the search]",
+            self.after
         )
     }
 }
@@ -1012,12 +1013,12 @@ async fn glob(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
         let rel = r.relative(&path)?;
         let base = r.open_dir(&rel, &path)?;
         let mut found = Vec::new();
-        let mut stopped = false;
-        let _ = confine::walk(&base, Path::new(""), &mut |_, rel, _| {
-            if deadline.passed() {
-                stopped = true;
-                return ControlFlow::Break(());
-            }
+        let stopped = std::cell::Cell::new(false);
+        let stop = || {
+            stopped.set(deadline.passed());
+            stopped.get()
+        };
+        let _ = confine::walk(&base, Path::new(""), &stop, &mut |_, rel, _| {
             if matcher.is_match(rel) {
                 found.push(rel.display().to_string());
                 if found.len() > MAX_RESULTS {
@@ -1027,7 +1028,7 @@ async fn glob(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
             ControlFlow::Continue(())
         });
         found.sort();
-        if stopped {
+        if stopped.get() {
             found.truncate(MAX_RESULTS);
             found.push(deadline.note());
             return Ok(found.join("\n"));
@@ -1144,7 +1145,12 @@ async fn grep(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
         };
         if r.metadata(&rel, &path)?.is_dir() {
             let base = r.open_dir(&rel, &path)?;
-            let _ = confine::walk(&base, Path::new(""), &mut |dir, rel, name| {
+            let stopped = std::cell::Cell::new(false);
+            let stop = || {
+                stopped.set(deadline.passed());
+                stopped.get()
+            };
+            let _ = confine::walk(&base, Path::new(""), &stop, &mut |dir, rel, name| {
                 if m.out_of_time() {
                     return ControlFlow::Break(());
                 }
@@ -1156,6 +1162,9 @@ async fn grep(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
                     None => ControlFlow::Continue(()),
                 }
             });
+            if stopped.get() {
+                m.out_of_time(); // says so
+            }
         } else {
             let name = PathBuf::from(rel.file_name().unwrap_or_default());
             if filter.as_ref().is_none_or(|f| f.is_match(&name)) {

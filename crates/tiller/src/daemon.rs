@@ -91,7 +91,11 @@ pub fn init_tracing_embedded(cfg: &Config) -> anyhow::Result<Option<crate::telem
     let stderr = fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(false)
-        .with_filter(LevelFilter::WARN);
+        .with_filter(
+            tracing_subscriber::filter::Targets::new()
+                .with_default(LevelFilter::WARN)
+                .with_target("rmcp", LevelFilter::OFF),
+        );
     let path = cfg.data_dir().join("tiller-acp.log");
     let file = prepare_data_dir(&cfg.data_dir()).and_then(|()| {
         use std::os::unix::fs::OpenOptionsExt as _;

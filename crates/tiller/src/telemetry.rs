@@ -85,7 +85,9 @@ where
         .with_filter(
             tracing_subscriber::filter::Targets::new()
                 .with_default(tracing::Level::INFO)
-                .with_target("ractor", tracing::Level::WARN),
+                .with_target("ractor", tracing::Level::WARN)
+                // Its errors name an MCP server's URL whole.
+                .with_target("rmcp", tracing_subscriber::filter::LevelFilter::OFF),
         );
     Ok(Some((layer, Guard(provider))))
 }

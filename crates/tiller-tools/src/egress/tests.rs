@@ -206,6 +206,8 @@ fn an_error_naming_its_url_shows_it_redacted_as_given_or_as_parsed() {
     for said in [
         format!("error sending request for url ({given})"),
         "error sending request for url (https://u:pw@host.example/mcp?token=hunter22)".to_owned(),
+        // The client moves the credentials to a header.
+        "error sending request for url (https://host.example/mcp?token=hunter22)".to_owned(),
     ] {
         let shown = scrub(&said, given);
         assert_eq!(

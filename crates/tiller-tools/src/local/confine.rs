@@ -209,7 +209,9 @@ fn not_regular(meta: &Metadata) -> Option<&'static str> {
 /// have effects or never end.
 #[cfg(target_os = "linux")]
 fn pseudo_fs(file: &File) -> Option<&'static str> {
-    pseudo_fs_named(rustix::fs::fstatfs(file).ok()?.f_type as u64)
+    // The numbers are 32 bits; `f_type` is signed, and 32 bits wide on
+    // some targets.
+    pseudo_fs_named(u64::from(rustix::fs::fstatfs(file).ok()?.f_type as u32))
 }
 
 /// The kernel's pseudo file systems by their magic number (`statfs`'s
@@ -236,6 +238,10 @@ fn pseudo_fs_named(f_type: u64) -> Option<&'static str> {
         (0x6e73_6673, "nsfs"),
         (0x0765_5821, "resctrl"),
         (0xabba_1974, "xenfs"),
+        (0x4249_4e4d, "binfmt_misc"),
+        (0x1980_0202, "mqueue"),
+        (0x0000_9fa1, "openprom"),
+        (0x0000_9fa2, "usbdevfs"),
     ];
     PSEUDO
         .iter()
@@ -557,25 +563,31 @@ impl Root {
 
 /// Calls `f(dir, rel, name)` for every regular file under `dir` (whose
 /// path is `rel`), never following symbolic links, skipping
-/// [`SKIP_DIRS`] and anything it cannot open; stops when `f` breaks.
+/// [`SKIP_DIRS`] and anything it cannot open; stops when `f` breaks, or
+/// when `stop` says so (asked at every entry, whatever its kind).
 pub(crate) fn walk(
     dir: &Dir,
     rel: &Path,
+    stop: &dyn Fn() -> bool,
     f: &mut dyn FnMut(&Dir, &Path, &OsStr) -> ControlFlow<()>,
 ) -> ControlFlow<()> {
-    walk_at(dir, rel, 0, f)
+    walk_at(dir, rel, 0, stop, f)
 }
 
 fn walk_at(
     dir: &Dir,
     rel: &Path,
     depth: usize,
+    stop: &dyn Fn() -> bool,
     f: &mut dyn FnMut(&Dir, &Path, &OsStr) -> ControlFlow<()>,
 ) -> ControlFlow<()> {
     let Ok(entries) = dir.entries() else {
         return ControlFlow::Continue(());
     };
     for entry in entries.filter_map(Result::ok) {
+        if stop() {
+            return ControlFlow::Break(());
+        }
         let Ok(t) = entry.file_type() else { continue };
         let name = entry.file_name();
         let child = rel.join(&name);
@@ -586,7 +598,7 @@ fn walk_at(
             if let Ok(sub) = entry.open_dir()
                 && !protected(&sub)
             {
-                walk_at(&sub, &child, depth + 1, f)?;
+                walk_at(&sub, &child, depth + 1, stop, f)?;
             }
         } else if t.is_file() {
             f(dir, &child, &name)?;
@@ -630,11 +642,15 @@ mod tests {
             (libc::NSFS_MAGIC as u64, "nsfs"),
             (libc::RDTGROUP_SUPER_MAGIC as u64, "resctrl"),
             (libc::XENFS_SUPER_MAGIC as u64, "xenfs"),
+            (libc::OPENPROM_SUPER_MAGIC as u64, "openprom"),
+            (libc::USBDEVICE_SUPER_MAGIC as u64, "usbdevfs"),
             // Not in libc: linux/magic.h.
             (0xde5e_81e4, "efivarfs"),
             (0x6165_676c, "pstore"),
             (0x6573_5543, "fusectl"),
             (0x6265_6570, "configfs"),
+            (0x4249_4e4d, "binfmt_misc"),
+            (0x1980_0202, "mqueue"),
         ];
         for (magic, name) in known {
             assert_eq!(pseudo_fs_named(magic), Some(name), "{magic:#x}");

@@ -1354,6 +1354,19 @@ async fn a_search_stops_at_the_command_bound_and_says_so() {
         shell_timeout: Duration::ZERO,
         ..ToolsConfig::default()
     };
+    // A tree of directories only stops too (no file to look at).
+    std::fs::create_dir_all(dir.path().join("dirs/x/y")).unwrap();
+    for (name, input) in [
+        ("grep", json!({"pattern": "needle", "path": "dirs"})),
+        ("glob", json!({"pattern": "**/*.txt", "path": "dirs"})),
+    ] {
+        let out = run(dir.path(), &spent, &call(name, input.clone()), None).await;
+        assert!(
+            out.output.contains("stopped after"),
+            "{name}: {}",
+            out.output
+        );
+    }
     for (name, input) in [
         ("grep", json!({"pattern": "needle"})),
         ("glob", json!({"pattern": "**/*.txt"})),
