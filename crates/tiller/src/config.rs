@@ -704,6 +704,9 @@ pub struct ConfigError(pub String);
 /// The engine that needs no model and no key.
 pub const SCRIPTED: &str = "scripted";
 
+/// The longest bound a command may be given (`tools.max_shell_timeout`).
+const MAX_BOUND: Duration = Duration::from_secs(365 * 24 * 3600);
+
 impl Config {
     /// Reads `path` (or the embedded defaults when `None`), then applies
     /// `env` overrides (`TILLER_SECTION__KEY=value`), then validates.
@@ -880,6 +883,13 @@ impl Config {
             return Err(ConfigError(
                 "key `tools.shell_timeout`: must be above zero and at most tools.max_shell_timeout"
                     .into(),
+            ));
+        }
+        // A command's deadline is now plus the bound: past the clock's
+        // range it would not be a deadline at all.
+        if self.tools.max_shell_timeout > MAX_BOUND {
+            return Err(ConfigError(
+                "key `tools.max_shell_timeout`: at most 365 days".into(),
             ));
         }
         if tiller_session::PermissionMode::parse(&self.tools.permission_mode).is_none() {
@@ -1276,6 +1286,18 @@ mod tests {
             c.secret_variables()
                 .contains(&"ANTHROPIC_API_KEY".to_owned())
         );
+    }
+
+    #[test]
+    fn a_command_bound_past_a_year_is_refused() {
+        let e = load_str(
+            "[tools]\nshell_timeout = \"2m\"\nmax_shell_timeout = \"300000000000y\"\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("tools.max_shell_timeout"), "{e}");
+        load_str("[tools]\nmax_shell_timeout = \"365days\"\n", &[]).unwrap();
     }
 
     #[test]
