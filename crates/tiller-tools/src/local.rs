@@ -987,6 +987,15 @@ impl Deadline {
         self.at.is_some_and(|at| Instant::now() >= at)
     }
 
+    /// A `stop` for [`confine::walk`]: whether the deadline passed, kept
+    /// in `stopped`.
+    fn stop<'a>(&'a self, stopped: &'a std::cell::Cell<bool>) -> impl Fn() -> bool + 'a {
+        move || {
+            stopped.set(self.passed());
+            stopped.get()
+        }
+    }
+
     /// What the output ends with when the search stopped there.
     fn note(&self) -> String {
         format!(
@@ -1014,10 +1023,7 @@ async fn glob(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
         let base = r.open_dir(&rel, &path)?;
         let mut found = Vec::new();
         let stopped = std::cell::Cell::new(false);
-        let stop = || {
-            stopped.set(deadline.passed());
-            stopped.get()
-        };
+        let stop = deadline.stop(&stopped);
         let _ = confine::walk(&base, Path::new(""), &stop, &mut |_, rel, _| {
             if matcher.is_match(rel) {
                 found.push(rel.display().to_string());
@@ -1146,14 +1152,8 @@ async fn grep(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
         if r.metadata(&rel, &path)?.is_dir() {
             let base = r.open_dir(&rel, &path)?;
             let stopped = std::cell::Cell::new(false);
-            let stop = || {
-                stopped.set(deadline.passed());
-                stopped.get()
-            };
+            let stop = deadline.stop(&stopped);
             let _ = confine::walk(&base, Path::new(""), &stop, &mut |dir, rel, name| {
-                if m.out_of_time() {
-                    return ControlFlow::Break(());
-                }
                 if filter.as_ref().is_some_and(|f| !f.is_match(rel)) {
                     return ControlFlow::Continue(());
                 }
