@@ -41,8 +41,12 @@ use crate::StoreError;
 /// Entries waiting that make the oldest sessions' due.
 pub(crate) const PENDING: usize = 8192;
 /// Sessions whose entries one transaction of upkeep writes (one page
-/// each, about).
-pub(crate) const SLICE: usize = 64;
+/// each, about). Each costs the commits queued meanwhile about 33 us:
+/// 64 made an upkeep a stall of 2.1 ms at the median with 1,000 sessions
+/// streaming at a model's pace, 8 several times shorter for the same
+/// pages written in all (a session's entries wait for its turn either
+/// way).
+pub(crate) const SLICE: usize = 8;
 /// Most entries one transaction of upkeep writes (a few sessions
 /// streaming fast may have thousands each): the stall it is for the
 /// commits queued meanwhile stays short.
