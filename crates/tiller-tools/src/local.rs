@@ -332,16 +332,31 @@ fn select_lines(
 ) -> std::io::Result<String> {
     let mut out = OutputBuffer::head(max);
     let mut line = Vec::new();
+    // Stopped by a `Timed` reader: what was read, and why no more.
+    let stopped = |out: OutputBuffer, e: std::io::Error| {
+        let mut text = out.finish();
+        if !text.is_empty() {
+            text.push('\n');
+        }
+        text.push_str(&e.to_string());
+        text
+    };
     for _ in 1..offset {
-        if read_line_capped(r, &mut line, 0)?.is_none() {
-            return Ok(String::new());
+        match read_line_capped(r, &mut line, 0) {
+            Ok(Some(_)) => {}
+            Ok(None) => return Ok(String::new()),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Ok(stopped(out, e)),
+            Err(e) => return Err(e),
         }
     }
     let mut first = true;
     for n in offset..offset.saturating_add(limit.unwrap_or(usize::MAX)) {
         let cap = if out.is_full() { 0 } else { max };
-        let Some(full) = read_line_capped(r, &mut line, cap)? else {
-            break;
+        let full = match read_line_capped(r, &mut line, cap) {
+            Ok(Some(full)) => full,
+            Ok(None) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Ok(stopped(out, e)),
+            Err(e) => return Err(e),
         };
         let cut = trim_cr(&mut line, full);
         if !first {
@@ -396,6 +411,7 @@ async fn read_file(
             .map_err(|e| e.to_string());
     }
     let root = root.to_owned();
+    let deadline = Deadline::of(cfg);
     blocking(move || {
         let r = Root::open(&root)?;
         let rel = r.relative(&path)?;
@@ -409,7 +425,9 @@ async fn read_file(
         }
         let failed = |e: std::io::Error| r.error("read", &path, &e);
         if !whole {
-            return select_lines(&mut reader, offset, limit, max, numbered).map_err(failed);
+            let advice = "read nearer the start, or use shell (e.g. `tail`)";
+            let mut timed = Timed::new(reader, deadline, advice);
+            return select_lines(&mut timed, offset, limit, max, numbered).map_err(failed);
         }
         let mut out = OutputBuffer::head(max);
         let mut chunk = vec![0u8; 64 * 1024];
@@ -965,9 +983,10 @@ async fn list_dir(root: &Path, input: &Value) -> Result<String, String> {
     .await
 }
 
-/// Until when a search (`grep`, `glob`) walks: a command's bound
-/// (`tools.shell_timeout`), so a search over a huge tree ends, as a
-/// command would, rather than walk on after its turn ended.
+/// Until when a search (`grep`, `glob`) walks, or `read_file` reads by
+/// lines: a command's bound (`tools.shell_timeout`), so a search over a
+/// huge tree or a read deep into a huge file ends, as a command would,
+/// rather than go on after its turn ended.
 #[derive(Clone, Copy)]
 struct Deadline {
     /// `None` for a bound past what the clock can count.
@@ -998,10 +1017,67 @@ impl Deadline {
 
     /// What the output ends with when the search stopped there.
     fn note(&self) -> String {
+        self.note_with(SEARCH_ADVICE)
+    }
+
+    fn note_with(&self, advice: &str) -> String {
         format!(
-            "[stopped after {:?} (tools.shell_timeout); narrow the search]",
+            "[stopped after {:?} (tools.shell_timeout); {advice}]",
             self.after
         )
+    }
+}
+
+const SEARCH_ADVICE: &str = "narrow the search";
+
+/// A reader that fails with `TimedOut`, the deadline's note its message,
+/// once the deadline passed: checked at every 16th fill of its buffer,
+/// whether that reads (at most 64 KiB) or hands out the next line, so a
+/// line of gigabytes stops too.
+struct Timed<R> {
+    inner: R,
+    deadline: Deadline,
+    advice: &'static str,
+    fills: u32,
+}
+
+impl<R: BufRead> Timed<R> {
+    fn new(inner: R, deadline: Deadline, advice: &'static str) -> Self {
+        Timed {
+            inner,
+            deadline,
+            advice,
+            fills: 0,
+        }
+    }
+}
+
+impl<R: BufRead> Read for Timed<R> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        let n = {
+            let buf = self.fill_buf()?;
+            let n = buf.len().min(out.len());
+            out[..n].copy_from_slice(&buf[..n]);
+            n
+        };
+        self.consume(n);
+        Ok(n)
+    }
+}
+
+impl<R: BufRead> BufRead for Timed<R> {
+    fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
+        let check = self.fills.is_multiple_of(16);
+        self.fills = self.fills.wrapping_add(1);
+        if check && self.deadline.passed() {
+            let note = self.deadline.note_with(self.advice);
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, note));
+        }
+        self.inner.fill_buf()
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.inner.consume(n);
     }
 }
 
@@ -1089,13 +1165,19 @@ fn grep_file(
     if looks_binary(&mut reader) {
         return ControlFlow::Continue(());
     }
+    let mut reader = Timed::new(reader, m.deadline, SEARCH_ADVICE);
     let mut line = Vec::new();
     let mut no = 0usize;
-    while let Ok(Some(full)) = read_line_capped(&mut reader, &mut line, MAX_LINE) {
+    loop {
+        let full = match read_line_capped(&mut reader, &mut line, MAX_LINE) {
+            Ok(Some(full)) => full,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut && m.out_of_time() => {
+                return ControlFlow::Break(());
+            }
+            // The end, or a file that cannot be read on: the next one.
+            _ => break,
+        };
         no += 1;
-        if no.is_multiple_of(4096) && m.out_of_time() {
-            return ControlFlow::Break(());
-        }
         let cut = trim_cr(&mut line, full);
         if !re.is_match(&line) {
             continue;

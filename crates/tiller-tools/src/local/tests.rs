@@ -1398,3 +1398,62 @@ async fn a_search_stops_at_the_command_bound_and_says_so() {
         }
     }
 }
+
+/// `read_file` with an offset reads the file's lines up to it: on a huge
+/// file that was unbounded, on a blocking thread going on after its turn.
+/// It stops at the command bound too, with what it read and a note.
+#[tokio::test]
+async fn a_read_by_lines_stops_at_the_command_bound_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("f.txt"), "one\ntwo\nthree\n").unwrap();
+    let spent = ToolsConfig {
+        shell_timeout: Duration::ZERO,
+        ..ToolsConfig::default()
+    };
+    let input = json!({"path": "f.txt", "offset": 2, "limit": 1});
+    let out = run(dir.path(), &spent, &call("read_file", input.clone()), None).await;
+    assert!(out.output.contains("stopped after"), "{}", out.output);
+    assert!(out.output.contains("tools.shell_timeout"), "{}", out.output);
+    assert!(!out.output.contains("two"), "{}", out.output);
+    let out = run(
+        dir.path(),
+        &ToolsConfig::default(),
+        &call("read_file", input),
+        None,
+    )
+    .await;
+    assert_eq!(out.output, "two");
+    // The whole file is read up to `max_output_bytes`, whatever the bound.
+    let whole = call("read_file", json!({"path": "f.txt"}));
+    let out = run(dir.path(), &spent, &whole, None).await;
+    assert_eq!(out.output, "one\ntwo\nthree\n");
+}
+
+/// A search looks at the bound while it reads a file, not only between
+/// lines: a single line of gigabytes (no newline) stops too.
+#[test]
+fn a_search_stops_inside_a_huge_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut line = vec![b'x'; 4 << 20];
+    line.extend_from_slice(b"needle\n");
+    std::fs::write(dir.path().join("big.txt"), &line).unwrap();
+    let root =
+        cap_std::fs::Dir::open_ambient_dir(dir.path(), cap_std::ambient_authority()).unwrap();
+    let file = root.open("big.txt").unwrap();
+    let spent = ToolsConfig {
+        shell_timeout: Duration::ZERO,
+        ..ToolsConfig::default()
+    };
+    let mut m = Matches {
+        out: String::new(),
+        n: 0,
+        max: 1 << 20,
+        deadline: Deadline::of(&spent),
+        stopped: false,
+    };
+    let re = regex::bytes::Regex::new("needle").unwrap();
+    let flow = grep_file(file, Path::new("big.txt"), &re, &mut m);
+    assert!(flow.is_break(), "{}", m.out);
+    assert_eq!(m.n, 0, "{}", m.out);
+    assert!(m.out.contains("stopped after"), "{}", m.out);
+}
