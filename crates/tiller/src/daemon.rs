@@ -62,50 +62,42 @@ pub(crate) const QUIET_RMCP: &str = "rmcp=off";
 /// also to an OTLP collector when telemetry is on (keep the guard until
 /// the daemon ends).
 pub fn init_tracing(cfg: &Config) -> anyhow::Result<Option<crate::telemetry::Guard>> {
+    use tracing_subscriber::Layer as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
-    let (dispatch, guard) = daemon_dispatch(cfg, log_filter(cfg))?;
-    dispatch.init();
+    let (otel, guard) = crate::telemetry::layer(cfg)?.unzip();
+    daemon_dispatch(log_filter(cfg), otel.map(|l| l.boxed())).init();
     Ok(guard)
 }
 
-/// The daemon's subscriber: `filter`'s logs to stderr, and the spans
-/// exported when telemetry is on.
+/// A layer of the daemon's subscribers.
+type Boxed = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
+
+/// The daemon's subscriber: `filter`'s logs to stderr, and `otel` (the
+/// spans exported when telemetry is on).
 fn daemon_dispatch(
-    cfg: &Config,
     filter: tracing_subscriber::EnvFilter,
-) -> anyhow::Result<(tracing::Dispatch, Option<crate::telemetry::Guard>)> {
+    otel: Option<Boxed>,
+) -> tracing::Dispatch {
     use std::io::IsTerminal as _;
-    use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::{Layer as _, fmt};
     let stderr = fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
-        .with_filter(filter);
-    let (otel, guard) = crate::telemetry::layer(cfg)?.unzip();
-    let subscriber = tracing_subscriber::registry()
-        .with(stderr)
-        .with(or_nothing(otel));
-    Ok((tracing::Dispatch::new(subscriber), guard))
+        .with_filter(filter)
+        .boxed();
+    layered(std::iter::once(stderr).chain(otel).collect())
 }
 
-/// A layer that may be absent, enabling nothing when it is.
-/// tracing-subscriber's own `Option` layer, when `None`, enables every
-/// span and event for the layers beneath it: each one no filter wants was
-/// built and entered anyway (ractor's per-actor span at every message:
-/// 3.3% of the daemon's CPU with 1,000 sessions streaming).
-fn or_nothing<S, L>(layer: Option<L>) -> Box<dyn tracing_subscriber::Layer<S> + Send + Sync>
-where
-    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
-    L: tracing_subscriber::Layer<S> + Send + Sync + 'static,
-{
-    use tracing_subscriber::Layer as _;
-    match layer {
-        Some(layer) => Box::new(layer),
-        None => Box::new(
-            tracing_subscriber::layer::Identity::new()
-                .with_filter(tracing_subscriber::filter::LevelFilter::OFF),
-        ),
-    }
+/// The subscriber of `layers`, those present only. tracing-subscriber's
+/// own `Option` layer, when `None`, enables every span and event for the
+/// layers beside it: each span no filter wants was built and entered
+/// anyway (ractor's per-actor one at every message: 3.3% of the daemon's
+/// CPU with 1,000 sessions streaming). A stand-in filtered off would
+/// make each callsite the one real layer logs "sometimes", asked again
+/// at every hit.
+fn layered(layers: Vec<Boxed>) -> tracing::Dispatch {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    tracing::Dispatch::new(tracing_subscriber::registry().with(layers))
 }
 
 /// Logging for `tiller acp --embedded`: an editor shows whatever its agent
@@ -113,6 +105,7 @@ where
 /// `<data_dir>/tiller-acp.log` (0600, appended) and only warnings and errors
 /// also to stderr.
 pub fn init_tracing_embedded(cfg: &Config) -> anyhow::Result<Option<crate::telemetry::Guard>> {
+    use tracing_subscriber::Layer as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
     let path = cfg.data_dir().join("tiller-acp.log");
     let file = prepare_data_dir(&cfg.data_dir()).and_then(|()| {
@@ -127,8 +120,8 @@ pub fn init_tracing_embedded(cfg: &Config) -> anyhow::Result<Option<crate::telem
         Ok(f) => (Some(f), None),
         Err(e) => (None, Some(e)),
     };
-    let (dispatch, guard) = embedded_dispatch(cfg, log_filter(cfg), file)?;
-    dispatch.init();
+    let (otel, guard) = crate::telemetry::layer(cfg)?.unzip();
+    embedded_dispatch(log_filter(cfg), file, otel.map(|l| l.boxed())).init();
     if let Some(e) = failed {
         tracing::warn!(path = %path.display(), error = %e, "cannot open the log file; logging warnings to stderr only");
     }
@@ -136,14 +129,12 @@ pub fn init_tracing_embedded(cfg: &Config) -> anyhow::Result<Option<crate::telem
 }
 
 /// `tiller acp --embedded`'s subscriber: `filter`'s logs to `file` (when
-/// it could be opened), warnings and errors to stderr, and the spans
-/// exported when telemetry is on.
+/// it could be opened), warnings and errors to stderr, and `otel`.
 fn embedded_dispatch(
-    cfg: &Config,
     filter: tracing_subscriber::EnvFilter,
     file: Option<std::fs::File>,
-) -> anyhow::Result<(tracing::Dispatch, Option<crate::telemetry::Guard>)> {
-    use tracing_subscriber::layer::SubscriberExt as _;
+    otel: Option<Boxed>,
+) -> tracing::Dispatch {
     use tracing_subscriber::{Layer as _, filter::LevelFilter, fmt};
     let stderr = fmt::layer()
         .with_writer(std::io::stderr)
@@ -152,19 +143,16 @@ fn embedded_dispatch(
             tracing_subscriber::filter::Targets::new()
                 .with_default(LevelFilter::WARN)
                 .with_target("rmcp", LevelFilter::OFF),
-        );
+        )
+        .boxed();
     let file = file.map(|f| {
         fmt::layer()
             .with_writer(std::sync::Mutex::new(f))
             .with_ansi(false)
             .with_filter(filter)
+            .boxed()
     });
-    let (otel, guard) = crate::telemetry::layer(cfg)?.unzip();
-    let subscriber = tracing_subscriber::registry()
-        .with(or_nothing(file))
-        .with(stderr)
-        .with(or_nothing(otel));
-    Ok((tracing::Dispatch::new(subscriber), guard))
+    layered(file.into_iter().chain([stderr]).chain(otel).collect())
 }
 
 /// The configured engines (`Config::load` has checked them).
@@ -736,44 +724,48 @@ mod tests {
     /// log file open or not: none that no layer logs. ractor's per-actor
     /// span, entered and left at every message, cost 3.3% of the daemon's
     /// CPU with 1,000 sessions streaming while the filter alone left it
-    /// out. Each subscriber is asked for its interest in a span's callsite
-    /// (what decides, for the process's one subscriber, whether its spans
-    /// are built): a span built here would answer for every subscriber
-    /// alive in the test process.
+    /// out. Each subscriber is asked for its interest in a callsite (what
+    /// decides, for the process's one subscriber, whether its spans are
+    /// built and whether each hit asks the filters again): a span built
+    /// here would answer for every subscriber alive in the test process.
     #[test]
     fn the_daemon_s_subscribers_build_no_span_that_nothing_logs() {
+        use tracing::subscriber::Interest;
         let actor = info_span_site!("Actor", "ractor::actor");
         let session = info_span_site!("session", "tiller_session::registry");
-        let cfg = crate::config::Config::default();
         let dir = tempfile::tempdir().unwrap();
         let file = || Some(std::fs::File::create(dir.path().join("log")).unwrap());
-        for (level, logged) in [("info", true), ("warn", false)] {
+        let kind = |i: Interest| match () {
+            () if i.is_always() => "always",
+            () if i.is_never() => "never",
+            () => "sometimes",
+        };
+        for level in ["info", "warn"] {
             let filter = || super::filter_of(None, level);
+            let info = level == "info";
+            // What each says of Tiller's info span: the log file wants it
+            // and stderr not, so that one is asked again at each hit.
             let dispatches = [
                 (
                     "serve",
-                    super::daemon_dispatch(&cfg, filter()).unwrap().0,
-                    logged,
+                    super::daemon_dispatch(filter(), None),
+                    if info { "always" } else { "never" },
                 ),
                 (
                     "embedded",
-                    super::embedded_dispatch(&cfg, filter(), file()).unwrap().0,
-                    logged,
+                    super::embedded_dispatch(filter(), file(), None),
+                    if info { "sometimes" } else { "never" },
                 ),
                 (
                     "embedded without its log file",
-                    super::embedded_dispatch(&cfg, filter(), None).unwrap().0,
-                    false,
+                    super::embedded_dispatch(filter(), None, None),
+                    "never",
                 ),
             ];
             for (name, dispatch, logged) in dispatches {
-                let wants = |site| !dispatch.register_callsite(site).is_never();
-                assert!(!wants(actor), "{name} at {level}: ractor's span is built");
-                assert_eq!(
-                    wants(session),
-                    logged,
-                    "{name} at {level}: Tiller's info span"
-                );
+                let of = |site| kind(dispatch.register_callsite(site));
+                assert_eq!(of(actor), "never", "{name} at {level}: ractor's span");
+                assert_eq!(of(session), logged, "{name} at {level}: Tiller's info span");
             }
         }
     }
