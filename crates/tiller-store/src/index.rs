@@ -43,10 +43,17 @@ pub(crate) const PENDING: usize = 8192;
 /// Sessions whose entries one transaction of upkeep writes (one page
 /// each, about). Each costs the commits queued meanwhile about 33 us:
 /// 64 made an upkeep a stall of 2.1 ms at the median with 1,000 sessions
-/// streaming at a model's pace, 8 several times shorter for the same
-/// pages written in all (a session's entries wait for its turn either
-/// way).
+/// streaming at a model's pace, 8 several times shorter for about the
+/// same leaf pages written in all (a session's entries wait for its turn
+/// either way), at the cost of more, smaller transactions.
 pub(crate) const SLICE: usize = 8;
+/// Sessions one transaction of upkeep writes while more than twice
+/// [`PENDING`] entries wait: as many as a commit carries (see
+/// `Db::sessions_per_commit`), so with many thousands of sessions
+/// streaming, a few entries each, the index keeps up with the log (at 8
+/// it fell behind by about 8 segments per session streaming, past
+/// [`AGE`] with several thousand).
+pub(crate) const SLICE_BEHIND: usize = 64;
 /// Most entries one transaction of upkeep writes (a few sessions
 /// streaming fast may have thousands each): the stall it is for the
 /// commits queued meanwhile stays short.
@@ -257,9 +264,14 @@ impl Tail {
     }
 
     /// Whether the oldest sessions' entries should be written now.
-    pub(crate) fn due(&self) -> bool {
+    /// Entries waiting to be written (not those of sessions set aside).
+    fn waiting(&self) -> usize {
         let aside: usize = self.set_aside.keys().map(|s| self.of(*s).len()).sum();
-        self.count - aside >= PENDING
+        self.count - aside
+    }
+
+    pub(crate) fn due(&self) -> bool {
+        self.waiting() >= PENDING
             || self
                 .firsts
                 .iter()
@@ -279,15 +291,21 @@ impl Tail {
     }
 
     /// Writes the oldest entries of the [`SLICE`] sessions waiting
-    /// longest, at most `write_cap` ([`WRITE`]) of them.
+    /// longest ([`SLICE_BEHIND`] when far behind), at most `write_cap`
+    /// ([`WRITE`]) of them.
     pub(crate) fn write_oldest(&mut self, conn: &Connection) -> rusqlite::Result<()> {
         let mut budget = self.write_cap;
         let mut picked = Vec::new();
+        let sessions = if self.waiting() > 2 * PENDING {
+            SLICE_BEHIND
+        } else {
+            SLICE
+        };
         for &(_, s) in self
             .firsts
             .iter()
             .filter(|(_, s)| !self.set_aside.contains_key(s))
-            .take(SLICE)
+            .take(sessions)
         {
             if budget == 0 {
                 break;

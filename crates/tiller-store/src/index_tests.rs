@@ -772,3 +772,42 @@ fn a_damaged_log_s_refusal_is_not_counted_as_a_store_failure() {
         });
     });
 }
+
+/// Many sessions streaming leave many entries waiting, a few each: one
+/// upkeep then writes as many sessions' as a commit carries, so the index
+/// keeps up with the log; fewer waiting, it writes a few sessions' (a
+/// short stall for the commits queued meanwhile).
+#[test]
+fn far_behind_an_upkeep_writes_as_many_sessions_as_a_commit_carries() {
+    use crate::index::{PENDING, SLICE, SLICE_BEHIND};
+    let dir = tempfile::tempdir().unwrap();
+    let mut conn = Connection::open(dir.path().join("t.db")).unwrap();
+    crate::schema::migrate(&conn).unwrap();
+    let sessions: Vec<SessionId> = (0..2100).map(|_| SessionId::new()).collect();
+    let mut tail = Tail::open(&conn).unwrap();
+    let mut heads = Heads::default();
+    for seq in 1..=8u64 {
+        let b: Vec<Pending> = sessions
+            .iter()
+            .map(|s| Pending {
+                event: ev(*s, seq),
+                ledger: None,
+                reply: None,
+                on_commit: None,
+                joined: false,
+            })
+            .collect();
+        log::append_batch(&mut conn, &mut heads, &mut tail, &b).unwrap();
+    }
+    let written = |tail: &Tail| sessions.iter().filter(|s| tail.of(**s).is_empty()).count();
+    assert!(8 * sessions.len() > 2 * PENDING, "far behind");
+    assert_eq!(written(&tail), 0);
+    tail.write_oldest(&conn).unwrap();
+    assert_eq!(written(&tail), SLICE_BEHIND);
+    assert!(
+        8 * (sessions.len() - SLICE_BEHIND) <= 2 * PENDING,
+        "no longer far behind"
+    );
+    tail.write_oldest(&conn).unwrap();
+    assert_eq!(written(&tail), SLICE_BEHIND + SLICE);
+}
