@@ -263,13 +263,13 @@ impl Tail {
         }
     }
 
-    /// Whether the oldest sessions' entries should be written now.
     /// Entries waiting to be written (not those of sessions set aside).
     fn waiting(&self) -> usize {
         let aside: usize = self.set_aside.keys().map(|s| self.of(*s).len()).sum();
         self.count - aside
     }
 
+    /// Whether the oldest sessions' entries should be written now.
     pub(crate) fn due(&self) -> bool {
         self.waiting() >= PENDING
             || self

@@ -331,32 +331,41 @@ fn select_lines(
     numbered: bool,
 ) -> std::io::Result<String> {
     let mut out = OutputBuffer::head(max);
-    let mut line = Vec::new();
-    // Stopped by a `Timed` reader: what was read, and why no more.
-    let stopped = |out: OutputBuffer, e: std::io::Error| {
-        let mut text = out.finish();
-        if !text.is_empty() {
-            text.push('\n');
+    match lines_into(r, &mut out, offset, limit, max, numbered) {
+        Ok(()) => Ok(out.finish()),
+        // Stopped by a `Timed` reader: what was read, and why no more.
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+            let mut text = out.finish();
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            text.push_str(&e.to_string());
+            Ok(text)
         }
-        text.push_str(&e.to_string());
-        text
-    };
+        Err(e) => Err(e),
+    }
+}
+
+/// [`select_lines`]' reading, into `out`.
+fn lines_into(
+    r: &mut impl BufRead,
+    out: &mut OutputBuffer,
+    offset: usize,
+    limit: Option<usize>,
+    max: usize,
+    numbered: bool,
+) -> std::io::Result<()> {
+    let mut line = Vec::new();
     for _ in 1..offset {
-        match read_line_capped(r, &mut line, 0) {
-            Ok(Some(_)) => {}
-            Ok(None) => return Ok(String::new()),
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Ok(stopped(out, e)),
-            Err(e) => return Err(e),
+        if read_line_capped(r, &mut line, 0)?.is_none() {
+            return Ok(());
         }
     }
     let mut first = true;
     for n in offset..offset.saturating_add(limit.unwrap_or(usize::MAX)) {
         let cap = if out.is_full() { 0 } else { max };
-        let full = match read_line_capped(r, &mut line, cap) {
-            Ok(Some(full)) => full,
-            Ok(None) => break,
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Ok(stopped(out, e)),
-            Err(e) => return Err(e),
+        let Some(full) = read_line_capped(r, &mut line, cap)? else {
+            break;
         };
         let cut = trim_cr(&mut line, full);
         if !first {
@@ -371,7 +380,7 @@ fn select_lines(
             out.skip(cut as u64);
         }
     }
-    Ok(out.finish())
+    Ok(())
 }
 
 /// Whether the first block of `r` holds a NUL byte.

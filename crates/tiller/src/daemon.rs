@@ -735,10 +735,14 @@ mod tests {
         let session = info_span_site!("session", "tiller_session::registry");
         let dir = tempfile::tempdir().unwrap();
         let file = || Some(std::fs::File::create(dir.path().join("log")).unwrap());
-        let kind = |i: Interest| match () {
-            () if i.is_always() => "always",
-            () if i.is_never() => "never",
-            () => "sometimes",
+        let kind = |i: Interest| {
+            if i.is_always() {
+                "always"
+            } else if i.is_never() {
+                "never"
+            } else {
+                "sometimes"
+            }
         };
         for level in ["info", "warn"] {
             let filter = || super::filter_of(None, level);
