@@ -509,6 +509,28 @@ describe("OpenAI-compatible engine", () => {
     assert.ok(since(n)[0].closedEarly, "the model stream was closed by the daemon");
   });
 
+  test("a cancel is answered at once; the next prompt sees the text the cancelled call streamed", async () => {
+    const { sid } = await session("mock-openai");
+    const n = mock.requests.length;
+    mock.reply({ events: openai.text("Thinking about it").slice(0, 2), hang: true }, { events: openai.text("Next answer.") });
+    const pending = c.request("session/prompt", textPrompt(sid, "go"));
+    await c.until(() => agentText(c, sid).length > 0);
+    await c.notify("session/cancel", { sessionId: sid });
+    assert.equal((await pending).stopReason, "cancelled");
+    // Sent at once: it waits for the cancelled turn's engine to stop, so
+    // what that engine kept of its turn is in the conversation first.
+    const next = await c.request("session/prompt", textPrompt(sid, "next"));
+    assert.equal(next.stopReason, "end_turn");
+    assert.deepEqual(
+      chat(since(n)[1]).map((m) => [m.role, m.content]),
+      [
+        ["user", "go"],
+        ["assistant", "Thinking "],
+        ["user", "next"],
+      ],
+    );
+  });
+
   test("a steer mid-turn joins the conversation at the next model boundary", async () => {
     const { sid } = await session("mock-openai", { "a.txt": "A" });
     const n = mock.requests.length;

@@ -22,6 +22,6 @@ pub use ids::{PromptId, RequestId, SessionId, SteerId, TurnId};
 pub use loop_guard::{CallKey, CallOutcome, LoopConfig, LoopGuard, LoopType};
 pub use terminal::{ErrorKind, Origin, StopReason, Terminal};
 pub use turn::{
-    Answer, Effect, IdleBehavior, Input, Millis, Rejection, SessionCore, Signal, SteerDropReason,
-    SteerOutcome, SteerReceipt, SteerRefusal, Step, TurnConfig, WatchdogKind,
+    Answer, Effect, EngineStop, IdleBehavior, Input, Millis, Rejection, SessionCore, Signal,
+    SteerDropReason, SteerOutcome, SteerReceipt, SteerRefusal, Step, TurnConfig, WatchdogKind,
 };

@@ -16,7 +16,9 @@
 //!   with a silent engine every turn settles within the largest timer;
 //! * a cancel received before settlement makes the terminal `cancelled`;
 //! * after a terminal, the next queued prompt starts or [`Effect::Idle`] is
-//!   emitted, always after the [`Effect::Settled`].
+//!   emitted, always after the [`Effect::Settled`]; after a turn settled at
+//!   its cancel while its engine stops behind it ([`EngineStop::Behind`]),
+//!   only once [`Effect::EngineStopped`] says the engine is gone.
 
 use std::collections::VecDeque;
 
@@ -97,6 +99,34 @@ pub enum Signal {
     Exited(Option<String>),
 }
 
+/// How the running turn's engine stops when the turn is cancelled
+/// (given with [`Input::Cancel`], [`Input::Withdraw`], [`Input::Close`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EngineStop {
+    /// The turn settles `cancelled` at the engine's first signal after the
+    /// cancel, or at `cancel_grace`: an agent that acts on its own (its own
+    /// tools) is answered `cancelled` only once it says it stopped.
+    #[default]
+    Answered,
+    /// Everything the engine does goes through the session, which stops
+    /// taking it at the cancel: the turn settles `cancelled` at once, and
+    /// nothing starts until the engine's final signal (its end of the
+    /// turn: result, idle, failure, exit) or `cancel_grace`, so the next
+    /// turn never runs beside it.
+    Behind,
+}
+
+impl Signal {
+    /// The engine's last word for a turn: after it, it does nothing more
+    /// (updates, tool batches and receipts may come before it).
+    fn is_final(&self) -> bool {
+        matches!(
+            self,
+            Signal::Result(_) | Signal::Idle | Signal::Failed(..) | Signal::Exited(_)
+        )
+    }
+}
+
 /// Everything that can happen to a session's turns. `P` is what the actor
 /// keeps with a prompt, `S` with a steer; the core hands them back.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -121,8 +151,8 @@ pub enum Input<P = (), S = ()> {
         /// What it does when no turn runs.
         idle_behavior: IdleBehavior<P>,
     },
-    /// `session/cancel`.
-    Cancel,
+    /// `session/cancel`; how the running turn's engine stops.
+    Cancel(EngineStop),
     /// Its sender withdraws one prompt (`$/cancel_request`): queued, it
     /// settles `cancelled` at once; running, its turn is cancelled as by
     /// [`Input::Cancel`], but prompts queued behind it stay. A prompt that
@@ -130,13 +160,15 @@ pub enum Input<P = (), S = ()> {
     Withdraw {
         /// The prompt.
         prompt: PromptId,
+        /// How the running turn's engine stops.
+        stop: EngineStop,
     },
     /// The session closes (or the daemon drains): the running turn is
     /// cancelled, every queued prompt of any origin settles `cancelled`,
     /// and nothing starts any more (prompts are refused, offers handed
     /// back, queues not polled). Work still in the queue actors stays
-    /// there, durable, for a reopen.
-    Close,
+    /// there, durable, for a reopen. How the running turn's engine stops.
+    Close(EngineStop),
     /// An engine signal.
     Signal {
         /// The turn it belongs to (any other than the running one is stale).
@@ -407,6 +439,14 @@ pub enum Effect<P = (), S = ()> {
         /// Which rule tripped.
         loop_type: LoopType,
     },
+    /// The engine of a turn that settled at its cancel
+    /// ([`EngineStop::Behind`]) is done: its final signal came, or its
+    /// `cancel_grace` passed. Drop it (one still running is torn down);
+    /// whatever starts next comes after this.
+    EngineStopped {
+        /// The turn it ran.
+        turn: TurnId,
+    },
     /// A watchdog bound was reached.
     WatchdogFired {
         /// Which.
@@ -451,6 +491,15 @@ enum Phase {
     Cancelling {
         at: Millis,
     },
+}
+
+/// The engine of a turn settled at its cancel, still stopping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Winding {
+    /// The turn it ran.
+    turn: TurnId,
+    /// Its cancel's grace ends: it is torn down then.
+    until: Millis,
 }
 
 /// The one unsettled turn.
@@ -526,6 +575,9 @@ pub struct SessionCore<P = (), S = ()> {
     last_turn: u64,
     /// The unsettled turn, if any.
     active: Option<ActiveTurn<P, S>>,
+    /// The engine of the last turn, settled at its cancel and still
+    /// stopping: nothing starts until it is gone.
+    winding: Option<Winding>,
     /// Prompts waiting behind the running turn, FIFO within each origin;
     /// interactive ones are taken first, then channel ones.
     queue: VecDeque<Waiting<P>>,
@@ -557,6 +609,7 @@ impl<P, S: Clone> SessionCore<P, S> {
             config,
             last_turn,
             active: None,
+            winding: None,
             queue: VecDeque::new(),
             automatic: Vec::new(),
             maybe: 0,
@@ -604,7 +657,7 @@ impl<P, S: Clone> SessionCore<P, S> {
     /// from the store (parked while idle) with nothing lost: work queued
     /// for it meanwhile wakes it, as it wakes a session after a restart.
     pub fn parkable(&self) -> bool {
-        self.active.is_none()
+        !self.busy()
             && self.queue.is_empty()
             && self.polling.is_none()
             && !self.rekick
@@ -617,12 +670,26 @@ impl<P, S: Clone> SessionCore<P, S> {
         self.closing
     }
 
-    /// True while the running turn is being cancelled.
+    /// True while the running turn is being cancelled, or the engine of
+    /// one settled at its cancel is still stopping.
     pub fn is_cancelling(&self) -> bool {
-        matches!(
-            self.active.as_ref().map(|a| &a.phase),
-            Some(Phase::Cancelling { .. })
-        )
+        self.winding.is_some()
+            || matches!(
+                self.active.as_ref().map(|a| &a.phase),
+                Some(Phase::Cancelling { .. })
+            )
+    }
+
+    /// A turn runs, or the engine of one settled at its cancel is still
+    /// stopping: a prompt now waits in the queue.
+    pub fn busy(&self) -> bool {
+        self.active.is_some() || self.winding.is_some()
+    }
+
+    /// The turn whose engine is still stopping after it settled at its
+    /// cancel (the actor keeps that engine until [`Effect::EngineStopped`]).
+    pub fn winding(&self) -> Option<TurnId> {
+        self.winding.map(|w| w.turn)
     }
 
     /// Queued prompts, oldest first.
@@ -667,16 +734,16 @@ impl<P, S: Clone> SessionCore<P, S> {
                 text,
                 idle_behavior,
             } => self.steer(now, steer, text, idle_behavior, fx),
-            Input::Cancel => {
-                self.cancel(now, fx);
+            Input::Cancel(stop) => {
+                self.cancel(now, stop, fx);
                 Answer::None
             }
-            Input::Withdraw { prompt } => {
-                self.withdraw(now, prompt, fx);
+            Input::Withdraw { prompt, stop } => {
+                self.withdraw(now, prompt, stop, fx);
                 Answer::None
             }
-            Input::Close => {
-                self.close(now, fx);
+            Input::Close(stop) => {
+                self.close(now, stop, fx);
                 Answer::None
             }
             Input::Signal { turn, signal } => {
@@ -698,7 +765,7 @@ impl<P, S: Clone> SessionCore<P, S> {
                 self.maybe = u64::MAX;
                 if self.polling.is_some() {
                     self.rekick = true;
-                } else if self.active.is_none() && !self.closing {
+                } else if !self.busy() && !self.closing {
                     self.poll_from(0, fx);
                 }
                 Answer::None
@@ -730,7 +797,7 @@ impl<P, S: Clone> SessionCore<P, S> {
             .iter()
             .filter(|w| (w.origin == Origin::Interactive) == (origin == Origin::Interactive))
             .count();
-        if self.active.is_none() {
+        if !self.busy() {
             // A prompt beats automatic work being polled for: late offers
             // are refused and handed back.
             self.polling = None;
@@ -808,6 +875,12 @@ impl<P, S: Clone> SessionCore<P, S> {
                     unused: unused(idle),
                 };
             }
+            if self.winding.is_some() {
+                return Answer::Steer {
+                    outcome: SteerOutcome::PromptRequired(SteerRefusal::TurnCancelling),
+                    unused: unused(idle),
+                };
+            }
             return match idle {
                 IdleBehavior::PromptRequired => Answer::Steer {
                     outcome: SteerOutcome::PromptRequired(SteerRefusal::NoRunningTurn),
@@ -844,36 +917,55 @@ impl<P, S: Clone> SessionCore<P, S> {
         }
     }
 
-    fn cancel(&mut self, now: Millis, fx: &mut Vec<Effect<P, S>>) {
+    fn cancel(&mut self, now: Millis, stop: EngineStop, fx: &mut Vec<Effect<P, S>>) {
         // Queued interactive prompts are cancelled, each with its own result.
         let (cancelled, kept): (Vec<_>, Vec<_>) = self
             .queue
             .drain(..)
             .partition(|w| w.origin == Origin::Interactive);
         self.queue = kept.into();
-        let Some(active) = self.active.as_mut() else {
-            // Nothing is unsettled, so nothing can be queued behind it.
-            debug_assert!(cancelled.is_empty());
-            return;
-        };
+        // (Prompts queue with no turn running only behind a winding engine.)
         for w in cancelled {
             fx.push(never_started(w));
         }
-        active.cancel(now, fx);
+        self.cancel_active(now, stop, fx);
     }
 
-    fn withdraw(&mut self, now: Millis, prompt: PromptId, fx: &mut Vec<Effect<P, S>>) {
+    /// Cancels the running turn; with [`EngineStop::Behind`] it settles
+    /// now, its engine winding down until its grace ends.
+    fn cancel_active(&mut self, now: Millis, stop: EngineStop, fx: &mut Vec<Effect<P, S>>) {
+        let Some(active) = self.active.as_mut() else {
+            return;
+        };
+        active.cancel(now, fx);
+        if let (EngineStop::Behind, Phase::Cancelling { at }) = (stop, &active.phase) {
+            self.winding = Some(Winding {
+                turn: active.turn,
+                // A repeated cancel extends nothing.
+                until: *at + self.config.cancel_grace,
+            });
+            self.settle(now, Terminal::Completed(StopReason::Cancelled), fx);
+        }
+    }
+
+    fn withdraw(
+        &mut self,
+        now: Millis,
+        prompt: PromptId,
+        stop: EngineStop,
+        fx: &mut Vec<Effect<P, S>>,
+    ) {
         if let Some(i) = self.queue.iter().position(|w| w.prompt == prompt) {
             let w = self.queue.remove(i).expect("position is in the queue");
             fx.push(never_started(w));
             return;
         }
-        if let Some(active) = self.active.as_mut().filter(|a| a.prompt == prompt) {
-            active.cancel(now, fx);
+        if self.active.as_ref().is_some_and(|a| a.prompt == prompt) {
+            self.cancel_active(now, stop, fx);
         }
     }
 
-    fn close(&mut self, now: Millis, fx: &mut Vec<Effect<P, S>>) {
+    fn close(&mut self, now: Millis, stop: EngineStop, fx: &mut Vec<Effect<P, S>>) {
         if self.closing {
             return;
         }
@@ -883,13 +975,24 @@ impl<P, S: Clone> SessionCore<P, S> {
             fx.push(never_started(w));
         }
         if self.active.is_some() {
-            self.cancel(now, fx);
-        } else {
+            self.cancel(now, stop, fx);
+        } else if self.winding.is_none() {
+            // (A winding engine's end reports the session idle.)
             fx.push(Effect::Idle);
         }
     }
 
     fn signal(&mut self, now: Millis, turn: TurnId, signal: Signal, fx: &mut Vec<Effect<P, S>>) {
+        if self.winding.is_some_and(|w| w.turn == turn) {
+            if signal.is_final() {
+                self.winding = None;
+                fx.push(Effect::EngineStopped { turn });
+                self.next(now, fx);
+            } else {
+                fx.push(Effect::Stale { turn });
+            }
+            return;
+        }
         let Some(active) = self.active.as_mut().filter(|a| a.turn == turn) else {
             fx.push(Effect::Stale { turn });
             return;
@@ -1024,6 +1127,14 @@ impl<P, S: Clone> SessionCore<P, S> {
 
     /// Applies every deadline that has passed at `now`.
     fn expire(&mut self, now: Millis, fx: &mut Vec<Effect<P, S>>) {
+        if let Some(w) = self.winding.filter(|w| now >= w.until) {
+            self.winding = None;
+            fx.push(Effect::WatchdogFired {
+                kind: WatchdogKind::CancelGrace,
+            });
+            fx.push(Effect::EngineStopped { turn: w.turn });
+            self.next(now, fx);
+        }
         let Some(active) = self.active.as_mut() else {
             return;
         };
@@ -1091,6 +1202,13 @@ impl<P, S: Clone> SessionCore<P, S> {
             loop_stopped: active.loop_stopped,
             payload: active.payload,
         });
+        if self.winding.is_none() {
+            self.next(now, fx);
+        }
+    }
+
+    /// Starts the next queued prompt, or reports the session idle.
+    fn next(&mut self, now: Millis, fx: &mut Vec<Effect<P, S>>) {
         // Interactive prompts first (FIFO), then channel prompts.
         let next = self
             .queue
@@ -1145,9 +1263,7 @@ impl<P, S: Clone> SessionCore<P, S> {
         // Only the answer to the current poll counts: an answer to an older
         // one may rest on state that has changed since.
         let expected = self.polling.filter(|i| {
-            poll == self.poll_seq
-                && self.automatic.get(*i) == Some(&origin)
-                && self.active.is_none()
+            poll == self.poll_seq && self.automatic.get(*i) == Some(&origin) && !self.busy()
         });
         match (expected, work) {
             (Some(_), Some((prompt, payload))) => {
@@ -1173,8 +1289,19 @@ impl<P, S: Clone> SessionCore<P, S> {
         }
     }
 
-    /// The earliest deadline of the running turn.
+    /// The earliest deadline: the winding engine's grace, the running
+    /// turn's bounds.
     fn next_deadline(&self) -> Option<Millis> {
+        let winding = self.winding.map(|w| w.until);
+        let active = self.turn_deadline();
+        match (winding, active) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The earliest deadline of the running turn.
+    fn turn_deadline(&self) -> Option<Millis> {
         let active = self.active.as_ref()?;
         if let Phase::Cancelling { at } = active.phase {
             return Some(at + self.config.cancel_grace);

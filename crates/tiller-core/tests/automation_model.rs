@@ -17,8 +17,8 @@ use tiller_core::cron::{FireChange, Fires};
 use tiller_core::goal::Goal;
 use tiller_core::notify::Queues;
 use tiller_core::{
-    Answer, Effect, Input, LoopType, Origin, PromptId, SessionCore, Signal, StopReason, Terminal,
-    TurnConfig,
+    Answer, Effect, EngineStop, Input, LoopType, Origin, PromptId, SessionCore, Signal, StopReason,
+    Terminal, TurnConfig,
 };
 
 const CFG: TurnConfig = TurnConfig {
@@ -327,7 +327,7 @@ impl World {
             }
             Step::Cancel => {
                 self.now += 1;
-                self.feed(Input::Cancel);
+                self.feed(Input::Cancel(EngineStop::Answered));
                 self.now += CFG.cancel_grace;
                 self.feed(Input::Tick);
             }

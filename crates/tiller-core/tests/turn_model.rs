@@ -14,9 +14,9 @@ use proptest::prelude::*;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
 use tiller_core::pipeline::{Batch, CallId, CallSpec, Decision, PipeEvent, Progress};
 use tiller_core::{
-    Answer, CallKey, CallOutcome, Effect, ErrorKind, IdleBehavior, LoopConfig, LoopGuard, LoopType,
-    Millis, Origin, PromptId, Signal, SteerId, SteerOutcome, SteerReceipt, StopReason, Terminal,
-    TurnConfig, TurnId,
+    Answer, CallKey, CallOutcome, Effect, EngineStop, ErrorKind, IdleBehavior, LoopConfig,
+    LoopGuard, LoopType, Millis, Origin, PromptId, Signal, SteerId, SteerOutcome, SteerReceipt,
+    StopReason, Terminal, TurnConfig, TurnId,
 };
 
 /// The core under test carries each prompt's id as its payload and each
@@ -60,12 +60,12 @@ enum Step {
     Steer {
         start_new: bool,
     },
-    Cancel,
+    Cancel(EngineStop),
     /// The sender withdraws the n-th prompt ever sent (queued, running,
     /// over or refused).
-    Withdraw(usize),
+    Withdraw(usize, EngineStop),
     /// The session closes (or the daemon drains).
-    Close,
+    Close(EngineStop),
     Signal(Which, SigKind),
     /// The tool pipeline's loop guard trips in a turn.
     LoopTrip(Which, LoopType),
@@ -128,12 +128,13 @@ impl ReferenceStateMachine for Model {
             Just(LoopType::RepeatedToolFailure),
             Just(LoopType::TurnToolCallCap),
         ];
+        let stop = || prop_oneof![Just(EngineStop::Answered), Just(EngineStop::Behind)];
         prop_oneof![
             4 => origin.prop_map(Step::Prompt),
             3 => any::<bool>().prop_map(|start_new| Step::Steer { start_new }),
-            2 => Just(Step::Cancel),
-            2 => (0usize..12).prop_map(Step::Withdraw),
-            1 => Just(Step::Close),
+            2 => stop().prop_map(Step::Cancel),
+            2 => (0usize..12, stop()).prop_map(|(n, s)| Step::Withdraw(n, s)),
+            1 => stop().prop_map(Step::Close),
             10 => (which.clone(), kind).prop_map(|(w, k)| Step::Signal(w, k)),
             2 => (which.clone(), loop_type).prop_map(|(w, t)| Step::LoopTrip(w, t)),
             2 => which.prop_map(Step::ToolProgress),
@@ -443,28 +444,45 @@ impl Sut {
 
     /// Feeds the core and checks the per-batch invariants.
     fn feed(&mut self, input: Input) {
+        let winding = self.core.winding();
         let stale_target = match &input {
             Input::Signal { turn, .. } | Input::LoopTrip { turn, .. }
-                if self.core.active().map(|(_, t)| t) != Some(*turn) =>
+                if self.core.active().map(|(_, t)| t) != Some(*turn) && winding != Some(*turn) =>
             {
                 Some(*turn)
             }
             _ => None,
         };
-        if matches!(input, Input::Cancel)
+        // A signal for the engine still stopping after its turn settled at
+        // its cancel: its last word lets the next turn start, anything
+        // else is stale.
+        let to_winding = match &input {
+            Input::Signal { turn, signal } if winding == Some(*turn) => {
+                Some((*turn, signal.clone()))
+            }
+            _ => None,
+        };
+        // A cancel with the engine stopping behind settles its turn at once.
+        let mut settles_now = None;
+        if let Input::Cancel(stop) = &input
             && let Some((p, _)) = self.core.active()
         {
             self.cancel_first.insert(p);
+            if *stop == EngineStop::Behind {
+                settles_now = Some(p);
+            }
         }
         // A withdrawn prompt that is not over ends `cancelled`, and nothing
         // else changes: what is queued behind it stays queued.
         let mut withdrawn = None;
-        if let Input::Withdraw { prompt } = &input {
+        if let Input::Withdraw { prompt, stop } = &input {
             let queued_before: Vec<PromptId> = self.core.queued().collect();
-            let live = queued_before.contains(prompt)
-                || self.core.active().is_some_and(|(p, _)| p == *prompt);
-            if live {
+            let running = self.core.active().is_some_and(|(p, _)| p == *prompt);
+            if queued_before.contains(prompt) || running {
                 self.cancel_first.insert(*prompt);
+            }
+            if running && *stop == EngineStop::Behind {
+                settles_now = Some(*prompt);
             }
             withdrawn = Some((*prompt, queued_before));
         }
@@ -501,9 +519,13 @@ impl Sut {
         if let Input::Prompt { prompt, origin, .. } = &input {
             self.origins.insert(*prompt, *origin);
         }
-        if matches!(input, Input::Close) {
+        if let Input::Close(stop) = &input {
             if let Some((p, _)) = self.core.active() {
                 self.cancel_first.insert(p);
+                // (A second close changes nothing.)
+                if *stop == EngineStop::Behind && !self.closed {
+                    settles_now = Some(p);
+                }
             }
             // Queued prompts settle `cancelled` at the close.
             self.cancel_first.extend(self.core.queued());
@@ -585,6 +607,70 @@ impl Sut {
             assert_eq!(self.core.queued().count(), 0, "queued after the close");
         }
 
+        if let Some(p) = settles_now {
+            assert!(
+                fx.iter()
+                    .any(|e| matches!(e, Effect::Settled { prompt, .. } if *prompt == p)),
+                "a cancel with the engine stopping behind did not settle at once: {fx:?}"
+            );
+        }
+        if let Some(w) = winding {
+            // Nothing starts beside a stopping engine: a start comes only
+            // after the engine is gone.
+            let gone = fx
+                .iter()
+                .position(|e| *e == Effect::EngineStopped { turn: w });
+            let start = fx.iter().position(|e| {
+                matches!(
+                    e,
+                    Effect::StartTurn { .. } | Effect::Idle | Effect::Poll { .. }
+                )
+            });
+            if let Some(start) = start {
+                assert!(
+                    gone.is_some_and(|g| g < start),
+                    "started beside a stopping engine: {fx:?}"
+                );
+            }
+            match &to_winding {
+                Some((
+                    _,
+                    Signal::Result(_) | Signal::Idle | Signal::Failed(..) | Signal::Exited(_),
+                )) => {
+                    assert!(
+                        gone.is_some(),
+                        "its last word did not release the engine: {fx:?}"
+                    );
+                }
+                Some((turn, _)) => {
+                    assert_eq!(
+                        fx.iter()
+                            .filter(|e| !matches!(e, Effect::ArmTimer { .. }))
+                            .cloned()
+                            .collect::<Vec<_>>(),
+                        vec![Effect::Stale { turn: *turn }],
+                        "a stopping engine's content"
+                    );
+                }
+                None => {}
+            }
+            if let Some(g) = gone {
+                // Invariant 4, for a turn settled at its cancel: the next
+                // start or Idle follows its engine's end.
+                assert!(
+                    fx[g + 1..]
+                        .iter()
+                        .any(|e| matches!(e, Effect::StartTurn { .. } | Effect::Idle)),
+                    "an engine's end not followed by start or idle: {fx:?}"
+                );
+            }
+        }
+        if self.core.winding().is_some() {
+            assert!(
+                self.core.active().is_none(),
+                "a turn runs beside a stopping engine"
+            );
+        }
         if let Some(turn) = stale_target {
             // Invariant 2: a signal for any other turn changes nothing.
             assert!(
@@ -646,7 +732,7 @@ impl Sut {
                             "skipped {skipped:?}, which may have work: {fx:?}"
                         );
                     }
-                    assert!(self.core.active().is_none(), "polled while busy");
+                    assert!(!self.core.busy(), "polled while busy");
                     self.round = Some(k);
                 }
                 Effect::ForwardSteer { steer, text, .. }
@@ -695,8 +781,10 @@ impl Sut {
                             );
                         }
                     }
-                    // Invariant 4: a terminal is followed by the next start or Idle.
-                    if turn.is_some() {
+                    // Invariant 4: a terminal is followed by the next start
+                    // or Idle (or, its engine stopping behind it, by
+                    // nothing until that engine is gone: checked above).
+                    if turn.is_some() && self.core.winding() != *turn {
                         let rest = &fx[i + 1..];
                         assert!(
                             rest.iter()
@@ -708,7 +796,7 @@ impl Sut {
                 Effect::Idle => {
                     self.round = None;
                     self.kicked_in_round = false;
-                    assert!(self.core.active().is_none(), "idle while a turn runs");
+                    assert!(!self.core.busy(), "idle while a turn runs");
                     assert_eq!(self.core.queued().count(), 0, "idle with queued prompts");
                 }
                 Effect::Deliver { turn } => {
@@ -809,16 +897,16 @@ impl StateMachineTest for TurnCoreTest {
                     idle_behavior,
                 });
             }
-            Step::Cancel => sut.feed(Input::Cancel),
-            Step::Withdraw(n) => {
+            Step::Cancel(stop) => sut.feed(Input::Cancel(stop)),
+            Step::Withdraw(n, stop) => {
                 let prompt = sut
                     .sent
                     .get(n)
                     .copied()
                     .unwrap_or(PromptId::from_u128(u128::MAX));
-                sut.feed(Input::Withdraw { prompt });
+                sut.feed(Input::Withdraw { prompt, stop });
             }
-            Step::Close => sut.feed(Input::Close),
+            Step::Close(stop) => sut.feed(Input::Close(stop)),
             Step::Signal(which, kind) => {
                 let turn = sut.turn_of(which);
                 let signal = match kind {
@@ -909,10 +997,11 @@ impl StateMachineTest for TurnCoreTest {
             .max(CFG.cancel_grace)
             .max(CFG.steer_receipt_timeout);
         let mut rounds = 0;
-        while drain.core.active().is_some() {
+        while drain.core.busy() {
             rounds += 1;
-            // At most one running turn plus the two bounded queues (interactive, automatic).
-            assert!(rounds <= 2 * CFG.max_queued_prompts + 2, "a turn parked");
+            // At most a stopping engine, one running turn plus the two
+            // bounded queues (interactive, automatic).
+            assert!(rounds <= 2 * CFG.max_queued_prompts + 3, "a turn parked");
             drain.now += bound;
             drain.feed(Input::Tick);
         }

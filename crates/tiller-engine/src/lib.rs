@@ -632,6 +632,17 @@ pub trait Engine: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// Whether everything its turns do goes through the session: its tool
+    /// calls run in the session's pipeline, which stops them at a cancel,
+    /// and its text is the session's to publish. A cancelled turn then
+    /// settles at once, its engine stopping behind it before the next turn
+    /// starts ([`tiller_core::EngineStop::Behind`]). An agent that runs its
+    /// own tools (the default) is answered `cancelled` only once it says
+    /// it stopped, or at `turn.cancel_grace`.
+    fn acts_through_session(&self) -> bool {
+        false
+    }
+
     /// Whether a running turn takes steers. An engine that cannot is
     /// never handed one: the steer is answered `promptRequired`.
     fn steering(&self) -> bool {

@@ -33,6 +33,11 @@ impl Engine for ScriptedEngine {
         "scripted"
     }
 
+    /// Its tool calls are the session's; it has nothing else.
+    fn acts_through_session(&self) -> bool {
+        true
+    }
+
     fn prepare(&self, text: &str) -> Result<PreparedPrompt, ScriptError> {
         Ok(PreparedPrompt {
             images: Vec::new(),

@@ -120,6 +120,56 @@ async fn hang_is_torn_down_after_cancel_grace_and_silence_stalls() {
     assert_eq!(t.terminal, Terminal::failed(ErrorKind::Stalled));
 }
 
+/// The scripted engine acts only through the session, so its cancelled
+/// turn settles at the cancel, not at the engine's answer (or its grace).
+/// This one ignores the abort (`hang`) and has a minute's grace: the
+/// cancel is answered long before. A prompt sent then queues behind the
+/// stopping engine and starts only at its teardown, never beside it.
+#[tokio::test]
+async fn a_cancelled_turn_settles_at_once_and_the_next_waits_for_its_engine() {
+    for grace in [60_000, 200] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = tiller_test_support::Store::open(&dir.path().join("t.db")).unwrap();
+        let mut config = tiller_test_support::session_config();
+        config.turn.cancel_grace = grace;
+        let engines = tiller_session::Engines::single(Arc::new(tiller_engine::ScriptedEngine));
+        let s = Sessions::start(store, engines, config).await.unwrap();
+        let h = s.create("/tmp".into(), None).await.unwrap();
+        let (_, rx) = h
+            .prompt(
+                r#"{"script": [{"hang": true}]}"#.into(),
+                Origin::Interactive,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let cancelled_at = std::time::Instant::now();
+        h.cancel().unwrap();
+        let t = tokio::time::timeout(Duration::from_secs(20), rx)
+            .await
+            .expect("answered long before its engine's grace")
+            .unwrap();
+        assert_eq!(t.terminal, Terminal::Completed(StopReason::Cancelled));
+        if grace == 200 {
+            let (_, rx) = h
+                .prompt(
+                    r#"{"script": [{"say": "next"}, {"result": "end_turn"}]}"#.into(),
+                    Origin::Interactive,
+                )
+                .await
+                .unwrap()
+                .unwrap();
+            let t = rx.await.unwrap();
+            assert_eq!(t.terminal, Terminal::Completed(StopReason::EndTurn));
+            assert!(
+                cancelled_at.elapsed() >= Duration::from_millis(grace),
+                "the next turn ran beside the stopping engine"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn malformed_script_is_refused_and_the_session_keeps_working() {
     let dir = tempfile::tempdir().unwrap();

@@ -229,7 +229,7 @@ fn case7_steer_then_silence_is_bounded() {
 fn case8_cancel_then_silence_settles_within_grace() {
     let mut h = Harness::new();
     h.prompt(1);
-    let fx = h.at(10, Input::Cancel);
+    let fx = h.at(10, Input::Cancel(EngineStop::Answered));
     assert!(fx.contains(&Effect::AbortEngine {
         turn: TurnId(1),
         teardown: false
@@ -247,6 +247,131 @@ fn case8_cancel_then_silence_settles_within_grace() {
     }));
 }
 
+/// An engine whose every act goes through the session: its turn settles
+/// at the cancel, and a prompt sent then waits until the engine's last
+/// word, which is the engine's end (not a stale signal).
+#[test]
+fn case8_behind_cancel_settles_at_once_and_the_next_turn_waits_for_the_engine() {
+    let cancelled = Terminal::Completed(StopReason::Cancelled);
+    let mut h = Harness::new();
+    h.prompt(1);
+    let fx = h.at(10, Input::Cancel(EngineStop::Behind));
+    let abort = fx.iter().position(|e| {
+        *e == Effect::AbortEngine {
+            turn: TurnId(1),
+            teardown: false,
+        }
+    });
+    let settle = fx.iter().position(|e| matches!(e, Effect::Settled { .. }));
+    assert!(abort < settle && abort.is_some(), "{fx:?}");
+    assert_eq!(settled(&fx), Some(cancelled.clone()));
+    assert!(
+        !fx.contains(&Effect::Idle),
+        "not idle while it stops: {fx:?}"
+    );
+    assert!(fx.contains(&Effect::ArmTimer { at: Some(30) }));
+    assert!(h.core.is_cancelling() && h.core.busy() && !h.core.parkable());
+    assert_eq!(h.core.winding(), Some(TurnId(1)));
+    // Meanwhile a prompt queues, a steer is refused, content is stale.
+    let p2 = h.prompt(2);
+    assert_eq!(h.answer, Answer::Queued { depth: 1 });
+    h.feed(Input::Steer {
+        steer: SteerId::from_u128(9),
+        text: (),
+        idle_behavior: IdleBehavior::StartNewTurn(PromptId::from_u128(10), ()),
+    });
+    assert_eq!(
+        h.answer,
+        Answer::Steer {
+            outcome: SteerOutcome::PromptRequired(SteerRefusal::TurnCancelling),
+            unused: Some(()),
+        }
+    );
+    assert_eq!(
+        h.sig(1, Signal::Update),
+        vec![Effect::Stale { turn: TurnId(1) }]
+    );
+    // Its last word: the engine is gone, then the next turn starts.
+    let fx = h.at(
+        12,
+        Input::Signal {
+            turn: TurnId(1),
+            signal: Signal::Result(StopReason::Cancelled),
+        },
+    );
+    let gone = fx
+        .iter()
+        .position(|e| *e == Effect::EngineStopped { turn: TurnId(1) });
+    let start = fx.iter().position(|e| {
+        matches!(e, Effect::StartTurn { prompt, turn: TurnId(2), deferred: true, .. } if *prompt == p2)
+    });
+    assert!(gone.is_some() && gone < start, "{fx:?}");
+    assert_eq!(settled(&fx), None);
+    assert_eq!(h.terminals(), vec![(PromptId::from_u128(1), cancelled)]);
+    // Later words of the old engine are stale.
+    assert_eq!(
+        h.sig(1, Signal::Idle),
+        vec![Effect::Stale { turn: TurnId(1) }]
+    );
+}
+
+/// A silent engine is torn down at its grace, and only then does the
+/// session go idle (or start what waits).
+#[test]
+fn a_silent_engine_behind_its_settled_turn_is_torn_down_at_the_grace() {
+    let mut h = Harness::new();
+    h.prompt(1);
+    h.at(10, Input::Cancel(EngineStop::Behind));
+    // A repeated cancel extends nothing.
+    let fx = h.at(15, Input::Cancel(EngineStop::Behind));
+    assert!(fx.is_empty(), "{fx:?}");
+    assert!(h.at(29, Input::Tick).is_empty());
+    let fx = h.at(30, Input::Tick);
+    assert_eq!(
+        fx,
+        vec![
+            Effect::WatchdogFired {
+                kind: WatchdogKind::CancelGrace
+            },
+            Effect::EngineStopped { turn: TurnId(1) },
+            Effect::Idle,
+            Effect::ArmTimer { at: None },
+        ]
+    );
+    assert!(h.core.parkable());
+    assert_eq!(h.terminals().len(), 1);
+}
+
+/// A cancel while the engine stops cancels what was queued since; a close
+/// then reports the session idle only at the engine's end.
+#[test]
+fn behind_a_stopping_engine_a_cancel_cancels_the_queued_and_a_close_waits() {
+    let cancelled = Terminal::Completed(StopReason::Cancelled);
+    let mut h = Harness::new();
+    let p1 = h.prompt(1);
+    h.at(10, Input::Cancel(EngineStop::Behind));
+    let p2 = h.prompt(2);
+    let auto = h.prompt_as(3, Origin::Cron);
+    let fx = h.feed(Input::Cancel(EngineStop::Behind));
+    assert_eq!(settled(&fx), Some(cancelled.clone()), "{fx:?}");
+    assert_eq!(h.core.queued().collect::<Vec<_>>(), vec![auto]);
+    let fx = h.feed(Input::Close(EngineStop::Behind));
+    assert!(!fx.contains(&Effect::Idle), "{fx:?}");
+    let fx = h.sig(1, Signal::Exited(None));
+    assert_eq!(
+        fx[..2],
+        [Effect::EngineStopped { turn: TurnId(1) }, Effect::Idle]
+    );
+    assert_eq!(
+        h.terminals(),
+        vec![
+            (p1, cancelled.clone()),
+            (p2, cancelled.clone()),
+            (auto, cancelled)
+        ]
+    );
+}
+
 #[test]
 fn cancel_wins_over_a_racing_result_or_failure() {
     for racing in [
@@ -256,7 +381,7 @@ fn cancel_wins_over_a_racing_result_or_failure() {
     ] {
         let mut h = Harness::new();
         h.prompt(1);
-        h.feed(Input::Cancel);
+        h.feed(Input::Cancel(EngineStop::Answered));
         assert_eq!(
             settled(&h.sig(1, racing)),
             Some(Terminal::Completed(StopReason::Cancelled))
@@ -270,8 +395,8 @@ fn cancel_cancels_queued_prompts_each_once_and_repeat_extends_nothing() {
     let p1 = h.prompt(1);
     let p2 = h.prompt(2);
     let p3 = h.prompt(3);
-    h.at(10, Input::Cancel);
-    let fx = h.at(15, Input::Cancel);
+    h.at(10, Input::Cancel(EngineStop::Answered));
+    let fx = h.at(15, Input::Cancel(EngineStop::Answered));
     assert!(!fx.iter().any(|e| matches!(e, Effect::ArmTimer { .. })));
     h.at(30, Input::Tick);
     let t = h.terminals();
@@ -296,11 +421,20 @@ fn withdraw_settles_only_its_own_prompt() {
     let p3 = h.prompt(3);
     let cancelled = Terminal::Completed(StopReason::Cancelled);
     // Queued: settled at once; the others stay.
-    let fx = h.feed(Input::Withdraw { prompt: p2 });
+    let fx = h.feed(Input::Withdraw {
+        prompt: p2,
+        stop: EngineStop::Answered,
+    });
     assert_eq!(settled(&fx), Some(cancelled.clone()));
     assert_eq!(h.core.queued().collect::<Vec<_>>(), vec![p3]);
     // Running: cancelled like session/cancel, and the queued one runs next.
-    let fx = h.at(10, Input::Withdraw { prompt: p1 });
+    let fx = h.at(
+        10,
+        Input::Withdraw {
+            prompt: p1,
+            stop: EngineStop::Answered,
+        },
+    );
     assert!(fx.contains(&Effect::AbortEngine {
         turn: TurnId(1),
         teardown: false
@@ -313,10 +447,17 @@ fn withdraw_settles_only_its_own_prompt() {
             .any(|e| matches!(e, Effect::StartTurn { prompt, .. } if *prompt == p3))
     );
     // Over, or unknown: nothing.
-    assert!(h.feed(Input::Withdraw { prompt: p1 }).is_empty());
     assert!(
         h.feed(Input::Withdraw {
-            prompt: PromptId::from_u128(99)
+            prompt: p1,
+            stop: EngineStop::Answered
+        })
+        .is_empty()
+    );
+    assert!(
+        h.feed(Input::Withdraw {
+            prompt: PromptId::from_u128(99),
+            stop: EngineStop::Answered,
         })
         .is_empty()
     );
@@ -329,7 +470,7 @@ fn withdraw_settles_only_its_own_prompt() {
 #[test]
 fn cancel_with_nothing_running_is_a_noop() {
     let mut h = Harness::new();
-    assert!(h.feed(Input::Cancel).is_empty());
+    assert!(h.feed(Input::Cancel(EngineStop::Answered)).is_empty());
 }
 
 #[test]
@@ -415,7 +556,7 @@ fn steering_outcomes() {
     assert!(matches!(fx[0], Effect::StartTurn { prompt, deferred: false, .. } if prompt == p));
     let fx = h.steer(2);
     let _ = fx;
-    h.feed(Input::Cancel);
+    h.feed(Input::Cancel(EngineStop::Answered));
     let s3 = SteerId::from_u128(3);
     let fx = h.feed(Input::Steer {
         steer: s3,
@@ -525,7 +666,7 @@ fn tool_progress_defers_the_stall_and_nothing_else() {
     // While cancelling, progress neither settles nor extends the grace.
     let mut h = Harness::new();
     h.prompt(1);
-    h.at(100, Input::Cancel);
+    h.at(100, Input::Cancel(EngineStop::Answered));
     assert_eq!(
         settled(&h.at(110, Input::ToolProgress { turn: TurnId(1) })),
         None
@@ -561,7 +702,7 @@ fn restored_core_continues_turn_ids() {
 fn case9_loop_trip_racing_a_cancel_that_came_first_is_cancelled() {
     let mut h = Harness::new();
     h.prompt(1);
-    h.feed(Input::Cancel);
+    h.feed(Input::Cancel(EngineStop::Answered));
     let fx = h.feed(Input::LoopTrip {
         turn: TurnId(1),
         loop_type: LoopType::ConsecutiveIdenticalToolCalls,
@@ -688,7 +829,7 @@ fn closing_cancels_the_turn_settles_every_queued_prompt_and_starts_nothing() {
     let mut h = Harness::new();
     let running = h.prompt(1);
     let queued = h.prompt_as(2, Origin::Channel);
-    let fx = h.feed(Input::Close);
+    let fx = h.feed(Input::Close(EngineStop::Answered));
     // The queued channel prompt settles now, cancelled; the turn is told to abort.
     assert!(fx.iter().any(
         |e| matches!(e, Effect::Settled { prompt, turn: None, terminal, .. }
@@ -942,7 +1083,7 @@ fn payloads_come_back_with_their_terminals_and_receipts() {
             .iter()
             .any(|e| matches!(e, Effect::ForwardSteer { text, .. } if text == "look here"))
     );
-    let step = core.on(1, Input::Cancel);
+    let step = core.on(1, Input::Cancel(EngineStop::Answered));
     let dropped: Vec<_> = step
         .effects
         .iter()

@@ -185,6 +185,13 @@ impl Engine for ModelEngine {
         true
     }
 
+    /// Its tool calls run in the session's pipeline; what it keeps of a
+    /// cancelled turn (the text streamed so far) goes into the
+    /// conversation before its last word, which the next turn waits for.
+    fn acts_through_session(&self) -> bool {
+        true
+    }
+
     fn models(&self) -> Vec<String> {
         let mut m = vec![self.cfg.model.clone()];
         for x in &self.cfg.models {

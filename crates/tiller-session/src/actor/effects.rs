@@ -142,6 +142,13 @@ impl SessionState {
                 Effect::Stale { .. } => {
                     metrics::counter!("tiller_stale_signals_total").increment(1);
                 }
+                Effect::EngineStopped { turn } => {
+                    if self.winding.as_ref().is_some_and(|w| w.turn == turn) {
+                        self.winding = None; // one still running is torn down
+                        // What it kept of the turn is in the conversation now.
+                        let _ = self.save_conversation().await; // logged; retried at the next save
+                    }
+                }
                 Effect::WatchdogFired { kind } => {
                     let kind = kind.as_str();
                     tracing::warn!(session = %self.id, kind, "watchdog fired");
@@ -292,6 +299,11 @@ impl SessionState {
             exec: None,
             hosted: None,
             stopping: false,
+            stop: if self.engine.acts_through_session() {
+                EngineStop::Behind
+            } else {
+                EngineStop::Answered
+            },
             span,
         });
     }

@@ -7,6 +7,14 @@ impl SessionState {
         self.epoch.elapsed().as_millis() as Millis
     }
 
+    /// How the running turn's engine stops at a cancel (with none running,
+    /// the turn settles at its grace, as it always did).
+    fn engine_stop(&self) -> EngineStop {
+        self.running
+            .as_ref()
+            .map_or(EngineStop::Answered, |r| r.stop)
+    }
+
     pub(super) async fn handle(&mut self, myself: &ActorRef<SessionMsg>, msg: SessionMsg) {
         // Not input: the registry asking.
         match msg {
@@ -44,7 +52,8 @@ impl SessionState {
                 if self.core.active().is_some() && !self.core.is_cancelling() {
                     self.cancel_at = Some(crate::clock::instant());
                 }
-                self.feed(myself, Input::Cancel, None).await;
+                let stop = self.engine_stop();
+                self.feed(myself, Input::Cancel(stop), None).await;
             }
             SessionMsg::SaveSettings => {
                 let _ = self.save_settings().await; // logged; retried at the next change
@@ -53,7 +62,7 @@ impl SessionState {
                 let _ = reply.send(self.set_roots(roots).await);
             }
             SessionMsg::ClearConversation(reply) => {
-                let r = if self.core.active().is_some() {
+                let r = if self.core.busy() {
                     Err("a turn is running: /cancel it first, or wait for it to end".into())
                 } else {
                     // Acknowledged once stored (a failed write is retried
@@ -81,7 +90,9 @@ impl SessionState {
                 {
                     self.cancel_at = Some(crate::clock::instant());
                 }
-                self.feed(myself, Input::Withdraw { prompt }, None).await;
+                let stop = self.engine_stop();
+                self.feed(myself, Input::Withdraw { prompt, stop }, None)
+                    .await;
             }
             SessionMsg::Signals => {
                 for sig in self.signals.next_run(&self.slot, myself) {
@@ -249,14 +260,15 @@ impl SessionState {
             SessionMsg::Drain(reply) => {
                 // Nothing starts any more; what runs is cancelled, what is
                 // queued settles. Work in the queue actors stays durable.
-                if self.core.active().is_none() && self.core.is_closing() {
+                if !self.core.busy() && self.core.is_closing() {
                     let _ = reply.send(());
                 } else {
                     self.drained.push(reply);
                     if self.core.active().is_some() {
                         self.cancel_at = Some(crate::clock::instant());
                     }
-                    self.feed(myself, Input::Close, None).await;
+                    self.feed(myself, Input::Close(self.engine_stop()), None)
+                        .await;
                 }
             }
             SessionMsg::Close(reply) => {
@@ -265,7 +277,8 @@ impl SessionState {
                     if self.core.active().is_some() {
                         self.cancel_at = Some(crate::clock::instant());
                     }
-                    self.feed(myself, Input::Close, None).await;
+                    self.feed(myself, Input::Close(self.engine_stop()), None)
+                        .await;
                     // Answered only once the close is stored. A session its
                     // step failed writes nothing more.
                     let stored = match self.failed {
@@ -283,7 +296,7 @@ impl SessionState {
                 } else {
                     let _ = reply.send(Ok(()));
                 }
-                if self.core.active().is_none() {
+                if !self.core.busy() {
                     myself.stop(Some("closed".into()));
                 }
             }

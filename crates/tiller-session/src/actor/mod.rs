@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tiller_core::{
-    Answer, Effect, IdleBehavior, Input, LoopConfig, LoopGuard, LoopType, Millis, Origin, PromptId,
-    Rejection, SessionCore, SessionId, Signal, SteerDropReason, SteerId, SteerOutcome, Terminal,
-    TurnId,
+    Answer, Effect, EngineStop, IdleBehavior, Input, LoopConfig, LoopGuard, LoopType, Millis,
+    Origin, PromptId, Rejection, SessionCore, SessionId, Signal, SteerDropReason, SteerId,
+    SteerOutcome, Terminal, TurnId,
 };
 use tiller_engine::{
     Conversation, Engine, EngineHandle, EngineInput, EngineSignal, PreparedPrompt, SignalKind,
@@ -319,6 +319,8 @@ struct RunningEngine {
     /// The turn is ending (cancel, settle): results no longer go to the
     /// engine.
     stopping: bool,
+    /// How its engine stops at a cancel (its engine's kind).
+    stop: EngineStop,
     /// The turn's tracing span.
     span: Span,
 }
@@ -389,6 +391,9 @@ pub struct SessionState {
     last_turn_error: Option<Arc<EventRecord>>,
     /// At most one engine runs.
     running: Option<RunningEngine>,
+    /// The engine of a turn settled at its cancel, stopping behind it
+    /// (`SessionCore::winding`): kept until `Effect::EngineStopped`.
+    winding: Option<Box<RunningEngine>>,
     /// Attached subscribers.
     subscribers: crate::subscribers::Subscribers,
     /// The wake-up timer the core asked for.
@@ -518,6 +523,7 @@ impl Actor for SessionActor {
             admitting: None,
             last_turn_error,
             running: None,
+            winding: None,
             subscribers: args.subscribers,
             wake: Default::default(),
             fx: Vec::new(),

@@ -24,6 +24,7 @@ impl SessionState {
     pub(super) fn parkable(&self) -> bool {
         self.core.parkable()
             && self.running.is_none()
+            && self.winding.is_none()
             && self.signals.is_empty()
             && self.unconfirmed.is_empty()
             && self.unsent == 0

@@ -476,6 +476,7 @@ mod tests {
             exec: Some(call),
             hosted: None,
             stopping: false,
+            stop: EngineStop::Answered,
             span: Span::none(),
         };
         drop(run);

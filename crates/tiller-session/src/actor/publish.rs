@@ -63,8 +63,15 @@ impl SessionState {
         if let Some(run) = self.running.take_if(|r| Some(r.turn) == turn) {
             run.span
                 .in_scope(|| tracing::info!(outcome = terminal.outcome_label(), "turn settled"));
-            drop(run); // the engine never outlives its turn
-            let _ = self.save_conversation().await; // logged; retried at the next save
+            if self.core.winding() == turn {
+                // Settled at its cancel: the engine stops behind it (its
+                // calls were stopped at the abort), and the conversation
+                // is saved once it is gone.
+                self.winding = Some(Box::new(run));
+            } else {
+                drop(run); // the engine never outlives its turn
+                let _ = self.save_conversation().await; // logged; retried at the next save
+            }
         }
         if terminal == Terminal::Completed(tiller_core::StopReason::Cancelled)
             && let Some(at) = self.cancel_at.take()
