@@ -509,7 +509,7 @@ describe("OpenAI-compatible engine", () => {
     assert.ok(since(n)[0].closedEarly, "the model stream was closed by the daemon");
   });
 
-  test("a cancel is answered at once; the next prompt sees the text the cancelled call streamed", async () => {
+  test("a prompt sent as a cancel is answered waits for the engine, and sees the text the cancelled call streamed", async () => {
     const { sid } = await session("mock-openai");
     const n = mock.requests.length;
     mock.reply({ events: openai.text("Thinking about it").slice(0, 2), hang: true }, { events: openai.text("Next answer.") });

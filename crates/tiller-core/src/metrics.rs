@@ -177,6 +177,12 @@ pub const ALL: &[Metric] = &[
         labels: &[AGENT],
     },
     Metric {
+        name: "tiller_engine_stop_seconds",
+        kind: Kind::Histogram,
+        help: "From a cancel that settled its turn at once to the end of the turn's engine (its last word, or its teardown at turn.cancel_grace); the next turn waits for it.",
+        labels: &[],
+    },
+    Metric {
         name: "tiller_events_published_total",
         kind: Kind::Counter,
         help: "Session events stored and published to subscribers.",
@@ -412,7 +418,7 @@ pub const ALL: &[Metric] = &[
     Metric {
         name: "tiller_watchdog_fired_total",
         kind: Kind::Counter,
-        help: "Watchdogs that fired (a turn that would otherwise hang), by kind.",
+        help: "Watchdogs that fired (a turn that would otherwise hang, or a cancelled turn's engine that did not stop), by kind.",
         labels: &[fixed("kind", || {
             WatchdogKind::ALL.map(WatchdogKind::as_str).to_vec()
         })],

@@ -445,9 +445,11 @@ impl Sut {
     /// Feeds the core and checks the per-batch invariants.
     fn feed(&mut self, input: Input) {
         let winding = self.core.winding();
+        // (A loop trip for a turn that settled at its cancel is stale too.)
         let stale_target = match &input {
             Input::Signal { turn, .. } | Input::LoopTrip { turn, .. }
-                if self.core.active().map(|(_, t)| t) != Some(*turn) && winding != Some(*turn) =>
+                if self.core.active().map(|(_, t)| t) != Some(*turn)
+                    && (winding != Some(*turn) || matches!(input, Input::LoopTrip { .. })) =>
             {
                 Some(*turn)
             }

@@ -351,6 +351,39 @@ async fn abort_during_a_retry_backoff_stops_at_once() {
     assert_eq!(mock.bodies.lock().unwrap().len(), 1, "no retry after abort");
 }
 
+/// A server that sends an error's headers and then never the rest of its
+/// body: the engine reading that body still stops at an abort (its turn's
+/// next one waits for it), not at `request_timeout`.
+#[tokio::test]
+async fn abort_while_an_error_body_trickles_stops_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (asked_tx, asked) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let mut buf = vec![0; 64 * 1024];
+        let _ = conn.read(&mut buf).await;
+        let head = "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{";
+        conn.write_all(head.as_bytes()).await.unwrap();
+        let _ = asked_tx.send(());
+        std::future::pending::<()>().await; // the rest never comes
+        drop(conn);
+    });
+    let mut cfg = config(format!("http://{addr}/v1"));
+    cfg.request_timeout = Duration::from_secs(60);
+    let engine = ModelEngine::new(cfg);
+    let (h, mut rx, _) = start(&engine, "hi");
+    asked.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    h.send(EngineInput::Abort);
+    // (until_end gives up after 5 s; the body's bound is a minute.)
+    assert_eq!(
+        until_end(&mut rx).await,
+        [SignalKind::Result(StopReason::Cancelled), SignalKind::Idle]
+    );
+}
+
 #[tokio::test]
 async fn a_retry_after_that_is_not_a_number_is_ignored_not_a_panic() {
     // `Retry-After: NaN` used to panic the engine's task (a Duration from

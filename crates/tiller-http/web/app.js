@@ -522,7 +522,8 @@ function renderState() {
   $("state").textContent = cur ? (queued ? `${t(s)} · ${t("queued", { n: queued })}` : t(s)) : "";
   $("state").dataset.queued = String(queued);
   $("state").dataset.state = s;
-  $("cancel").hidden = !cur || s === "idle";
+  // A prompt may wait while a cancelled turn's engine stops: it can be cancelled.
+  $("cancel").hidden = !cur || (s === "idle" && queued === 0);
   // Usage: tokens in context against the window, and the cost so far.
   const u = snap.usage;
   const usage = $("usage");
@@ -708,7 +709,9 @@ $("prompt-text").addEventListener("drop", (e) => {
 
 // Keyboard shortcuts (listed in the help dialog).
 document.addEventListener("keydown", (e) => {
-  if (e.key === "Escape" && state.current && state.current.snapshot?.state !== "idle" && !document.querySelector("dialog[open]")) {
+  const snap = state.current?.snapshot;
+  const busy = snap && (snap.state !== "idle" || snap.queued?.length > 0);
+  if (e.key === "Escape" && busy && !document.querySelector("dialog[open]")) {
     e.preventDefault();
     $("cancel").click();
   } else if (e.key === "/" && (e.ctrlKey || e.metaKey)) {

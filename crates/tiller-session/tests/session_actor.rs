@@ -129,11 +129,10 @@ async fn hang_is_torn_down_after_cancel_grace_and_silence_stalls() {
 async fn a_cancelled_turn_settles_at_once_and_the_next_waits_for_its_engine() {
     for grace in [60_000, 200] {
         let dir = tempfile::tempdir().unwrap();
-        let store = tiller_test_support::Store::open(&dir.path().join("t.db")).unwrap();
         let mut config = tiller_test_support::session_config();
         config.turn.cancel_grace = grace;
-        let engines = tiller_session::Engines::single(Arc::new(tiller_engine::ScriptedEngine));
-        let s = Sessions::start(store, engines, config).await.unwrap();
+        let engine = Arc::new(tiller_engine::ScriptedEngine);
+        let (s, _store) = tiller_test_support::sessions_on(&dir, engine, config).await;
         let h = s.create("/tmp".into(), None).await.unwrap();
         let (_, rx) = h
             .prompt(
@@ -168,6 +167,39 @@ async fn a_cancelled_turn_settles_at_once_and_the_next_waits_for_its_engine() {
             );
         }
     }
+}
+
+/// An engine that acts on its own (as a hosted agent does) is answered
+/// `cancelled` only once it says it stopped: this one never does, so its
+/// turn settles at the grace, not before.
+#[tokio::test]
+async fn an_engine_acting_on_its_own_is_cancelled_at_its_answer_or_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiller_test_support::session_config();
+    let grace = Duration::from_millis(config.turn.cancel_grace);
+    let engine = Arc::new(tiller_test_support::AnsweringScripted);
+    let (s, _store) = tiller_test_support::sessions_on(&dir, engine, config).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"hang": true}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let cancelled_at = std::time::Instant::now();
+    h.cancel().unwrap();
+    let t = tokio::time::timeout(Duration::from_secs(20), rx)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(t.terminal, Terminal::Completed(StopReason::Cancelled));
+    assert!(
+        cancelled_at.elapsed() >= grace,
+        "settled before the agent stopped"
+    );
 }
 
 #[tokio::test]

@@ -1,10 +1,16 @@
 //! The lifecycle's time bounds under paused time: tokio's clock is virtual
 //! here, so each bound is checked exactly, in no real time at all.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tiller_core::{ErrorKind, Origin, StopReason, Terminal};
-use tiller_test_support::{session_config, sessions, virtual_elapsed};
+use tiller_test_support::{
+    AnsweringScripted, session_config, sessions, sessions_on, virtual_elapsed,
+};
+
+/// A script whose engine ignores the abort: only its teardown ends it.
+const HANG: &str = r#"{"script": [{"hang": true}]}"#;
 
 /// A session running a turn whose engine stays silent for ten minutes,
 /// far past every bound; the turn's terminal comes on the receiver.
@@ -41,15 +47,36 @@ async fn a_silent_engine_settles_stalled_at_the_stall_bound() {
     );
 }
 
+/// A turn of `script` on `engine`, and its terminal's receiver.
+async fn turn_on(
+    dir: &tempfile::TempDir,
+    engine: Arc<dyn tiller_engine::Engine>,
+    script: &str,
+) -> (
+    tiller_session::SessionHandle,
+    tokio::sync::oneshot::Receiver<tiller_session::Settlement>,
+) {
+    let (s, _store) = sessions_on(dir, engine, session_config()).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (_, rx) = h
+        .prompt(script.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .unwrap();
+    (h, rx)
+}
+
 /// A prompt refused once a deadline has passed (the session closing, its
 /// turn's cancel grace over, the timer's tick not handled yet) still has
 /// the rest of its step carried out: the cancelled turn settles then. The
 /// close waits on the store, so paused time jumps to the grace meanwhile,
-/// with the prompt already in the mailbox ahead of the tick.
+/// with the prompt already in the mailbox ahead of the tick. The engine
+/// ignores the abort and acts on its own (as a hosted agent), so only the
+/// grace settles the turn.
 #[tokio::test(start_paused = true)]
 async fn a_prompt_refused_past_a_deadline_still_settles_the_turn() {
     let dir = tempfile::tempdir().unwrap();
-    let (h, rx) = silent_turn(&dir).await;
+    let (h, rx) = turn_on(&dir, Arc::new(AnsweringScripted), HANG).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     h.cancel().unwrap();
     let (closed, refused) = tokio::join!(h.close(), h.prompt("hello".into(), Origin::Interactive));

@@ -10,8 +10,10 @@ pub use acp::{AcpClient, update_kinds};
 
 use std::sync::{Arc, Mutex};
 
-use tiller_core::TurnConfig;
-use tiller_engine::ScriptedEngine;
+use tiller_core::{TurnConfig, TurnId};
+use tiller_engine::{
+    Engine, EngineHandle, PreparedPrompt, ScriptError, ScriptedEngine, SignalSink, TurnContext,
+};
 use tiller_session::{EventRecord, SessionConfig, Sessions, Subscriber};
 pub use tiller_store::Store;
 
@@ -40,15 +42,50 @@ pub fn session_config() -> SessionConfig {
 
 /// A started registry on the scripted engine, and its store.
 pub async fn sessions(dir: &tempfile::TempDir) -> (Sessions, Store) {
+    sessions_on(dir, Arc::new(ScriptedEngine), session_config()).await
+}
+
+/// A started registry on `engine` with `config`, and its store.
+pub async fn sessions_on(
+    dir: &tempfile::TempDir,
+    engine: Arc<dyn Engine>,
+    config: SessionConfig,
+) -> (Sessions, Store) {
     let store = Store::open(&dir.path().join("t.db")).expect("open the test store");
     let sessions = Sessions::start(
         store.clone(),
-        tiller_session::Engines::single(Arc::new(ScriptedEngine)),
-        session_config(),
+        tiller_session::Engines::single(engine),
+        config,
     )
     .await
     .expect("start the sessions");
     (sessions, store)
+}
+
+/// The scripted engine as an agent that acts on its own would be: its
+/// cancelled turn settles at its answer or at `turn.cancel_grace`
+/// ([`tiller_core::EngineStop::Answered`], the rule of hosted agents).
+#[derive(Clone, Debug, Default)]
+pub struct AnsweringScripted;
+
+impl Engine for AnsweringScripted {
+    fn name(&self) -> &str {
+        "scripted"
+    }
+
+    fn prepare(&self, text: &str) -> Result<PreparedPrompt, ScriptError> {
+        ScriptedEngine.prepare(text)
+    }
+
+    fn start(
+        &self,
+        turn: TurnId,
+        prompt: PreparedPrompt,
+        ctx: TurnContext,
+        sink: SignalSink,
+    ) -> EngineHandle {
+        ScriptedEngine.start(turn, prompt, ctx, sink)
+    }
 }
 
 /// A subscriber that keeps every event it is sent.

@@ -380,7 +380,14 @@ impl Run {
     }
 
     async fn play(mut self, prompt: String, images: Vec<crate::Image>) {
-        let env = instructions::Environment::gather(&self.ctx.host).await;
+        let host = self.ctx.host.clone();
+        let Ok(env) = self.wait(instructions::Environment::gather(&host)).await else {
+            // Cancelled before anything was asked: nothing to keep (its
+            // `git status` is killed as it is dropped).
+            self.emit(SignalKind::Result(StopReason::Cancelled));
+            self.emit(SignalKind::Idle);
+            return;
+        };
         self.system = instructions::system_text(
             self.cfg.system_prompt.as_deref(),
             self.cfg.system_prompt_append.as_deref(),
@@ -740,8 +747,10 @@ impl Run {
                 .map(|s| Duration::from_secs_f64(s.clamp(0.0, 60.0)));
             // The error body is bounded too: a server that sends headers
             // and then nothing must not hold the turn.
-            let text = tokio::time::timeout(timeout, resp.text())
+            let text = self
+                .wait(tokio::time::timeout(timeout, resp.text()))
                 .await
+                .map_err(|_| CallError::Aborted)?
                 .ok()
                 .and_then(Result::ok)
                 .unwrap_or_default();

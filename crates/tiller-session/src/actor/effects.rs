@@ -143,8 +143,10 @@ impl SessionState {
                     metrics::counter!("tiller_stale_signals_total").increment(1);
                 }
                 Effect::EngineStopped { turn } => {
-                    if self.winding.as_ref().is_some_and(|w| w.turn == turn) {
-                        self.winding = None; // one still running is torn down
+                    if let Some((_, since)) = self.winding.take_if(|(w, _)| w.turn == turn) {
+                        // (One still running is torn down as it is dropped.)
+                        metrics::histogram!("tiller_engine_stop_seconds")
+                            .record(since.elapsed().as_secs_f64());
                         // What it kept of the turn is in the conversation now.
                         let _ = self.save_conversation().await; // logged; retried at the next save
                     }

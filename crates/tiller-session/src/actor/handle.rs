@@ -63,7 +63,7 @@ impl SessionState {
             }
             SessionMsg::ClearConversation(reply) => {
                 let r = if self.core.busy() {
-                    Err("a turn is running: /cancel it first, or wait for it to end".into())
+                    Err("a turn is running (or its engine still stopping): /cancel it first, or wait for it to end".into())
                 } else {
                     // Acknowledged once stored (a failed write is retried
                     // with the next save, and the caller hears of it).

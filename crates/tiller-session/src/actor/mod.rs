@@ -392,8 +392,9 @@ pub struct SessionState {
     /// At most one engine runs.
     running: Option<RunningEngine>,
     /// The engine of a turn settled at its cancel, stopping behind it
-    /// (`SessionCore::winding`): kept until `Effect::EngineStopped`.
-    winding: Option<Box<RunningEngine>>,
+    /// (`SessionCore::winding`), and since when: kept until
+    /// `Effect::EngineStopped`.
+    winding: Option<(Box<RunningEngine>, tokio::time::Instant)>,
     /// Attached subscribers.
     subscribers: crate::subscribers::Subscribers,
     /// The wake-up timer the core asked for.

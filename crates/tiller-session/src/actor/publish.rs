@@ -67,7 +67,7 @@ impl SessionState {
                 // Settled at its cancel: the engine stops behind it (its
                 // calls were stopped at the abort), and the conversation
                 // is saved once it is gone.
-                self.winding = Some(Box::new(run));
+                self.winding = Some((Box::new(run), crate::clock::instant()));
             } else {
                 drop(run); // the engine never outlives its turn
                 let _ = self.save_conversation().await; // logged; retried at the next save
@@ -142,6 +142,8 @@ impl SessionState {
     }
 
     pub(super) fn snapshot(&self) -> Snapshot {
+        // A turn settled at its cancel is over, its engine stopping or not
+        // (what was sent meanwhile is listed as queued).
         let (state, active_prompt) = match self.core.active() {
             None => (TurnState::Idle, None),
             Some((p, _)) if self.core.is_cancelling() => (TurnState::Cancelling, Some(p)),
