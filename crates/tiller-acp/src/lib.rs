@@ -78,7 +78,7 @@ pub async fn write_lines<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Rec
         buf.push(b'\n');
         // Tasks woken with this one run first (a prompt's answer, sent
         // just after its turn's last update), so their lines join the write.
-        tokio::task::yield_now().await;
+        tiller_session::task::yield_to_woken().await;
         while buf.len() < WRITE_BATCH {
             let Ok(more) = rx.try_recv() else { break };
             buf.extend_from_slice(more.as_bytes());

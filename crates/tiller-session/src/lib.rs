@@ -20,6 +20,7 @@ pub mod ports;
 mod reconcile;
 mod registry;
 mod subscribers;
+pub mod task;
 mod tools;
 pub mod view;
 

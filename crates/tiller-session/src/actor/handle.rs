@@ -135,7 +135,7 @@ impl SessionState {
             SessionMsg::AppendFailed(reopens, e) => self.append_failed(reopens, &e).await,
             SessionMsg::Flush if !self.flush_deferred && self.unsent > 0 => {
                 self.flush_deferred = true;
-                tokio::task::yield_now().await;
+                crate::task::yield_to_woken().await;
                 let _ = myself.send_message(SessionMsg::Flush);
             }
             SessionMsg::Flush => {
