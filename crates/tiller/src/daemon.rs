@@ -550,14 +550,22 @@ pub async fn embedded(cfg: Config) -> anyhow::Result<()> {
     // for the next `tiller serve` on the same data. One client on one
     // thread: the store runs inline on it (no message crosses a thread).
     let sessions = start_sessions(&cfg, &db, None, true, None).await?;
-    tiller_acp::serve_stream(
+    // On a task of its own, not in the runtime's `block_on` future: a
+    // current-thread runtime polls its I/O driver (an `epoll_wait`) before
+    // each poll of that future, so the connection read there cost one a
+    // message.
+    let serve = tokio::spawn(tiller_acp::serve_stream(
         sessions.clone(),
         acp_config(&cfg),
         "stdio",
         crate::stdio::stdin(),
         crate::stdio::stdout(),
-    )
-    .await;
+    ));
+    if let Err(e) = serve.await
+        && e.is_panic()
+    {
+        std::panic::resume_unwind(e.into_panic());
+    }
     sessions.shutdown().await;
     Ok(())
 }
