@@ -59,6 +59,29 @@ pub async fn run(cfg: &Config) -> Vec<Finding> {
     out
 }
 
+/// Most characters of one finding's part printed.
+const SHOWN_MAX: usize = 2_000;
+
+/// `text` as the terminal may show it: what an agent or a server said
+/// (its name, its answer) can hold control characters (an escape sequence
+/// would drive the operator's terminal) and be of any length.
+fn shown(text: &str) -> String {
+    let mut out = String::with_capacity(text.len().min(SHOWN_MAX));
+    for (count, c) in text.chars().enumerate() {
+        if count == SHOWN_MAX {
+            let rest = text.chars().count() - count;
+            out.push_str(&format!("... ({rest} more characters)"));
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// The findings as the command prints them, and its exit code (1 when
 /// any failed).
 pub fn report(findings: &[Finding]) -> (String, u8) {
@@ -69,7 +92,11 @@ pub fn report(findings: &[Finding]) -> (String, u8) {
             Level::Warn => "warn",
             Level::Fail => "FAIL",
         };
-        text.push_str(&format!("{tag}  {}: {}\n", f.what, f.detail));
+        text.push_str(&format!(
+            "{tag}  {}: {}\n",
+            shown(&f.what),
+            shown(&f.detail)
+        ));
     }
     let failed = findings.iter().filter(|f| f.level == Level::Fail).count();
     if failed > 0 {
@@ -378,5 +405,33 @@ fn agent(name: &str, command: &str) -> Finding {
                 "`{command}` is not on PATH: install the agent or give engine.{name}.command as an absolute path"
             ),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What an agent said reaches the terminal with its control characters
+    /// escaped and its length bounded.
+    #[test]
+    fn a_finding_shows_no_control_character_and_no_endless_text() {
+        let hostile = finding(
+            Level::Fail,
+            "engine a initialize",
+            format!("evil\u{1b}]0;owned\u{7} agent\n{}", "x".repeat(1_000_000)),
+        );
+        let (text, code) = report(&[hostile]);
+        assert_eq!(code, 1);
+        assert!(
+            !text.contains('\u{1b}') && !text.contains('\u{7}'),
+            "{text:.200}"
+        );
+        assert!(
+            text.contains(r"evil\u{1b}]0;owned\u{7} agent\n"),
+            "{text:.200}"
+        );
+        assert!(text.len() < 2 * SHOWN_MAX + 200, "{} bytes", text.len());
+        assert!(text.contains("more characters)"));
     }
 }
