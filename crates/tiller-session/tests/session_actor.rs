@@ -120,6 +120,41 @@ async fn hang_is_torn_down_after_cancel_grace_and_silence_stalls() {
     assert_eq!(t.terminal, Terminal::failed(ErrorKind::Stalled));
 }
 
+/// A turn that ignores its abort (`hang`) on `engine`, with `grace` to
+/// stop, cancelled: its registry (kept running), its handle, its terminal
+/// and when the cancel was sent.
+async fn cancel_a_hung_turn(
+    dir: &tempfile::TempDir,
+    engine: Arc<dyn tiller_engine::Engine>,
+    grace: u64,
+) -> (
+    Sessions,
+    tiller_session::SessionHandle,
+    Terminal,
+    std::time::Instant,
+) {
+    let mut config = tiller_test_support::session_config();
+    config.turn.cancel_grace = grace;
+    let (s, _store) = tiller_test_support::sessions_on(dir, engine, config).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"hang": true}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let cancelled_at = std::time::Instant::now();
+    h.cancel().unwrap();
+    let t = tokio::time::timeout(Duration::from_secs(20), rx)
+        .await
+        .expect("the cancelled turn settles within 20 s")
+        .unwrap();
+    (s, h, t.terminal, cancelled_at)
+}
+
 /// The scripted engine acts only through the session, so its cancelled
 /// turn settles at the cancel, not at the engine's answer (or its grace).
 /// This one ignores the abort (`hang`) and has a minute's grace: the
@@ -129,27 +164,9 @@ async fn hang_is_torn_down_after_cancel_grace_and_silence_stalls() {
 async fn a_cancelled_turn_settles_at_once_and_the_next_waits_for_its_engine() {
     for grace in [60_000, 200] {
         let dir = tempfile::tempdir().unwrap();
-        let mut config = tiller_test_support::session_config();
-        config.turn.cancel_grace = grace;
         let engine = Arc::new(tiller_engine::ScriptedEngine);
-        let (s, _store) = tiller_test_support::sessions_on(&dir, engine, config).await;
-        let h = s.create("/tmp".into(), None).await.unwrap();
-        let (_, rx) = h
-            .prompt(
-                r#"{"script": [{"hang": true}]}"#.into(),
-                Origin::Interactive,
-            )
-            .await
-            .unwrap()
-            .unwrap();
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let cancelled_at = std::time::Instant::now();
-        h.cancel().unwrap();
-        let t = tokio::time::timeout(Duration::from_secs(20), rx)
-            .await
-            .expect("answered long before its engine's grace")
-            .unwrap();
-        assert_eq!(t.terminal, Terminal::Completed(StopReason::Cancelled));
+        let (_s, h, terminal, cancelled_at) = cancel_a_hung_turn(&dir, engine, grace).await;
+        assert_eq!(terminal, Terminal::Completed(StopReason::Cancelled));
         if grace == 200 {
             let (_, rx) = h
                 .prompt(
@@ -175,29 +192,12 @@ async fn a_cancelled_turn_settles_at_once_and_the_next_waits_for_its_engine() {
 #[tokio::test]
 async fn an_engine_acting_on_its_own_is_cancelled_at_its_answer_or_grace() {
     let dir = tempfile::tempdir().unwrap();
-    let config = tiller_test_support::session_config();
-    let grace = Duration::from_millis(config.turn.cancel_grace);
+    let grace = tiller_test_support::session_config().turn.cancel_grace;
     let engine = Arc::new(tiller_test_support::AnsweringScripted);
-    let (s, _store) = tiller_test_support::sessions_on(&dir, engine, config).await;
-    let h = s.create("/tmp".into(), None).await.unwrap();
-    let (_, rx) = h
-        .prompt(
-            r#"{"script": [{"hang": true}]}"#.into(),
-            Origin::Interactive,
-        )
-        .await
-        .unwrap()
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let cancelled_at = std::time::Instant::now();
-    h.cancel().unwrap();
-    let t = tokio::time::timeout(Duration::from_secs(20), rx)
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(t.terminal, Terminal::Completed(StopReason::Cancelled));
+    let (_s, _h, terminal, cancelled_at) = cancel_a_hung_turn(&dir, engine, grace).await;
+    assert_eq!(terminal, Terminal::Completed(StopReason::Cancelled));
     assert!(
-        cancelled_at.elapsed() >= grace,
+        cancelled_at.elapsed() >= Duration::from_millis(grace),
         "settled before the agent stopped"
     );
 }
