@@ -9,6 +9,7 @@ pub mod client;
 pub mod conn;
 pub mod jsonrpc;
 pub mod map;
+pub mod socket;
 pub mod splice;
 
 use std::sync::Arc;
@@ -151,8 +152,14 @@ pub async fn serve_unix(
                 let sessions = sessions.clone();
                 let config = config.clone();
                 tokio::spawn(async move {
-                    let (r, w) = stream.into_split();
-                    serve_stream(sessions, config, "unix", r, w).await;
+                    // Registered for what each direction waits on only
+                    // (see `socket`); a failure here (no descriptor left)
+                    // closes the connection.
+                    let split = stream.into_std().and_then(socket::split);
+                    match split {
+                        Ok((r, w)) => serve_stream(sessions, config, "unix", r, w).await,
+                        Err(e) => tracing::warn!(error = %e, "unix connection dropped at accept"),
+                    }
                     drop(permit);
                 });
             }

@@ -19,9 +19,9 @@ pub fn stdin() -> Pin<Box<dyn AsyncRead + Send>> {
             Ok(r) => Box::pin(r),
             Err(_) => Box::pin(tokio::io::stdin()),
         },
-        Some(Own::Socket(s)) => match socket(s) {
-            Some(s) => Box::pin(s),
-            None => Box::pin(tokio::io::stdin()),
+        Some(Own::Socket(s)) => match tiller_acp::socket::Reader::new(s) {
+            Ok(r) => Box::pin(r),
+            Err(_) => Box::pin(tokio::io::stdin()),
         },
         None => Box::pin(tokio::io::stdin()),
     }
@@ -34,9 +34,9 @@ pub fn stdout() -> Pin<Box<dyn AsyncWrite + Send>> {
             Ok(w) => Box::pin(w),
             Err(_) => Box::pin(tokio::io::stdout()),
         },
-        Some(Own::Socket(s)) => match socket(s) {
-            Some(s) => Box::pin(s),
-            None => Box::pin(tokio::io::stdout()),
+        Some(Own::Socket(s)) => match tiller_acp::socket::Writer::new(s) {
+            Ok(w) => Box::pin(w),
+            Err(_) => Box::pin(tokio::io::stdout()),
         },
         None => Box::pin(tokio::io::stdout()),
     }
@@ -59,9 +59,4 @@ fn own(fd: std::os::fd::BorrowedFd<'_>) -> Option<Own> {
     } else {
         None
     }
-}
-
-fn socket(s: std::os::unix::net::UnixStream) -> Option<tokio::net::UnixStream> {
-    s.set_nonblocking(true).ok()?;
-    tokio::net::UnixStream::from_std(s).ok()
 }
