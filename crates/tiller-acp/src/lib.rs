@@ -13,6 +13,7 @@ pub mod socket;
 pub mod splice;
 
 use std::sync::Arc;
+use std::task::Poll;
 
 use tiller_session::Sessions;
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
@@ -85,7 +86,11 @@ pub async fn write_lines<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Rec
             buf.extend_from_slice(more.as_bytes());
             buf.push(b'\n');
         }
-        if writer.write_all(&buf).await.is_err() || writer.flush().await.is_err() {
+        let write = async {
+            writer.write_all(&buf).await?;
+            writer.flush().await
+        };
+        if !write_within_stall(write).await {
             return;
         }
         if buf.capacity() > 4 * WRITE_BATCH {
@@ -96,6 +101,22 @@ pub async fn write_lines<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Rec
 
 /// Bytes gathered into one write, at most (one message may be larger).
 const WRITE_BATCH: usize = 64 * 1024;
+
+/// Runs one write to a client; whether it succeeded. A client that reads
+/// nothing for [`conn::WRITE_STALL`] is given up on, so its connection
+/// ends (its task, its permit, its descriptors) instead of waiting on it
+/// forever; the timer is armed only when the write does not finish at once
+/// (nearly always it does: no clock read).
+pub async fn write_within_stall<T, E>(write: impl Future<Output = Result<T, E>>) -> bool {
+    let mut write = std::pin::pin!(write);
+    match std::future::poll_fn(|cx| Poll::Ready(write.as_mut().poll(cx))).await {
+        Poll::Ready(r) => r.is_ok(),
+        Poll::Pending => matches!(
+            tokio::time::timeout(conn::WRITE_STALL, write).await,
+            Ok(Ok(_))
+        ),
+    }
+}
 
 /// Serves ACP over a newline-delimited byte stream (stdio, unix socket).
 pub async fn serve_stream<R, W>(
@@ -194,6 +215,21 @@ mod tests {
             });
         }
         out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_reads_nothing_cannot_hold_its_writer_forever() {
+        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (tx, rx) = mpsc::channel(4);
+        // Far more than the socket holds, and the channel kept open.
+        tx.send("x".repeat(4 << 20)).await.unwrap();
+        let writing = tokio::spawn(write_lines(socket::Writer::new(ours).unwrap(), rx));
+        let hour = std::time::Duration::from_secs(3600);
+        assert!(
+            tokio::time::timeout(hour, writing).await.is_ok(),
+            "the writer still waited on a client that read nothing for an hour"
+        );
+        drop(tx);
     }
 
     #[tokio::test]

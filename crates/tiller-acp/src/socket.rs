@@ -60,39 +60,36 @@ impl AsyncRead for Reader {
 }
 
 /// The writing direction: written straight, registered only while full.
+/// Dropping it shuts the socket's writing side down, as tokio's
+/// `OwnedWriteHalf` does: the peer sees the end even while the reading
+/// side is still open.
 #[derive(Debug)]
 pub struct Writer {
-    state: State,
-}
-
-#[derive(Debug)]
-enum State {
-    /// Not registered: writes go straight to the socket.
-    Plain(UnixStream),
-    /// The socket was full: registered for `EPOLLOUT` until a write goes
-    /// through.
-    Waiting(pipe::Sender),
-    /// Registering or deregistering failed; the descriptor is closed.
-    Broken,
+    stream: UnixStream,
+    /// While a write waits for room: a duplicate of `stream`, registered
+    /// for `EPOLLOUT` only, its readiness waited on (the writes still go
+    /// through `stream`: `send` with `MSG_NOSIGNAL`). Dropped, and so
+    /// deregistered, once a write takes a whole buffer again.
+    room: Option<pipe::Sender>,
 }
 
 impl Writer {
     /// Sets `stream` non-blocking; registers nothing yet.
     pub fn new(stream: UnixStream) -> io::Result<Self> {
         stream.set_nonblocking(true)?;
-        Ok(Self {
-            state: State::Plain(stream),
-        })
+        Ok(Self { stream, room: None })
     }
 
     /// Whether a write is waiting for room (registered with the driver).
     pub fn waiting(&self) -> bool {
-        matches!(self.state, State::Waiting(_))
+        self.room.is_some()
     }
 }
 
-fn broken() -> io::Error {
-    io::Error::from(io::ErrorKind::BrokenPipe)
+impl Drop for Writer {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Write);
+    }
 }
 
 impl AsyncWrite for Writer {
@@ -102,31 +99,34 @@ impl AsyncWrite for Writer {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
         loop {
-            match &mut this.state {
-                State::Plain(s) => match (&*s).write(buf) {
+            let Some(room) = &this.room else {
+                match (&this.stream).write(buf) {
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        let State::Plain(s) = std::mem::replace(&mut this.state, State::Broken)
-                        else {
-                            unreachable!("matched above")
-                        };
-                        let tx = pipe::Sender::from_owned_fd_unchecked(OwnedFd::from(s))?;
-                        this.state = State::Waiting(tx);
+                        let dup = OwnedFd::from(this.stream.try_clone()?);
+                        this.room = Some(pipe::Sender::from_owned_fd_unchecked(dup)?);
                     }
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     done => return Poll::Ready(done),
-                },
-                State::Waiting(tx) => {
-                    let done = ready!(Pin::new(tx).poll_write(cx, buf));
-                    let State::Waiting(tx) = std::mem::replace(&mut this.state, State::Broken)
-                    else {
-                        unreachable!("matched above")
-                    };
-                    this.state = State::Plain(UnixStream::from(tx.into_nonblocking_fd()?));
-                    return Poll::Ready(done);
                 }
-                State::Broken => return Poll::Ready(Err(broken())),
+                continue;
+            };
+            ready!(room.poll_write_ready(cx))?;
+            // `try_io` clears the readiness when the write would block.
+            let done = match room.try_io(|| (&this.stream).write(buf)) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                done => done,
+            };
+            if matches!(done, Ok(n) if n == buf.len()) {
+                // Room again: stop watching (a part written leaves it
+                // registered for the rest, no churn under a slow reader).
+                this.room = None;
             }
+            return Poll::Ready(done);
         }
     }
 
@@ -135,13 +135,7 @@ impl AsyncWrite for Writer {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(match &self.state {
-            State::Plain(s) => s.shutdown(Shutdown::Write),
-            State::Waiting(tx) => std::os::fd::AsFd::as_fd(tx)
-                .try_clone_to_owned()
-                .and_then(|fd| UnixStream::from(fd).shutdown(Shutdown::Write)),
-            State::Broken => Err(broken()),
-        })
+        Poll::Ready(self.stream.shutdown(Shutdown::Write))
     }
 }
 
@@ -152,13 +146,13 @@ mod tests {
     use super::*;
 
     impl Writer {
+        /// The descriptor the driver watches while waiting, else the
+        /// socket's own.
         fn raw_fd(&self) -> std::os::fd::RawFd {
             use std::os::fd::AsRawFd;
-            match &self.state {
-                State::Plain(s) => s.as_raw_fd(),
-                State::Waiting(tx) => tx.as_raw_fd(),
-                State::Broken => -1,
-            }
+            self.room
+                .as_ref()
+                .map_or(self.stream.as_raw_fd(), AsRawFd::as_raw_fd)
         }
     }
 
@@ -284,5 +278,38 @@ mod tests {
         let mut more = [0u8; 4];
         theirs.read_exact(&mut more).await.unwrap();
         assert_eq!(&more, b"more");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_writer_ends_the_stream_while_its_reader_lives() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let (_r, w) = split(ours).unwrap();
+        let mut theirs = Reader::new(theirs).unwrap();
+        drop(w);
+        let mut rest = Vec::new();
+        let read = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            theirs.read_to_end(&mut rest),
+        );
+        assert_eq!(read.await.expect("the peer saw no end").unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_peer_gone_while_the_writer_waits_fails_the_write() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut w = Writer::new(ours).unwrap();
+        let big = vec![1u8; 4 * 1024 * 1024];
+        let writing = tokio::spawn(async move {
+            let r = w.write_all(&big).await;
+            (r, w.waiting())
+        });
+        // Let the writer fill the socket and wait for room, then go.
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        drop(theirs);
+        let (r, _) = tokio::time::timeout(std::time::Duration::from_secs(10), writing)
+            .await
+            .expect("the write hung after its peer left")
+            .unwrap();
+        assert!(r.is_err());
     }
 }

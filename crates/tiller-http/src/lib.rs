@@ -244,11 +244,11 @@ pub async fn serve_ws(socket: WebSocket, sessions: Sessions, config: AcpConfig) 
     });
     let writing = tokio::spawn(async move {
         while let Some(msg) = out_rx.recv().await {
-            if sink.send(Message::Text(msg.into())).await.is_err() {
+            if !tiller_acp::write_within_stall(sink.send(Message::Text(msg.into()))).await {
                 break;
             }
         }
-        let _ = sink.close().await;
+        tiller_acp::write_within_stall(sink.close()).await;
     });
     tiller_acp::serve(sessions, config, "websocket", in_rx, out_tx).await;
     reading.abort();
