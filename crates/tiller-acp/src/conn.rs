@@ -487,6 +487,9 @@ pub async fn serve(
             () = tokio::time::sleep(std::time::Duration::from_millis(50)), if !input_open => {}
             // The writer ends only when the client stopped reading.
             _ = &mut writing => break,
+            // So does the transport's (a write the client left unread for
+            // `WRITE_STALL`), with nothing of ours waiting to be written.
+            () = outgoing.closed() => break,
         }
     }
     shared.calls.close();

@@ -111,10 +111,16 @@ pub async fn write_within_stall<T, E>(write: impl Future<Output = Result<T, E>>)
     let mut write = std::pin::pin!(write);
     match std::future::poll_fn(|cx| Poll::Ready(write.as_mut().poll(cx))).await {
         Poll::Ready(r) => r.is_ok(),
-        Poll::Pending => matches!(
-            tokio::time::timeout(conn::WRITE_STALL, write).await,
-            Ok(Ok(_))
-        ),
+        Poll::Pending => match tokio::time::timeout(conn::WRITE_STALL, write).await {
+            Ok(r) => r.is_ok(),
+            Err(_) => {
+                tracing::warn!(
+                    "an ACP client left a write unread for {:?}; closing its connection",
+                    conn::WRITE_STALL
+                );
+                false
+            }
+        },
     }
 }
 
@@ -226,7 +232,7 @@ mod tests {
         let writing = tokio::spawn(write_lines(socket::Writer::new(ours).unwrap(), rx));
         let hour = std::time::Duration::from_secs(3600);
         assert!(
-            tokio::time::timeout(hour, writing).await.is_ok(),
+            matches!(tokio::time::timeout(hour, writing).await, Ok(Ok(()))),
             "the writer still waited on a client that read nothing for an hour"
         );
         drop(tx);

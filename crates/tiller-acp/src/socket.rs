@@ -9,86 +9,133 @@
 //! registered for `EPOLLIN` only, and the writing side writes straight to
 //! the socket, registering a duplicate of it for `EPOLLOUT` only while a
 //! write waits for room (a slow client), and dropping that registration once
-//! a write goes through.
+//! a write takes a whole buffer.
 
-use std::io::{self, Write};
-use std::net::Shutdown;
-use std::os::fd::OwnedFd;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, ready};
 
+use rustix::net::{SendFlags, Shutdown};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::unix::pipe;
 
-// tokio's pipe ends are what is wanted here: plain `read(2)` and `write(2)`
-// on a non-blocking descriptor registered for one direction only, which a
-// stream socket serves exactly as a pipe does. (`AsyncFd` registers a
-// chosen direction too, but only through an `unsafe` or a deprecated
-// constructor; `tokio::net::UnixStream` always registers both.)
+// tokio's pipe ends are what is wanted here: a non-blocking descriptor
+// registered for one direction only, read with `read(2)`, which a stream
+// socket serves exactly as a pipe does. (`AsyncFd` registers a chosen
+// direction too, but only through an `unsafe` or a deprecated constructor;
+// `tokio::net::UnixStream` always registers both.)
 
-/// Both directions of one connected socket (two descriptors of it).
+/// Both directions of one connected socket, on its one descriptor (a
+/// connection costs one, as before: under `ulimit -n` pressure a second
+/// would refuse connections the daemon could serve).
 pub fn split(stream: UnixStream) -> io::Result<(Reader, Writer)> {
-    let write = stream.try_clone()?;
-    Ok((Reader::new(stream)?, Writer::new(write)?))
+    let reader = Reader::new(stream)?;
+    let writer = Writer {
+        fd: WriteFd::Shared(reader.rx.clone()),
+        room: None,
+        shut_on_drop: true,
+    };
+    Ok((reader, writer))
 }
 
 /// The reading direction, woken only for input.
 #[derive(Debug)]
 pub struct Reader {
-    rx: pipe::Receiver,
+    /// Shared with the [`Writer`] of a [`split`], which writes to the same
+    /// descriptor: it stays open until both are dropped. The lock is only
+    /// ever held for a non-blocking call.
+    rx: Arc<Mutex<pipe::Receiver>>,
 }
 
 impl Reader {
     /// Sets `stream` non-blocking and registers it for reading.
     pub fn new(stream: UnixStream) -> io::Result<Self> {
         stream.set_nonblocking(true)?;
+        let rx = pipe::Receiver::from_owned_fd_unchecked(OwnedFd::from(stream))?;
         Ok(Self {
-            rx: pipe::Receiver::from_owned_fd_unchecked(OwnedFd::from(stream))?,
+            rx: Arc::new(Mutex::new(rx)),
         })
     }
 }
 
+fn lock(rx: &Mutex<pipe::Receiver>) -> MutexGuard<'_, pipe::Receiver> {
+    rx.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl AsyncRead for Reader {
     fn poll_read(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.rx).poll_read(cx, buf)
+        // tokio's own read: a short read clears the readiness (no read
+        // that would only say `EAGAIN`).
+        Pin::new(&mut *lock(&self.rx)).poll_read(cx, buf)
     }
 }
 
-/// The writing direction: written straight, registered only while full.
-/// Dropping it shuts the socket's writing side down, as tokio's
-/// `OwnedWriteHalf` does: the peer sees the end even while the reading
-/// side is still open.
+/// The writing direction: written straight (`send` with `MSG_NOSIGNAL`),
+/// registered only while the socket is full.
 #[derive(Debug)]
 pub struct Writer {
-    stream: UnixStream,
-    /// While a write waits for room: a duplicate of `stream`, registered
-    /// for `EPOLLOUT` only, its readiness waited on (the writes still go
-    /// through `stream`: `send` with `MSG_NOSIGNAL`). Dropped, and so
-    /// deregistered, once a write takes a whole buffer again.
+    fd: WriteFd,
+    /// While a write waits for room: a duplicate of the descriptor,
+    /// registered for `EPOLLOUT` only, its readiness waited on (the writes
+    /// still go through `fd`). Dropped, and so deregistered, once a write
+    /// takes a whole buffer again.
     room: Option<pipe::Sender>,
+    /// A [`split`]'s writer shuts its side down when dropped, as tokio's
+    /// `OwnedWriteHalf` does: the peer sees the end while the reader
+    /// lives. Not stdout's: the process's stderr may be the same socket.
+    shut_on_drop: bool,
+}
+
+#[derive(Debug)]
+enum WriteFd {
+    /// A [`split`]'s: the reader's descriptor.
+    Shared(Arc<Mutex<pipe::Receiver>>),
+    /// Its own (stdout).
+    Own(OwnedFd),
 }
 
 impl Writer {
-    /// Sets `stream` non-blocking; registers nothing yet.
+    /// Writes to `stream` (sets it non-blocking); registers nothing yet.
     pub fn new(stream: UnixStream) -> io::Result<Self> {
         stream.set_nonblocking(true)?;
-        Ok(Self { stream, room: None })
+        Ok(Self {
+            fd: WriteFd::Own(OwnedFd::from(stream)),
+            room: None,
+            shut_on_drop: false,
+        })
     }
 
     /// Whether a write is waiting for room (registered with the driver).
     pub fn waiting(&self) -> bool {
         self.room.is_some()
     }
+
+    /// Runs `f` on the descriptor written to.
+    fn with_fd<R>(&self, f: impl FnOnce(BorrowedFd<'_>) -> R) -> R {
+        match &self.fd {
+            WriteFd::Shared(rx) => f(lock(rx).as_fd()),
+            WriteFd::Own(fd) => f(fd.as_fd()),
+        }
+    }
+
+    fn send(&self, buf: &[u8]) -> io::Result<usize> {
+        self.with_fd(|fd| rustix::net::send(fd, buf, SendFlags::NOSIGNAL))
+            .map_err(io::Error::from)
+    }
 }
 
 impl Drop for Writer {
     fn drop(&mut self) {
-        let _ = self.stream.shutdown(Shutdown::Write);
+        if self.shut_on_drop {
+            let _ = self.with_fd(|fd| rustix::net::shutdown(fd, Shutdown::Write));
+        }
     }
 }
 
@@ -104,9 +151,11 @@ impl AsyncWrite for Writer {
         }
         loop {
             let Some(room) = &this.room else {
-                match (&this.stream).write(buf) {
+                match this.send(buf) {
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        let dup = OwnedFd::from(this.stream.try_clone()?);
+                        // Full: watch for room on a duplicate (a slow
+                        // client; its one extra descriptor lives as long).
+                        let dup = this.with_fd(|fd| fd.try_clone_to_owned())?;
                         this.room = Some(pipe::Sender::from_owned_fd_unchecked(dup)?);
                     }
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -116,14 +165,14 @@ impl AsyncWrite for Writer {
             };
             ready!(room.poll_write_ready(cx))?;
             // `try_io` clears the readiness when the write would block.
-            let done = match room.try_io(|| (&this.stream).write(buf)) {
+            let done = match room.try_io(|| this.send(buf)) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 done => done,
             };
             if matches!(done, Ok(n) if n == buf.len()) {
-                // Room again: stop watching (a part written leaves it
-                // registered for the rest, no churn under a slow reader).
+                // Room again: stop watching. (A part written leaves it
+                // registered for the rest of a `write_all`.)
                 this.room = None;
             }
             return Poll::Ready(done);
@@ -135,65 +184,41 @@ impl AsyncWrite for Writer {
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(self.stream.shutdown(Shutdown::Write))
+        let shut = self.with_fd(|fd| rustix::net::shutdown(fd, Shutdown::Write));
+        Poll::Ready(shut.map_err(io::Error::from))
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::{AsRawFd, RawFd};
+    use std::time::Duration;
+
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
 
-    impl Writer {
-        /// The descriptor the driver watches while waiting, else the
-        /// socket's own.
-        fn raw_fd(&self) -> std::os::fd::RawFd {
-            use std::os::fd::AsRawFd;
-            self.room
-                .as_ref()
-                .map_or(self.stream.as_raw_fd(), AsRawFd::as_raw_fd)
+    impl Reader {
+        fn raw_fd(&self) -> RawFd {
+            lock(&self.rx).as_raw_fd()
         }
     }
 
-    #[tokio::test]
-    async fn both_directions_carry_bytes_and_a_full_socket_waits_for_room() {
-        let (ours, theirs) = UnixStream::pair().unwrap();
-        let (mut r, mut w) = split(ours).unwrap();
-        let (mut tr, mut tw) = split(theirs).unwrap();
-
-        tw.write_all(b"hello\n").await.unwrap();
-        let mut got = [0u8; 6];
-        r.read_exact(&mut got).await.unwrap();
-        assert_eq!(&got, b"hello\n");
-
-        // Far more than a socket buffer: the writer must wait for room,
-        // registered, and finish once the peer reads it all.
-        let big: Vec<u8> = (0..4 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
-        let sent = big.clone();
-        let writing = tokio::spawn(async move {
-            w.write_all(&sent).await.unwrap();
-            assert!(
-                !w.waiting(),
-                "a write that went through leaves no registration"
-            );
-            w.shutdown().await.unwrap();
-        });
-        let mut back = Vec::new();
-        tr.read_to_end(&mut back).await.unwrap();
-        writing.await.unwrap();
-        assert_eq!(back.len(), big.len());
-        assert!(back == big);
-        tw.shutdown().await.unwrap();
-        let mut rest = Vec::new();
-        r.read_to_end(&mut rest).await.unwrap();
-        assert!(rest.is_empty());
+    impl Writer {
+        /// The descriptor the driver watches while waiting, else the one
+        /// written to.
+        fn raw_fd(&self) -> RawFd {
+            match &self.room {
+                Some(room) => room.as_raw_fd(),
+                None => self.with_fd(|fd| fd.as_raw_fd()),
+            }
+        }
     }
 
     /// The event masks every epoll of this process watches `fd` with
     /// (`/proc/self/fdinfo` of each epoll descriptor; a runtime holds two
     /// descriptors of its epoll, so identical lines count once).
-    fn watched(fd: std::os::fd::RawFd) -> Vec<u32> {
+    fn watched(fd: RawFd) -> Vec<u32> {
         let mut lines = std::collections::BTreeSet::new();
         for entry in std::fs::read_dir("/proc/self/fdinfo").unwrap().flatten() {
             let Ok(info) = std::fs::read_to_string(entry.path()) else {
@@ -213,9 +238,56 @@ mod tests {
     const EPOLLIN: u32 = 0x1;
     const EPOLLOUT: u32 = 0x4;
 
+    /// Writes `chunk` until a write is left pending (the socket is full);
+    /// the bytes written.
+    async fn fill(w: &mut Writer, chunk: &[u8]) -> usize {
+        let mut written = 0usize;
+        loop {
+            let n = std::future::poll_fn(|cx| match Pin::new(&mut *w).poll_write(cx, chunk) {
+                Poll::Pending => Poll::Ready(None),
+                Poll::Ready(r) => Poll::Ready(Some(r.unwrap())),
+            })
+            .await;
+            match n {
+                Some(n) => written += n,
+                None => return written,
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn both_directions_carry_bytes_and_a_full_socket_waits_for_room() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let (mut r, mut w) = split(ours).unwrap();
+        let (mut tr, mut tw) = split(theirs).unwrap();
+
+        tw.write_all(b"hello\n").await.unwrap();
+        let mut got = [0u8; 6];
+        r.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hello\n");
+
+        // Far more than a socket buffer: the writer waits for room,
+        // registered, and finishes once the peer reads it all.
+        let big: Vec<u8> = (0..4 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
+        let sent = big.clone();
+        let writing = tokio::spawn(async move {
+            w.write_all(&sent).await.unwrap();
+            assert!(!w.waiting(), "a whole write leaves no registration");
+            w.shutdown().await.unwrap();
+        });
+        let mut back = Vec::new();
+        tr.read_to_end(&mut back).await.unwrap();
+        writing.await.unwrap();
+        assert_eq!(back.len(), big.len());
+        assert!(back == big);
+        tw.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        r.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty());
+    }
+
     #[tokio::test]
     async fn a_peer_reading_cannot_wake_the_daemon() {
-        use std::os::fd::AsRawFd;
         // The probe sees what tokio's own stream registers: both ways.
         let (control, _peer) = UnixStream::pair().unwrap();
         control.set_nonblocking(true).unwrap();
@@ -228,17 +300,16 @@ mod tests {
 
         let (ours, theirs) = UnixStream::pair().unwrap();
         let (mut r, mut w) = split(ours).unwrap();
-        let (read_fd, write_fd) = (r.rx.as_raw_fd(), w.raw_fd());
+        // One descriptor for both directions.
+        assert_eq!(r.raw_fd(), w.raw_fd());
         let mut theirs = Reader::new(theirs).unwrap();
         w.write_all(b"answer\n").await.unwrap();
         let mut got = [0u8; 7];
         theirs.read_exact(&mut got).await.unwrap();
-        // Only input wakes: the reading side is watched for `EPOLLIN`
-        // alone, the writing side not at all.
-        let read_masks = watched(read_fd);
-        assert_eq!(read_masks.len(), 1, "{read_masks:?}");
-        assert!(read_masks[0] & EPOLLIN != 0 && read_masks[0] & EPOLLOUT == 0);
-        assert!(watched(write_fd).is_empty());
+        // Only input wakes: the socket is watched for `EPOLLIN` alone.
+        let masks = watched(r.raw_fd());
+        assert_eq!(masks.len(), 1, "{masks:?}");
+        assert!(masks[0] & EPOLLIN != 0 && masks[0] & EPOLLOUT == 0);
         drop(theirs);
         let mut none = [0u8; 1];
         assert_eq!(r.read(&mut none).await.unwrap(), 0);
@@ -249,28 +320,14 @@ mod tests {
         let (ours, theirs) = UnixStream::pair().unwrap();
         let mut w = Writer::new(ours).unwrap();
         let mut theirs = Reader::new(theirs).unwrap();
-        let chunk = vec![7u8; 64 * 1024];
-        // Fill the socket: a write that cannot go through must leave the
-        // writer registered and pending, not fail and not spin.
-        let mut written = 0usize;
-        loop {
-            let n = std::future::poll_fn(|cx| match Pin::new(&mut w).poll_write(cx, &chunk) {
-                Poll::Pending => Poll::Ready(None),
-                Poll::Ready(r) => Poll::Ready(Some(r.unwrap())),
-            })
-            .await;
-            match n {
-                Some(n) => written += n,
-                None => break,
-            }
-        }
+        // A write that cannot go through leaves the writer registered and
+        // pending, neither failed nor spinning.
+        let written = fill(&mut w, &[7u8; 64 * 1024]).await;
         assert!(written > 0);
         assert!(w.waiting());
-        {
-            let masks = watched(w.raw_fd());
-            assert_eq!(masks.len(), 1, "{masks:?}");
-            assert!(masks[0] & EPOLLOUT != 0 && masks[0] & EPOLLIN == 0);
-        }
+        let masks = watched(w.raw_fd());
+        assert_eq!(masks.len(), 1, "{masks:?}");
+        assert!(masks[0] & EPOLLOUT != 0 && masks[0] & EPOLLIN == 0);
         let mut drained = vec![0u8; written];
         theirs.read_exact(&mut drained).await.unwrap();
         w.write_all(b"more").await.unwrap();
@@ -287,29 +344,33 @@ mod tests {
         let mut theirs = Reader::new(theirs).unwrap();
         drop(w);
         let mut rest = Vec::new();
-        let read = tokio::time::timeout(
-            std::time::Duration::from_secs(10),
-            theirs.read_to_end(&mut rest),
-        );
+        let read = tokio::time::timeout(Duration::from_secs(10), theirs.read_to_end(&mut rest));
         assert_eq!(read.await.expect("the peer saw no end").unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn stdouts_writer_leaves_the_socket_open_when_dropped() {
+        // Stdout may be the same socket as stderr (an inetd-style launch):
+        // its writer ending must not end the socket for the others.
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let stderr = ours.try_clone().unwrap();
+        drop(Writer::new(ours).unwrap());
+        use std::io::{Read, Write};
+        (&stderr).write_all(b"still here").unwrap();
+        let mut got = [0u8; 10];
+        (&theirs).read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"still here");
     }
 
     #[tokio::test]
     async fn a_peer_gone_while_the_writer_waits_fails_the_write() {
         let (ours, theirs) = UnixStream::pair().unwrap();
         let mut w = Writer::new(ours).unwrap();
-        let big = vec![1u8; 4 * 1024 * 1024];
-        let writing = tokio::spawn(async move {
-            let r = w.write_all(&big).await;
-            (r, w.waiting())
-        });
-        // Let the writer fill the socket and wait for room, then go.
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        fill(&mut w, &[1u8; 64 * 1024]).await;
+        assert!(w.waiting());
         drop(theirs);
-        let (r, _) = tokio::time::timeout(std::time::Duration::from_secs(10), writing)
-            .await
-            .expect("the write hung after its peer left")
-            .unwrap();
+        let write = tokio::time::timeout(Duration::from_secs(10), w.write_all(b"more"));
+        let r = write.await.expect("the write hung after its peer left");
         assert!(r.is_err());
     }
 }

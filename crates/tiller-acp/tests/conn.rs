@@ -160,3 +160,27 @@ async fn a_watcher_stays_attached_across_a_store_failure() {
     a.hang_up().await;
     w.hang_up().await;
 }
+
+#[tokio::test]
+async fn a_connection_ends_once_its_transport_stops_writing() {
+    // The transport's writer gave up on a client that reads nothing
+    // (`write_within_stall`): the connection ends with it, even while the
+    // client sends nothing and nothing more is written to it.
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _store) = sessions(&dir).await;
+    let (_client, incoming) = tokio::sync::mpsc::channel(4);
+    let (outgoing, transport) = tokio::sync::mpsc::channel(4);
+    let config = tiller_acp::AcpConfig {
+        max_message_bytes: 1 << 20,
+        subscriber_queue: 1024,
+        version: "test".into(),
+        forward: None,
+    };
+    let serving = tokio::spawn(tiller_acp::serve(s, config, "test", incoming, outgoing));
+    drop(transport);
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(10), serving).await;
+    assert!(
+        matches!(ended, Ok(Ok(()))),
+        "the connection outlived its transport"
+    );
+}

@@ -245,7 +245,8 @@ pub async fn serve_ws(socket: WebSocket, sessions: Sessions, config: AcpConfig) 
     let writing = tokio::spawn(async move {
         while let Some(msg) = out_rx.recv().await {
             if !tiller_acp::write_within_stall(sink.send(Message::Text(msg.into()))).await {
-                break;
+                // Not closed: a close would wait on the same full socket.
+                return;
             }
         }
         tiller_acp::write_within_stall(sink.close()).await;
