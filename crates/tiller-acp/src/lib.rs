@@ -102,11 +102,11 @@ pub async fn write_lines<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Rec
 /// Bytes gathered into one write, at most (one message may be larger).
 const WRITE_BATCH: usize = 64 * 1024;
 
-/// Runs one write to a client; whether it succeeded. A client that reads
-/// nothing for [`conn::WRITE_STALL`] is given up on, so its connection
-/// ends (its task, its permit, its descriptors) instead of waiting on it
-/// forever; the timer is armed only when the write does not finish at once
-/// (nearly always it does: no clock read).
+/// Runs one write to a client; whether it succeeded. A client that leaves
+/// the write unfinished for [`conn::WRITE_STALL`] is given up on, so its
+/// connection ends (its tasks, its permit, its descriptor) instead of
+/// waiting on it forever; the timer is armed only when the write does not
+/// finish at once (nearly always it does: no clock read).
 pub async fn write_within_stall<T, E>(write: impl Future<Output = Result<T, E>>) -> bool {
     let mut write = std::pin::pin!(write);
     match std::future::poll_fn(|cx| Poll::Ready(write.as_mut().poll(cx))).await {
