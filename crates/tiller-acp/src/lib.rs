@@ -86,11 +86,16 @@ pub async fn write_lines<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Rec
             buf.extend_from_slice(more.as_bytes());
             buf.push(b'\n');
         }
-        let write = async {
-            writer.write_all(&buf).await?;
-            writer.flush().await
-        };
-        if !write_within_stall(write).await {
+        // Each write bounded on its own: a client that reads slowly but
+        // steadily is not cut off, one that stops reading is.
+        let mut sent = 0;
+        while sent < buf.len() {
+            match write_within_stall(writer.write(&buf[sent..])).await {
+                Some(0) | None => return,
+                Some(n) => sent += n,
+            }
+        }
+        if write_within_stall(writer.flush()).await.is_none() {
             return;
         }
         if buf.capacity() > 4 * WRITE_BATCH {
@@ -102,23 +107,24 @@ pub async fn write_lines<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Rec
 /// Bytes gathered into one write, at most (one message may be larger).
 const WRITE_BATCH: usize = 64 * 1024;
 
-/// Runs one write to a client; whether it succeeded. A client that leaves
-/// the write unfinished for [`conn::WRITE_STALL`] is given up on, so its
-/// connection ends (its tasks, its permit, its descriptor) instead of
-/// waiting on it forever; the timer is armed only when the write does not
-/// finish at once (nearly always it does: no clock read).
-pub async fn write_within_stall<T, E>(write: impl Future<Output = Result<T, E>>) -> bool {
+/// Runs one write to a client; what it returned, or `None` when it
+/// failed. A client that leaves the write unfinished for
+/// [`conn::WRITE_STALL`] (no byte taken) is given up on, so its connection
+/// ends (its tasks, its permit, its descriptor) instead of waiting on it
+/// forever; the timer is armed only when the write does not finish at once
+/// (nearly always it does: no clock read).
+pub async fn write_within_stall<T, E>(write: impl Future<Output = Result<T, E>>) -> Option<T> {
     let mut write = std::pin::pin!(write);
     match std::future::poll_fn(|cx| Poll::Ready(write.as_mut().poll(cx))).await {
-        Poll::Ready(r) => r.is_ok(),
+        Poll::Ready(r) => r.ok(),
         Poll::Pending => match tokio::time::timeout(conn::WRITE_STALL, write).await {
-            Ok(r) => r.is_ok(),
+            Ok(r) => r.ok(),
             Err(_) => {
                 tracing::warn!(
                     "an ACP client left a write unread for {:?}; closing its connection",
                     conn::WRITE_STALL
                 );
-                false
+                None
             }
         },
     }
@@ -236,6 +242,33 @@ mod tests {
             "the writer still waited on a client that read nothing for an hour"
         );
         drop(tx);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_reading_slowly_but_steadily_gets_all_of_a_long_write() {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let (tx, rx) = mpsc::channel(4);
+        let big = "x".repeat(4 << 20);
+        tx.send(big.clone()).await.unwrap();
+        drop(tx);
+        let writing = tokio::spawn(write_lines(socket::Writer::new(ours).unwrap(), rx));
+        // 64 KiB every 30 s: the whole takes far longer than WRITE_STALL,
+        // yet no write waits that long without progress.
+        let mut theirs = socket::Reader::new(theirs).unwrap();
+        let mut got = Vec::new();
+        let mut chunk = vec![0u8; 64 * 1024];
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(30)).await;
+            let n = tokio::io::AsyncReadExt::read(&mut theirs, &mut chunk)
+                .await
+                .unwrap();
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&chunk[..n]);
+        }
+        writing.await.unwrap();
+        assert_eq!(got.len(), big.len() + 1, "the client was cut off");
     }
 
     #[tokio::test]

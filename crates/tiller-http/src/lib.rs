@@ -244,7 +244,8 @@ pub async fn serve_ws(socket: WebSocket, sessions: Sessions, config: AcpConfig) 
     });
     let writing = tokio::spawn(async move {
         while let Some(msg) = out_rx.recv().await {
-            if !tiller_acp::write_within_stall(sink.send(Message::Text(msg.into()))).await {
+            let sent = tiller_acp::write_within_stall(sink.send(Message::Text(msg.into())));
+            if sent.await.is_none() {
                 // Not closed: a close would wait on the same full socket.
                 return;
             }
