@@ -429,6 +429,10 @@ pub async fn serve(
     // Requests being handled; at the bound the loop stops reading, so a
     // client that sends without reading cannot grow the daemon's memory.
     let inflight = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+    // One wait for the transport's end, not a new one each turn of the loop
+    // (each would register with the channel and unregister again).
+    let transport_gone = outgoing.closed();
+    tokio::pin!(transport_gone);
     loop {
         if !input_open && inflight.available_permits() == MAX_IN_FLIGHT {
             break;
@@ -489,7 +493,7 @@ pub async fn serve(
             _ = &mut writing => break,
             // So does the transport's (a write the client left unread for
             // `WRITE_STALL`), with nothing of ours waiting to be written.
-            () = outgoing.closed() => break,
+            () = &mut transport_gone => break,
         }
     }
     shared.calls.close();
