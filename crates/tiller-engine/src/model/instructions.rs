@@ -72,13 +72,13 @@ impl Environment {
             (None, None)
         } else {
             let dir = cwd.clone();
-            let (rules, repository) =
-                tokio::task::spawn_blocking(move || (read_rules(&dir), in_repository(&dir)))
+            let (rules, top) =
+                tokio::task::spawn_blocking(move || (read_rules(&dir), repository_top(&dir)))
                     .await
-                    .unwrap_or((None, false));
-            let git = match repository {
-                true => git_status(&cwd).await,
-                false => None,
+                    .unwrap_or((None, None));
+            let git = match top {
+                Some(top) => git_status(&cwd, &top).await,
+                None => None,
             };
             (rules, git)
         };
@@ -176,16 +176,17 @@ fn read_bounded(path: &Path) -> Option<String> {
     Some(text)
 }
 
-/// Whether `dir` or a directory above it has a `.git`. Without one, `git`
-/// (its environment cleared: no `GIT_DIR`) finds no work tree and would
-/// only say so, so it is not run: a turn in such a directory costs no
-/// process.
-fn in_repository(dir: &Path) -> bool {
+/// The nearest of `dir` and the directories above it that has a `.git`:
+/// the work tree git finds from `dir`. Without one, `git` (its environment
+/// cleared: no `GIT_DIR`) finds no work tree and would only say so, so it
+/// is not run: a turn in such a directory costs no process.
+fn repository_top(dir: &Path) -> Option<PathBuf> {
     // Git looks up from the real directory: a link into a repository's
     // subdirectory is in that repository.
     let real = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
     real.ancestors()
-        .any(|d| d.join(".git").symlink_metadata().is_ok())
+        .find(|d| d.join(".git").symlink_metadata().is_ok())
+        .map(Path::to_owned)
 }
 
 /// `git` in [`GIT_PATH`], found once. Started by its path, the child is
@@ -207,14 +208,22 @@ fn git_program() -> Option<&'static Path> {
     Some(GIT.get_or_init(|| found))
 }
 
-/// `git` in `dir`: its environment cleared, no system or global config,
-/// its output read whole within [`GIT_TIMEOUT`]; `None` when it is missing,
-/// slow or fails.
-async fn git(dir: &Path, overrides: &[(String, &str)], args: &[&str]) -> Option<Vec<u8>> {
+/// `git` in `dir`, its work tree `top` (the directory holding the `.git`
+/// it finds: a hostile config's `core.worktree` cannot point it at
+/// another directory, whose file names status would list): its
+/// environment cleared, no system or global config, its output read whole
+/// within [`GIT_TIMEOUT`]; `None` when it is missing, slow or fails.
+async fn git(
+    dir: &Path,
+    top: &Path,
+    overrides: &[(String, &str)],
+    args: &[&str],
+) -> Option<Vec<u8>> {
     let mut cmd = tokio::process::Command::new(git_program()?);
     cmd.args(args)
         .current_dir(dir)
         .env_clear()
+        .env("GIT_WORK_TREE", top)
         .env("PATH", GIT_PATH)
         .env("LC_ALL", "C")
         .env("GIT_CONFIG_NOSYSTEM", "1")
@@ -242,8 +251,8 @@ async fn git(dir: &Path, overrides: &[(String, &str)], args: &[&str]) -> Option<
 /// what it includes) names: status hashes a file whose stat data is stale
 /// through its driver, which is a command from a hostile document. `None`
 /// when the config cannot be read.
-async fn without_filters(dir: &Path) -> Option<Vec<(String, &'static str)>> {
-    let out = git(dir, &[], &["config", "-z", "--list"]).await?;
+async fn without_filters(dir: &Path, top: &Path) -> Option<Vec<(String, &'static str)>> {
+    let out = git(dir, top, &[], &["config", "-z", "--list"]).await?;
     let mut names: Vec<&[u8]> = out
         .split(|b| *b == 0)
         .filter_map(|entry| {
@@ -275,12 +284,13 @@ async fn without_filters(dir: &Path) -> Option<Vec<(String, &'static str)>> {
 /// is a hostile document: its filter drivers are emptied, its fsmonitor
 /// off, its submodules (each with a config of its own) not entered, and
 /// no index is written (so no hook runs).
-async fn git_status(dir: &Path) -> Option<String> {
-    let mut overrides = without_filters(dir).await?;
+async fn git_status(dir: &Path, top: &Path) -> Option<String> {
+    let mut overrides = without_filters(dir, top).await?;
     overrides.push(("core.fsmonitor".into(), "false"));
     overrides.push(("core.untrackedCache".into(), "false"));
     let out = git(
         dir,
+        top,
         &overrides,
         &[
             "--no-optional-locks",
@@ -520,6 +530,42 @@ mod tests {
         assert!(status.contains(" M a.txt"), "{status}");
     }
 
+    /// A hostile repository's config points its work tree elsewhere
+    /// (`core.worktree`): status describes the directory holding its
+    /// `.git`, never what lies outside it.
+    #[tokio::test]
+    async fn a_hostile_repository_cannot_move_its_work_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path().join("repo");
+        let private = dir.path().join("private");
+        std::fs::create_dir(&repo).unwrap();
+        std::fs::create_dir(&private).unwrap();
+        std::fs::write(private.join("secret-plans.txt"), "x").unwrap();
+        std::fs::write(repo.join("mine.txt"), "x").unwrap();
+        let ok = std::process::Command::new("git")
+            .args(["init", "-q", "-b", "main"])
+            .current_dir(&repo)
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("GIT_CONFIG_GLOBAL", "/dev/null")
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        let config = repo.join(".git/config");
+        let mut text = std::fs::read_to_string(&config).unwrap();
+        text.push_str(&format!("[core]\n\tworktree = {}\n", private.display()));
+        std::fs::write(&config, text).unwrap();
+        for cwd in [repo.clone(), repo.join("sub")] {
+            std::fs::create_dir_all(&cwd).unwrap();
+            let host = HostInfo {
+                cwd,
+                ..Default::default()
+            };
+            let status = Environment::gather(&host).await.git.expect("status");
+            assert!(!status.contains("secret-plans"), "{status}");
+            assert!(status.contains("?? mine.txt"), "{status}");
+        }
+    }
+
     /// A `.git` file (a linked work tree, a submodule) marks a repository
     /// as a `.git` directory does; no `.git` anywhere above, none.
     #[test]
@@ -528,13 +574,14 @@ mod tests {
         let deep = dir.path().join("a/b");
         std::fs::create_dir_all(&deep).unwrap();
         // The temporary directory is not in a repository.
-        assert!(!in_repository(&deep));
+        assert_eq!(repository_top(&deep), None);
         std::fs::write(dir.path().join("a/.git"), "gitdir: /elsewhere\n").unwrap();
-        assert!(in_repository(&deep));
-        assert!(!in_repository(dir.path()));
+        let top = dir.path().canonicalize().unwrap().join("a");
+        assert_eq!(repository_top(&deep), Some(top.clone()));
+        assert_eq!(repository_top(dir.path()), None);
         // A link to a directory inside the repository, from outside it.
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&deep, &link).unwrap();
-        assert!(in_repository(&link));
+        assert_eq!(repository_top(&link), Some(top));
     }
 }
