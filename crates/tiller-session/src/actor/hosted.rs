@@ -71,11 +71,11 @@ fn asked(mut call: tiller_engine::ToolCall, locations: &[String]) -> tiller_engi
     let paths = ["path", "file_path"]
         .iter()
         .filter_map(|k| call.input.get(*k).and_then(serde_json::Value::as_str));
-    let into_git = locations.iter().map(String::as_str).chain(paths).any(|p| {
-        std::path::Path::new(p)
-            .components()
-            .any(|c| c.as_os_str() == ".git")
-    });
+    let into_git = locations
+        .iter()
+        .map(String::as_str)
+        .chain(paths)
+        .any(|p| tiller_tools::in_git_dir(std::path::Path::new(p)));
     if call.kind == ToolKind::Edit && !into_git {
         return call;
     }
@@ -530,6 +530,32 @@ fn end_unfinished(
 
 #[cfg(test)]
 mod tests {
+    /// An agent's edit weighs as an edit, unless it lands in a
+    /// repository's own directory, by any case of its name (`.GIT` is
+    /// `.git` on a case-insensitive file system): then as a command.
+    #[test]
+    fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
+        use tiller_engine::{ToolCall, ToolKind};
+        let edit = |path: &str| ToolCall {
+            id: "t".into(),
+            name: "Write".into(),
+            kind: ToolKind::Edit,
+            input: serde_json::json!({ "file_path": path }),
+            simulated: None,
+        };
+        for (path, kind) in [
+            ("src/a.rs", ToolKind::Edit),
+            (".git/config", ToolKind::Execute),
+            ("/p/.GIT/hooks/pre-commit", ToolKind::Execute),
+            ("sub/.Git/config", ToolKind::Execute),
+            ("src/.gitignore", ToolKind::Edit),
+        ] {
+            assert_eq!(super::asked(edit(path), &[]).kind, kind, "{path}");
+        }
+        let located = super::asked(edit("a.rs"), &["/p/.gIT/config".into()]);
+        assert_eq!(located.kind, ToolKind::Execute);
+    }
+
     #[test]
     fn an_agents_read_takes_the_lines_it_asked_for() {
         let text = "a\nb\nc\n";

@@ -62,11 +62,22 @@ fn protected_path(path: &Path) -> bool {
         .is_some_and(|l| l.iter().any(|p| path.starts_with(p)))
 }
 
+/// Whether `path` names a repository's own directory (`.git`) as one of
+/// its parts, in any case: on a case-insensitive file system (a `casefold`
+/// directory, a FAT or SMB mount) `.GIT` is `.git`.
+pub fn in_git_dir(path: &Path) -> bool {
+    path.components().any(|c| {
+        c.as_os_str()
+            .as_encoded_bytes()
+            .eq_ignore_ascii_case(b".git")
+    })
+}
+
 /// Why a write into a repository's own directory (`.git`, by its name in
 /// `path`) is refused: git runs what its config and hooks name, so a write
 /// there is a command, which the file tools never make. `None` elsewhere.
 pub(crate) fn git_dir_refusal(path: &Path, shown: &str) -> Option<String> {
-    path.components().any(|c| c.as_os_str() == ".git").then(|| {
+    in_git_dir(path).then(|| {
         format!(
             "{} is inside a repository's own directory (.git), whose config and hooks git runs; \
                  the file tools do not write there (use shell, which asks)",

@@ -1253,6 +1253,16 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
             "apply_patch",
             json!({"patch": "--- /dev/null\n+++ b/.git/hooks/post-checkout\n@@ -0,0 +1 @@\n+evil\n"}),
         ),
+        // On a case-insensitive file system `.GIT` is `.git`: refused by
+        // any case, everywhere.
+        (
+            "write_file",
+            json!({"path": ".GIT/hooks/pre-commit", "content": "#!/bin/sh\nevil\n"}),
+        ),
+        (
+            "write_file",
+            json!({"path": "sub/.Git/config", "content": "[core]\n\tfsmonitor = evil\n"}),
+        ),
     ] {
         let out = go(root, name, input.clone()).await;
         assert!(!out.ok, "{name} {input}: {}", out.output);
@@ -1264,6 +1274,7 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
     );
     assert!(!root.join(".git/hooks/pre-commit").exists());
     assert!(!root.join(".git/hooks/post-checkout").exists());
+    assert!(!root.join(".GIT").exists() && !root.join("sub").exists());
     // Elsewhere in the repository, as before.
     assert!(
         go(
