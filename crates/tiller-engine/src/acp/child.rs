@@ -24,6 +24,40 @@ const MAX_LINE: usize = 80 * 1024 * 1024;
 /// that floods is held back by its own output pipe.
 const ROUTE_QUEUE: usize = 1024;
 
+/// Bytes (of the lines they came in) waiting for all of a process's turns
+/// at once: past this the reader waits too. Lines as long as
+/// [`MAX_LINE`] would otherwise let [`ROUTE_QUEUE`] of them wait for each
+/// session. One line longer than this waits alone.
+const QUEUE_BYTES: usize = 128 * 1024 * 1024;
+
+/// A message for a turn and its share of [`QUEUE_BYTES`], given back once
+/// the turn takes it.
+#[derive(Debug)]
+struct Routed {
+    msg: Inbound,
+    _held: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// What a turn reads the agent's messages for its session from.
+#[derive(Debug)]
+pub(super) struct Route(mpsc::Receiver<Routed>);
+
+impl Route {
+    pub(super) async fn recv(&mut self) -> Option<Inbound> {
+        self.0.recv().await.map(|r| r.msg)
+    }
+
+    pub(super) fn try_recv(&mut self) -> Result<Inbound, mpsc::error::TryRecvError> {
+        self.0.try_recv().map(|r| r.msg)
+    }
+
+    /// Messages waiting.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
 /// What the agent sent for one of its sessions.
 #[derive(Debug)]
 pub(super) enum Inbound {
@@ -93,7 +127,7 @@ struct State {
     next_id: u64,
     pending: HashMap<u64, oneshot::Sender<Result<Value, RpcError>>>,
     /// Upstream session id -> the turn listening.
-    routes: HashMap<String, mpsc::Sender<Inbound>>,
+    routes: HashMap<String, mpsc::Sender<Routed>>,
     /// Upstream sessions this process knows (created or loaded on it).
     known: HashSet<String>,
     /// Sessions whose updates are dropped silently (a load replays them).
@@ -119,6 +153,9 @@ pub(super) struct Child {
     secrets: Box<[String]>,
     pid: Option<u32>,
     out: mpsc::UnboundedSender<String>,
+    /// [`QUEUE_BYTES`], in KiB: all of it, and what is not waiting.
+    queue_kib: u32,
+    queued: Arc<tokio::sync::Semaphore>,
     state: Mutex<State>,
     caps: Mutex<Caps>,
 }
@@ -171,6 +208,11 @@ impl Child {
     /// Starts the process in its own process group with the configured
     /// environment only, and its reader, writer and exit watcher.
     pub(super) fn spawn(cfg: &AcpConfig) -> Result<Arc<Child>, String> {
+        Self::spawn_with(cfg, QUEUE_BYTES)
+    }
+
+    /// [`Child::spawn`] with `queue_bytes` in place of [`QUEUE_BYTES`].
+    fn spawn_with(cfg: &AcpConfig, queue_bytes: usize) -> Result<Arc<Child>, String> {
         let mut cmd = tokio::process::Command::new(&cfg.command);
         cmd.args(&cfg.args)
             .env_clear()
@@ -190,6 +232,8 @@ impl Child {
             secrets: secrets(&cfg.env),
             pid: proc.id(),
             out: tx,
+            queue_kib: kib(queue_bytes),
+            queued: Arc::new(tokio::sync::Semaphore::new(kib(queue_bytes) as usize)),
             state: Mutex::new(State::default()),
             caps: Mutex::new(Caps::default()),
         });
@@ -220,10 +264,17 @@ impl Child {
                 match item {
                     Some(Ok(line)) => {
                         if let Some((tx, msg)) = c.read(&line) {
-                            // Bounded: the agent waits while its turn is
-                            // behind (the turn waits for its session).
-                            if let Err(e) = tx.send(msg).await {
-                                c.stale(e.0);
+                            // Bounded, in messages and in bytes: the agent
+                            // waits while its turn is behind (the turn
+                            // waits for its session).
+                            let share = kib(line.len()).min(c.queue_kib);
+                            drop(line);
+                            let Ok(held) = c.queued.clone().acquire_many_owned(share).await else {
+                                return;
+                            };
+                            let routed = Routed { msg, _held: held };
+                            if let Err(e) = tx.send(routed).await {
+                                c.stale(e.0.msg);
                             }
                         }
                     }
@@ -357,13 +408,13 @@ impl Child {
 
     /// Routes the agent's messages for `upstream` to the returned receiver
     /// (replacing any earlier route).
-    pub(super) fn route(&self, upstream: &str) -> mpsc::Receiver<Inbound> {
+    pub(super) fn route(&self, upstream: &str) -> Route {
         let (tx, rx) = mpsc::channel(ROUTE_QUEUE);
         let mut st = self.state.lock().unwrap();
         if st.dead.is_none() {
             st.routes.insert(upstream.to_owned(), tx);
         }
-        rx
+        Route(rx)
     }
 
     pub(super) fn unroute(&self, upstream: &str) {
@@ -494,7 +545,7 @@ impl Child {
 
     /// Handles one line the agent wrote; returns a message for a turn
     /// and where it goes.
-    fn read(&self, line: &str) -> Option<(mpsc::Sender<Inbound>, Inbound)> {
+    fn read(&self, line: &str) -> Option<(mpsc::Sender<Routed>, Inbound)> {
         if line.trim().is_empty() {
             return None;
         }
@@ -576,7 +627,7 @@ impl Child {
         &self,
         session: Option<&str>,
         msg: Inbound,
-    ) -> Option<(mpsc::Sender<Inbound>, Inbound)> {
+    ) -> Option<(mpsc::Sender<Routed>, Inbound)> {
         let st = self.state.lock().unwrap();
         if let Some(s) = session
             && st.muted.contains(s)
@@ -610,6 +661,11 @@ impl Child {
     }
 }
 
+/// `bytes` in whole KiB, at least one.
+fn kib(bytes: usize) -> u32 {
+    u32::try_from(bytes.div_ceil(1024).max(1)).unwrap_or(u32::MAX)
+}
+
 impl Drop for Child {
     fn drop(&mut self) {
         self.signal_group();
@@ -619,6 +675,48 @@ impl Drop for Child {
 #[cfg(test)]
 mod tests {
     use super::{Death, redact, secrets};
+
+    /// An agent flooding a turn that does not keep up is held back by the
+    /// bytes waiting, not by a count of messages each as long as 80 MiB:
+    /// 1 MiB of queue holds about 16 of its 64 KiB updates, the reader
+    /// then waits (the agent on its pipe), and every update still arrives
+    /// once the turn reads.
+    #[tokio::test]
+    async fn a_flooding_agent_is_held_back_by_the_bytes_waiting() {
+        const LINES: usize = 200;
+        let script = format!(
+            "read go; s=$(head -c 65536 /dev/zero | tr '\\0' a); i=0; \
+             while [ $i -lt {LINES} ]; do \
+             printf '{{\"jsonrpc\":\"2.0\",\"method\":\"session/update\",\"params\":{{\"sessionId\":\"s\",\"update\":{{\"n\":%d,\"x\":\"%s\"}}}}}}\\n' $i \"$s\"; \
+             i=$((i+1)); done; sleep 30"
+        );
+        let cfg = super::AcpConfig {
+            name: "flood".into(),
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), script],
+            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+            sessions_per_process: 1,
+            idle_timeout: std::time::Duration::from_secs(60),
+            max_processes: 1,
+            cancel_grace: std::time::Duration::from_secs(1),
+            start_timeout: std::time::Duration::from_secs(5),
+            version: "0".into(),
+            dir: "/".into(),
+        };
+        let child = super::Child::spawn_with(&cfg, 1 << 20).unwrap();
+        let mut route = child.route("s");
+        child.notify("go", serde_json::Value::Null);
+        // Time for the agent to write everything, were it let.
+        tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+        let waiting = route.len();
+        assert!(waiting <= 17, "{waiting} updates of 64 KiB waiting");
+        for n in 0..LINES {
+            let Some(super::Inbound::Update(u)) = route.recv().await else {
+                panic!("update {n} missing")
+            };
+            assert_eq!(u["n"], n, "in order");
+        }
+    }
 
     #[test]
     fn a_secret_inside_another_is_redacted_with_no_part_of_the_longer_left() {

@@ -723,7 +723,7 @@ struct Live {
     upstream: String,
     /// The `session/prompt` answer, until it came.
     answer: Option<Answer>,
-    inbound: Option<mpsc::Receiver<Inbound>>,
+    inbound: Option<child::Route>,
     /// Tiller's request number -> the agent's request (its JSON-RPC id and,
     /// for a permission, its options).
     asked: HashMap<u64, (Value, Option<Value>)>,
