@@ -160,13 +160,35 @@ pub(super) struct Child {
     caps: Mutex<Caps>,
 }
 
-/// The values in `env` that may be secrets: every one but the base
-/// variables', at least 8 characters long (a shorter one would blank out
-/// ordinary words).
-fn secrets(env: &[(String, String)]) -> Box<[String]> {
+/// The values that may be secrets, at least 8 characters long (a shorter
+/// one would blank out ordinary words): every one in `env` but the base
+/// variables', and each value `args` gives a flag naming a key, token,
+/// secret, password or credential (`--api-key VALUE`, `--token=VALUE`).
+fn secrets(env: &[(String, String)], args: &[String]) -> Box<[String]> {
+    let secret_flag = |flag: &str| {
+        let flag = flag.to_ascii_lowercase();
+        flag.starts_with('-')
+            && ["key", "token", "secret", "passw", "credential"]
+                .iter()
+                .any(|w| flag.contains(w))
+    };
+    let from_args = args
+        .iter()
+        .enumerate()
+        .filter_map(|(i, a)| match a.split_once('=') {
+            Some((flag, value)) => secret_flag(flag).then_some(value),
+            None if secret_flag(a) => args
+                .get(i + 1)
+                .map(String::as_str)
+                .filter(|v| !v.starts_with("--")),
+            None => None,
+        });
     env.iter()
-        .filter(|(k, v)| !crate::BASE_ENV.contains(&k.as_str()) && v.len() >= 8)
-        .map(|(_, v)| v.clone())
+        .filter(|(k, _)| !crate::BASE_ENV.contains(&k.as_str()))
+        .map(|(_, v)| v.as_str())
+        .chain(from_args)
+        .filter(|v| v.len() >= 8)
+        .map(str::to_owned)
         .collect()
 }
 
@@ -229,7 +251,7 @@ impl Child {
         let (tx, mut rx) = mpsc::unbounded_channel::<String>();
         let child = Arc::new(Child {
             engine: cfg.name.clone(),
-            secrets: secrets(&cfg.env),
+            secrets: secrets(&cfg.env, &cfg.args),
             pid: proc.id(),
             out: tx,
             queue_kib: kib(queue_bytes),
@@ -293,11 +315,12 @@ impl Child {
             }
         });
         let engine = cfg.name.clone();
+        let secrets = child.secrets.clone();
         tokio::spawn(async move {
             // The agent's diagnostics go to the daemon's log at debug
             // level only (they may quote the user's files), cut to 2 KiB a
-            // piece; the pipe is always drained, so the agent never blocks
-            // on it.
+            // piece, its secrets redacted; the pipe is always drained, so
+            // the agent never blocks on it.
             use tokio::io::AsyncReadExt as _;
             let mut stderr = stderr;
             let mut buf = vec![0u8; 8192];
@@ -305,8 +328,11 @@ impl Child {
                 match stderr.read(&mut buf).await {
                     Ok(0) | Err(_) => return,
                     Ok(n) => {
+                        if !tracing::enabled!(tracing::Level::DEBUG) {
+                            continue;
+                        }
                         for line in String::from_utf8_lossy(&buf[..n]).lines() {
-                            let l: String = line.chars().take(2048).collect();
+                            let l: String = redact(&secrets, line).chars().take(2048).collect();
                             tracing::debug!(engine = %engine, "agent stderr: {l}");
                         }
                     }
@@ -728,7 +754,7 @@ mod tests {
         .map(|(k, v)| (k.to_owned(), v.to_owned()));
         let said = "auth failed for sk-live-0123-tail-of-the-secret (key sk-live-0123)";
         assert_eq!(
-            redact(&secrets(&env), said),
+            redact(&secrets(&env, &[]), said),
             "auth failed for [redacted] (key [redacted])"
         );
         // Two that overlap, neither holding the other; one that repeats
@@ -740,8 +766,36 @@ mod tests {
         ]
         .map(|(k, v)| (k.to_owned(), v.to_owned()));
         assert_eq!(
-            redact(&secrets(&env), "é abcdefgh12345678zyxwvuts, aaaaaaaaaa é"),
+            redact(
+                &secrets(&env, &[]),
+                "é abcdefgh12345678zyxwvuts, aaaaaaaaaa é"
+            ),
             "é [redacted], [redacted] é"
+        );
+    }
+
+    /// A key given on the command line (`--api-key VALUE`,
+    /// `--auth-token=VALUE`) is a secret like one in `env`; other
+    /// arguments are not.
+    #[test]
+    fn a_secret_given_in_the_agent_s_arguments_is_redacted() {
+        let args = [
+            "--experimental-acp",
+            "--api-key",
+            "sk-from-args-0123",
+            "--Auth-Token=tok-from-args-4567",
+            "--model",
+            "some-long-model-name",
+            "--password",
+            "--verbose-output",
+        ]
+        .map(str::to_owned);
+        let said = "bad key sk-from-args-0123 or tok-from-args-4567 \
+                    for some-long-model-name with --experimental-acp --verbose-output";
+        assert_eq!(
+            redact(&secrets(&[], &args), said),
+            "bad key [redacted] or [redacted] \
+             for some-long-model-name with --experimental-acp --verbose-output"
         );
     }
 
