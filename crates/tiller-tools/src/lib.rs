@@ -298,7 +298,8 @@ impl Toolbox {
 
     /// The change a built-in edit would make, for a person to see before
     /// allowing it: `edit` shows the text it replaces, `write_file` the
-    /// file as it is now (none for a new file). Read confined, bounded.
+    /// file as it is now (none for a new file; a line saying a file is
+    /// there when its text is not shown). Read confined, bounded.
     pub fn diff(&self, name: &str, input: &serde_json::Value) -> Option<FileDiff> {
         let arg = |k: &str| input.get(k).and_then(serde_json::Value::as_str);
         if name == "apply_patch" {
@@ -329,7 +330,7 @@ impl Toolbox {
                 }
                 Some(FileDiff {
                     path: shown,
-                    old_text: local::current_text(root, path, MAX_DIFF_BYTES),
+                    old_text: local::replaced_text(root, path, MAX_DIFF_BYTES),
                     new_text: new_text.to_owned(),
                 })
             }

@@ -516,6 +516,20 @@ pub(crate) fn current_text(root: &Path, path: &str, max: u64) -> Option<String> 
     String::from_utf8(bytes).ok().filter(|t| !t.contains('\0'))
 }
 
+/// What a person is shown of the file a write would replace: its text, or
+/// a line saying a file is there whose text is not shown (binary, longer
+/// than `max`, unreadable); `None` only when nothing is there (a new file).
+pub(crate) fn replaced_text(root: &Path, path: &str, max: u64) -> Option<String> {
+    if let Some(text) = current_text(root, path, max) {
+        return Some(text);
+    }
+    let meta = std::fs::metadata(resolve(root, path).ok()?).ok()?;
+    Some(format!(
+        "(a file of {} bytes is here, not shown: binary, too long or unreadable; the write replaces it whole)",
+        meta.len()
+    ))
+}
+
 async fn write_file(
     root: &Path,
     input: &Value,

@@ -1468,3 +1468,26 @@ fn a_search_stops_inside_a_huge_line() {
     assert_eq!(m.n, 0, "{}", m.out);
     assert!(m.out.contains("stopped after"), "{}", m.out);
 }
+
+/// A person allowing `write_file` sees what it replaces: a file whose text
+/// is not shown (binary, too long) is said to be there, never shown as a
+/// new file; a file that is not there is new.
+#[test]
+fn a_write_over_a_file_not_shown_is_never_shown_as_a_new_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let tb = crate::Toolbox::new(dir.path().to_owned(), Arc::new(ToolsConfig::default()));
+    std::fs::write(dir.path().join("text.txt"), "before\n").unwrap();
+    std::fs::write(dir.path().join("image.bin"), b"\x89PNG\0\0\x01").unwrap();
+    std::fs::write(dir.path().join("big.txt"), "x".repeat(300 * 1024)).unwrap();
+    let old = |path: &str| {
+        tb.diff("write_file", &json!({"path": path, "content": "after\n"}))
+            .expect("a diff")
+            .old_text
+    };
+    assert_eq!(old("text.txt").as_deref(), Some("before\n"));
+    assert_eq!(old("new.txt"), None);
+    for (path, bytes) in [("image.bin", 7), ("big.txt", 300 * 1024)] {
+        let shown = old(path).unwrap_or_else(|| panic!("{path} shown as a new file"));
+        assert!(shown.contains(&format!("{bytes} bytes")), "{path}: {shown}");
+    }
+}
