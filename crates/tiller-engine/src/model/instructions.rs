@@ -180,13 +180,64 @@ fn read_bounded(path: &Path) -> Option<String> {
 /// the work tree git finds from `dir`. Without one, `git` (its environment
 /// cleared: no `GIT_DIR`) finds no work tree and would only say so, so it
 /// is not run: a turn in such a directory costs no process.
+///
+/// A `.git` directory is believed. A `.git` file or link may name any
+/// repository on the machine (a password store's), whose tracked names
+/// status would list as deleted: a file is believed only when the git
+/// directory it names names it back, as a linked work tree's does (its
+/// `gitdir` file), or lies in an enclosing repository's `.git/modules` (a
+/// submodule's); a link never.
 fn repository_top(dir: &Path) -> Option<PathBuf> {
     // Git looks up from the real directory: a link into a repository's
     // subdirectory is in that repository.
     let real = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
-    real.ancestors()
-        .find(|d| d.join(".git").symlink_metadata().is_ok())
-        .map(Path::to_owned)
+    let top = real
+        .ancestors()
+        .find(|d| d.join(".git").symlink_metadata().is_ok())?;
+    let dot_git = top.join(".git");
+    let meta = dot_git.symlink_metadata().ok()?;
+    if meta.is_dir() {
+        return Some(top.to_owned());
+    }
+    if !meta.is_file() || meta.len() > 4096 {
+        return None;
+    }
+    let text = std::fs::read_to_string(&dot_git).ok()?;
+    let named = text.lines().next()?.strip_prefix("gitdir:")?.trim();
+    let git_dir = top.join(named).canonicalize().ok()?;
+    let named_back = std::fs::read_to_string(git_dir.join("gitdir"))
+        .ok()
+        .and_then(|back| Path::new(back.trim_end()).canonicalize().ok())
+        .is_some_and(|back| back == dot_git);
+    let submodule = top
+        .ancestors()
+        .skip(1)
+        .any(|above| git_dir.starts_with(above.join(".git/modules")))
+        && core_worktree(&git_dir).is_some_and(|w| w == top);
+    (named_back || submodule).then(|| top.to_owned())
+}
+
+/// The work tree a git directory's own config names (`core.worktree`, as
+/// `git submodule` writes it: relative to that directory), real.
+fn core_worktree(git_dir: &Path) -> Option<PathBuf> {
+    let config = std::fs::read_to_string(git_dir.join("config")).ok()?;
+    let mut in_core = false;
+    for line in config.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_core = line.eq_ignore_ascii_case("[core]");
+        } else if in_core
+            && let Some((key, value)) = line.split_once('=')
+            && key.trim().eq_ignore_ascii_case("worktree")
+        {
+            let value = value.trim();
+            let value = value
+                .strip_prefix('"')
+                .and_then(|v| v.strip_suffix('"'))
+                .unwrap_or(value);
+            return git_dir.join(value).canonicalize().ok();
+        }
+    }
+    None
 }
 
 /// `git` in [`GIT_PATH`], found once. Started by its path, the child is
@@ -210,7 +261,9 @@ fn git_program() -> Option<&'static Path> {
 
 /// `git` in `dir`, its work tree `top` (the directory holding the `.git`
 /// it finds: a hostile config's `core.worktree` cannot point it at
-/// another directory, whose file names status would list): its
+/// another directory, whose file names status would list), never looking
+/// above `top` (`None` when `top` is `/` or its parent holds a `:`, which
+/// would split that list): its
 /// environment cleared, no system or global config, its output read whole
 /// within [`GIT_TIMEOUT`]; `None` when it is missing, slow or fails.
 async fn git(
@@ -219,11 +272,17 @@ async fn git(
     overrides: &[(String, &str)],
     args: &[&str],
 ) -> Option<Vec<u8>> {
+    if top.parent()?.as_os_str().as_encoded_bytes().contains(&b':') {
+        return None;
+    }
     let mut cmd = tokio::process::Command::new(git_program()?);
     cmd.args(args)
         .current_dir(dir)
         .env_clear()
         .env("GIT_WORK_TREE", top)
+        // Nor may git go on up past it: a `.git` that is no repository
+        // would make it describe the one around it.
+        .env("GIT_CEILING_DIRECTORIES", top.parent()?)
         .env("PATH", GIT_PATH)
         .env("LC_ALL", "C")
         .env("GIT_CONFIG_NOSYSTEM", "1")
@@ -301,21 +360,51 @@ async fn git_status(dir: &Path, top: &Path) -> Option<String> {
         ],
     )
     .await?;
-    let text = String::from_utf8_lossy(&out);
-    let mut lines = text.lines();
-    let mut summary: Vec<String> = lines
-        .by_ref()
-        .take(GIT_LINES + 1)
+    Some(summary(&String::from_utf8_lossy(&out)))
+}
+
+/// What the model is shown of `git status --branch --porcelain=v1`: its
+/// first lines, each cut, without those naming a path outside the work
+/// tree. Git never writes one for an index it made, but reads an index
+/// as it finds it: a hand-made one may hold `../x` or `/etc/x`, and status
+/// would tell whether each exists.
+fn summary(status: &str) -> String {
+    let mut lines = status.lines();
+    let head = lines.next().unwrap_or_default();
+    let (inside, outside): (Vec<&str>, Vec<&str>) = lines.partition(|l| {
+        l.get(3..)
+            .unwrap_or_default()
+            .split(" -> ")
+            .all(|path| !outside_the_tree(path))
+    });
+    let mut summary: Vec<String> = std::iter::once(head)
+        .chain(inside.iter().copied().take(GIT_LINES))
         .map(|l| l.chars().take(300).collect())
         .collect();
-    let more = lines.count();
+    let more = inside.len().saturating_sub(GIT_LINES);
     if more > 0 {
         summary.push(format!("... and {more} more changed paths"));
+    }
+    if !outside.is_empty() {
+        summary.push(format!(
+            "({} paths outside the work tree left out)",
+            outside.len()
+        ));
     }
     if summary.len() == 1 {
         summary.push("(no changes)".into());
     }
-    Some(summary.join("\n"))
+    summary.join("\n")
+}
+
+/// Whether a path as status writes it (C-quoted when it holds special
+/// characters) is absolute or climbs out with `..`.
+fn outside_the_tree(path: &str) -> bool {
+    let path = path
+        .strip_prefix('"')
+        .and_then(|p| p.strip_suffix('"'))
+        .unwrap_or(path);
+    path.starts_with('/') || path.split('/').any(|part| part == "..")
 }
 
 #[cfg(test)]
@@ -468,6 +557,34 @@ mod tests {
         };
         let git = Environment::gather(&below).await.git.unwrap();
         assert!(git.contains("?? new.txt"), "{git}");
+        // A linked work tree, as `git worktree add` makes it.
+        let other = tempfile::tempdir().unwrap();
+        let wt = other.path().join("wt");
+        let ok = std::process::Command::new("git")
+            .args(["-c", "user.name=a", "-c", "user.email=a@b"])
+            .args(["commit", "-q", "--allow-empty", "-m", "x"])
+            .current_dir(dir.path())
+            .status()
+            .unwrap()
+            .success()
+            && std::process::Command::new("git")
+                .args(["worktree", "add", "-q", "-b", "side"])
+                .arg(&wt)
+                .current_dir(dir.path())
+                .status()
+                .unwrap()
+                .success();
+        assert!(ok);
+        std::fs::write(wt.join("there.txt"), "x").unwrap();
+        let linked = HostInfo {
+            cwd: wt,
+            ..Default::default()
+        };
+        let git = Environment::gather(&linked).await.git.unwrap();
+        assert!(
+            git.contains("## side") && git.contains("?? there.txt"),
+            "{git}"
+        );
     }
 
     /// A hostile repository (copied from an archive, its `.git` included)
@@ -531,8 +648,9 @@ mod tests {
     }
 
     /// A hostile repository's config points its work tree elsewhere
-    /// (`core.worktree`): status describes the directory holding its
-    /// `.git`, never what lies outside it.
+    /// (`core.worktree`, and says it has none: `core.bare`): status
+    /// describes the directory holding its `.git`, never what lies outside
+    /// it.
     #[tokio::test]
     async fn a_hostile_repository_cannot_move_its_work_tree() {
         let dir = tempfile::tempdir().unwrap();
@@ -552,7 +670,10 @@ mod tests {
         assert!(ok.success());
         let config = repo.join(".git/config");
         let mut text = std::fs::read_to_string(&config).unwrap();
-        text.push_str(&format!("[core]\n\tworktree = {}\n", private.display()));
+        text.push_str(&format!(
+            "[core]\n\tworktree = {}\n\tbare = true\n",
+            private.display()
+        ));
         std::fs::write(&config, text).unwrap();
         for cwd in [repo.clone(), repo.join("sub")] {
             std::fs::create_dir_all(&cwd).unwrap();
@@ -566,22 +687,134 @@ mod tests {
         }
     }
 
+    /// A `.git` that is no repository (an empty directory from an archive)
+    /// inside a real one: git would go on up and describe the enclosing
+    /// repository (a dotfiles repository in `$HOME`), whose tracked names
+    /// the model would read. It stops at the `.git` found.
+    #[tokio::test]
+    async fn a_broken_repository_never_shows_the_one_around_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let outer = dir.path();
+        let git = |args: &[&str]| {
+            let ok = std::process::Command::new("git")
+                .args(args)
+                .current_dir(outer)
+                .env("GIT_CONFIG_NOSYSTEM", "1")
+                .env("GIT_CONFIG_GLOBAL", "/dev/null")
+                .status()
+                .unwrap();
+            assert!(ok.success(), "git {args:?}");
+        };
+        git(&["init", "-q", "-b", "main"]);
+        std::fs::write(outer.join("tracked-private-name.txt"), "x").unwrap();
+        git(&["add", "."]);
+        let evil = outer.join("evil");
+        std::fs::create_dir_all(evil.join(".git")).unwrap();
+        std::fs::write(evil.join("x"), "x").unwrap();
+        let host = HostInfo {
+            cwd: evil,
+            ..Default::default()
+        };
+        let status = Environment::gather(&host).await.git;
+        assert!(
+            !status.as_deref().unwrap_or("").contains("private"),
+            "{status:?}"
+        );
+    }
+
+    /// Status lines naming a path outside the work tree (a hand-made
+    /// index may hold `../x` or `/etc/x`, which git reports as it finds
+    /// them: whether they exist) are left out, counted.
+    #[test]
+    fn status_lines_outside_the_work_tree_are_left_out() {
+        let status = "## main\n M src/a.rs\nAM ../private/exists.txt\nAD /etc/nonexistent\n\
+                      R  a.rs -> ../b.rs\n?? \"../quoted\\tname\"\n?? \"q\\tok\"\n?? a..b/c..\n\
+                      ?? sub/../../up\n";
+        assert_eq!(
+            summary(status),
+            "## main\n M src/a.rs\n?? \"q\\tok\"\n?? a..b/c..\n\
+             (5 paths outside the work tree left out)"
+        );
+        assert_eq!(summary("## main\n"), "## main\n(no changes)");
+    }
+
     /// A `.git` file (a linked work tree, a submodule) marks a repository
     /// as a `.git` directory does; no `.git` anywhere above, none.
     #[test]
     fn a_repository_is_found_by_its_dot_git_above() {
         let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
         let deep = dir.path().join("a/b");
         std::fs::create_dir_all(&deep).unwrap();
         // The temporary directory is not in a repository.
         assert_eq!(repository_top(&deep), None);
-        std::fs::write(dir.path().join("a/.git"), "gitdir: /elsewhere\n").unwrap();
-        let top = dir.path().canonicalize().unwrap().join("a");
+        std::fs::create_dir(dir.path().join("a/.git")).unwrap();
+        let top = real.join("a");
         assert_eq!(repository_top(&deep), Some(top.clone()));
         assert_eq!(repository_top(dir.path()), None);
         // A link to a directory inside the repository, from outside it.
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&deep, &link).unwrap();
         assert_eq!(repository_top(&link), Some(top));
+    }
+
+    /// A `.git` file or link may name any repository on the machine (a
+    /// password store's), whose tracked names status would list as
+    /// deleted: believed only when that git directory names this one
+    /// back, as a linked work tree's does (`gitdir`), or lies in an
+    /// enclosing repository's `.git/modules` (a submodule's).
+    #[test]
+    fn a_dot_git_naming_another_repository_is_not_believed() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        let private = real.join("private/.git");
+        std::fs::create_dir_all(&private).unwrap();
+        let evil = real.join("evil");
+        std::fs::create_dir(&evil).unwrap();
+        for target in [private.display().to_string(), "../private/.git".into()] {
+            std::fs::write(evil.join(".git"), format!("gitdir: {target}\n")).unwrap();
+            assert_eq!(repository_top(&evil), None, "{target}");
+        }
+        std::fs::remove_file(evil.join(".git")).unwrap();
+        std::os::unix::fs::symlink(&private, evil.join(".git")).unwrap();
+        assert_eq!(repository_top(&evil), None, "a link");
+        // A linked work tree: its git directory names it back.
+        let linked = private.join("worktrees/wt");
+        std::fs::create_dir_all(&linked).unwrap();
+        let wt = real.join("wt");
+        std::fs::create_dir(&wt).unwrap();
+        std::fs::write(wt.join(".git"), format!("gitdir: {}\n", linked.display())).unwrap();
+        assert_eq!(repository_top(&wt), None, "not named back yet");
+        std::fs::write(
+            linked.join("gitdir"),
+            format!("{}\n", wt.join(".git").display()),
+        )
+        .unwrap();
+        assert_eq!(repository_top(&wt), Some(wt.clone()));
+        // A submodule: its git directory in the enclosing repository's.
+        let modules = real.join("private/.git/modules/sub");
+        std::fs::create_dir_all(&modules).unwrap();
+        let sub = real.join("private/sub");
+        std::fs::create_dir(&sub).unwrap();
+        std::fs::write(sub.join(".git"), "gitdir: ../.git/modules/sub\n").unwrap();
+        assert_eq!(repository_top(&sub), None, "the module names no work tree");
+        std::fs::write(
+            modules.join("config"),
+            "[core]\n\tbare = false\n\tworktree = ../../../sub\n",
+        )
+        .unwrap();
+        assert_eq!(repository_top(&sub), Some(sub.clone()));
+        // Another repository's module, named from elsewhere: not this one's.
+        std::fs::remove_file(evil.join(".git")).unwrap();
+        std::fs::write(
+            evil.join(".git"),
+            format!("gitdir: {}\n", modules.display()),
+        )
+        .unwrap();
+        let inside = real.join("private/evil");
+        std::fs::create_dir(&inside).unwrap();
+        std::fs::write(inside.join(".git"), "gitdir: ../.git/modules/sub\n").unwrap();
+        assert_eq!(repository_top(&evil), None);
+        assert_eq!(repository_top(&inside), None);
     }
 }
