@@ -68,9 +68,15 @@ impl CallState {
 /// never the agent's whole tool; with anything more (a directory...),
 /// "always" covers nothing but this call.
 fn asked(mut call: tiller_engine::ToolCall, locations: &[String]) -> tiller_engine::ToolCall {
-    let paths = ["path", "file_path"]
-        .iter()
-        .filter_map(|k| call.input.get(*k).and_then(serde_json::Value::as_str));
+    // Whatever the agent calls them: `path`, `file_path`, `notebook_path`,
+    // `filePath`...
+    let paths = call
+        .input
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.to_ascii_lowercase().ends_with("path"))
+        .filter_map(|(_, v)| v.as_str());
     let into_git = locations
         .iter()
         .map(String::as_str)
@@ -548,9 +554,17 @@ mod tests {
             (".git/config", ToolKind::Execute),
             ("/p/.GIT/hooks/pre-commit", ToolKind::Execute),
             ("sub/.Git/config", ToolKind::Execute),
+            ("GIT~1/config", ToolKind::Execute),
+            (".git. /hooks/x", ToolKind::Execute),
             ("src/.gitignore", ToolKind::Edit),
         ] {
             assert_eq!(super::asked(edit(path), &[]).kind, kind, "{path}");
+        }
+        // Whatever the agent calls its path argument.
+        for key in ["path", "notebook_path", "absolute_path", "filePath"] {
+            let mut call = edit("a.rs");
+            call.input = serde_json::json!({ key: "/p/.git/config" });
+            assert_eq!(super::asked(call, &[]).kind, ToolKind::Execute, "{key}");
         }
         let located = super::asked(edit("a.rs"), &["/p/.gIT/config".into()]);
         assert_eq!(located.kind, ToolKind::Execute);

@@ -63,14 +63,25 @@ fn protected_path(path: &Path) -> bool {
 }
 
 /// Whether `path` names a repository's own directory (`.git`) as one of
-/// its parts, in any case: on a case-insensitive file system (a `casefold`
-/// directory, a FAT or SMB mount) `.GIT` is `.git`.
+/// its parts, by any name a file system gives it (git's own
+/// `is_ntfs_dotgit` and `is_hfs_dotgit` rules): in any case (a `casefold`
+/// directory, a FAT or SMB mount), with trailing dots or spaces (FAT drops
+/// them), as the short name `git~1`, or with code points HFS+ ignores.
 pub fn in_git_dir(path: &Path) -> bool {
     path.components().any(|c| {
-        c.as_os_str()
-            .as_encoded_bytes()
-            .eq_ignore_ascii_case(b".git")
+        let name = c.as_os_str().to_string_lossy();
+        let name: String = name.chars().filter(|c| !hfs_ignored(*c)).collect();
+        let name = name.trim_end_matches(['.', ' ']);
+        name.eq_ignore_ascii_case(".git") || name.eq_ignore_ascii_case("git~1")
     })
+}
+
+/// The code points HFS+ leaves out of a name when it compares names.
+fn hfs_ignored(c: char) -> bool {
+    matches!(
+        c,
+        '\u{200c}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{206a}'..='\u{206f}' | '\u{feff}'
+    )
 }
 
 /// Why a write into a repository's own directory (`.git`, by its name in

@@ -1263,6 +1263,21 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
             "write_file",
             json!({"path": "sub/.Git/config", "content": "[core]\n\tfsmonitor = evil\n"}),
         ),
+        // Other names of `.git` where the file system has them: a FAT or
+        // SMB short name, trailing dots and spaces (FAT drops them), code
+        // points HFS+ ignores.
+        (
+            "write_file",
+            json!({"path": "GIT~1/config", "content": "[core]\n\tfsmonitor = evil\n"}),
+        ),
+        (
+            "write_file",
+            json!({"path": ".git. ./config", "content": "[core]\n\tfsmonitor = evil\n"}),
+        ),
+        (
+            "write_file",
+            json!({"path": ".g\u{200c}it/config", "content": "[core]\n\tfsmonitor = evil\n"}),
+        ),
     ] {
         let out = go(root, name, input.clone()).await;
         assert!(!out.ok, "{name} {input}: {}", out.output);
@@ -1274,7 +1289,9 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
     );
     assert!(!root.join(".git/hooks/pre-commit").exists());
     assert!(!root.join(".git/hooks/post-checkout").exists());
-    assert!(!root.join(".GIT").exists() && !root.join("sub").exists());
+    for made in [".GIT", "sub", "GIT~1", ".git. ", ".g\u{200c}it"] {
+        assert!(!root.join(made).exists(), "{made}");
+    }
     // Elsewhere in the repository, as before.
     assert!(
         go(
