@@ -25,10 +25,11 @@ const MAX_LINE: usize = 80 * 1024 * 1024;
 const ROUTE_QUEUE: usize = 1024;
 
 /// Bytes (of the lines they came in) waiting for all of a process's turns
-/// at once: past this the reader waits too. Lines as long as
-/// [`MAX_LINE`] would otherwise let [`ROUTE_QUEUE`] of them wait for each
-/// session. One line longer than this waits alone.
-const QUEUE_BYTES: usize = 128 * 1024 * 1024;
+/// at once: past this the reader waits too, for every session on the
+/// process. Lines as long as [`MAX_LINE`] would otherwise let
+/// [`ROUTE_QUEUE`] of them wait for each session. One line longer than
+/// this waits alone. Parsed, a message may take several times its line.
+const QUEUE_BYTES: usize = 32 * 1024 * 1024;
 
 /// A message for a turn and its share of [`QUEUE_BYTES`], given back once
 /// the turn takes it.
@@ -148,8 +149,9 @@ struct State {
 pub(super) struct Child {
     engine: Arc<str>,
     /// The values of what the agent is given beyond the base variables
-    /// (its `env` and `pass_env`: its keys), never let out in its error
-    /// text.
+    /// (its `env` and `pass_env`: its keys) and what its `args` seem to
+    /// give as secrets ([`arg_secrets`]), never let out in its error text
+    /// or the log.
     secrets: Box<[String]>,
     pid: Option<u32>,
     out: mpsc::UnboundedSender<String>,
@@ -162,27 +164,10 @@ pub(super) struct Child {
 
 /// The values that may be secrets, at least 8 characters long (a shorter
 /// one would blank out ordinary words): every one in `env` but the base
-/// variables', and each value `args` gives a flag naming a key, token,
-/// secret, password or credential (`--api-key VALUE`, `--token=VALUE`).
+/// variables', and what `args` seems to give as one (a heuristic, see
+/// [`arg_secrets`]).
 fn secrets(env: &[(String, String)], args: &[String]) -> Box<[String]> {
-    let secret_flag = |flag: &str| {
-        let flag = flag.to_ascii_lowercase();
-        flag.starts_with('-')
-            && ["key", "token", "secret", "passw", "credential"]
-                .iter()
-                .any(|w| flag.contains(w))
-    };
-    let from_args = args
-        .iter()
-        .enumerate()
-        .filter_map(|(i, a)| match a.split_once('=') {
-            Some((flag, value)) => secret_flag(flag).then_some(value),
-            None if secret_flag(a) => args
-                .get(i + 1)
-                .map(String::as_str)
-                .filter(|v| !v.starts_with("--")),
-            None => None,
-        });
+    let from_args = arg_secrets(args);
     env.iter()
         .filter(|(k, _)| !crate::BASE_ENV.contains(&k.as_str()))
         .map(|(_, v)| v.as_str())
@@ -192,9 +177,53 @@ fn secrets(env: &[(String, String)], args: &[String]) -> Box<[String]> {
         .collect()
 }
 
+/// What `args` seems to give as secrets: the value of a flag naming a key,
+/// token, secret, password, passphrase, credential or auth (`--api-key
+/// VALUE`, `--token=VALUE`), of a `NAME=VALUE` whose name does, and the
+/// token after `Bearer `. Not a flag that names where a secret is
+/// (`--api-key-env`, `--token-file`, `--key-dir`...) or what kind
+/// (`--auth-type`), nor a negated one (`--no-keychain`).
+fn arg_secrets(args: &[String]) -> impl Iterator<Item = &str> {
+    const NAMES: [&str; 7] = [
+        "key",
+        "token",
+        "secret",
+        "passw",
+        "passphrase",
+        "credential",
+        "auth",
+    ];
+    const NOT: [&str; 10] = [
+        "env", "file", "path", "dir", "var", "name", "id", "type", "method", "mode",
+    ];
+    let secret_name = |name: &str| {
+        let name = name.trim_start_matches('-').to_ascii_lowercase();
+        let last = name.rsplit(['-', '_']).next().unwrap_or_default();
+        !name.starts_with("no-") && !NOT.contains(&last) && NAMES.iter().any(|w| name.contains(w))
+    };
+    args.iter().enumerate().flat_map(move |(i, a)| {
+        let value = match a.split_once('=') {
+            Some((name, value)) => secret_name(name).then_some(value),
+            None if a.starts_with('-') && secret_name(a) => args
+                .get(i + 1)
+                .map(String::as_str)
+                .filter(|v| !v.starts_with('-')),
+            None => None,
+        };
+        let bearer = a.find("Bearer ").map(|at| a[at + "Bearer ".len()..].trim());
+        value.into_iter().chain(bearer)
+    })
+}
+
 /// `text` with every byte of every occurrence of `secrets` (overlapping
 /// ones too) replaced: each run of them becomes one `[redacted]`.
 fn redact(secrets: &[String], text: &str) -> String {
+    redact_upto(secrets, text, text.len())
+}
+
+/// [`redact`] of `text[..upto]`, secrets found in the whole of `text` (one
+/// that `upto` cuts is hidden too).
+fn redact_upto(secrets: &[String], text: &str, upto: usize) -> String {
     let mut hidden = vec![false; text.len()];
     for s in secrets.iter().filter(|s| !s.is_empty()) {
         let mut from = 0;
@@ -205,9 +234,9 @@ fn redact(secrets: &[String], text: &str) -> String {
             from = at + text[at..].chars().next().map_or(1, char::len_utf8);
         }
     }
-    let mut out = String::with_capacity(text.len());
+    let mut out = String::with_capacity(upto);
     let mut in_secret = false;
-    for (i, c) in text.char_indices() {
+    for (i, c) in text[..upto].char_indices() {
         if hidden[i] {
             if !in_secret {
                 out.push_str("[redacted]");
@@ -219,6 +248,53 @@ fn redact(secrets: &[String], text: &str) -> String {
         }
     }
     out
+}
+
+/// Most of a stderr line logged, in bytes.
+const LOGGED_LINE: usize = 2048;
+
+/// Reads `from` to its end, giving `log` each line's first
+/// [`LOGGED_LINE`] bytes with `secrets` redacted (each found whole,
+/// wherever the line's reads or its cut fall), when debug logging is on.
+async fn log_lines(
+    from: impl tokio::io::AsyncRead + Unpin,
+    secrets: &[String],
+    mut log: impl FnMut(&str),
+) {
+    use tokio::io::AsyncBufReadExt as _;
+    // A secret starting in the part shown is kept whole.
+    let keep = LOGGED_LINE + secrets.iter().map(String::len).max().unwrap_or(0);
+    let mut from = tokio::io::BufReader::new(from);
+    let mut line = Vec::with_capacity(keep);
+    let mut emit = |line: &mut Vec<u8>| {
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let text = String::from_utf8_lossy(line);
+            let mut shown = LOGGED_LINE.min(text.len());
+            while !text.is_char_boundary(shown) {
+                shown -= 1;
+            }
+            log(&redact_upto(secrets, &text, shown));
+        }
+        line.clear();
+    };
+    loop {
+        let buf = match from.fill_buf().await {
+            Ok([]) | Err(_) => break,
+            Ok(buf) => buf,
+        };
+        let end = buf.iter().position(|b| *b == b'\n');
+        let part = &buf[..end.unwrap_or(buf.len())];
+        let room = keep.saturating_sub(line.len());
+        line.extend_from_slice(&part[..part.len().min(room)]);
+        let used = end.map_or(buf.len(), |e| e + 1);
+        from.consume(used);
+        if end.is_some() {
+            emit(&mut line);
+        }
+    }
+    if !line.is_empty() {
+        emit(&mut line);
+    }
 }
 
 impl Child {
@@ -318,26 +394,12 @@ impl Child {
         let secrets = child.secrets.clone();
         tokio::spawn(async move {
             // The agent's diagnostics go to the daemon's log at debug
-            // level only (they may quote the user's files), cut to 2 KiB a
-            // piece, its secrets redacted; the pipe is always drained, so
-            // the agent never blocks on it.
-            use tokio::io::AsyncReadExt as _;
-            let mut stderr = stderr;
-            let mut buf = vec![0u8; 8192];
-            loop {
-                match stderr.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => {
-                        if !tracing::enabled!(tracing::Level::DEBUG) {
-                            continue;
-                        }
-                        for line in String::from_utf8_lossy(&buf[..n]).lines() {
-                            let l: String = redact(&secrets, line).chars().take(2048).collect();
-                            tracing::debug!(engine = %engine, "agent stderr: {l}");
-                        }
-                    }
-                }
-            }
+            // level only (they may quote the user's files); the pipe is
+            // always drained, so the agent never blocks on it.
+            log_lines(stderr, &secrets, |l| {
+                tracing::debug!(engine = %engine, "agent stderr: {l}");
+            })
+            .await;
         });
         let e = Arc::downgrade(&child);
         tokio::spawn(async move {
@@ -556,6 +618,8 @@ impl Child {
             let _ = tx.send(Err(RpcError::Dead(why.clone())));
         }
         drop(routes);
+        // A reader waiting for room gives up (and lets the child go).
+        self.queued.close();
         self.signal_group();
     }
 
@@ -735,13 +799,21 @@ mod tests {
         // Time for the agent to write everything, were it let.
         tokio::time::sleep(std::time::Duration::from_millis(800)).await;
         let waiting = route.len();
-        assert!(waiting <= 17, "{waiting} updates of 64 KiB waiting");
-        for n in 0..LINES {
-            let Some(super::Inbound::Update(u)) = route.recv().await else {
-                panic!("update {n} missing")
-            };
-            assert_eq!(u["n"], n, "in order");
-        }
+        assert!(
+            (8..=17).contains(&waiting),
+            "{waiting} updates of 64 KiB waiting"
+        );
+        let all = async {
+            for n in 0..LINES {
+                let Some(super::Inbound::Update(u)) = route.recv().await else {
+                    panic!("update {n} missing")
+                };
+                assert_eq!(u["n"], n, "in order");
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(20), all)
+            .await
+            .expect("every update arrives");
     }
 
     #[test]
@@ -774,6 +846,39 @@ mod tests {
         );
     }
 
+    /// The agent's stderr is logged a line at a time, each cut to 2 KiB
+    /// after its secrets are redacted whole: none shows, in part or whole,
+    /// where a read or the cut would split it.
+    #[tokio::test]
+    async fn the_agent_s_stderr_is_logged_by_line_with_its_secrets_redacted() {
+        let secret = "SECRETvalue-0123456789";
+        let secrets: Box<[String]> = Box::new([secret.to_owned()]);
+        let mut text = Vec::new();
+        text.extend_from_slice(b"starting\n");
+        // Across the first 8 KiB (a read's size), and across the cut.
+        text.extend(std::iter::repeat_n(b'a', 8192 - 9 - 5));
+        text.extend_from_slice(format!("{secret} end\n").as_bytes());
+        text.extend(std::iter::repeat_n(b'b', 2040));
+        text.extend_from_slice(format!("{secret}\nlast {secret}").as_bytes());
+        let mut logged = Vec::new();
+        let debug = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(std::io::sink)
+            .finish();
+        let _on = tracing::subscriber::set_default(debug);
+        super::log_lines(&text[..], &secrets, |l| logged.push(l.to_owned())).await;
+        assert_eq!(logged.len(), 4, "{logged:?}");
+        assert_eq!(logged[0], "starting");
+        assert_eq!(logged[3], "last [redacted]");
+        for line in &logged {
+            assert!(line.len() <= 2048 + "[redacted]".len(), "{}", line.len());
+            for part in ["SECRET", "0123456789", "SECRETvalue-0"] {
+                assert!(!line.contains(part), "{part} in {line}");
+            }
+        }
+        assert!(logged[1].starts_with("aaa") && logged[2].starts_with("bbb"));
+    }
+
     /// A key given on the command line (`--api-key VALUE`,
     /// `--auth-token=VALUE`) is a secret like one in `env`; other
     /// arguments are not.
@@ -788,14 +893,33 @@ mod tests {
             "some-long-model-name",
             "--password",
             "--verbose-output",
+            "--passphrase",
+            "open-sesame-8910",
+            "--api-key-env",
+            "OPENAI_API_KEY",
+            "--token-file",
+            "/home/alice/token.txt",
+            "--no-keychain",
+            "plain-argument",
+            "--auth-type",
+            "oauth-personal",
+            "OTHER_API_KEY=sk-positional-1112",
+            "--header",
+            "Authorization: Bearer tok-bearer-1314",
         ]
         .map(str::to_owned);
-        let said = "bad key sk-from-args-0123 or tok-from-args-4567 \
-                    for some-long-model-name with --experimental-acp --verbose-output";
+        let said = "bad key sk-from-args-0123 or tok-from-args-4567 or open-sesame-8910 \
+                    or sk-positional-1112 or tok-bearer-1314 \
+                    for some-long-model-name with --experimental-acp --verbose-output: \
+                    OPENAI_API_KEY is not set, /home/alice/token.txt is missing, \
+                    plain-argument, oauth-personal";
         assert_eq!(
             redact(&secrets(&[], &args), said),
-            "bad key [redacted] or [redacted] \
-             for some-long-model-name with --experimental-acp --verbose-output"
+            "bad key [redacted] or [redacted] or [redacted] \
+             or [redacted] or [redacted] \
+             for some-long-model-name with --experimental-acp --verbose-output: \
+             OPENAI_API_KEY is not set, /home/alice/token.txt is missing, \
+             plain-argument, oauth-personal"
         );
     }
 
