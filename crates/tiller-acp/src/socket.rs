@@ -35,8 +35,10 @@ pub fn split(stream: UnixStream) -> io::Result<(Reader, Writer)> {
     let reader = Reader::new(stream)?;
     let writer = Writer {
         fd: WriteFd::Shared(reader.rx.clone()),
-        room: None,
+        room: Room::Open,
         shut_on_drop: true,
+        #[cfg(test)]
+        no_dup: false,
     };
     Ok((reader, writer))
 }
@@ -82,16 +84,35 @@ impl AsyncRead for Reader {
 #[derive(Debug)]
 pub struct Writer {
     fd: WriteFd,
-    /// While a write waits for room: a duplicate of the descriptor,
-    /// registered for `EPOLLOUT` only, its readiness waited on (the writes
-    /// still go through `fd`). Dropped, and so deregistered, once a write
-    /// takes a whole buffer again.
-    room: Option<pipe::Sender>,
+    /// How a write waiting for room waits.
+    room: Room,
     /// A [`split`]'s writer shuts its side down when dropped, as tokio's
     /// `OwnedWriteHalf` does: the peer sees the end while the reader
     /// lives. Not stdout's: the process's stderr may be the same socket.
     shut_on_drop: bool,
+    /// Tests: the duplicate cannot be made, as when out of descriptors.
+    #[cfg(test)]
+    no_dup: bool,
 }
+
+#[derive(Debug)]
+enum Room {
+    /// Nothing waits: writes go straight through.
+    Open,
+    /// A duplicate of the descriptor, registered for `EPOLLOUT` only, its
+    /// readiness waited on (the writes still go through the writer's
+    /// own). Dropped, and so deregistered, once a write takes a whole
+    /// buffer again.
+    Watched(pipe::Sender),
+    /// Out of descriptors for a duplicate (`EMFILE`, `ENFILE`): the write
+    /// is tried again at each [`TICK`] (and a duplicate with it), so a
+    /// slow client is not cut off for the daemon's lack.
+    Ticking(Pin<Box<tokio::time::Sleep>>),
+}
+
+/// How often a write waiting for room tries again when no duplicate could
+/// be made to watch the socket with.
+const TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 #[derive(Debug)]
 enum WriteFd {
@@ -107,14 +128,33 @@ impl Writer {
         stream.set_nonblocking(true)?;
         Ok(Self {
             fd: WriteFd::Own(OwnedFd::from(stream)),
-            room: None,
+            room: Room::Open,
             shut_on_drop: false,
+            #[cfg(test)]
+            no_dup: false,
         })
     }
 
-    /// Whether a write is waiting for room (registered with the driver).
+    /// Whether a write is waiting for room (registered with the driver,
+    /// or on the clock).
     pub fn waiting(&self) -> bool {
-        self.room.is_some()
+        !matches!(self.room, Room::Open)
+    }
+
+    /// How to wait for room: watching a duplicate of the descriptor, or,
+    /// when there is no descriptor left for one, the clock.
+    fn wait_for_room(&self) -> io::Result<Room> {
+        match self.dup() {
+            Ok(dup) => Ok(Room::Watched(pipe::Sender::from_owned_fd_unchecked(dup)?)),
+            Err(e)
+                if [rustix::io::Errno::MFILE, rustix::io::Errno::NFILE]
+                    .iter()
+                    .any(|n| e.raw_os_error() == Some(n.raw_os_error())) =>
+            {
+                Ok(Room::Ticking(Box::pin(tokio::time::sleep(TICK))))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Runs `f` on the descriptor written to.
@@ -123,6 +163,17 @@ impl Writer {
             WriteFd::Shared(rx) => f(lock(rx).as_fd()),
             WriteFd::Own(fd) => f(fd.as_fd()),
         }
+    }
+
+    /// A duplicate of the descriptor written to.
+    fn dup(&self) -> io::Result<OwnedFd> {
+        #[cfg(test)]
+        if self.no_dup {
+            return Err(io::Error::from_raw_os_error(
+                rustix::io::Errno::MFILE.raw_os_error(),
+            ));
+        }
+        self.with_fd(|fd| fd.try_clone_to_owned())
     }
 
     fn send(&self, buf: &[u8]) -> io::Result<usize> {
@@ -150,13 +201,16 @@ impl AsyncWrite for Writer {
             return Poll::Ready(Ok(0));
         }
         loop {
-            let Some(room) = &this.room else {
+            if let Room::Ticking(tick) = &mut this.room {
+                ready!(tick.as_mut().poll(cx));
+                this.room = Room::Open;
+            }
+            let Room::Watched(room) = &this.room else {
                 match this.send(buf) {
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                        // Full: watch for room on a duplicate (a slow
-                        // client; its one extra descriptor lives as long).
-                        let dup = this.with_fd(|fd| fd.try_clone_to_owned())?;
-                        this.room = Some(pipe::Sender::from_owned_fd_unchecked(dup)?);
+                        // Full: wait for room (a slow client; a duplicate
+                        // watched lives as long).
+                        this.room = this.wait_for_room()?;
                     }
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     done => return Poll::Ready(done),
@@ -173,7 +227,7 @@ impl AsyncWrite for Writer {
             if matches!(done, Ok(n) if n == buf.len()) {
                 // Room again: stop watching. (A part written leaves it
                 // registered for the rest of a `write_all`.)
-                this.room = None;
+                this.room = Room::Open;
             }
             return Poll::Ready(done);
         }
@@ -209,8 +263,8 @@ mod tests {
         /// written to.
         fn raw_fd(&self) -> RawFd {
             match &self.room {
-                Some(room) => room.as_raw_fd(),
-                None => self.with_fd(|fd| fd.as_raw_fd()),
+                Room::Watched(room) => room.as_raw_fd(),
+                _ => self.with_fd(|fd| fd.as_raw_fd()),
             }
         }
     }
@@ -284,6 +338,31 @@ mod tests {
         let mut rest = Vec::new();
         r.read_to_end(&mut rest).await.unwrap();
         assert!(rest.is_empty());
+    }
+
+    /// Out of descriptors (`EMFILE`: the duplicate cannot be made), a
+    /// full socket is waited on by the clock instead, and the write still
+    /// finishes once the peer reads; with descriptors back, it is watched
+    /// again.
+    #[tokio::test]
+    async fn a_full_socket_out_of_descriptors_is_waited_on_by_the_clock() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let mut w = Writer::new(ours).unwrap();
+        w.no_dup = true;
+        let mut theirs = Reader::new(theirs).unwrap();
+        let big: Vec<u8> = (0..4 * 1024 * 1024).map(|i| (i % 251) as u8).collect();
+        let sent = big.clone();
+        let writing = tokio::spawn(async move { w.write_all(&sent).await.map(|()| w) });
+        let mut back = vec![0u8; big.len()];
+        theirs.read_exact(&mut back).await.unwrap();
+        let mut w = writing.await.unwrap().expect("the write finishes");
+        assert!(back == big);
+        assert!(!w.waiting());
+        w.no_dup = false;
+        let written = fill(&mut w, &[7u8; 64 * 1024]).await;
+        assert!(w.waiting() && !watched(w.raw_fd()).is_empty());
+        let mut drained = vec![0u8; written];
+        theirs.read_exact(&mut drained).await.unwrap();
     }
 
     #[tokio::test]
