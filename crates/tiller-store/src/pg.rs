@@ -158,6 +158,29 @@ pub(crate) struct PgDb {
 }
 
 impl PgDb {
+    /// `sql` (`$1` the session, `$2` the value) in a transaction whose
+    /// session's lease this node still holds (see [`check_fence`]).
+    fn fenced_update(
+        &mut self,
+        id: SessionId,
+        sql: &'static str,
+        value: impl ToSql + Sync,
+    ) -> R<()> {
+        self.client()?;
+        let PgDb {
+            client,
+            stmts,
+            held,
+            ..
+        } = self;
+        let mut tx = client.transaction()?;
+        check_fence(&mut tx, stmts, held, id)?;
+        let q = prep(&mut tx, stmts, sql)?;
+        tx.execute(&q, &[&id.to_string(), &value])?;
+        tx.commit()?;
+        Ok(())
+    }
+
     /// Connects, creates the schema if needed and migrates it (under an
     /// advisory lock: nodes starting together migrate once).
     pub(crate) fn connect(url: &str, schema: &str) -> R<PgDb> {
@@ -547,7 +570,6 @@ impl Db for PgDb {
     }
 
     fn save_state(&mut self, id: SessionId, column: StateColumn, value: &str) -> R<()> {
-        self.client()?;
         let sql = match column {
             StateColumn::Engine => {
                 "INSERT INTO session_state (session_id, engine) VALUES ($1, $2)
@@ -558,18 +580,7 @@ impl Db for PgDb {
                  ON CONFLICT (session_id) DO UPDATE SET settings = excluded.settings"
             }
         };
-        let PgDb {
-            client,
-            stmts,
-            held,
-            ..
-        } = self;
-        let mut tx = client.transaction()?;
-        check_fence(&mut tx, stmts, held, id)?;
-        let q = prep(&mut tx, stmts, sql)?;
-        tx.execute(&q, &[&id.to_string(), &value])?;
-        tx.commit()?;
-        Ok(())
+        self.fenced_update(id, sql, value)
     }
 
     fn save_conversation(&mut self, id: SessionId, w: &ConversationWrite) -> R<()> {
@@ -645,19 +656,11 @@ impl Db for PgDb {
     }
 
     fn set_title(&mut self, id: SessionId, title: Option<&str>) -> R<()> {
-        self.client()?.execute(
-            "UPDATE sessions SET title = $2 WHERE id = $1",
-            &[&id.to_string(), &title],
-        )?;
-        Ok(())
+        self.fenced_update(id, "UPDATE sessions SET title = $2 WHERE id = $1", title)
     }
 
     fn close_session(&mut self, id: SessionId) -> R<()> {
-        self.client()?.execute(
-            "UPDATE sessions SET closed = true WHERE id = $1",
-            &[&id.to_string()],
-        )?;
-        Ok(())
+        self.fenced_update(id, "UPDATE sessions SET closed = $2 WHERE id = $1", true)
     }
 
     fn delete_session(&mut self, id: SessionId) -> R<bool> {

@@ -1396,6 +1396,15 @@ mod cluster {
             a.save_state(s.id, StateColumn::Settings, "{}".into()).await,
             Err(StoreError::Fenced(_))
         ));
+        // Its title and its close too: the session is b's now.
+        assert!(matches!(
+            a.set_title(s.id, Some("a's".into())).await,
+            Err(StoreError::Fenced(_))
+        ));
+        assert!(matches!(
+            a.close_session(s.id).await,
+            Err(StoreError::Fenced(_))
+        ));
         assert_eq!(
             a.renew_leases("a".into(), 300).await.unwrap(),
             vec![(s.id, f1)]
