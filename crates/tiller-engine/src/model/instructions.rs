@@ -11,6 +11,8 @@
 //! bounded in time and output.
 
 use std::path::{Path, PathBuf};
+
+use super::repo::{Found, Repository};
 use std::time::Duration;
 
 use crate::HostInfo;
@@ -72,13 +74,14 @@ impl Environment {
             (None, None)
         } else {
             let dir = cwd.clone();
-            let (rules, top) =
-                tokio::task::spawn_blocking(move || (read_rules(&dir), repository_top(&dir)))
+            let (rules, found) =
+                tokio::task::spawn_blocking(move || (read_rules(&dir), super::repo::find(&dir)))
                     .await
-                    .unwrap_or((None, None));
-            let git = match top {
-                Some(top) => git_status(&cwd, &top).await,
-                None => None,
+                    .unwrap_or((None, Found::Nothing));
+            let git = match found {
+                Found::Repository(repo) => git_status(&cwd, &repo).await,
+                Found::Unshown(why) => Some(format!("(status not shown: {why})")),
+                Found::Nothing => None,
             };
             (rules, git)
         };
@@ -176,70 +179,6 @@ fn read_bounded(path: &Path) -> Option<String> {
     Some(text)
 }
 
-/// The nearest of `dir` and the directories above it that has a `.git`:
-/// the work tree git finds from `dir`. Without one, `git` (its environment
-/// cleared: no `GIT_DIR`) finds no work tree and would only say so, so it
-/// is not run: a turn in such a directory costs no process.
-///
-/// A `.git` directory is believed. A `.git` file or link may name any
-/// repository on the machine (a password store's), whose tracked names
-/// status would list as deleted: a file is believed only when the git
-/// directory it names names it back, as a linked work tree's does (its
-/// `gitdir` file), or lies in an enclosing repository's `.git/modules` (a
-/// submodule's); a link never.
-fn repository_top(dir: &Path) -> Option<PathBuf> {
-    // Git looks up from the real directory: a link into a repository's
-    // subdirectory is in that repository.
-    let real = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
-    let top = real
-        .ancestors()
-        .find(|d| d.join(".git").symlink_metadata().is_ok())?;
-    let dot_git = top.join(".git");
-    let meta = dot_git.symlink_metadata().ok()?;
-    if meta.is_dir() {
-        return Some(top.to_owned());
-    }
-    if !meta.is_file() || meta.len() > 4096 {
-        return None;
-    }
-    let text = std::fs::read_to_string(&dot_git).ok()?;
-    let named = text.lines().next()?.strip_prefix("gitdir:")?.trim();
-    let git_dir = top.join(named).canonicalize().ok()?;
-    let named_back = std::fs::read_to_string(git_dir.join("gitdir"))
-        .ok()
-        .and_then(|back| Path::new(back.trim_end()).canonicalize().ok())
-        .is_some_and(|back| back == dot_git);
-    let submodule = top
-        .ancestors()
-        .skip(1)
-        .any(|above| git_dir.starts_with(above.join(".git/modules")))
-        && core_worktree(&git_dir).is_some_and(|w| w == top);
-    (named_back || submodule).then(|| top.to_owned())
-}
-
-/// The work tree a git directory's own config names (`core.worktree`, as
-/// `git submodule` writes it: relative to that directory), real.
-fn core_worktree(git_dir: &Path) -> Option<PathBuf> {
-    let config = std::fs::read_to_string(git_dir.join("config")).ok()?;
-    let mut in_core = false;
-    for line in config.lines().map(str::trim) {
-        if line.starts_with('[') {
-            in_core = line.eq_ignore_ascii_case("[core]");
-        } else if in_core
-            && let Some((key, value)) = line.split_once('=')
-            && key.trim().eq_ignore_ascii_case("worktree")
-        {
-            let value = value.trim();
-            let value = value
-                .strip_prefix('"')
-                .and_then(|v| v.strip_suffix('"'))
-                .unwrap_or(value);
-            return git_dir.join(value).canonicalize().ok();
-        }
-    }
-    None
-}
-
 /// `git` in [`GIT_PATH`], found once. Started by its path, the child is
 /// spawned without a copy of the daemon's page tables (`posix_spawn`; a
 /// lookup under a changed `PATH` makes the standard library fork).
@@ -259,30 +198,24 @@ fn git_program() -> Option<&'static Path> {
     Some(GIT.get_or_init(|| found))
 }
 
-/// `git` in `dir`, its work tree `top` (the directory holding the `.git`
-/// it finds: a hostile config's `core.worktree` cannot point it at
-/// another directory, whose file names status would list), never looking
-/// above `top` (`None` when `top` is `/` or its parent holds a `:`, which
-/// would split that list): its
+/// `git` in `dir`, told its git directory and work tree (`repo`: found
+/// and checked, so git finds nothing by itself: not a repository around a
+/// broken `.git`, nor a work tree a hostile config's `core.worktree` names,
+/// whose file names status would list): its
 /// environment cleared, no system or global config, its output read whole
 /// within [`GIT_TIMEOUT`]; `None` when it is missing, slow or fails.
 async fn git(
     dir: &Path,
-    top: &Path,
+    repo: &Repository,
     overrides: &[(String, &str)],
     args: &[&str],
 ) -> Option<Vec<u8>> {
-    if top.parent()?.as_os_str().as_encoded_bytes().contains(&b':') {
-        return None;
-    }
     let mut cmd = tokio::process::Command::new(git_program()?);
     cmd.args(args)
         .current_dir(dir)
         .env_clear()
-        .env("GIT_WORK_TREE", top)
-        // Nor may git go on up past it: a `.git` that is no repository
-        // would make it describe the one around it.
-        .env("GIT_CEILING_DIRECTORIES", top.parent()?)
+        .env("GIT_DIR", &repo.git_dir)
+        .env("GIT_WORK_TREE", &repo.top)
         .env("PATH", GIT_PATH)
         .env("LC_ALL", "C")
         .env("GIT_CONFIG_NOSYSTEM", "1")
@@ -310,8 +243,8 @@ async fn git(
 /// what it includes) names: status hashes a file whose stat data is stale
 /// through its driver, which is a command from a hostile document. `None`
 /// when the config cannot be read.
-async fn without_filters(dir: &Path, top: &Path) -> Option<Vec<(String, &'static str)>> {
-    let out = git(dir, top, &[], &["config", "-z", "--list"]).await?;
+async fn without_filters(dir: &Path, repo: &Repository) -> Option<Vec<(String, &'static str)>> {
+    let out = git(dir, repo, &[], &["config", "-z", "--list"]).await?;
     let mut names: Vec<&[u8]> = out
         .split(|b| *b == 0)
         .filter_map(|entry| {
@@ -343,19 +276,20 @@ async fn without_filters(dir: &Path, top: &Path) -> Option<Vec<(String, &'static
 /// is a hostile document: its filter drivers are emptied, its fsmonitor
 /// off, its submodules (each with a config of its own) not entered, and
 /// no index is written (so no hook runs).
-async fn git_status(dir: &Path, top: &Path) -> Option<String> {
-    let mut overrides = without_filters(dir, top).await?;
+async fn git_status(dir: &Path, repo: &Repository) -> Option<String> {
+    let mut overrides = without_filters(dir, repo).await?;
     overrides.push(("core.fsmonitor".into(), "false"));
     overrides.push(("core.untrackedCache".into(), "false"));
     let out = git(
         dir,
-        top,
+        repo,
         &overrides,
         &[
             "--no-optional-locks",
             "status",
             "--branch",
             "--porcelain=v1",
+            "-z",
             "--ignore-submodules=all",
         ],
     )
@@ -363,33 +297,40 @@ async fn git_status(dir: &Path, top: &Path) -> Option<String> {
     Some(summary(&String::from_utf8_lossy(&out)))
 }
 
-/// What the model is shown of `git status --branch --porcelain=v1`: its
-/// first lines, each cut, without those naming a path outside the work
-/// tree. Git never writes one for an index it made, but reads an index
-/// as it finds it: a hand-made one may hold `../x` or `/etc/x`, and status
-/// would tell whether each exists.
+/// What the model is shown of `git status --branch --porcelain=v1 -z`:
+/// its first entries, each cut, control characters escaped. Git never
+/// writes a path outside the work tree for an index it made, but reads an
+/// index as it finds it: a hand-made one may hold `../x` or `/etc/x`, and
+/// status would tell whether each exists (or, hashing it, whether its
+/// content is one guessed): then no entry is shown at all.
 fn summary(status: &str) -> String {
-    let mut lines = status.lines();
-    let head = lines.next().unwrap_or_default();
-    let (inside, outside): (Vec<&str>, Vec<&str>) = lines.partition(|l| {
-        l.get(3..)
-            .unwrap_or_default()
-            .split(" -> ")
-            .all(|path| !outside_the_tree(path))
-    });
-    let mut summary: Vec<String> = std::iter::once(head)
-        .chain(inside.iter().copied().take(GIT_LINES))
-        .map(|l| l.chars().take(300).collect())
+    let mut fields = status.split('\0');
+    let head = fields.next().unwrap_or_default();
+    let mut entries = Vec::new();
+    while let Some(entry) = fields.next() {
+        let Some((xy, path)) = entry.split_at_checked(3) else {
+            continue;
+        };
+        let xy = xy.get(..2).unwrap_or(xy);
+        // A rename or copy: the path it came from follows.
+        let from = xy.contains(['R', 'C']).then(|| fields.next()).flatten();
+        if outside_the_tree(path) || from.is_some_and(outside_the_tree) {
+            return format!(
+                "{}\n(changes not shown: the index names paths outside the work tree)",
+                shown(head)
+            );
+        }
+        entries.push(match from {
+            Some(from) => format!("{xy} {} -> {}", shown(from), shown(path)),
+            None => format!("{xy} {}", shown(path)),
+        });
+    }
+    let mut summary: Vec<String> = std::iter::once(shown(head))
+        .chain(entries.iter().take(GIT_LINES).cloned())
         .collect();
-    let more = inside.len().saturating_sub(GIT_LINES);
+    let more = entries.len().saturating_sub(GIT_LINES);
     if more > 0 {
         summary.push(format!("... and {more} more changed paths"));
-    }
-    if !outside.is_empty() {
-        summary.push(format!(
-            "({} paths outside the work tree left out)",
-            outside.len()
-        ));
     }
     if summary.len() == 1 {
         summary.push("(no changes)".into());
@@ -397,13 +338,22 @@ fn summary(status: &str) -> String {
     summary.join("\n")
 }
 
-/// Whether a path as status writes it (C-quoted when it holds special
-/// characters) is absolute or climbs out with `..`.
+/// `text` cut to 300 characters, its control characters escaped.
+fn shown(text: &str) -> String {
+    text.chars()
+        .take(300)
+        .flat_map(|c| {
+            let escaped = c.is_control().then(|| c.escape_default());
+            escaped
+                .into_iter()
+                .flatten()
+                .chain((!c.is_control()).then_some(c))
+        })
+        .collect()
+}
+
+/// Whether a path as status writes it is absolute or climbs out with `..`.
 fn outside_the_tree(path: &str) -> bool {
-    let path = path
-        .strip_prefix('"')
-        .and_then(|p| p.strip_suffix('"'))
-        .unwrap_or(path);
     path.starts_with('/') || path.split('/').any(|part| part == "..")
 }
 
@@ -722,99 +672,63 @@ mod tests {
         );
     }
 
-    /// Status lines naming a path outside the work tree (a hand-made
-    /// index may hold `../x` or `/etc/x`, which git reports as it finds
-    /// them: whether they exist) are left out, counted.
+    /// A repository whose index is another's (a link from an archive):
+    /// git would list that repository's tracked names as deleted; its
+    /// status is not shown, and the model is told why.
+    #[tokio::test]
+    async fn a_repository_borrowing_another_s_index_shows_none_of_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let git = |dir: &Path, args: &[&str]| {
+            let ok = std::process::Command::new("git")
+                .args(args)
+                .current_dir(dir)
+                .env("GIT_CONFIG_NOSYSTEM", "1")
+                .env("GIT_CONFIG_GLOBAL", "/dev/null")
+                .status()
+                .unwrap();
+            assert!(ok.success(), "git {args:?}");
+        };
+        let private = dir.path().join("private");
+        let evil = dir.path().join("evil");
+        for d in [&private, &evil] {
+            std::fs::create_dir(d).unwrap();
+            git(d, &["init", "-q", "-b", "main"]);
+        }
+        std::fs::write(private.join("tracked-private-name.txt"), "x").unwrap();
+        git(&private, &["add", "."]);
+        std::os::unix::fs::symlink(private.join(".git/index"), evil.join(".git/index")).unwrap();
+        let host = HostInfo {
+            cwd: evil,
+            ..Default::default()
+        };
+        let status = Environment::gather(&host).await.git.expect("a repository");
+        assert!(!status.contains("private"), "{status}");
+        assert!(status.contains("status not shown"), "{status}");
+    }
+
+    /// Status entries as git writes them with `-z`: renames shown from
+    /// and to, control characters escaped; an index naming a path outside
+    /// the work tree (a hand-made one may hold `../x` or `/etc/x`, which git
+    /// reports as it finds them: whether they exist) shows no entry at all.
     #[test]
-    fn status_lines_outside_the_work_tree_are_left_out() {
-        let status = "## main\n M src/a.rs\nAM ../private/exists.txt\nAD /etc/nonexistent\n\
-                      R  a.rs -> ../b.rs\n?? \"../quoted\\tname\"\n?? \"q\\tok\"\n?? a..b/c..\n\
-                      ?? sub/../../up\n";
+    fn status_is_shown_unless_the_index_names_paths_outside_the_work_tree() {
+        let status = "## main\0 M src/a.rs\0R  new.rs\0old.rs\0?? q\tok\0?? a..b/c..\0?? x -> y\0";
         assert_eq!(
             summary(status),
-            "## main\n M src/a.rs\n?? \"q\\tok\"\n?? a..b/c..\n\
-             (5 paths outside the work tree left out)"
+            "## main\n M src/a.rs\nR  old.rs -> new.rs\n?? q\\tok\n?? a..b/c..\n?? x -> y"
         );
-        assert_eq!(summary("## main\n"), "## main\n(no changes)");
-    }
-
-    /// A `.git` file (a linked work tree, a submodule) marks a repository
-    /// as a `.git` directory does; no `.git` anywhere above, none.
-    #[test]
-    fn a_repository_is_found_by_its_dot_git_above() {
-        let dir = tempfile::tempdir().unwrap();
-        let real = dir.path().canonicalize().unwrap();
-        let deep = dir.path().join("a/b");
-        std::fs::create_dir_all(&deep).unwrap();
-        // The temporary directory is not in a repository.
-        assert_eq!(repository_top(&deep), None);
-        std::fs::create_dir(dir.path().join("a/.git")).unwrap();
-        let top = real.join("a");
-        assert_eq!(repository_top(&deep), Some(top.clone()));
-        assert_eq!(repository_top(dir.path()), None);
-        // A link to a directory inside the repository, from outside it.
-        let link = dir.path().join("link");
-        std::os::unix::fs::symlink(&deep, &link).unwrap();
-        assert_eq!(repository_top(&link), Some(top));
-    }
-
-    /// A `.git` file or link may name any repository on the machine (a
-    /// password store's), whose tracked names status would list as
-    /// deleted: believed only when that git directory names this one
-    /// back, as a linked work tree's does (`gitdir`), or lies in an
-    /// enclosing repository's `.git/modules` (a submodule's).
-    #[test]
-    fn a_dot_git_naming_another_repository_is_not_believed() {
-        let dir = tempfile::tempdir().unwrap();
-        let real = dir.path().canonicalize().unwrap();
-        let private = real.join("private/.git");
-        std::fs::create_dir_all(&private).unwrap();
-        let evil = real.join("evil");
-        std::fs::create_dir(&evil).unwrap();
-        for target in [private.display().to_string(), "../private/.git".into()] {
-            std::fs::write(evil.join(".git"), format!("gitdir: {target}\n")).unwrap();
-            assert_eq!(repository_top(&evil), None, "{target}");
+        assert_eq!(summary("## main\0"), "## main\n(no changes)");
+        for outside in [
+            "AM ../private/exists.txt\0",
+            "AD /etc/nonexistent\0",
+            "R  inside.rs\0../b.rs\0",
+            "?? sub/../../up\0",
+        ] {
+            assert_eq!(
+                summary(&format!("## main\0 M src/a.rs\0{outside}")),
+                "## main\n(changes not shown: the index names paths outside the work tree)",
+                "{outside}"
+            );
         }
-        std::fs::remove_file(evil.join(".git")).unwrap();
-        std::os::unix::fs::symlink(&private, evil.join(".git")).unwrap();
-        assert_eq!(repository_top(&evil), None, "a link");
-        // A linked work tree: its git directory names it back.
-        let linked = private.join("worktrees/wt");
-        std::fs::create_dir_all(&linked).unwrap();
-        let wt = real.join("wt");
-        std::fs::create_dir(&wt).unwrap();
-        std::fs::write(wt.join(".git"), format!("gitdir: {}\n", linked.display())).unwrap();
-        assert_eq!(repository_top(&wt), None, "not named back yet");
-        std::fs::write(
-            linked.join("gitdir"),
-            format!("{}\n", wt.join(".git").display()),
-        )
-        .unwrap();
-        assert_eq!(repository_top(&wt), Some(wt.clone()));
-        // A submodule: its git directory in the enclosing repository's.
-        let modules = real.join("private/.git/modules/sub");
-        std::fs::create_dir_all(&modules).unwrap();
-        let sub = real.join("private/sub");
-        std::fs::create_dir(&sub).unwrap();
-        std::fs::write(sub.join(".git"), "gitdir: ../.git/modules/sub\n").unwrap();
-        assert_eq!(repository_top(&sub), None, "the module names no work tree");
-        std::fs::write(
-            modules.join("config"),
-            "[core]\n\tbare = false\n\tworktree = ../../../sub\n",
-        )
-        .unwrap();
-        assert_eq!(repository_top(&sub), Some(sub.clone()));
-        // Another repository's module, named from elsewhere: not this one's.
-        std::fs::remove_file(evil.join(".git")).unwrap();
-        std::fs::write(
-            evil.join(".git"),
-            format!("gitdir: {}\n", modules.display()),
-        )
-        .unwrap();
-        let inside = real.join("private/evil");
-        std::fs::create_dir(&inside).unwrap();
-        std::fs::write(inside.join(".git"), "gitdir: ../.git/modules/sub\n").unwrap();
-        assert_eq!(repository_top(&evil), None);
-        assert_eq!(repository_top(&inside), None);
     }
 }

@@ -7,6 +7,7 @@
 mod anthropic;
 pub mod instructions;
 mod openai;
+mod repo;
 
 use std::collections::VecDeque;
 use std::time::Duration;
