@@ -67,7 +67,11 @@ impl CallState {
 /// is weighed as a `shell` call, so "always" covers that command's prefix,
 /// never the agent's whole tool; with anything more (a directory...),
 /// "always" covers nothing but this call.
-fn asked(mut call: tiller_engine::ToolCall, locations: &[String]) -> tiller_engine::ToolCall {
+fn asked(
+    mut call: tiller_engine::ToolCall,
+    locations: &[String],
+    dir: &std::path::Path,
+) -> tiller_engine::ToolCall {
     // Whatever the agent calls them: `path`, `file_path`, `notebook_path`,
     // `filePath`...
     let paths = call
@@ -81,7 +85,7 @@ fn asked(mut call: tiller_engine::ToolCall, locations: &[String]) -> tiller_engi
         .iter()
         .map(String::as_str)
         .chain(paths)
-        .any(|p| tiller_tools::in_git_dir(std::path::Path::new(p)));
+        .any(|p| tiller_tools::lands_in_git_dir(dir, std::path::Path::new(p)));
     if call.kind == ToolKind::Edit && !into_git {
         return call;
     }
@@ -308,7 +312,7 @@ impl SessionState {
         let hosted = run.hosted.as_mut()?;
         let s = &hosted.calls[i];
         let tool = s.as_tool_call();
-        let weighed = asked(tool.clone(), &s.locations);
+        let weighed = asked(tool.clone(), &s.locations, self.toolbox.root());
         // The session's rules may allow the call without asking; else
         // nobody answers for an automatic turn.
         if !self.permissions.needs(&weighed) {
@@ -387,7 +391,7 @@ impl SessionState {
                 // Tiller remembers the rule and answers the agent's later
                 // requests by it; the agent itself is told once only (its
                 // own "always" may cover its whole tool).
-                let call = asked(s.as_tool_call(), &s.locations);
+                let call = asked(s.as_tool_call(), &s.locations, self.toolbox.root());
                 if crate::tools::may_always(&call) {
                     self.permissions.allow_always(&call);
                 } else {
@@ -535,55 +539,4 @@ fn end_unfinished(
 }
 
 #[cfg(test)]
-mod tests {
-    /// An agent's edit weighs as an edit, unless it lands in a
-    /// repository's own directory, by any case of its name (`.GIT` is
-    /// `.git` on a case-insensitive file system): then as a command.
-    #[test]
-    fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
-        use tiller_engine::{ToolCall, ToolKind};
-        let edit = |path: &str| ToolCall {
-            id: "t".into(),
-            name: "Write".into(),
-            kind: ToolKind::Edit,
-            input: serde_json::json!({ "file_path": path }),
-            simulated: None,
-        };
-        for (path, kind) in [
-            ("src/a.rs", ToolKind::Edit),
-            (".git/config", ToolKind::Execute),
-            ("/p/.GIT/hooks/pre-commit", ToolKind::Execute),
-            ("sub/.Git/config", ToolKind::Execute),
-            ("GIT~1/config", ToolKind::Execute),
-            (".git. /hooks/x", ToolKind::Execute),
-            ("src/.gitignore", ToolKind::Edit),
-        ] {
-            assert_eq!(super::asked(edit(path), &[]).kind, kind, "{path}");
-        }
-        // Whatever the agent calls its path argument.
-        for key in ["path", "notebook_path", "absolute_path", "filePath"] {
-            let mut call = edit("a.rs");
-            call.input = serde_json::json!({ key: "/p/.git/config" });
-            assert_eq!(super::asked(call, &[]).kind, ToolKind::Execute, "{key}");
-        }
-        let located = super::asked(edit("a.rs"), &["/p/.gIT/config".into()]);
-        assert_eq!(located.kind, ToolKind::Execute);
-    }
-
-    #[test]
-    fn an_agents_read_takes_the_lines_it_asked_for() {
-        let text = "a\nb\nc\n";
-        // (line, limit, text)
-        let cases = [
-            (None, None, "a\nb\nc\n"),
-            (Some(2), None, "b\nc\n"),
-            (Some(2), Some(1), "b\n"),
-            (None, Some(2), "a\nb\n"),
-            (Some(0), Some(1), "a\n"),
-            (Some(9), None, ""),
-        ];
-        for (line, limit, want) in cases {
-            assert_eq!(super::lines(text, line, limit), want, "{line:?} {limit:?}");
-        }
-    }
-}
+mod tests;

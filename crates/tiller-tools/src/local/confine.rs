@@ -76,6 +76,31 @@ pub fn in_git_dir(path: &Path) -> bool {
     })
 }
 
+/// Whether `path` (relative to `dir`) would land in a repository's own
+/// directory: by its name ([`in_git_dir`]), or once the links on its way
+/// are followed (`tools -> .git/hooks`, then `tools/pre-commit` or
+/// `tools/../config`), as far as it exists.
+pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
+    if in_git_dir(path) {
+        return true;
+    }
+    let full = dir.join(path);
+    let mut rest = Vec::new();
+    let mut at = full.as_path();
+    loop {
+        if let Ok(real) = at.canonicalize() {
+            return in_git_dir(&rest.iter().rev().fold(real, |p, c| p.join(c)));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                at = parent;
+            }
+            _ => return false,
+        }
+    }
+}
+
 /// The code points HFS+ leaves out of a name when it compares names.
 fn hfs_ignored(c: char) -> bool {
     matches!(

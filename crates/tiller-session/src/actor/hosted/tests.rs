@@ -1,0 +1,75 @@
+//! The pure parts of hosting an ACP agent's turn.
+
+/// An agent's edit weighs as an edit, unless it lands in a
+/// repository's own directory, by any case of its name (`.GIT` is
+/// `.git` on a case-insensitive file system): then as a command.
+#[test]
+fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
+    use tiller_engine::{ToolCall, ToolKind};
+    let edit = |path: &str| ToolCall {
+        id: "t".into(),
+        name: "Write".into(),
+        kind: ToolKind::Edit,
+        input: serde_json::json!({ "file_path": path }),
+        simulated: None,
+    };
+    for (path, kind) in [
+        ("src/a.rs", ToolKind::Edit),
+        (".git/config", ToolKind::Execute),
+        ("/p/.GIT/hooks/pre-commit", ToolKind::Execute),
+        ("sub/.Git/config", ToolKind::Execute),
+        ("GIT~1/config", ToolKind::Execute),
+        (".git. /hooks/x", ToolKind::Execute),
+        ("src/.gitignore", ToolKind::Edit),
+    ] {
+        assert_eq!(
+            super::asked(edit(path), &[], "/p".as_ref()).kind,
+            kind,
+            "{path}"
+        );
+    }
+    // Whatever the agent calls its path argument.
+    for key in ["path", "notebook_path", "absolute_path", "filePath"] {
+        let mut call = edit("a.rs");
+        call.input = serde_json::json!({ key: "/p/.git/config" });
+        assert_eq!(
+            super::asked(call, &[], "/p".as_ref()).kind,
+            ToolKind::Execute,
+            "{key}"
+        );
+    }
+    let located = super::asked(edit("a.rs"), &["/p/.gIT/config".into()], "/p".as_ref());
+    assert_eq!(located.kind, ToolKind::Execute);
+    // Through a link the repository checked out (`tools -> .git/hooks`).
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join(".git/hooks")).unwrap();
+    std::os::unix::fs::symlink(".git/hooks", dir.path().join("tools")).unwrap();
+    for path in ["tools/pre-commit", "tools/../config", "tools/new/x"] {
+        assert_eq!(
+            super::asked(edit(path), &[], dir.path()).kind,
+            ToolKind::Execute,
+            "{path}"
+        );
+    }
+    assert_eq!(
+        super::asked(edit("src/a.rs"), &[], dir.path()).kind,
+        ToolKind::Edit
+    );
+}
+
+#[test]
+fn an_agents_read_takes_the_lines_it_asked_for() {
+    let text = "a\nb\nc\n";
+    // (line, limit, text)
+    let cases = [
+        (None, None, "a\nb\nc\n"),
+        (Some(2), None, "b\nc\n"),
+        (Some(2), Some(1), "b\n"),
+        (None, Some(2), "a\nb\n"),
+        (Some(0), Some(1), "a\n"),
+        (Some(9), None, ""),
+    ];
+    for (line, limit, want) in cases {
+        assert_eq!(super::lines(text, line, limit), want, "{line:?} {limit:?}");
+    }
+}
