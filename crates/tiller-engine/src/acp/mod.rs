@@ -17,6 +17,7 @@
 
 mod child;
 mod map;
+mod secrets;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
