@@ -25,12 +25,40 @@ const MAX_LINE: usize = 80 * 1024 * 1024;
 /// that floods is held back by its own output pipe.
 const ROUTE_QUEUE: usize = 1024;
 
-/// Bytes (of the lines they came in) waiting for all of a process's turns
-/// at once: past this the reader waits too, for every session on the
+/// What may wait for all of a process's turns at once, weighed as parsed
+/// ([`weight`]): past this the reader waits too, for every session on the
 /// process. Lines as long as [`MAX_LINE`] would otherwise let
-/// [`ROUTE_QUEUE`] of them wait for each session. One line longer than
-/// this waits alone. Parsed, a message may take several times its line.
+/// [`ROUTE_QUEUE`] of them wait for each session. One message weighing
+/// more waits alone.
 const QUEUE_BYTES: usize = 32 * 1024 * 1024;
+
+/// Most a single message may weigh ([`weight`]): an agent writing more
+/// (`[0,0,0,...]` as long as [`MAX_LINE`] would take gigabytes parsed) is
+/// killed. A file's text in a message weighs about its length.
+const MAX_WEIGHT: usize = 4 * MAX_LINE;
+
+/// What a line takes parsed, told before parsing it: its bytes, and a
+/// `serde_json::Value` for each `,` `:` `[` `{` (strings inside counted
+/// too, so never less).
+fn weight(line: &str) -> usize {
+    let marks = line
+        .bytes()
+        .filter(|b| matches!(b, b',' | b':' | b'[' | b'{'))
+        .count();
+    line.len() + marks * size_of::<Value>()
+}
+
+/// The bounds a child's reader keeps.
+#[derive(Clone, Copy)]
+struct Limits {
+    queue_bytes: usize,
+    max_weight: usize,
+}
+
+const LIMITS: Limits = Limits {
+    queue_bytes: QUEUE_BYTES,
+    max_weight: MAX_WEIGHT,
+};
 
 /// A message for a turn and its share of [`QUEUE_BYTES`], given back once
 /// the turn takes it.
@@ -172,11 +200,12 @@ impl Child {
     /// Starts the process in its own process group with the configured
     /// environment only, and its reader, writer and exit watcher.
     pub(super) fn spawn(cfg: &AcpConfig) -> Result<Arc<Child>, String> {
-        Self::spawn_with(cfg, QUEUE_BYTES)
+        Self::spawn_with(cfg, LIMITS)
     }
 
-    /// [`Child::spawn`] with `queue_bytes` in place of [`QUEUE_BYTES`].
-    fn spawn_with(cfg: &AcpConfig, queue_bytes: usize) -> Result<Arc<Child>, String> {
+    /// [`Child::spawn`] with `limits` in place of [`LIMITS`].
+    fn spawn_with(cfg: &AcpConfig, limits: Limits) -> Result<Arc<Child>, String> {
+        let queue_bytes = limits.queue_bytes;
         let mut cmd = tokio::process::Command::new(&cfg.command);
         cmd.args(&cfg.args)
             .env_clear()
@@ -227,15 +256,26 @@ impl Child {
                 let Some(c) = r.upgrade() else { return };
                 match item {
                     Some(Ok(line)) => {
+                        // Bounded, in messages and in weight, before it is
+                        // parsed: the agent waits while its turn is behind
+                        // (the turn waits for its session).
+                        let weight = weight(&line);
+                        if weight > limits.max_weight {
+                            let mib = weight >> 20;
+                            c.die(
+                                Death::Protocol,
+                                format!(
+                                    "the agent wrote a message too large to hold ({mib} MiB parsed)"
+                                ),
+                            );
+                            return;
+                        }
+                        let share = kib(weight).min(c.queue_kib);
+                        let Ok(held) = c.queued.clone().acquire_many_owned(share).await else {
+                            return;
+                        };
                         if let Some((tx, msg)) = c.read(&line) {
-                            // Bounded, in messages and in bytes: the agent
-                            // waits while its turn is behind (the turn
-                            // waits for its session).
-                            let share = kib(line.len()).min(c.queue_kib);
                             drop(line);
-                            let Ok(held) = c.queued.clone().acquire_many_owned(share).await else {
-                                return;
-                            };
                             let routed = Routed { msg, _held: held };
                             if let Err(e) = tx.send(routed).await {
                                 c.stale(e.0.msg);
@@ -659,12 +699,30 @@ mod tests {
             version: "0".into(),
             dir: "/".into(),
         };
-        let child = super::Child::spawn_with(&cfg, 1 << 20).unwrap();
+        let limits = super::Limits {
+            queue_bytes: 1 << 20,
+            max_weight: super::MAX_WEIGHT,
+        };
+        let child = super::Child::spawn_with(&cfg, limits).unwrap();
         let mut route = child.route("s");
         child.notify("go", serde_json::Value::Null);
-        // Time for the agent to write everything, were it let.
-        tokio::time::sleep(std::time::Duration::from_millis(800)).await;
-        let waiting = route.len();
+        // Until what waits stops growing (the agent would have written
+        // everything by then, were it let).
+        let mut waiting = 0;
+        let mut still = 0;
+        for _ in 0..200 {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            let now = route.len();
+            still = if now == waiting && now > 0 {
+                still + 1
+            } else {
+                0
+            };
+            waiting = now;
+            if still == 6 {
+                break;
+            }
+        }
         assert!(
             (8..=17).contains(&waiting),
             "{waiting} updates of 64 KiB waiting"
@@ -680,6 +738,52 @@ mod tests {
         tokio::time::timeout(std::time::Duration::from_secs(20), all)
             .await
             .expect("every update arrives");
+    }
+
+    /// A message that would take more than its bound parsed (told before
+    /// parsing it) kills the agent; a long text does not.
+    #[tokio::test]
+    async fn a_message_too_large_to_hold_parsed_kills_the_agent() {
+        let line = |fill: &str| {
+            format!(
+                "s=$(head -c 40000 /dev/zero | tr '\\0' '{fill}'); \
+                 printf '{{\"jsonrpc\":\"2.0\",\"method\":\"session/update\",\"params\":{{\"sessionId\":\"s\",\"update\":{{\"x\":\"%s\"}}}}}}\\n' \"$s\";"
+            )
+        };
+        let script = format!("read go; {} {} sleep 30", line("a"), line(","));
+        let cfg = super::AcpConfig {
+            name: "large".into(),
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), script],
+            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+            sessions_per_process: 1,
+            idle_timeout: std::time::Duration::from_secs(60),
+            max_processes: 1,
+            cancel_grace: std::time::Duration::from_secs(1),
+            start_timeout: std::time::Duration::from_secs(5),
+            version: "0".into(),
+            dir: "/".into(),
+        };
+        let limits = super::Limits {
+            queue_bytes: 4 << 20,
+            max_weight: 1 << 20,
+        };
+        let child = super::Child::spawn_with(&cfg, limits).unwrap();
+        let mut route = child.route("s");
+        child.notify("go", serde_json::Value::Null);
+        let first = tokio::time::timeout(std::time::Duration::from_secs(10), route.recv()).await;
+        assert!(
+            matches!(first, Ok(Some(super::Inbound::Update(_)))),
+            "the long text arrives"
+        );
+        let second = tokio::time::timeout(std::time::Duration::from_secs(10), route.recv()).await;
+        assert!(
+            matches!(second, Ok(None)),
+            "the second message was delivered, or the route stayed open"
+        );
+        let (death, why) = child.death().expect("dead");
+        assert_eq!(death, Death::Protocol);
+        assert!(why.contains("too large"), "{why}");
     }
 
     #[test]

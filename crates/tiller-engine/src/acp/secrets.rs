@@ -3,55 +3,98 @@
 
 /// The values that may be secrets, at least 8 characters long (a shorter
 /// one would blank out ordinary words): every one in `env` but the base
-/// variables', and what `args` seems to give as one (a heuristic, see
-/// [`arg_secrets`]).
+/// variables' (and each line of one on several: a PEM key), and what
+/// `args` seem to give as one (a heuristic, see [`arg_secrets`]).
 pub(super) fn secrets(env: &[(String, String)], args: &[String]) -> Box<[String]> {
-    let from_args = arg_secrets(args);
-    env.iter()
+    let from_env = env
+        .iter()
         .filter(|(k, _)| !crate::BASE_ENV.contains(&k.as_str()))
-        .map(|(_, v)| v.as_str())
-        .chain(from_args)
+        .flat_map(|(_, v)| {
+            let lines = v.contains('\n').then(|| v.lines().map(str::trim));
+            std::iter::once(v.as_str()).chain(lines.into_iter().flatten())
+        });
+    from_env
+        .chain(arg_secrets(args))
         .filter(|v| v.len() >= 8)
         .map(str::to_owned)
         .collect()
 }
 
-/// What `args` seems to give as secrets: the value of a flag naming a key,
-/// token, secret, password, passphrase, credential or auth (`--api-key
-/// VALUE`, `--token=VALUE`), of a `NAME=VALUE` whose name does, and the
-/// token after `Bearer `. Not a flag that names where a secret is
-/// (`--api-key-env`, `--token-file`, `--key-dir`...) or what kind
-/// (`--auth-type`), nor a negated one (`--no-keychain`).
-fn arg_secrets(args: &[String]) -> impl Iterator<Item = &str> {
-    const NAMES: [&str; 7] = [
+/// Whether a flag's, a variable's or a header's name names a secret: its
+/// last word is (or ends in) key, token, secret, password, passphrase,
+/// credential(s) or auth(orization) (`--api-key`, `--apikey`,
+/// `OPENAI_API_KEY`, `Authorization`), not what names where or what kind
+/// (`--api-key-env`, `--token-url`, `--auth-provider`, `--tokenizer`), and
+/// not a negated flag (`--no-keychain`).
+fn names_a_secret(name: &str) -> bool {
+    const WORDS: [&str; 10] = [
         "key",
         "token",
         "secret",
-        "passw",
+        "password",
+        "passwd",
         "passphrase",
         "credential",
+        "credentials",
         "auth",
+        "authorization",
     ];
-    const NOT: [&str; 10] = [
-        "env", "file", "path", "dir", "var", "name", "id", "type", "method", "mode",
-    ];
-    let secret_name = |name: &str| {
-        let name = name.trim_start_matches('-').to_ascii_lowercase();
-        let last = name.rsplit(['-', '_']).next().unwrap_or_default();
-        !name.starts_with("no-") && !NOT.contains(&last) && NAMES.iter().any(|w| name.contains(w))
-    };
+    let name = name.trim().trim_start_matches('-').to_ascii_lowercase();
+    let last = name.rsplit(['-', '_', '.']).next().unwrap_or_default();
+    !name.starts_with("no-") && WORDS.iter().any(|w| last.ends_with(w))
+}
+
+/// What `args` seem to give as secrets: the value of a flag naming one
+/// (`--api-key VALUE`, `--token=VALUE`), of a `NAME=VALUE` or a header
+/// `Name: value` whose name does (see [`names_a_secret`]), the token after
+/// `Bearer ` or `Basic ` (any case), and the password in a URL
+/// (`https://user:PASSWORD@host`).
+fn arg_secrets(args: &[String]) -> impl Iterator<Item = &str> {
     args.iter().enumerate().flat_map(move |(i, a)| {
         let value = match a.split_once('=') {
-            Some((name, value)) => secret_name(name).then_some(value),
-            None if a.starts_with('-') && secret_name(a) => args
+            Some((name, value)) if names_a_secret(name) => Some(value),
+            // `--header=Name: value` is a header, below.
+            Some(_) => None,
+            None if a.starts_with('-') && names_a_secret(a) => args
                 .get(i + 1)
                 .map(String::as_str)
                 .filter(|v| !v.starts_with('-')),
             None => None,
         };
-        let bearer = a.find("Bearer ").map(|at| a[at + "Bearer ".len()..].trim());
-        value.into_iter().chain(bearer)
+        let header = a
+            .rsplit_once('=')
+            .map_or(a.as_str(), |(_, h)| h)
+            .split_once(':')
+            .filter(|(name, _)| !name.contains("//") && names_a_secret(name))
+            .map(|(_, v)| v.trim());
+        value
+            .into_iter()
+            .chain(header)
+            .chain(scheme_token(a))
+            .chain(url_password(a))
     })
+}
+
+/// The token after `Bearer ` or `Basic ` (any case), to the next space,
+/// comma or quote.
+fn scheme_token(text: &str) -> Option<&str> {
+    let lower = text.to_ascii_lowercase();
+    let at = ["bearer ", "basic "]
+        .iter()
+        .find_map(|s| lower.find(s).map(|at| at + s.len()))?;
+    let token = text[at..].trim_start();
+    let end = token
+        .find(|c: char| c.is_whitespace() || c == ',' || c == '"')
+        .unwrap_or(token.len());
+    Some(&token[..end])
+}
+
+/// The password in a URL's `user:password@`.
+fn url_password(text: &str) -> Option<&str> {
+    let after = &text[text.find("://")? + 3..];
+    let authority = &after[..after.find(['/', '?', '#']).unwrap_or(after.len())];
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    userinfo.split_once(':').map(|(_, password)| password)
 }
 
 /// `text` with every byte of every occurrence of `secrets` (overlapping
@@ -101,18 +144,26 @@ pub(super) async fn log_lines(
     mut log: impl FnMut(&str),
 ) {
     use tokio::io::AsyncBufReadExt as _;
-    // A secret starting in the part shown is kept whole.
-    let keep = LOGGED_LINE + secrets.iter().map(String::len).max().unwrap_or(0);
+    // A secret starting in the part shown is kept whole, and a byte more
+    // tells a cut line.
+    let keep = LOGGED_LINE + secrets.iter().map(String::len).max().unwrap_or(0) + 1;
     let mut from = tokio::io::BufReader::new(from);
     let mut line = Vec::with_capacity(keep);
     let mut emit = |line: &mut Vec<u8>| {
         if tracing::enabled!(tracing::Level::DEBUG) {
+            if line.last() == Some(&b'\r') {
+                line.pop();
+            }
             let text = String::from_utf8_lossy(line);
             let mut shown = LOGGED_LINE.min(text.len());
             while !text.is_char_boundary(shown) {
                 shown -= 1;
             }
-            log(&redact_upto(secrets, &text, shown));
+            let mut logged = redact_upto(secrets, &text, shown);
+            if shown < text.len() {
+                logged.push_str(" (cut)");
+            }
+            log(&logged);
         }
         line.clear();
     };
@@ -244,6 +295,66 @@ mod tests {
              for some-long-model-name with --experimental-acp --verbose-output: \
              OPENAI_API_KEY is not set, /home/alice/token.txt is missing, \
              plain-argument, oauth-personal"
+        );
+    }
+
+    /// Flags naming a kind or a place (`--auth-provider`, `--token-url`,
+    /// `--tokenizer`, `--keyring-backend`) keep their values shown; headers
+    /// and URLs carrying a credential do not; a multi-line secret (a PEM
+    /// key in `env`) is hidden line by line.
+    #[test]
+    fn what_names_a_secret_is_told_from_what_names_where_or_what_kind() {
+        let args = [
+            "--auth-provider",
+            "vertex-provider",
+            "--token-url",
+            "https://auth.example/token",
+            "--tokenizer",
+            "cl100k_base_x",
+            "--keyring-backend",
+            "secretservice",
+            "--api-key-environment",
+            "PROD_SETTINGS",
+            "-H",
+            "x-api-key: hdr-secret-1516",
+            "--header=authorization: bearer tok-lower-1718, other",
+            "--proxy",
+            "https://user:url-pass-1920@proxy.example:8080",
+            "--apikey",
+            "sk-joined-2122",
+        ]
+        .map(str::to_owned);
+        let env = [(
+            "KEY_PEM".to_owned(),
+            "-----BEGIN KEY-----\nline-one-of-key\nline-two-of-key\n-----END KEY-----".to_owned(),
+        )];
+        let said = "vertex-provider https://auth.example/token cl100k_base_x secretservice \
+                    PROD_SETTINGS hdr-secret-1516 tok-lower-1718 url-pass-1920 \
+                    sk-joined-2122 line-two-of-key";
+        assert_eq!(
+            redact(&secrets(&env, &args), said),
+            "vertex-provider https://auth.example/token cl100k_base_x secretservice \
+             PROD_SETTINGS [redacted] [redacted] [redacted] [redacted] [redacted]"
+        );
+    }
+
+    /// A line's carriage return is not logged; a cut line says so.
+    #[tokio::test]
+    async fn a_logged_line_drops_its_carriage_return_and_says_when_cut() {
+        let debug = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::DEBUG)
+            .with_writer(std::io::sink)
+            .finish();
+        let _on = tracing::subscriber::set_default(debug);
+        let mut text = b"one\r\n".to_vec();
+        text.extend(std::iter::repeat_n(b'x', 3000));
+        let mut logged = Vec::new();
+        log_lines(&text[..], &[], |l| logged.push(l.to_owned())).await;
+        assert_eq!(logged[0], "one");
+        assert!(
+            logged[1].starts_with("xxx") && logged[1].ends_with(" (cut)"),
+            "{}",
+            logged[1]
         );
     }
 }

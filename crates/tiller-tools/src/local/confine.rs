@@ -70,7 +70,7 @@ fn protected_path(path: &Path) -> bool {
 pub fn in_git_dir(path: &Path) -> bool {
     path.components().any(|c| {
         let name = c.as_os_str().to_string_lossy();
-        let name: String = name.chars().filter(|c| !hfs_ignored(*c)).collect();
+        let name: String = name.chars().filter(|c| !ignorable(*c)).collect();
         let name = name.trim_end_matches(['.', ' ']);
         name.eq_ignore_ascii_case(".git") || name.eq_ignore_ascii_case("git~1")
     })
@@ -101,11 +101,29 @@ pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
     }
 }
 
-/// The code points HFS+ leaves out of a name when it compares names.
-fn hfs_ignored(c: char) -> bool {
+/// The code points a file system may leave out of a name when it compares
+/// names: HFS+'s, and Unicode's default ignorable ones, which a Linux
+/// `casefold` directory has ignored in some kernels.
+fn ignorable(c: char) -> bool {
     matches!(
         c,
-        '\u{200c}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{206a}'..='\u{206f}' | '\u{feff}'
+        '\u{00ad}'
+            | '\u{034f}'
+            | '\u{061c}'
+            | '\u{115f}'..='\u{1160}'
+            | '\u{17b4}'..='\u{17b5}'
+            | '\u{180b}'..='\u{180f}'
+            | '\u{200b}'..='\u{200f}'
+            | '\u{202a}'..='\u{202e}'
+            | '\u{2060}'..='\u{206f}'
+            | '\u{3164}'
+            | '\u{fe00}'..='\u{fe0f}'
+            | '\u{feff}'
+            | '\u{ffa0}'
+            | '\u{fff0}'..='\u{fff8}'
+            | '\u{1bca0}'..='\u{1bca3}'
+            | '\u{1d173}'..='\u{1d17a}'
+            | '\u{e0000}'..='\u{e0fff}'
     )
 }
 

@@ -1278,6 +1278,10 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
             "write_file",
             json!({"path": ".g\u{200c}it/config", "content": "[core]\n\tfsmonitor = evil\n"}),
         ),
+        (
+            "write_file",
+            json!({"path": ".gi\u{200b}t/config", "content": "[core]\n\tfsmonitor = evil\n"}),
+        ),
     ] {
         let out = go(root, name, input.clone()).await;
         assert!(!out.ok, "{name} {input}: {}", out.output);
@@ -1289,7 +1293,14 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
     );
     assert!(!root.join(".git/hooks/pre-commit").exists());
     assert!(!root.join(".git/hooks/post-checkout").exists());
-    for made in [".GIT", "sub", "GIT~1", ".git. ", ".g\u{200c}it"] {
+    for made in [
+        ".GIT",
+        "sub",
+        "GIT~1",
+        ".git. ",
+        ".g\u{200c}it",
+        ".gi\u{200b}t",
+    ] {
         assert!(!root.join(made).exists(), "{made}");
     }
     // Elsewhere in the repository, as before.
