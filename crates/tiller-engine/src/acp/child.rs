@@ -37,15 +37,33 @@ const QUEUE_BYTES: usize = 32 * 1024 * 1024;
 /// killed. A file's text in a message weighs about its length.
 const MAX_WEIGHT: usize = 4 * MAX_LINE;
 
-/// What a line takes parsed, told before parsing it: its bytes, and a
-/// `serde_json::Value` for each `,` `:` `[` `{` (strings inside counted
-/// too, so never less).
+/// About what a line takes parsed, told before parsing it: its bytes, and
+/// outside its strings 128 for each `:` (a map's entry) and 32 (a `Value`)
+/// for each `,` `[` `{` and string. A file's text in a message weighs about
+/// its length; `[0,0,...]` weighs 16 times its length.
 fn weight(line: &str) -> usize {
-    let marks = line
-        .bytes()
-        .filter(|b| matches!(b, b',' | b':' | b'[' | b'{'))
-        .count();
-    line.len() + marks * size_of::<Value>()
+    let (mut in_string, mut escaped, mut extra) = (false, false, 0usize);
+    for b in line.bytes() {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        extra += match b {
+            b':' => 128,
+            b'"' => {
+                in_string = true;
+                32
+            }
+            b',' | b'[' | b'{' => 32,
+            _ => 0,
+        };
+    }
+    line.len() + extra
 }
 
 /// The bounds a child's reader keeps.
@@ -545,33 +563,34 @@ impl Child {
         if line.trim().is_empty() {
             return None;
         }
-        let msg: Value = match serde_json::from_str(line) {
-            Ok(v @ Value::Object(_)) => v,
-            _ => {
-                self.die(
-                    Death::Protocol,
-                    "the agent wrote something that is not JSON-RPC".into(),
-                );
-                return None;
-            }
+        let Ok(Value::Object(mut msg)) = serde_json::from_str(line) else {
+            self.die(
+                Death::Protocol,
+                "the agent wrote something that is not JSON-RPC".into(),
+            );
+            return None;
         };
-        let method = msg.get("method").and_then(Value::as_str);
-        let id = msg.get("id").filter(|v| !v.is_null());
-        match (method, id) {
+        // Taken, not copied: a message may be large.
+        let method = match msg.remove("method") {
+            Some(Value::String(m)) => Some(m),
+            _ => None,
+        };
+        let id = msg.remove("id").filter(|v| !v.is_null());
+        let params = msg.remove("params").unwrap_or(Value::Null);
+        match (method.as_deref(), id) {
             (Some(method), Some(id)) => {
-                let params = msg.get("params").cloned().unwrap_or(Value::Null);
                 let session = params["sessionId"].as_str().map(str::to_owned);
                 self.inbound(
                     session.as_deref(),
                     Inbound::Request {
-                        id: id.clone(),
+                        id,
                         method: method.to_owned(),
                         params,
                     },
                 )
             }
             (Some("session/update"), None) => {
-                let mut params = msg.get("params").cloned().unwrap_or(Value::Null);
+                let mut params = params;
                 let update = params
                     .get_mut("update")
                     .map(Value::take)
@@ -602,7 +621,7 @@ impl Child {
                             .take(500)
                             .collect(),
                     }),
-                    None => Ok(msg.get("result").cloned().unwrap_or(Value::Null)),
+                    None => Ok(msg.remove("result").unwrap_or(Value::Null)),
                 };
                 let _ = tx.send(result);
                 None
@@ -744,13 +763,19 @@ mod tests {
     /// parsing it) kills the agent; a long text does not.
     #[tokio::test]
     async fn a_message_too_large_to_hold_parsed_kills_the_agent() {
-        let line = |fill: &str| {
+        // `x` is "s" (a text of 40,000 commas: light), then [0s] (an
+        // array of 40,001 numbers: about 1.36 MB parsed).
+        let line = |x: &str| {
             format!(
-                "s=$(head -c 40000 /dev/zero | tr '\\0' '{fill}'); \
-                 printf '{{\"jsonrpc\":\"2.0\",\"method\":\"session/update\",\"params\":{{\"sessionId\":\"s\",\"update\":{{\"x\":\"%s\"}}}}}}\\n' \"$s\";"
+                "printf '{{\"jsonrpc\":\"2.0\",\"method\":\"session/update\",\"params\":{{\"sessionId\":\"s\",\"update\":{{\"x\":{x}}}}}}}\\n' \"$s\";"
             )
         };
-        let script = format!("read go; {} {} sleep 30", line("a"), line(","));
+        let script = format!(
+            "read go; s=$(head -c 40000 /dev/zero | tr '\\0' ,); {} \
+             s=$(head -c 40000 /dev/zero | tr '\\0' a | sed 's/a/,0/g'); {} sleep 30",
+            line("\"%s\""),
+            line("[0%s]")
+        );
         let cfg = super::AcpConfig {
             name: "large".into(),
             command: "/bin/sh".into(),

@@ -61,15 +61,21 @@ fn arg_secrets(args: &[String]) -> impl Iterator<Item = &str> {
                 .filter(|v| !v.starts_with('-')),
             None => None,
         };
-        let header = a
-            .rsplit_once('=')
-            .map_or(a.as_str(), |(_, h)| h)
-            .split_once(':')
-            .filter(|(name, _)| !name.contains("//") && names_a_secret(name))
-            .map(|(_, v)| v.trim());
+        // A header, given whole or as `--header=Name: value` (its value
+        // may hold `=`: base64).
+        let header = match a.split_once('=') {
+            Some((flag, rest)) if flag.starts_with('-') && !flag.contains(':') => rest,
+            _ => a.as_str(),
+        }
+        .split_once(':')
+        .filter(|(name, _)| !name.contains("//") && names_a_secret(name))
+        .map(|(_, v)| v.trim());
+        // Its last word too (`Authorization: token ghp_...`).
+        let word = header.and_then(|h| h.rsplit(' ').next());
         value
             .into_iter()
             .chain(header)
+            .chain(word)
             .chain(scheme_token(a))
             .chain(url_password(a))
     })
@@ -322,6 +328,8 @@ mod tests {
             "https://user:url-pass-1920@proxy.example:8080",
             "--apikey",
             "sk-joined-2122",
+            "x-api-key: padded-2324==",
+            "--header=Authorization: token ghp-bare-2526",
         ]
         .map(str::to_owned);
         let env = [(
@@ -330,11 +338,12 @@ mod tests {
         )];
         let said = "vertex-provider https://auth.example/token cl100k_base_x secretservice \
                     PROD_SETTINGS hdr-secret-1516 tok-lower-1718 url-pass-1920 \
-                    sk-joined-2122 line-two-of-key";
+                    sk-joined-2122 line-two-of-key padded-2324== ghp-bare-2526";
         assert_eq!(
             redact(&secrets(&env, &args), said),
             "vertex-provider https://auth.example/token cl100k_base_x secretservice \
-             PROD_SETTINGS [redacted] [redacted] [redacted] [redacted] [redacted]"
+             PROD_SETTINGS [redacted] [redacted] [redacted] [redacted] [redacted] [redacted] \
+             [redacted]"
         );
     }
 

@@ -74,10 +74,14 @@ impl Environment {
             (None, None)
         } else {
             let dir = cwd.clone();
-            let (rules, found) =
-                tokio::task::spawn_blocking(move || (read_rules(&dir), super::repo::find(&dir)))
-                    .await
-                    .unwrap_or((None, Found::Nothing));
+            // Bounded: a hostile directory could be slow to look at.
+            let look =
+                tokio::task::spawn_blocking(move || (read_rules(&dir), super::repo::find(&dir)));
+            let (rules, found) = match tokio::time::timeout(GIT_TIMEOUT, look).await {
+                Ok(Ok(found)) => found,
+                Ok(Err(_)) => (None, Found::Nothing),
+                Err(_) => (None, Found::Unshown("looking at it took too long")),
+            };
             let git = match found {
                 Found::Repository(repo) => git_status(&cwd, &repo).await,
                 Found::Unshown(why) => Some(format!("(status not shown: {why})")),
@@ -279,6 +283,9 @@ async fn without_filters(dir: &Path, repo: &Repository) -> Option<Vec<(String, &
 async fn git_status(dir: &Path, repo: &Repository) -> Option<String> {
     let mut overrides = without_filters(dir, repo).await?;
     overrides.push(("core.fsmonitor".into(), "false"));
+    // Files elsewhere it would read as patterns: none.
+    overrides.push(("core.excludesFile".into(), "/dev/null"));
+    overrides.push(("core.attributesFile".into(), "/dev/null"));
     overrides.push(("core.untrackedCache".into(), "false"));
     let out = git(
         dir,

@@ -5,10 +5,12 @@
 //! list the tracked names of any other repository on the machine (a
 //! password store's).
 
+use std::io::Read as _;
+use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _};
 use std::path::{Path, PathBuf};
 
 /// Where status is run: the work tree and its git directory, both given to
-/// git (`GIT_WORK_TREE`, `GIT_DIR`), so it finds nothing by itself.
+/// git (`GIT_DIR`, `GIT_WORK_TREE`), so it finds nothing by itself.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct Repository {
     pub top: PathBuf,
@@ -25,18 +27,23 @@ pub(super) enum Found {
     Repository(Repository),
 }
 
-/// Most entries under a git directory's `refs` looked at for links.
-const MAX_REFS: usize = 10_000;
+/// Most entries of a git directory looked at (its loose objects aside).
+const MAX_ENTRIES: usize = 50_000;
+
+/// Most of a small file of a git directory read (`gitdir`, `commondir`,
+/// `config`, a `.git` file).
+const SMALL: u64 = 64 * 1024;
 
 /// The nearest of `dir` and the directories above it that has a `.git`,
 /// and whether to believe it.
 ///
-/// A `.git` directory is believed when it is self-contained (see
-/// [`self_contained`]). A `.git` link never is. A `.git` file (read as git
-/// reads it) is believed when the git directory it names names it back:
-/// a linked work tree's does (its `gitdir` file), a submodule's does (its
-/// `core.worktree`); `git clone --separate-git-dir` writes no such name, so
-/// its status is not shown.
+/// A `.git` directory is believed when it is the user's and
+/// self-contained (see [`self_contained`]). A `.git` link never is. A
+/// `.git` file (read as git reads it) is believed when the git directory
+/// it names names it back: a linked work tree's does (its `gitdir` file;
+/// and it lies in its common directory's `worktrees`), a submodule's does
+/// (its `core.worktree`); `git clone --separate-git-dir` writes no such
+/// name, so its status is not shown.
 pub(super) fn find(dir: &Path) -> Found {
     // Git looks up from the real directory: a link into a repository's
     // subdirectory is in that repository.
@@ -47,64 +54,106 @@ pub(super) fn find(dir: &Path) -> Found {
     else {
         return Found::Nothing;
     };
-    let dot_git = top.join(".git");
-    let Ok(meta) = dot_git.symlink_metadata() else {
-        return Found::Nothing;
-    };
-    let repository = |git_dir: PathBuf, linked: bool| match self_contained(&git_dir, linked) {
-        Ok(()) => Found::Repository(Repository {
+    match checked(top) {
+        Ok(git_dir) => Found::Repository(Repository {
             top: top.to_owned(),
             git_dir,
         }),
         Err(why) => Found::Unshown(why),
-    };
+    }
+}
+
+/// The git directory of the work tree `top`, if it is to be believed.
+fn checked(top: &Path) -> Result<PathBuf, &'static str> {
+    if !ours(top) {
+        return Err("it belongs to another user");
+    }
+    let dot_git = top.join(".git");
+    let meta = dot_git.symlink_metadata().map_err(|_| "its .git is gone")?;
+    if meta.file_type().is_symlink() {
+        return Err("its .git is a link");
+    }
     if meta.is_dir() {
-        return repository(dot_git, false);
+        self_contained(&dot_git, false)?;
+        return Ok(dot_git);
     }
     if !meta.is_file() {
-        return Found::Unshown("its .git is a link");
+        return Err("its .git is neither a directory nor a file");
     }
-    let Some(git_dir) = named_git_dir(&dot_git, top) else {
-        return Found::Unshown("its .git file names no git directory");
-    };
-    let back = std::fs::read_to_string(git_dir.join("gitdir"))
-        .ok()
+    let git_dir = named_git_dir(&dot_git, top).ok_or("its .git file names no git directory")?;
+    let back = read_small(&git_dir.join("gitdir"))
         .and_then(|back| git_dir.join(back.trim_end()).canonicalize().ok());
     if back.as_deref() == Some(dot_git.as_path()) {
-        return repository(git_dir, true);
+        // A linked work tree's: in its common directory's `worktrees`, as
+        // `git worktree add` makes it (an archive cannot put one in
+        // another repository's).
+        let named =
+            read_small(&git_dir.join("commondir")).ok_or("its common directory is unreadable")?;
+        let common = git_dir
+            .join(named.trim_end())
+            .canonicalize()
+            .map_err(|_| "its common directory is missing")?;
+        if git_dir.parent() != Some(common.join("worktrees").as_path()) {
+            return Err("its git directory is not one of its common directory's work trees");
+        }
+        self_contained(&git_dir, true)?;
+        self_contained(&common, false)?;
+        return Ok(git_dir);
     }
     if core_worktree(&git_dir).as_deref() == Some(top) {
-        return repository(git_dir, false);
+        self_contained(&git_dir, false)?;
+        return Ok(git_dir);
     }
-    Found::Unshown("its .git file names a git directory that does not name it back")
+    Err("its .git file names a git directory that does not name it back")
+}
+
+/// Whether `path` is the daemon's user's, as git requires of a repository
+/// it finds by itself (told `GIT_DIR`, git does not check).
+fn ours(path: &Path) -> bool {
+    path.symlink_metadata()
+        .is_ok_and(|m| m.uid() == rustix::process::geteuid().as_raw())
+}
+
+/// A small regular file's text (its first [`SMALL`] bytes); `None` for a
+/// link, a FIFO or anything but a file, which could block or never end.
+fn read_small(path: &Path) -> Option<String> {
+    let flags = rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags.bits() as i32)
+        .open(path)
+        .ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut text = String::new();
+    file.take(SMALL).read_to_string(&mut text).ok()?;
+    Some(text)
 }
 
 /// The git directory a `.git` file names, as git reads it: everything
-/// after `gitdir: `, only a final line break dropped; `None` when it holds
+/// after `gitdir: `, its final line breaks dropped; `None` when it holds
 /// another line break or a NUL, or names nothing there.
 fn named_git_dir(dot_git: &Path, top: &Path) -> Option<PathBuf> {
-    if dot_git.metadata().ok()?.len() > 4096 {
-        return None;
-    }
-    let text = std::fs::read_to_string(dot_git).ok()?;
-    let named = text.strip_prefix("gitdir: ")?;
-    let named = named.strip_suffix('\n').unwrap_or(named);
-    let named = named.strip_suffix('\r').unwrap_or(named);
+    let text = read_small(dot_git)?;
+    let named = text
+        .strip_prefix("gitdir: ")?
+        .trim_end_matches(['\n', '\r']);
     if named.is_empty() || named.contains(['\n', '\r', '\0']) {
         return None;
     }
     top.join(named).canonicalize().ok()
 }
 
-/// Whether what git reads through `git_dir` stays in it: no link where git
-/// finds its index, head, refs or objects, no alternate object store, and
-/// no common directory elsewhere but a linked work tree's (`linked`),
-/// which is held to the same rules.
+/// Whether what git reads through `git_dir` stays in it: the user's, no
+/// link anywhere in it (a ref, the index, `ORIG_HEAD`, an object
+/// directory, a work tree's directory: each could lead into another
+/// repository; loose objects are not looked into, named by their hash), no
+/// alternate object store, and no common directory but a linked work
+/// tree's (`linked`), checked by the caller.
 fn self_contained(git_dir: &Path, linked: bool) -> Result<(), &'static str> {
-    for name in ["index", "HEAD", "packed-refs", "objects", "refs", "config"] {
-        if is_link(&git_dir.join(name)) {
-            return Err("a part of its git directory is a link");
-        }
+    if !ours(git_dir) {
+        return Err("its git directory belongs to another user");
     }
     if git_dir
         .join("objects/info/alternates")
@@ -113,35 +162,17 @@ fn self_contained(git_dir: &Path, linked: bool) -> Result<(), &'static str> {
     {
         return Err("its git directory borrows objects from elsewhere");
     }
-    links_under(&git_dir.join("refs"))?;
-    let common = git_dir.join("commondir");
-    if common.symlink_metadata().is_err() {
-        return Ok(());
-    }
-    if !linked {
+    if !linked && git_dir.join("commondir").symlink_metadata().is_ok() {
         return Err("its git directory names a common directory");
     }
-    let named =
-        std::fs::read_to_string(&common).map_err(|_| "its common directory is unreadable")?;
-    let common = git_dir
-        .join(named.trim_end())
-        .canonicalize()
-        .map_err(|_| "its common directory is missing")?;
-    if common.join("commondir").symlink_metadata().is_ok() {
-        return Err("its common directory names another");
-    }
-    self_contained(&common, false)
+    no_links(git_dir)
 }
 
-fn is_link(path: &Path) -> bool {
-    path.symlink_metadata()
-        .is_ok_and(|m| m.file_type().is_symlink())
-}
-
-/// Refuses a link anywhere under `refs` (a ref may be a link to another
-/// repository's), looking at [`MAX_REFS`] entries at most.
-fn links_under(refs: &Path) -> Result<(), &'static str> {
-    let mut pending = vec![refs.to_owned()];
+/// Refuses a link anywhere under `git_dir`, looking at [`MAX_ENTRIES`] at
+/// most; loose object directories (`objects/xx`) are not entered.
+fn no_links(git_dir: &Path) -> Result<(), &'static str> {
+    let objects = git_dir.join("objects");
+    let mut pending = vec![git_dir.to_owned()];
     let mut seen = 0;
     while let Some(dir) = pending.pop() {
         let Ok(entries) = std::fs::read_dir(&dir) else {
@@ -149,12 +180,20 @@ fn links_under(refs: &Path) -> Result<(), &'static str> {
         };
         for entry in entries.flatten() {
             seen += 1;
-            if seen > MAX_REFS {
-                return Err("its git directory holds too many refs to check");
+            if seen > MAX_ENTRIES {
+                return Err("its git directory holds too much to check");
             }
             match entry.file_type() {
-                Ok(t) if t.is_symlink() => return Err("a ref is a link"),
-                Ok(t) if t.is_dir() => pending.push(entry.path()),
+                Ok(t) if t.is_symlink() => return Err("its git directory holds a link"),
+                Ok(t) if t.is_dir() => {
+                    let name = entry.file_name();
+                    let loose = dir == objects
+                        && name.len() == 2
+                        && name.as_encoded_bytes().iter().all(u8::is_ascii_hexdigit);
+                    if !loose {
+                        pending.push(entry.path());
+                    }
+                }
                 _ => {}
             }
         }
@@ -166,7 +205,7 @@ fn links_under(refs: &Path) -> Result<(), &'static str> {
 /// `git submodule` writes it: relative to that directory; the last one
 /// given wins, as in git), real.
 fn core_worktree(git_dir: &Path) -> Option<PathBuf> {
-    let config = std::fs::read_to_string(git_dir.join("config")).ok()?;
+    let config = read_small(&git_dir.join("config"))?;
     let mut in_core = false;
     let mut found = None;
     for line in config.lines().map(str::trim) {
@@ -250,6 +289,7 @@ mod tests {
         // A linked work tree: its git directory names it back.
         let linked = private.join("worktrees/wt");
         std::fs::create_dir_all(&linked).unwrap();
+        std::fs::write(linked.join("commondir"), "../..\n").unwrap();
         let wt = real.join("wt");
         std::fs::create_dir(&wt).unwrap();
         std::fs::write(wt.join(".git"), format!("gitdir: {}\n", linked.display())).unwrap();
@@ -302,7 +342,22 @@ mod tests {
         std::fs::write(private.join("index"), "DIRC").unwrap();
         std::fs::write(private.join("refs/heads/main"), "0").unwrap();
         type Setup = fn(&Path, &Path);
-        let cases: [(&str, Setup); 6] = [
+        let cases: [(&str, Setup); 9] = [
+            ("an ORIG_HEAD link a ref names", |git, private| {
+                std::fs::create_dir_all(git.join("refs/heads")).unwrap();
+                std::fs::write(git.join("refs/heads/main"), "ref: ORIG_HEAD\n").unwrap();
+                std::os::unix::fs::symlink(private.join("refs/heads/main"), git.join("ORIG_HEAD"))
+                    .unwrap();
+            }),
+            ("a work tree's directory link", |git, private| {
+                std::fs::create_dir_all(git.join("worktrees")).unwrap();
+                std::os::unix::fs::symlink(private, git.join("worktrees/x")).unwrap();
+            }),
+            ("a loose object directory link", |git, private| {
+                std::fs::create_dir_all(git.join("objects")).unwrap();
+                std::os::unix::fs::symlink(private.join("objects"), git.join("objects/00"))
+                    .unwrap();
+            }),
             ("an index link", |git, private| {
                 std::os::unix::fs::symlink(private.join("index"), git.join("index")).unwrap();
             }),
@@ -336,6 +391,33 @@ mod tests {
             setup(&git, &private);
             assert!(matches!(find(&top), Found::Unshown(_)), "{what}");
         }
+        // A linked work tree naming it back, whose common directory is
+        // another repository's (it is not in that one's `worktrees`).
+        let evil = real.join("evil-linked");
+        std::fs::create_dir_all(evil.join("wt")).unwrap();
+        std::fs::write(evil.join(".git"), "gitdir: wt\n").unwrap();
+        std::fs::write(evil.join("wt/gitdir"), "../.git\n").unwrap();
+        std::fs::write(
+            evil.join("wt/commondir"),
+            format!("{}\n", private.display()),
+        )
+        .unwrap();
+        assert!(
+            matches!(find(&evil), Found::Unshown(_)),
+            "a borrowed common directory"
+        );
+        // A FIFO where a small file is read is refused, not waited on.
+        let fifo = real.join("fifo");
+        std::fs::create_dir(&fifo).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            fifo.join(".git"),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        assert!(matches!(find(&fifo), Found::Unshown(_)), "a FIFO");
         // A self-contained one is shown.
         let fine = real.join("fine/.git");
         std::fs::create_dir_all(fine.join("refs/heads")).unwrap();

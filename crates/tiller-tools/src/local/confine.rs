@@ -84,19 +84,25 @@ pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
     if in_git_dir(path) {
         return true;
     }
+    // A `..` after a directory that does not exist yet lands wherever the
+    // links before it lead once it is made: taken as landing there.
+    let climbs = |rest: &[std::ffi::OsString]| rest.iter().any(|c| c == "..");
     let full = dir.join(path);
     let mut rest = Vec::new();
     let mut at = full.as_path();
     loop {
         if let Ok(real) = at.canonicalize() {
-            return in_git_dir(&rest.iter().rev().fold(real, |p, c| p.join(c)));
+            return climbs(&rest) || in_git_dir(&rest.iter().rev().fold(real, |p, c| p.join(c)));
         }
-        match (at.parent(), at.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_owned());
-                at = parent;
-            }
+        let name = match at.components().next_back() {
+            Some(Component::Normal(name)) => name.to_owned(),
+            Some(Component::ParentDir) => "..".into(),
             _ => return false,
+        };
+        rest.push(name);
+        match at.parent() {
+            Some(parent) => at = parent,
+            None => return false,
         }
     }
 }

@@ -44,7 +44,12 @@ fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join(".git/hooks")).unwrap();
     std::os::unix::fs::symlink(".git/hooks", dir.path().join("tools")).unwrap();
-    for path in ["tools/pre-commit", "tools/../config", "tools/new/x"] {
+    for path in [
+        "tools/pre-commit",
+        "tools/../config",
+        "tools/new/x",
+        "tools/new/../pre-commit",
+    ] {
         assert_eq!(
             super::asked(edit(path), &[], dir.path()).kind,
             ToolKind::Execute,
