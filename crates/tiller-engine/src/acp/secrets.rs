@@ -71,7 +71,7 @@ fn arg_secrets(args: &[String]) -> impl Iterator<Item = &str> {
         .filter(|(name, _)| !name.contains("//") && names_a_secret(name))
         .map(|(_, v)| v.trim());
         // Its last word too (`Authorization: token ghp_...`).
-        let word = header.and_then(|h| h.rsplit(' ').next());
+        let word = header.and_then(|h| h.split_whitespace().next_back());
         value
             .into_iter()
             .chain(header)

@@ -44,6 +44,9 @@ const GIT_LINES: usize = 30;
 /// How long `git status` may take.
 const GIT_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// Most output read from one `git` run.
+const GIT_OUTPUT: usize = 1024 * 1024;
+
 /// The `PATH` `git` runs with (its environment is cleared).
 const GIT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 
@@ -74,16 +77,18 @@ impl Environment {
             (None, None)
         } else {
             let dir = cwd.clone();
-            // Bounded: a hostile directory could be slow to look at.
+            // One deadline for looking and for git: a hostile directory
+            // could be slow to look at.
+            let deadline = tokio::time::Instant::now() + GIT_TIMEOUT;
             let look =
                 tokio::task::spawn_blocking(move || (read_rules(&dir), super::repo::find(&dir)));
-            let (rules, found) = match tokio::time::timeout(GIT_TIMEOUT, look).await {
+            let (rules, found) = match tokio::time::timeout_at(deadline, look).await {
                 Ok(Ok(found)) => found,
                 Ok(Err(_)) => (None, Found::Nothing),
                 Err(_) => (None, Found::Unshown("looking at it took too long")),
             };
             let git = match found {
-                Found::Repository(repo) => git_status(&cwd, &repo).await,
+                Found::Repository(repo) => Some(git_status(&cwd, &repo, deadline).await),
                 Found::Unshown(why) => Some(format!("(status not shown: {why})")),
                 Found::Nothing => None,
             };
@@ -211,9 +216,11 @@ fn git_program() -> Option<&'static Path> {
 async fn git(
     dir: &Path,
     repo: &Repository,
+    deadline: tokio::time::Instant,
     overrides: &[(String, &str)],
     args: &[&str],
 ) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt as _;
     let mut cmd = tokio::process::Command::new(git_program()?);
     cmd.args(args)
         .current_dir(dir)
@@ -225,6 +232,10 @@ async fn git(
         .env("GIT_CONFIG_NOSYSTEM", "1")
         .env("GIT_CONFIG_GLOBAL", "/dev/null")
         .env("GIT_TERMINAL_PROMPT", "0")
+        // A partial clone's missing object is fetched from the remote its
+        // config names, through commands its config names: never.
+        .env("GIT_NO_LAZY_FETCH", "1")
+        .env("GIT_ALLOW_PROTOCOL", "")
         // Given as the command line's `-c` would be, above the repository's
         // own config, but each key whole: a name may hold `=`.
         .env("GIT_CONFIG_COUNT", overrides.len().to_string());
@@ -236,19 +247,34 @@ async fn git(
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true);
-    let out = tokio::time::timeout(GIT_TIMEOUT, cmd.output())
-        .await
-        .ok()?
-        .ok()?;
-    out.status.success().then_some(out.stdout)
+    let mut child = cmd.spawn().ok()?;
+    let mut stdout = child.stdout.take()?;
+    let run = async move {
+        let mut out = Vec::new();
+        (&mut stdout)
+            .take(GIT_OUTPUT as u64 + 1)
+            .read_to_end(&mut out)
+            .await
+            .ok()?;
+        // Past the bound it is killed (dropped), its output not used.
+        if out.len() > GIT_OUTPUT {
+            return None;
+        }
+        child.wait().await.ok()?.success().then_some(out)
+    };
+    tokio::time::timeout_at(deadline, run).await.ok()?
 }
 
 /// What neutralizes every filter driver the repository's config (with
 /// what it includes) names: status hashes a file whose stat data is stale
 /// through its driver, which is a command from a hostile document. `None`
 /// when the config cannot be read.
-async fn without_filters(dir: &Path, repo: &Repository) -> Option<Vec<(String, &'static str)>> {
-    let out = git(dir, repo, &[], &["config", "-z", "--list"]).await?;
+async fn without_filters(
+    dir: &Path,
+    repo: &Repository,
+    deadline: tokio::time::Instant,
+) -> Option<Vec<(String, &'static str)>> {
+    let out = git(dir, repo, deadline, &[], &["config", "-z", "--list"]).await?;
     let mut names: Vec<&[u8]> = out
         .split(|b| *b == 0)
         .filter_map(|entry| {
@@ -280,16 +306,19 @@ async fn without_filters(dir: &Path, repo: &Repository) -> Option<Vec<(String, &
 /// is a hostile document: its filter drivers are emptied, its fsmonitor
 /// off, its submodules (each with a config of its own) not entered, and
 /// no index is written (so no hook runs).
-async fn git_status(dir: &Path, repo: &Repository) -> Option<String> {
-    let mut overrides = without_filters(dir, repo).await?;
+async fn git_status(dir: &Path, repo: &Repository, deadline: tokio::time::Instant) -> String {
+    let Some(mut overrides) = without_filters(dir, repo, deadline).await else {
+        return UNREAD.into();
+    };
     overrides.push(("core.fsmonitor".into(), "false"));
     // Files elsewhere it would read as patterns: none.
     overrides.push(("core.excludesFile".into(), "/dev/null"));
     overrides.push(("core.attributesFile".into(), "/dev/null"));
     overrides.push(("core.untrackedCache".into(), "false"));
-    let out = git(
+    let Some(out) = git(
         dir,
         repo,
+        deadline,
         &overrides,
         &[
             "--no-optional-locks",
@@ -300,9 +329,16 @@ async fn git_status(dir: &Path, repo: &Repository) -> Option<String> {
             "--ignore-submodules=all",
         ],
     )
-    .await?;
-    Some(summary(&String::from_utf8_lossy(&out)))
+    .await
+    else {
+        return UNREAD.into();
+    };
+    summary(&String::from_utf8_lossy(&out))
 }
+
+/// What the model is told when git could not give the status: it failed,
+/// took too long or said too much.
+const UNREAD: &str = "(status not shown: git could not give it in time and size)";
 
 /// What the model is shown of `git status --branch --porcelain=v1 -z`:
 /// its first entries, each cut, control characters escaped. Git never
@@ -711,6 +747,62 @@ mod tests {
         let status = Environment::gather(&host).await.git.expect("a repository");
         assert!(!status.contains("private"), "{status}");
         assert!(status.contains("status not shown"), "{status}");
+    }
+
+    /// A partial clone missing an object would fetch it from the remote
+    /// its config names, running the command its config names: never.
+    #[tokio::test]
+    async fn a_hostile_partial_clone_fetches_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path().join("repo");
+        let pwned = dir.path().join("pwned");
+        std::fs::create_dir(&repo).unwrap();
+        let git = |args: &[&str]| {
+            let out = std::process::Command::new("git")
+                .args(args)
+                .current_dir(&repo)
+                .env("GIT_CONFIG_NOSYSTEM", "1")
+                .env("GIT_CONFIG_GLOBAL", "/dev/null")
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "git {args:?}");
+            String::from_utf8(out.stdout).unwrap()
+        };
+        git(&["init", "-q", "-b", "main"]);
+        std::fs::write(repo.join("a.txt"), "hi\n").unwrap();
+        git(&["add", "."]);
+        git(&[
+            "-c",
+            "user.name=a",
+            "-c",
+            "user.email=a@b",
+            "commit",
+            "-qm",
+            "x",
+        ]);
+        let tree = git(&["rev-parse", "HEAD^{tree}"]);
+        let tree = tree.trim();
+        std::fs::remove_file(repo.join(".git/objects").join(&tree[..2]).join(&tree[2..])).unwrap();
+        let fetch = format!("touch {}; false", pwned.display());
+        let url = repo.display().to_string();
+        for (key, value) in [
+            ("core.repositoryformatversion", "1"),
+            ("extensions.partialClone", "origin"),
+            ("remote.origin.promisor", "true"),
+            ("remote.origin.url", url.as_str()),
+            ("remote.origin.uploadpack", fetch.as_str()),
+        ] {
+            git(&["config", key, value]);
+        }
+        let host = HostInfo {
+            cwd: repo.clone(),
+            ..Default::default()
+        };
+        let status = Environment::gather(&host).await.git;
+        assert!(
+            !pwned.exists(),
+            "a fetch ran the config's command: {status:?}"
+        );
     }
 
     /// Status entries as git writes them with `-z`: renames shown from

@@ -81,16 +81,19 @@ fn checked(top: &Path) -> Result<PathBuf, &'static str> {
         return Err("its .git is neither a directory nor a file");
     }
     let git_dir = named_git_dir(&dot_git, top).ok_or("its .git file names no git directory")?;
-    let back = read_small(&git_dir.join("gitdir"))
-        .and_then(|back| git_dir.join(back.trim_end()).canonicalize().ok());
+    let back = read_small(&git_dir.join("gitdir")).and_then(|back| {
+        let back = back.trim_end_matches(['\n', '\r']);
+        git_dir.join(back).canonicalize().ok()
+    });
     if back.as_deref() == Some(dot_git.as_path()) {
         // A linked work tree's: in its common directory's `worktrees`, as
         // `git worktree add` makes it (an archive cannot put one in
         // another repository's).
         let named =
             read_small(&git_dir.join("commondir")).ok_or("its common directory is unreadable")?;
+        // As git reads it: only the line break dropped.
         let common = git_dir
-            .join(named.trim_end())
+            .join(named.trim_end_matches(['\n', '\r']))
             .canonicalize()
             .map_err(|_| "its common directory is missing")?;
         if git_dir.parent() != Some(common.join("worktrees").as_path()) {
@@ -168,33 +171,39 @@ fn self_contained(git_dir: &Path, linked: bool) -> Result<(), &'static str> {
     no_links(git_dir)
 }
 
-/// Refuses a link anywhere under `git_dir`, looking at [`MAX_ENTRIES`] at
-/// most; loose object directories (`objects/xx`) are not entered.
+/// Refuses a link anywhere under `git_dir`, and a part that cannot be
+/// read (git may still open what is in it by name), looking at
+/// [`MAX_ENTRIES`] at most. Not entered: loose object directories
+/// (`objects/xx`), and what status never reads (`hooks`, whose links are
+/// common, `modules`, `lfs`).
 fn no_links(git_dir: &Path) -> Result<(), &'static str> {
+    const UNREAD: &str = "a part of its git directory cannot be read";
     let objects = git_dir.join("objects");
     let mut pending = vec![git_dir.to_owned()];
     let mut seen = 0;
     while let Some(dir) = pending.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
+        let entries = std::fs::read_dir(&dir).map_err(|_| UNREAD)?;
+        for entry in entries {
+            let entry = entry.map_err(|_| UNREAD)?;
             seen += 1;
             if seen > MAX_ENTRIES {
                 return Err("its git directory holds too much to check");
             }
-            match entry.file_type() {
-                Ok(t) if t.is_symlink() => return Err("its git directory holds a link"),
-                Ok(t) if t.is_dir() => {
-                    let name = entry.file_name();
-                    let loose = dir == objects
-                        && name.len() == 2
-                        && name.as_encoded_bytes().iter().all(u8::is_ascii_hexdigit);
-                    if !loose {
-                        pending.push(entry.path());
-                    }
-                }
-                _ => {}
+            let kind = entry.file_type().map_err(|_| UNREAD)?;
+            if kind.is_symlink() {
+                return Err("its git directory holds a link");
+            }
+            if !kind.is_dir() {
+                continue;
+            }
+            let name = entry.file_name();
+            let skipped = if dir == objects {
+                name.len() == 2 && name.as_encoded_bytes().iter().all(u8::is_ascii_hexdigit)
+            } else {
+                dir == git_dir && ["hooks", "modules", "lfs"].iter().any(|n| name == *n)
+            };
+            if !skipped {
+                pending.push(entry.path());
             }
         }
     }

@@ -94,6 +94,14 @@ pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
         if let Ok(real) = at.canonicalize() {
             return climbs(&rest) || in_git_dir(&rest.iter().rev().fold(real, |p, c| p.join(c)));
         }
+        // A dangling link: a write through it creates its target, wherever
+        // that is. Taken as landing in `.git`.
+        if at
+            .symlink_metadata()
+            .is_ok_and(|m| m.file_type().is_symlink())
+        {
+            return true;
+        }
         let name = match at.components().next_back() {
             Some(Component::Normal(name)) => name.to_owned(),
             Some(Component::ParentDir) => "..".into(),

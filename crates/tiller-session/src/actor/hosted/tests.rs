@@ -44,11 +44,13 @@ fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join(".git/hooks")).unwrap();
     std::os::unix::fs::symlink(".git/hooks", dir.path().join("tools")).unwrap();
+    std::os::unix::fs::symlink(".git/hooks/post-merge", dir.path().join("dangling")).unwrap();
     for path in [
         "tools/pre-commit",
         "tools/../config",
         "tools/new/x",
         "tools/new/../pre-commit",
+        "dangling",
     ] {
         assert_eq!(
             super::asked(edit(path), &[], dir.path()).kind,
