@@ -47,6 +47,17 @@ const GIT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Most output read from one `git` run.
 const GIT_OUTPUT: usize = 1024 * 1024;
 
+/// Most memory one `git` run may take (`RLIMIT_DATA`).
+const GIT_MEMORY: u64 = 512 * 1024 * 1024;
+
+/// Given to git with the overrides and looked for in what it lists: a git
+/// before 2.31 ignores `GIT_CONFIG_COUNT`, and with it every override
+/// that keeps the repository's commands from running.
+const PROBE: &str = "tiller.overrides";
+
+/// Most filter drivers a repository's config may name (each is emptied).
+const MAX_FILTERS: usize = 256;
+
 /// The `PATH` `git` runs with (its environment is cleared).
 const GIT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 
@@ -227,6 +238,7 @@ async fn git(
         .env_clear()
         .env("GIT_DIR", &repo.git_dir)
         .env("GIT_WORK_TREE", &repo.top)
+        .env("GIT_ATTR_NOSYSTEM", "1")
         .env("PATH", GIT_PATH)
         .env("LC_ALL", "C")
         .env("GIT_CONFIG_NOSYSTEM", "1")
@@ -243,11 +255,29 @@ async fn git(
         cmd.env(format!("GIT_CONFIG_KEY_{i}"), key)
             .env(format!("GIT_CONFIG_VALUE_{i}"), value);
     }
+    if let Some(common) = &repo.common {
+        cmd.env("GIT_COMMON_DIR", common);
+    }
     cmd.stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true);
     let mut child = cmd.spawn().ok()?;
+    // Its own memory bounded too: a config may include a file of
+    // gigabytes (a sparse one, nothing in an archive). Set just after it
+    // starts, which keeps `posix_spawn`.
+    if let Some(pid) = child
+        .id()
+        .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+    {
+        let most = rustix::process::Rlimit {
+            current: Some(GIT_MEMORY),
+            maximum: Some(GIT_MEMORY),
+        };
+        if rustix::process::prlimit(Some(pid), rustix::process::Resource::Data, most).is_err() {
+            return None;
+        }
+    }
     let mut stdout = child.stdout.take()?;
     let run = async move {
         let mut out = Vec::new();
@@ -274,7 +304,13 @@ async fn without_filters(
     repo: &Repository,
     deadline: tokio::time::Instant,
 ) -> Option<Vec<(String, &'static str)>> {
-    let out = git(dir, repo, deadline, &[], &["config", "-z", "--list"]).await?;
+    let probe = [(PROBE.to_owned(), "1")];
+    let out = git(dir, repo, deadline, &probe, &["config", "-z", "--list"]).await?;
+    // A git that ignored the probe ignores every override too.
+    let listed = format!("{PROBE}\n1");
+    if !out.split(|b| *b == 0).any(|e| e == listed.as_bytes()) {
+        return None;
+    }
     let mut names: Vec<&[u8]> = out
         .split(|b| *b == 0)
         .filter_map(|entry| {
@@ -286,6 +322,11 @@ async fn without_filters(
         .collect();
     names.sort_unstable();
     names.dedup();
+    // Each takes four overrides in git's environment: a config naming
+    // tens of thousands would only make it fail to start.
+    if names.len() > MAX_FILTERS {
+        return None;
+    }
     let mut overrides = Vec::with_capacity(names.len() * 4);
     for name in names {
         let name = std::str::from_utf8(name).ok()?;

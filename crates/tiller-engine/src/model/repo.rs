@@ -15,6 +15,10 @@ use std::path::{Path, PathBuf};
 pub(super) struct Repository {
     pub top: PathBuf,
     pub git_dir: PathBuf,
+    /// A linked work tree's common directory, as checked: given to git
+    /// too (`GIT_COMMON_DIR`), which would otherwise read `commondir`
+    /// again by itself.
+    pub common: Option<PathBuf>,
 }
 
 /// What was found from a directory.
@@ -55,16 +59,18 @@ pub(super) fn find(dir: &Path) -> Found {
         return Found::Nothing;
     };
     match checked(top) {
-        Ok(git_dir) => Found::Repository(Repository {
+        Ok((git_dir, common)) => Found::Repository(Repository {
             top: top.to_owned(),
             git_dir,
+            common,
         }),
         Err(why) => Found::Unshown(why),
     }
 }
 
-/// The git directory of the work tree `top`, if it is to be believed.
-fn checked(top: &Path) -> Result<PathBuf, &'static str> {
+/// The git directory of the work tree `top`, and a linked work tree's
+/// common directory, if they are to be believed.
+fn checked(top: &Path) -> Result<(PathBuf, Option<PathBuf>), &'static str> {
     if !ours(top) {
         return Err("it belongs to another user");
     }
@@ -75,7 +81,7 @@ fn checked(top: &Path) -> Result<PathBuf, &'static str> {
     }
     if meta.is_dir() {
         self_contained(&dot_git, false)?;
-        return Ok(dot_git);
+        return Ok((dot_git, None));
     }
     if !meta.is_file() {
         return Err("its .git is neither a directory nor a file");
@@ -101,11 +107,11 @@ fn checked(top: &Path) -> Result<PathBuf, &'static str> {
         }
         self_contained(&git_dir, true)?;
         self_contained(&common, false)?;
-        return Ok(git_dir);
+        return Ok((git_dir, Some(common)));
     }
     if core_worktree(&git_dir).as_deref() == Some(top) {
         self_contained(&git_dir, false)?;
-        return Ok(git_dir);
+        return Ok((git_dir, None));
     }
     Err("its .git file names a git directory that does not name it back")
 }
@@ -117,8 +123,10 @@ fn ours(path: &Path) -> bool {
         .is_ok_and(|m| m.uid() == rustix::process::geteuid().as_raw())
 }
 
-/// A small regular file's text (its first [`SMALL`] bytes); `None` for a
-/// link, a FIFO or anything but a file, which could block or never end.
+/// A small regular file's text; `None` for a link, a FIFO or anything but
+/// a file, which could block or never end, and for one longer than
+/// [`SMALL`] (git would read all of it: a cut one could name another
+/// place than git reads).
 fn read_small(path: &Path) -> Option<String> {
     let flags = rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK;
     let file = std::fs::OpenOptions::new()
@@ -130,8 +138,8 @@ fn read_small(path: &Path) -> Option<String> {
         return None;
     }
     let mut text = String::new();
-    file.take(SMALL).read_to_string(&mut text).ok()?;
-    Some(text)
+    file.take(SMALL + 1).read_to_string(&mut text).ok()?;
+    (text.len() as u64 <= SMALL).then_some(text)
 }
 
 /// The git directory a `.git` file names, as git reads it: everything
@@ -174,8 +182,10 @@ fn self_contained(git_dir: &Path, linked: bool) -> Result<(), &'static str> {
 /// Refuses a link anywhere under `git_dir`, and a part that cannot be
 /// read (git may still open what is in it by name), looking at
 /// [`MAX_ENTRIES`] at most. Not entered: loose object directories
-/// (`objects/xx`), and what status never reads (`hooks`, whose links are
-/// common, `modules`, `lfs`).
+/// (`objects/xx`), `hooks` (whose links are common; status runs none),
+/// `lfs`, and `modules` (status reads a submodule's `HEAD` there, but the
+/// submodule's own `.git` in the work tree may name anything anyway, and
+/// it is never listed: `--ignore-submodules=all`).
 fn no_links(git_dir: &Path) -> Result<(), &'static str> {
     const UNREAD: &str = "a part of its git directory cannot be read";
     let objects = git_dir.join("objects");
@@ -194,6 +204,10 @@ fn no_links(git_dir: &Path) -> Result<(), &'static str> {
                 return Err("its git directory holds a link");
             }
             if !kind.is_dir() {
+                // A FIFO or a device would hold git up, or never end.
+                if !kind.is_file() {
+                    return Err("its git directory holds something that is not a file");
+                }
                 continue;
             }
             let name = entry.file_name();
@@ -262,7 +276,8 @@ mod tests {
             find(&deep),
             Found::Repository(Repository {
                 top: top.clone(),
-                git_dir: top.join(".git")
+                git_dir: top.join(".git"),
+                common: None,
             })
         );
         assert_eq!(find(dir.path()), Found::Nothing);
@@ -415,6 +430,24 @@ mod tests {
             matches!(find(&evil), Found::Unshown(_)),
             "a borrowed common directory"
         );
+        // A `commondir` longer than is read, and one with a trailing
+        // space: git would read another directory than the one checked.
+        for (i, named) in [
+            format!("../..{}/../../private/.git\n", "/.".repeat(40_000)),
+            "../.. \n".to_owned(),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let top = real.join(format!("long{i}"));
+            let git = top.join("c/worktrees/wt");
+            std::fs::create_dir_all(&git).unwrap();
+            std::fs::write(top.join(".git"), "gitdir: c/worktrees/wt\n").unwrap();
+            std::fs::write(git.join("gitdir"), "../../../.git\n").unwrap();
+            std::fs::write(git.join("commondir"), named).unwrap();
+            std::fs::create_dir_all(top.join("c/ ")).unwrap();
+            assert!(matches!(find(&top), Found::Unshown(_)), "commondir {i}");
+        }
         // A FIFO where a small file is read is refused, not waited on.
         let fifo = real.join("fifo");
         std::fs::create_dir(&fifo).unwrap();
