@@ -265,18 +265,20 @@ async fn git(
     let mut child = cmd.spawn().ok()?;
     // Its own memory bounded too: a config may include a file of
     // gigabytes (a sparse one, nothing in an archive). Set just after it
-    // starts, which keeps `posix_spawn`.
-    if let Some(pid) = child
-        .id()
-        .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+    // starts, which keeps `posix_spawn`; never above the daemon's own.
+    #[cfg(target_os = "linux")]
     {
-        let most = rustix::process::Rlimit {
-            current: Some(GIT_MEMORY),
-            maximum: Some(GIT_MEMORY),
+        use rustix::process::{Pid, Resource, Rlimit, getrlimit, prlimit};
+        let pid = child
+            .id()
+            .and_then(|p| Pid::from_raw(i32::try_from(p).ok()?))?;
+        let own = getrlimit(Resource::Data);
+        let most = |l: Option<u64>| Some(l.map_or(GIT_MEMORY, |l| l.min(GIT_MEMORY)));
+        let limit = Rlimit {
+            current: most(own.current),
+            maximum: most(own.maximum),
         };
-        if rustix::process::prlimit(Some(pid), rustix::process::Resource::Data, most).is_err() {
-            return None;
-        }
+        prlimit(Some(pid), Resource::Data, limit).ok()?;
     }
     let mut stdout = child.stdout.take()?;
     let run = async move {
@@ -305,14 +307,18 @@ async fn without_filters(
     deadline: tokio::time::Instant,
 ) -> Option<Vec<(String, &'static str)>> {
     let probe = [(PROBE.to_owned(), "1")];
-    let out = git(dir, repo, deadline, &probe, &["config", "-z", "--list"]).await?;
-    // A git that ignored the probe ignores every override too.
-    let listed = format!("{PROBE}\n1");
-    if !out.split(|b| *b == 0).any(|e| e == listed.as_bytes()) {
+    let list = ["config", "-z", "--list", "--show-scope"];
+    let out = git(dir, repo, deadline, &probe, &list).await?;
+    // A git that ignored the probe ignores every override too. Looked for
+    // as given on the command line (the repository's own config could set
+    // the same key, but as `local`); a git before 2.26 knows no scopes and
+    // fails.
+    let fields: Vec<&[u8]> = out.split(|b| *b == 0).collect();
+    if !overrides_applied(&fields) {
         return None;
     }
-    let mut names: Vec<&[u8]> = out
-        .split(|b| *b == 0)
+    let mut names: Vec<&[u8]> = fields
+        .iter()
         .filter_map(|entry| {
             let key = entry.split(|b| *b == b'\n').next()?;
             let key = key.strip_prefix(b"filter.")?;
@@ -340,6 +346,15 @@ async fn without_filters(
         }
     }
     Some(overrides)
+}
+
+/// Whether `config -z --list --show-scope` (`scope`, `key\nvalue`, ...)
+/// lists the probe as given on the command line.
+fn overrides_applied(fields: &[&[u8]]) -> bool {
+    let listed = format!("{PROBE}\n1");
+    fields
+        .windows(2)
+        .any(|w| w[0] == b"command" && w[1] == listed.as_bytes())
 }
 
 /// `git status --branch --porcelain` of `dir`, bounded; `None` when it is
@@ -844,6 +859,21 @@ mod tests {
             !pwned.exists(),
             "a fetch ran the config's command: {status:?}"
         );
+    }
+
+    /// A git that ignores `GIT_CONFIG_COUNT` lists only the repository's
+    /// config, which may set the probe's key itself: only the command
+    /// line's scope counts.
+    #[test]
+    fn the_overrides_probe_counts_only_as_given_on_the_command_line() {
+        let probe = format!("{PROBE}\n1");
+        let listed = |scope: &str| {
+            let entries = ["local", "core.bare\nfalse", scope, probe.as_str()];
+            overrides_applied(&entries.map(str::as_bytes))
+        };
+        assert!(listed("command"));
+        assert!(!listed("local"));
+        assert!(!overrides_applied(&[b"tiller.overrides\n1"]));
     }
 
     /// Status entries as git writes them with `-z`: renames shown from

@@ -204,9 +204,11 @@ fn no_links(git_dir: &Path) -> Result<(), &'static str> {
                 return Err("its git directory holds a link");
             }
             if !kind.is_dir() {
-                // A FIFO or a device would hold git up, or never end.
-                if !kind.is_file() {
-                    return Err("its git directory holds something that is not a file");
+                // A FIFO or a device would hold git up, or never end (a
+                // socket fails at once: fsmonitor's daemon leaves one).
+                use std::os::unix::fs::FileTypeExt as _;
+                if kind.is_fifo() || kind.is_block_device() || kind.is_char_device() {
+                    return Err("its git directory holds a FIFO or a device");
                 }
                 continue;
             }
