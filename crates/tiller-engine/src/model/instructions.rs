@@ -221,9 +221,10 @@ fn git_program() -> Option<&'static Path> {
 /// `git` in `dir`, told its git directory and work tree (`repo`: found
 /// and checked, so git finds nothing by itself: not a repository around a
 /// broken `.git`, nor a work tree a hostile config's `core.worktree` names,
-/// whose file names status would list): its
-/// environment cleared, no system or global config, its output read whole
-/// within [`GIT_TIMEOUT`]; `None` when it is missing, slow or fails.
+/// whose file names status would list): its environment cleared, no
+/// system or global config, no fetching, its output read by `deadline`,
+/// [`GIT_OUTPUT`] at most, its memory [`GIT_MEMORY`] at most; `None` when
+/// it is missing, slow, too long or fails.
 async fn git(
     dir: &Path,
     repo: &Repository,
@@ -357,8 +358,8 @@ fn overrides_applied(fields: &[&[u8]]) -> bool {
         .any(|w| w[0] == b"command" && w[1] == listed.as_bytes())
 }
 
-/// `git status --branch --porcelain` of `dir`, bounded; `None` when it is
-/// not a repository (or git is missing, slow or refuses). The repository
+/// `git status --branch --porcelain` of `dir`, bounded, or why it is not
+/// shown (git missing, slow, too long or refusing: [`UNREAD`]). The repository
 /// is a hostile document: its filter drivers are emptied, its fsmonitor
 /// off, its submodules (each with a config of its own) not entered, and
 /// no index is written (so no hook runs).
