@@ -158,13 +158,15 @@ pub(crate) struct PgDb {
 }
 
 impl PgDb {
-    /// `sql` (`$1` the session, `$2` the value) in a transaction whose
-    /// session's lease this node still holds (see [`check_fence`]).
-    fn fenced_update(
+    /// `write` in a transaction whose session's lease this node still
+    /// holds (see [`check_fence`]), committed if it succeeds.
+    fn fenced(
         &mut self,
         id: SessionId,
-        sql: &'static str,
-        value: impl ToSql + Sync,
+        write: impl FnOnce(
+            &mut postgres::Transaction<'_>,
+            &mut HashMap<&'static str, Statement>,
+        ) -> R<()>,
     ) -> R<()> {
         self.client()?;
         let PgDb {
@@ -175,10 +177,23 @@ impl PgDb {
         } = self;
         let mut tx = client.transaction()?;
         check_fence(&mut tx, stmts, held, id)?;
-        let q = prep(&mut tx, stmts, sql)?;
-        tx.execute(&q, &[&id.to_string(), &value])?;
+        write(&mut tx, stmts)?;
         tx.commit()?;
         Ok(())
+    }
+
+    /// `sql` (`$1` the session, `$2` the value), [`fenced`](Self::fenced).
+    fn fenced_update(
+        &mut self,
+        id: SessionId,
+        sql: &'static str,
+        value: impl ToSql + Sync,
+    ) -> R<()> {
+        self.fenced(id, |tx, stmts| {
+            let q = prep(tx, stmts, sql)?;
+            tx.execute(&q, &[&id.to_string(), &value])?;
+            Ok(())
+        })
     }
 
     /// Connects, creates the schema if needed and migrates it (under an
@@ -584,35 +599,27 @@ impl Db for PgDb {
     }
 
     fn save_conversation(&mut self, id: SessionId, w: &ConversationWrite) -> R<()> {
-        self.client()?;
-        let PgDb {
-            client,
-            stmts,
-            held,
-            ..
-        } = self;
         let sid = id.to_string();
-        let mut tx = client.transaction()?;
-        check_fence(&mut tx, stmts, held, id)?;
-        let del = prep(
-            &mut tx,
-            stmts,
-            "DELETE FROM conversation WHERE session_id = $1 AND (idx < $2 OR idx >= $3)",
-        )?;
-        tx.execute(
-            &del,
-            &[&sid, &(w.keep_from as i64), &(w.replace_from as i64)],
-        )?;
-        let ins = prep(
-            &mut tx,
-            stmts,
-            "INSERT INTO conversation (session_id, idx, message) VALUES ($1, $2, $3)",
-        )?;
-        for (k, m) in w.messages.iter().enumerate() {
-            tx.execute(&ins, &[&sid, &((w.replace_from + k as u64) as i64), m])?;
-        }
-        tx.commit()?;
-        Ok(())
+        self.fenced(id, |tx, stmts| {
+            let del = prep(
+                tx,
+                stmts,
+                "DELETE FROM conversation WHERE session_id = $1 AND (idx < $2 OR idx >= $3)",
+            )?;
+            tx.execute(
+                &del,
+                &[&sid, &(w.keep_from as i64), &(w.replace_from as i64)],
+            )?;
+            let ins = prep(
+                tx,
+                stmts,
+                "INSERT INTO conversation (session_id, idx, message) VALUES ($1, $2, $3)",
+            )?;
+            for (k, m) in w.messages.iter().enumerate() {
+                tx.execute(&ins, &[&sid, &((w.replace_from + k as u64) as i64), m])?;
+            }
+            Ok(())
+        })
     }
 
     fn load_state(&mut self, id: SessionId) -> R<SessionExtras> {

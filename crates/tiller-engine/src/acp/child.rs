@@ -693,6 +693,23 @@ impl Drop for Child {
 mod tests {
     use super::Death;
 
+    /// An agent that is `sh -c script`, one session per process.
+    fn sh_agent(name: &str, script: String) -> super::AcpConfig {
+        super::AcpConfig {
+            name: name.into(),
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), script],
+            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+            sessions_per_process: 1,
+            idle_timeout: std::time::Duration::from_secs(60),
+            max_processes: 1,
+            cancel_grace: std::time::Duration::from_secs(1),
+            start_timeout: std::time::Duration::from_secs(5),
+            version: "0".into(),
+            dir: "/".into(),
+        }
+    }
+
     /// An agent flooding a turn that does not keep up is held back by the
     /// bytes waiting, not by a count of messages each as long as 80 MiB:
     /// 1 MiB of queue holds about 16 of its 64 KiB updates, the reader
@@ -707,19 +724,7 @@ mod tests {
              printf '{{\"jsonrpc\":\"2.0\",\"method\":\"session/update\",\"params\":{{\"sessionId\":\"s\",\"update\":{{\"n\":%d,\"x\":\"%s\"}}}}}}\\n' $i \"$s\"; \
              i=$((i+1)); done; sleep 30"
         );
-        let cfg = super::AcpConfig {
-            name: "flood".into(),
-            command: "/bin/sh".into(),
-            args: vec!["-c".into(), script],
-            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
-            sessions_per_process: 1,
-            idle_timeout: std::time::Duration::from_secs(60),
-            max_processes: 1,
-            cancel_grace: std::time::Duration::from_secs(1),
-            start_timeout: std::time::Duration::from_secs(5),
-            version: "0".into(),
-            dir: "/".into(),
-        };
+        let cfg = sh_agent("flood", script);
         let limits = super::Limits {
             queue_bytes: 1 << 20,
             max_weight: super::MAX_WEIGHT,
@@ -778,19 +783,7 @@ mod tests {
             line("\"%s\""),
             line("[0%s]")
         );
-        let cfg = super::AcpConfig {
-            name: "large".into(),
-            command: "/bin/sh".into(),
-            args: vec!["-c".into(), script],
-            env: vec![("PATH".into(), "/usr/bin:/bin".into())],
-            sessions_per_process: 1,
-            idle_timeout: std::time::Duration::from_secs(60),
-            max_processes: 1,
-            cancel_grace: std::time::Duration::from_secs(1),
-            start_timeout: std::time::Duration::from_secs(5),
-            version: "0".into(),
-            dir: "/".into(),
-        };
+        let cfg = sh_agent("large", script);
         let limits = super::Limits {
             queue_bytes: 4 << 20,
             max_weight: 1 << 20,

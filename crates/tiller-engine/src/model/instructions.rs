@@ -173,17 +173,7 @@ fn read_rules(dir: &Path) -> Option<(String, String)> {
 /// was cut); `None` when it is missing, a link, or anything but a file.
 fn read_bounded(path: &Path) -> Option<String> {
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let flags = rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(flags.bits() as i32)
-        .open(path)
-        .ok()?;
-    let meta = file.metadata().ok()?;
-    if !meta.is_file() {
-        return None;
-    }
+    let (file, meta) = super::repo::open_regular(path)?;
     let mut buf = Vec::with_capacity(RULES_MAX.min(meta.len() as usize));
     file.take(RULES_MAX as u64 + 1).read_to_end(&mut buf).ok()?;
     let cut = buf.len() > RULES_MAX;
@@ -461,6 +451,20 @@ fn outside_the_tree(path: &str) -> bool {
 mod tests {
     use super::*;
 
+    /// Runs git in `dir`, away from the machine's and the user's config;
+    /// fails the test unless it succeeds; its output.
+    fn git_in(dir: &Path, args: &[&str]) -> String {
+        let out = std::process::Command::new("git")
+            .args(args)
+            .current_dir(dir)
+            .env("GIT_CONFIG_NOSYSTEM", "1")
+            .env("GIT_CONFIG_GLOBAL", "/dev/null")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
     fn env() -> Environment {
         Environment {
             cwd: "/p".into(),
@@ -589,12 +593,7 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(Environment::gather(&host).await.git, None);
-        let ok = std::process::Command::new("git")
-            .args(["init", "-q", "-b", "trunk"])
-            .current_dir(dir.path())
-            .status()
-            .unwrap();
-        assert!(ok.success());
+        git_in(dir.path(), &["init", "-q", "-b", "trunk"]);
         std::fs::write(dir.path().join("new.txt"), "x").unwrap();
         let git = Environment::gather(&host).await.git.unwrap();
         assert!(git.contains("trunk"), "{git}");
@@ -610,21 +609,15 @@ mod tests {
         // A linked work tree, as `git worktree add` makes it.
         let other = tempfile::tempdir().unwrap();
         let wt = other.path().join("wt");
-        let ok = std::process::Command::new("git")
-            .args(["-c", "user.name=a", "-c", "user.email=a@b"])
-            .args(["commit", "-q", "--allow-empty", "-m", "x"])
-            .current_dir(dir.path())
-            .status()
-            .unwrap()
-            .success()
-            && std::process::Command::new("git")
-                .args(["worktree", "add", "-q", "-b", "side"])
-                .arg(&wt)
-                .current_dir(dir.path())
-                .status()
-                .unwrap()
-                .success();
-        assert!(ok);
+        let commit = ["-c", "user.name=a", "-c", "user.email=a@b", "commit"];
+        git_in(
+            dir.path(),
+            &[&commit[..], &["-q", "--allow-empty", "-m", "x"]].concat(),
+        );
+        git_in(
+            dir.path(),
+            &["worktree", "add", "-q", "-b", "side", wt.to_str().unwrap()],
+        );
         std::fs::write(wt.join("there.txt"), "x").unwrap();
         let linked = HostInfo {
             cwd: wt,
@@ -647,16 +640,7 @@ mod tests {
         let repo = dir.path().join("repo");
         let pwned = dir.path().join("pwned");
         std::fs::create_dir(&repo).unwrap();
-        let git = |args: &[&str]| {
-            let ok = std::process::Command::new("git")
-                .args(args)
-                .current_dir(&repo)
-                .env("GIT_CONFIG_NOSYSTEM", "1")
-                .env("GIT_CONFIG_GLOBAL", "/dev/null")
-                .status()
-                .unwrap();
-            assert!(ok.success(), "git {args:?}");
-        };
+        let git = |args: &[&str]| git_in(&repo, args);
         git(&["init", "-q", "-b", "main"]);
         std::fs::write(repo.join("a.txt"), "hi\n").unwrap();
         std::fs::write(repo.join(".gitattributes"), "* filter=Ev.il=x\n").unwrap();
@@ -710,14 +694,7 @@ mod tests {
         std::fs::create_dir(&private).unwrap();
         std::fs::write(private.join("secret-plans.txt"), "x").unwrap();
         std::fs::write(repo.join("mine.txt"), "x").unwrap();
-        let ok = std::process::Command::new("git")
-            .args(["init", "-q", "-b", "main"])
-            .current_dir(&repo)
-            .env("GIT_CONFIG_NOSYSTEM", "1")
-            .env("GIT_CONFIG_GLOBAL", "/dev/null")
-            .status()
-            .unwrap();
-        assert!(ok.success());
+        git_in(&repo, &["init", "-q", "-b", "main"]);
         let config = repo.join(".git/config");
         let mut text = std::fs::read_to_string(&config).unwrap();
         text.push_str(&format!(
@@ -745,16 +722,7 @@ mod tests {
     async fn a_broken_repository_never_shows_the_one_around_it() {
         let dir = tempfile::tempdir().unwrap();
         let outer = dir.path();
-        let git = |args: &[&str]| {
-            let ok = std::process::Command::new("git")
-                .args(args)
-                .current_dir(outer)
-                .env("GIT_CONFIG_NOSYSTEM", "1")
-                .env("GIT_CONFIG_GLOBAL", "/dev/null")
-                .status()
-                .unwrap();
-            assert!(ok.success(), "git {args:?}");
-        };
+        let git = |args: &[&str]| git_in(outer, args);
         git(&["init", "-q", "-b", "main"]);
         std::fs::write(outer.join("tracked-private-name.txt"), "x").unwrap();
         git(&["add", "."]);
@@ -778,24 +746,14 @@ mod tests {
     #[tokio::test]
     async fn a_repository_borrowing_another_s_index_shows_none_of_it() {
         let dir = tempfile::tempdir().unwrap();
-        let git = |dir: &Path, args: &[&str]| {
-            let ok = std::process::Command::new("git")
-                .args(args)
-                .current_dir(dir)
-                .env("GIT_CONFIG_NOSYSTEM", "1")
-                .env("GIT_CONFIG_GLOBAL", "/dev/null")
-                .status()
-                .unwrap();
-            assert!(ok.success(), "git {args:?}");
-        };
         let private = dir.path().join("private");
         let evil = dir.path().join("evil");
         for d in [&private, &evil] {
             std::fs::create_dir(d).unwrap();
-            git(d, &["init", "-q", "-b", "main"]);
+            git_in(d, &["init", "-q", "-b", "main"]);
         }
         std::fs::write(private.join("tracked-private-name.txt"), "x").unwrap();
-        git(&private, &["add", "."]);
+        git_in(&private, &["add", "."]);
         std::os::unix::fs::symlink(private.join(".git/index"), evil.join(".git/index")).unwrap();
         let host = HostInfo {
             cwd: evil,
@@ -814,17 +772,7 @@ mod tests {
         let repo = dir.path().join("repo");
         let pwned = dir.path().join("pwned");
         std::fs::create_dir(&repo).unwrap();
-        let git = |args: &[&str]| {
-            let out = std::process::Command::new("git")
-                .args(args)
-                .current_dir(&repo)
-                .env("GIT_CONFIG_NOSYSTEM", "1")
-                .env("GIT_CONFIG_GLOBAL", "/dev/null")
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "git {args:?}");
-            String::from_utf8(out.stdout).unwrap()
-        };
+        let git = |args: &[&str]| git_in(&repo, args);
         git(&["init", "-q", "-b", "main"]);
         std::fs::write(repo.join("a.txt"), "hi\n").unwrap();
         git(&["add", "."]);

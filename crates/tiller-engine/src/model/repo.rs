@@ -123,20 +123,25 @@ fn ours(path: &Path) -> bool {
         .is_ok_and(|m| m.uid() == rustix::process::geteuid().as_raw())
 }
 
-/// A small regular file's text; `None` for a link, a FIFO or anything but
-/// a file, which could block or never end, and for one longer than
-/// [`SMALL`] (git would read all of it: a cut one could name another
-/// place than git reads).
-fn read_small(path: &Path) -> Option<String> {
+/// `path` opened to read, with its metadata, only if it is a regular file:
+/// `None` for a link (not followed), a FIFO (opened without blocking) or
+/// anything else, which could block or never end.
+pub(super) fn open_regular(path: &Path) -> Option<(std::fs::File, std::fs::Metadata)> {
     let flags = rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(flags.bits() as i32)
         .open(path)
         .ok()?;
-    if !file.metadata().ok()?.is_file() {
-        return None;
-    }
+    let meta = file.metadata().ok()?;
+    meta.is_file().then_some((file, meta))
+}
+
+/// A small regular file's text ([`open_regular`]); `None` also for one
+/// longer than [`SMALL`] (git would read all of it: a cut one could name
+/// another place than git reads).
+fn read_small(path: &Path) -> Option<String> {
+    let (file, _) = open_regular(path)?;
     let mut text = String::new();
     file.take(SMALL + 1).read_to_string(&mut text).ok()?;
     (text.len() as u64 <= SMALL).then_some(text)
