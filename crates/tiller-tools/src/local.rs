@@ -270,7 +270,11 @@ async fn editor_path(root: &Path, path: &str) -> Result<PathBuf, String> {
 /// (see `confine::git_dir_refusal`).
 async fn editor_write_path(root: &Path, path: &str) -> Result<PathBuf, String> {
     let p = editor_path(root, path).await?;
-    match confine::git_dir_refusal(&p, path) {
+    let linked = || {
+        let m = std::fs::metadata(&p).ok()?;
+        confine::linked_refusal(m.is_file(), std::os::unix::fs::MetadataExt::nlink(&m), path)
+    };
+    match confine::git_dir_refusal(&p, path).or_else(linked) {
         Some(refused) => Err(refused),
         None => Ok(p),
     }

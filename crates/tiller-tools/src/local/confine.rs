@@ -9,7 +9,9 @@ use std::io;
 use std::ops::ControlFlow;
 use std::path::{Component, Path, PathBuf};
 
-use cap_std::fs::{Dir, File, FileTypeExt, Metadata, OpenOptions, OpenOptionsExt};
+use cap_std::fs::{
+    Dir, File, FileTypeExt, Metadata, MetadataExt as _, OpenOptions, OpenOptionsExt,
+};
 
 use super::SKIP_DIRS;
 
@@ -50,6 +52,56 @@ fn protected(fd: &impl std::os::fd::AsRawFd) -> bool {
     real_path(fd).is_some_and(|real| list.iter().any(|p| real.starts_with(p)))
 }
 
+/// Entries looked at under the daemon's own paths for a file with other
+/// names; past it, the file is taken as one of them.
+const PROTECTED_SCAN: usize = 10_000;
+
+/// Whether the file open as `file` is one of the daemon's own: by its real
+/// path ([`protected`]), or by [`linked_to_protected`].
+fn protected_file(file: &File) -> bool {
+    protected(file)
+        || file.metadata().map_or_else(
+            |_| PROTECTED.get().is_some_and(|l| !l.is_empty()),
+            |m| linked_to_protected(m.nlink(), m.dev(), m.ino()),
+        )
+}
+
+/// Whether a file with `names` names (hard links, which the kernel's real
+/// path does not show) is the same file, `(dev, ino)`, as one under the
+/// daemon's own paths.
+fn linked_to_protected(names: u64, dev: u64, ino: u64) -> bool {
+    names > 1
+        && PROTECTED
+            .get()
+            .is_some_and(|l| l.iter().any(|p| holds_file(p, dev, ino)))
+}
+
+/// Whether `path` or anything under it (links not followed) is the file
+/// `(dev, ino)`; true past [`PROTECTED_SCAN`] entries.
+fn holds_file(path: &Path, dev: u64, ino: u64) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut stack = vec![path.to_owned()];
+    let mut seen = 0;
+    while let Some(p) = stack.pop() {
+        let Ok(m) = p.symlink_metadata() else {
+            continue;
+        };
+        if m.dev() == dev && m.ino() == ino {
+            return true;
+        }
+        if m.is_dir() {
+            for entry in std::fs::read_dir(&p).into_iter().flatten().flatten() {
+                seen += 1;
+                if seen > PROTECTED_SCAN {
+                    return true;
+                }
+                stack.push(entry.path());
+            }
+        }
+    }
+    false
+}
+
 /// The real path of what is open as `fd`, from the kernel.
 fn real_path(fd: &impl std::os::fd::AsRawFd) -> Option<PathBuf> {
     std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()
@@ -79,7 +131,8 @@ pub fn in_git_dir(path: &Path) -> bool {
 /// Whether `path` (relative to `dir`) would land in a repository's own
 /// directory: by its name ([`in_git_dir`]), or once the links on its way
 /// are followed (`tools -> .git/hooks`, then `tools/pre-commit` or
-/// `tools/../config`), as far as it exists.
+/// `tools/../config`), as far as it exists; or may, being a file with
+/// other names (hard links), which could be one there.
 pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
     if in_git_dir(path) {
         return true;
@@ -92,7 +145,15 @@ pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
     let mut at = full.as_path();
     loop {
         if let Ok(real) = at.canonicalize() {
-            return climbs(&rest) || in_git_dir(&rest.iter().rev().fold(real, |p, c| p.join(c)));
+            // A file with other names may be one in `.git` (see
+            // [`linked_refusal`]).
+            let linked = rest.is_empty()
+                && real
+                    .metadata()
+                    .is_ok_and(|m| m.is_file() && std::os::unix::fs::MetadataExt::nlink(&m) > 1);
+            return linked
+                || climbs(&rest)
+                || in_git_dir(&rest.iter().rev().fold(real, |p, c| p.join(c)));
         }
         // A dangling link: a write through it creates its target, wherever
         // that is. Taken as landing in `.git`.
@@ -150,6 +211,22 @@ pub(crate) fn git_dir_refusal(path: &Path, shown: &str) -> Option<String> {
             "{} is inside a repository's own directory (.git), whose config and hooks git runs; \
                  the file tools do not write there (use shell, which asks)",
             Shown(shown)
+        )
+    })
+}
+
+/// Why a write through a file with other names (hard links) is refused:
+/// one of them may lie inside a repository's own directory (an archive
+/// can carry `notes.txt` linked to `.git/config`) or the daemon's data,
+/// and a write through any name changes them all. `None` for a file with
+/// one name (or anything else).
+pub(crate) fn linked_refusal(is_file: bool, names: u64, shown: &str) -> Option<String> {
+    (is_file && names > 1).then(|| {
+        format!(
+            "{} has {} names (hard links), one of which may be inside a repository's own directory (.git) or the daemon's data; \
+                 the file tools do not write through it (use shell, which asks)",
+            Shown(shown),
+            names
         )
     })
 }
@@ -420,7 +497,7 @@ impl Root {
                 Shown(path)
             ));
         }
-        if protected(file) {
+        if protected_file(file) {
             return Err(protected_message(path));
         }
         Ok(meta.len())
@@ -465,6 +542,9 @@ impl Root {
                 if let Some(kind) = not_regular(&m) {
                     return Err(self.refuse(path, kind));
                 }
+                if let Some(refused) = linked_refusal(m.is_file(), m.nlink(), path) {
+                    return Err(refused);
+                }
             }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -482,8 +562,12 @@ impl Root {
             .open_with(rel, &o)
             .map_err(|e| self.error("write", path, &e))?;
         self.vet(&file, path)?;
-        // Reached by another name (a link to it).
+        // Reached by another name (a link to it), or given one meanwhile.
         if let Some(refused) = git_dir_refusal_of(&file, path) {
+            return Err(refused);
+        }
+        let meta = file.metadata().map_err(|e| self.error("write", path, &e))?;
+        if let Some(refused) = linked_refusal(meta.is_file(), meta.nlink(), path) {
             return Err(refused);
         }
         file.set_len(0).map_err(|e| self.error("write", path, &e))?;
@@ -626,7 +710,11 @@ impl Root {
             out.push(r);
         }
         let out = normalize(&out).unwrap_or(out);
-        if protected_path(&out) {
+        let linked = || {
+            use std::os::unix::fs::MetadataExt as _;
+            std::fs::metadata(&out).is_ok_and(|m| linked_to_protected(m.nlink(), m.dev(), m.ino()))
+        };
+        if protected_path(&out) || linked() {
             return Err(protected_message(path));
         }
         if !out.starts_with(&self.path) {
@@ -693,7 +781,7 @@ pub(crate) fn open_walked(dir: &Dir, name: &OsStr) -> Option<File> {
     o.read(true).custom_flags(flags());
     let file = dir.open_with(name, &o).ok()?;
     let meta = file.metadata().ok()?;
-    (meta.is_file() && pseudo_fs(&file).is_none() && !protected(&file)).then_some(file)
+    (meta.is_file() && pseudo_fs(&file).is_none() && !protected_file(&file)).then_some(file)
 }
 
 #[cfg(test)]

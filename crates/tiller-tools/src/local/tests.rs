@@ -1349,6 +1349,113 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
     assert_eq!(editor.files.lock().unwrap().len(), 1);
 }
 
+/// A file with another name (a hard link, as an archive can carry) may be
+/// `.git/config` under a harmless name: the file tools do not write
+/// through it, locally or through an editor, and a hosted agent's edit of
+/// it weighs as a command. A file with one name is written as before.
+#[tokio::test]
+async fn the_file_tools_do_not_write_through_a_hard_link() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::create_dir_all(root.join(".git")).unwrap();
+    std::fs::write(root.join(".git/config"), "[core]\n").unwrap();
+    std::fs::hard_link(root.join(".git/config"), root.join("notes.txt")).unwrap();
+    let evil = "[core]\n\tfsmonitor = evil\n";
+    let calls = [
+        ("write_file", json!({"path": "notes.txt", "content": evil})),
+        (
+            "edit",
+            json!({"path": "notes.txt", "old_string": "[core]", "new_string": "[core]\n\tfsmonitor = evil"}),
+        ),
+        (
+            "apply_patch",
+            json!({"patch": "--- a/notes.txt\n+++ b/notes.txt\n@@ -1 +1,2 @@\n [core]\n+\tfsmonitor = evil\n"}),
+        ),
+    ];
+    for (name, input) in &calls {
+        let out = go(root, name, input.clone()).await;
+        assert!(!out.ok, "{name}: {}", out.output);
+        assert!(out.output.contains("hard link"), "{name}: {}", out.output);
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join(".git/config")).unwrap(),
+        "[core]\n"
+    );
+    let editor = Arc::new(Editor::default());
+    let notes = root.canonicalize().unwrap().join("notes.txt");
+    editor
+        .files
+        .lock()
+        .unwrap()
+        .insert(notes.clone(), "[core]\n".into());
+    let client: Option<Arc<dyn ClientTools>> = Some(editor.clone());
+    for (name, input) in &calls {
+        let out = run(
+            root,
+            &ToolsConfig::default(),
+            &call(name, input.clone()),
+            client.clone(),
+        )
+        .await;
+        assert!(!out.ok, "{name} through the editor: {}", out.output);
+    }
+    assert_eq!(editor.files.lock().unwrap()[&notes], "[core]\n");
+    assert!(lands_in_git_dir(root, Path::new("notes.txt")));
+    // Read as before; written once it has one name again.
+    assert!(go(root, "read_file", json!({"path": "notes.txt"})).await.ok);
+    std::fs::remove_file(root.join(".git/config")).unwrap();
+    assert!(!lands_in_git_dir(root, Path::new("notes.txt")));
+    let out = go(
+        root,
+        "write_file",
+        json!({"path": "notes.txt", "content": "mine"}),
+    )
+    .await;
+    assert!(out.ok, "{}", out.output);
+}
+
+/// A hard link to the daemon's own data (its token) in a session's
+/// directory is the daemon's data by either name: neither read nor found
+/// by grep. (The only test in this binary that protects anything: the
+/// first call wins, and it names a directory of its own.)
+#[tokio::test]
+async fn a_hard_link_to_the_daemon_s_data_is_its_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let root = dir.path().join("session");
+    std::fs::create_dir_all(data.join("sub")).unwrap();
+    std::fs::create_dir_all(&root).unwrap();
+    let token = "token-7f3a-SECRET";
+    std::fs::write(data.join("sub/token"), token).unwrap();
+    std::fs::hard_link(data.join("sub/token"), root.join("tok.txt")).unwrap();
+    std::fs::write(root.join("mine.txt"), "mine").unwrap();
+    std::fs::hard_link(root.join("mine.txt"), root.join("also-mine.txt")).unwrap();
+    protect(std::slice::from_ref(&data));
+    let out = go(&root, "read_file", json!({"path": "tok.txt"})).await;
+    assert!(
+        !out.ok && out.output.contains("daemon's own data"),
+        "{}",
+        out.output
+    );
+    let out = go(&root, "grep", json!({"pattern": "SECRET"})).await;
+    assert!(!out.output.contains(token), "{}", out.output);
+    // Nor through an editor, which would read it by its other name.
+    let editor = Arc::new(Editor::default());
+    let tok = root.canonicalize().unwrap().join("tok.txt");
+    editor.files.lock().unwrap().insert(tok, token.into());
+    let client: Option<Arc<dyn ClientTools>> = Some(editor);
+    let read = call("read_file", json!({"path": "tok.txt"}));
+    let out = run(&root, &ToolsConfig::default(), &read, client).await;
+    assert!(
+        !out.ok && out.output.contains("daemon's own data"),
+        "{}",
+        out.output
+    );
+    // Hard links among the session's own files are read as before.
+    let out = go(&root, "read_file", json!({"path": "also-mine.txt"})).await;
+    assert!(out.ok && out.output.contains("mine"), "{}", out.output);
+}
+
 /// A patch that creates a file refuses one that exists, whatever it holds:
 /// a binary, non-UTF-8 or large file the tools cannot read as text is not
 /// taken for a missing one (it was emptied and shown as new).
