@@ -63,7 +63,8 @@ impl CallState {
 /// directory, a fetch, its own tools, a command), and Tiller does not
 /// confine what the agent does itself: an edit weighs as an edit (unless
 /// it touches a repository's own directory, whose config and hooks git
-/// runs), anything else as a command. A bare command line the agent names
+/// runs, or names no path that can be checked), anything else as a
+/// command. A bare command line the agent names
 /// is weighed as a `shell` call, so "always" covers that command's prefix,
 /// never the agent's whole tool; with anything more (a directory...),
 /// "always" covers nothing but this call.
@@ -73,19 +74,28 @@ fn asked(
     dir: &std::path::Path,
 ) -> tiller_engine::ToolCall {
     // Whatever the agent calls them: `path`, `file_path`, `notebook_path`,
-    // `filePath`...
-    let paths = call
+    // `filePath`, a list under `paths`...
+    let paths: Vec<&str> = call
         .input
         .as_object()
         .into_iter()
         .flatten()
-        .filter(|(k, _)| k.to_ascii_lowercase().ends_with("path"))
-        .filter_map(|(_, v)| v.as_str());
-    let into_git = locations
-        .iter()
-        .map(String::as_str)
-        .chain(paths)
-        .any(|p| tiller_tools::lands_in_git_dir(dir, std::path::Path::new(p)));
+        .filter(|(k, _)| {
+            let k = k.to_ascii_lowercase();
+            k.ends_with("path") || k.ends_with("paths")
+        })
+        .flat_map(|(_, v)| match v {
+            serde_json::Value::Array(list) => list.iter().collect(),
+            v => vec![v],
+        })
+        .filter_map(|v| v.as_str())
+        .chain(locations.iter().map(String::as_str))
+        .collect();
+    // An edit naming no path that can be checked could be anywhere.
+    let into_git = paths.is_empty()
+        || paths
+            .iter()
+            .any(|p| tiller_tools::lands_in_git_dir(dir, std::path::Path::new(p)));
     if call.kind == ToolKind::Edit && !into_git {
         return call;
     }

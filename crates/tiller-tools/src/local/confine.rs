@@ -144,7 +144,8 @@ pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
     let mut rest = Vec::new();
     let mut at = full.as_path();
     loop {
-        if let Ok(real) = at.canonicalize() {
+        let found = at.canonicalize();
+        if let Ok(real) = found {
             // A file with other names may be one in `.git` (see
             // [`linked_refusal`]).
             let linked = rest.is_empty()
@@ -156,10 +157,13 @@ pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
                 || in_git_dir(&rest.iter().rev().fold(real, |p, c| p.join(c)));
         }
         // A dangling link: a write through it creates its target, wherever
-        // that is. Taken as landing in `.git`.
-        if at
-            .symlink_metadata()
-            .is_ok_and(|m| m.file_type().is_symlink())
+        // that is. Taken as landing in `.git`; so is a path that cannot be
+        // resolved for another reason than a missing part (`notes.txt/`:
+        // not a directory, which an agent's own write drops).
+        if found.is_err_and(|e| e.kind() != std::io::ErrorKind::NotFound)
+            || at
+                .symlink_metadata()
+                .is_ok_and(|m| m.file_type().is_symlink())
         {
             return true;
         }

@@ -1401,6 +1401,13 @@ async fn the_file_tools_do_not_write_through_a_hard_link() {
     }
     assert_eq!(editor.files.lock().unwrap()[&notes], "[core]\n");
     assert!(lands_in_git_dir(root, Path::new("notes.txt")));
+    // Named with a trailing `/` or `/.` (which an agent's own write drops:
+    // resolving it fails with "not a directory", not "not found").
+    std::os::unix::fs::symlink(".git/config", root.join("cfg")).unwrap();
+    for p in ["notes.txt/", "notes.txt/.", "cfg/", "cfg/.", "notes.txt/x"] {
+        assert!(lands_in_git_dir(root, Path::new(p)), "{p}");
+    }
+    std::fs::remove_file(root.join("cfg")).unwrap();
     // Read as before; written once it has one name again.
     assert!(go(root, "read_file", json!({"path": "notes.txt"})).await.ok);
     std::fs::remove_file(root.join(".git/config")).unwrap();

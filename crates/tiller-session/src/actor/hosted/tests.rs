@@ -62,6 +62,34 @@ fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
         super::asked(edit("src/a.rs"), &[], dir.path()).kind,
         ToolKind::Edit
     );
+    // An edit naming no path Tiller can check (under another key, in a
+    // list, or none) weighs as a command; a list of paths is checked.
+    for input in [
+        serde_json::json!({ "changes": { "/p/.git/config": "x" } }),
+        serde_json::json!({ "target": "/p/.git/config" }),
+        serde_json::json!({}),
+        serde_json::json!({ "paths": ["/p/a.rs", "/p/.git/config"] }),
+    ] {
+        let mut call = edit("a.rs");
+        call.input = input.clone();
+        assert_eq!(
+            super::asked(call, &[], "/p".as_ref()).kind,
+            ToolKind::Execute,
+            "{input}"
+        );
+    }
+    let mut call = edit("a.rs");
+    call.input = serde_json::json!({ "paths": ["/p/a.rs", "/p/b.rs"] });
+    assert_eq!(super::asked(call, &[], "/p".as_ref()).kind, ToolKind::Edit);
+    let located = super::asked(
+        ToolCall {
+            input: serde_json::json!({}),
+            ..edit("x")
+        },
+        &["/p/a.rs".into()],
+        "/p".as_ref(),
+    );
+    assert_eq!(located.kind, ToolKind::Edit);
 }
 
 #[test]
