@@ -160,7 +160,7 @@ pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
         // that is. Taken as landing in `.git`; so is a path that cannot be
         // resolved for another reason than a missing part (`notes.txt/`:
         // not a directory, which an agent's own write drops).
-        if found.is_err_and(|e| e.kind() != std::io::ErrorKind::NotFound)
+        if found.is_err_and(|e| e.kind() != io::ErrorKind::NotFound)
             || at
                 .symlink_metadata()
                 .is_ok_and(|m| m.file_type().is_symlink())
