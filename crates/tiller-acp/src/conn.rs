@@ -1058,7 +1058,7 @@ fn merge(into: &mut EventRecord, next: &EventRecord) -> bool {
 const MAX_IN_FLIGHT: usize = 256;
 /// Longest a write to the client may wait before the client is taken for
 /// gone (it is not reading at all; a slow one is caught up from the store).
-pub(crate) const WRITE_STALL: std::time::Duration = std::time::Duration::from_secs(300);
+pub const WRITE_STALL: std::time::Duration = std::time::Duration::from_secs(300);
 /// How soon a lag the log could not cover yet is read again.
 const GAP_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
 

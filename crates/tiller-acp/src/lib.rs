@@ -20,7 +20,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader
 use tokio::net::UnixListener;
 use tokio::sync::{Semaphore, mpsc, watch};
 
-pub use conn::{AcpConfig, Frame, serve};
+pub use conn::{AcpConfig, Frame, WRITE_STALL, serve};
 
 /// Reads newline-delimited messages, enforcing `max` bytes per message
 /// without ever buffering more than that. Ends when the reader does.
@@ -109,7 +109,7 @@ const WRITE_BATCH: usize = 64 * 1024;
 
 /// Runs one write to a client; what it returned, or `None` when it
 /// failed. A client that leaves the write unfinished for
-/// [`conn::WRITE_STALL`] (no byte taken) is given up on, so its connection
+/// [`WRITE_STALL`] (no byte taken) is given up on, so its connection
 /// ends (its tasks, its permit, its descriptor) instead of waiting on it
 /// forever; the timer is armed only when the write does not finish at once
 /// (nearly always it does: no clock read).
@@ -117,12 +117,12 @@ pub async fn write_within_stall<T, E>(write: impl Future<Output = Result<T, E>>)
     let mut write = std::pin::pin!(write);
     match std::future::poll_fn(|cx| Poll::Ready(write.as_mut().poll(cx))).await {
         Poll::Ready(r) => r.ok(),
-        Poll::Pending => match tokio::time::timeout(conn::WRITE_STALL, write).await {
+        Poll::Pending => match tokio::time::timeout(WRITE_STALL, write).await {
             Ok(r) => r.ok(),
             Err(_) => {
                 tracing::warn!(
                     "an ACP client left a write unread for {:?}; closing its connection",
-                    conn::WRITE_STALL
+                    WRITE_STALL
                 );
                 None
             }

@@ -213,6 +213,12 @@ pub const ALL: &[Metric] = &[
         labels: &[],
     },
     Metric {
+        name: "tiller_http_write_stalls_total",
+        kind: Kind::Counter,
+        help: "HTTP connections closed for taking nothing of a write for five minutes.",
+        labels: &[],
+    },
+    Metric {
         name: "tiller_lease_renewal_failures_total",
         kind: Kind::Counter,
         help: "Lease renewals that failed (the store did not answer; cluster).",

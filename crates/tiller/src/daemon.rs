@@ -460,6 +460,7 @@ pub async fn serve(cfg: Config) -> anyhow::Result<()> {
     let limits = tiller_http::serve::Limits {
         max_connections: cfg.limits.max_http_connections,
         header_timeout: cfg.limits.http_header_timeout,
+        write_stall: tiller_acp::WRITE_STALL,
     };
     let http = tokio::spawn(tiller_http::serve::serve(
         listener,
