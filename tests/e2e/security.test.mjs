@@ -611,13 +611,16 @@ describe("webhooks", () => {
       const sid = (await api(d, "POST", "/api/sessions", { cwd: "/" })).body.id;
       const res = await api(d, "POST", `/api/sessions/${sid}/prompts`, {
         text: script([{ say: "final words" }]),
-        _meta: { tiller: { delivery: { webhook: `http://user:pa55word@localhost:${hook.port}/hook?key=abc` } } },
+        // Slack's, Discord's and Teams' incoming webhooks carry their secret in the path.
+        _meta: { tiller: { delivery: { webhook: `http://user:pa55word@localhost:${hook.port}/hook/T0SECRETPATH?key=abc` } } },
       });
       assert.equal(res.status, 202, JSON.stringify(res.body));
       await until(() => d.log().includes("webhook delivery failed"), 8000, "a failed attempt");
       assert.deepEqual(hook.hits, [], "nothing reached the loopback server");
       assert.match(d.log(), /loopback/);
       assert.ok(!d.log().includes("pa55word") && !d.log().includes("key=abc"), "credentials are never logged");
+      assert.ok(!d.log().includes("T0SECRETPATH"), "nor the path, which may be the credential");
+      assert.match(d.log(), new RegExp(`localhost:${hook.port}`), "the log names where");
     } finally {
       await d.stop();
       hook.close();

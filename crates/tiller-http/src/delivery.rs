@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use tiller_session::{Delivery, Sessions};
-use tiller_tools::egress::{Policy, redact};
+use tiller_tools::egress::{Policy, redact_origin};
 use tokio::sync::{Notify, Semaphore, watch};
 
 /// Attempts before a delivery is given up.
@@ -124,7 +124,8 @@ impl Worker {
         let (Ok(_host), Ok(_all)) = (host.acquire().await, self.all.acquire().await) else {
             return;
         };
-        let shown = redact(&d.url);
+        // Not the path: some webhooks' is their credential.
+        let shown = redact_origin(&d.url);
         let body = json!({
             "sessionId": d.session.to_string(),
             "promptId": d.prompt.to_string(),

@@ -404,6 +404,21 @@ pub fn redact(url: &str) -> String {
     }
 }
 
+/// `url` as `scheme://host[:port]`, and `/…` for any path: for a URL
+/// whose path may be its credential (Slack's, Discord's and Teams'
+/// incoming webhooks), which [`redact`] would show.
+pub fn redact_origin(url: &str) -> String {
+    match Url::parse(url) {
+        Ok(u) if !u.cannot_be_a_base() => {
+            let host = u.host_str().unwrap_or_default();
+            let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
+            let path = if u.path() == "/" { "/" } else { "/…" };
+            format!("{}://{host}{port}{path}", u.scheme())
+        }
+        _ => "(an unparseable URL)".into(),
+    }
+}
+
 /// `text` (an error's) with `url` in it as [`redact`] shows it: the HTTP
 /// client's errors name a request's URL whole, query included.
 pub fn scrub(text: &str, url: &str) -> String {

@@ -201,6 +201,22 @@ fn redact_removes_credentials_query_and_fragment() {
 }
 
 #[test]
+fn redact_origin_shows_no_path() {
+    for (url, want) in [
+        (
+            "https://u:p@hooks.slack.com/services/T0/B0/SECRET?x=1#f",
+            "https://hooks.slack.com/…",
+        ),
+        ("http://host.example:8080", "http://host.example:8080/"),
+        ("http://[::1]:9/x", "http://[::1]:9/…"),
+        ("mailto:a@b", "(an unparseable URL)"),
+        ("nonsense", "(an unparseable URL)"),
+    ] {
+        assert_eq!(redact_origin(url), want, "{url}");
+    }
+}
+
+#[test]
 fn an_error_naming_its_url_shows_it_redacted_as_given_or_as_parsed() {
     let given = "HTTPS://u:pw@Host.example/mcp?token=hunter22";
     for said in [
