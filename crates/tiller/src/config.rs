@@ -739,7 +739,7 @@ impl Config {
                 continue;
             }
             let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
-            set_path(&mut table, &path, env_value(&raw))
+            set_path(&mut table, &path, env_value(&path.join("."), &raw))
                 .map_err(|e| ConfigError(format!("environment variable {key}: {e}")))?;
             from_env.push((path.join("."), key));
         }
@@ -788,8 +788,13 @@ impl Config {
                     .find(|(p, _)| at.starts_with(p.as_str()) || p.starts_with(at.as_str()))
                     .map(|(_, k)| format!("environment variable {k}"))
                     .unwrap_or_else(|| origin.clone());
-                let inner = e.into_inner().to_string();
-                let inner = inner.lines().next().unwrap_or_default().trim();
+                let inner = if secret_key(&at) {
+                    // Serde's message would show the value.
+                    "expected a string (the value is not shown: a secret)".to_owned()
+                } else {
+                    let inner = e.into_inner().to_string();
+                    inner.lines().next().unwrap_or_default().trim().to_owned()
+                };
                 ConfigError(format!("{source}: key `{at}`: {inner}"))
             })?;
         config.validate()?;
@@ -1175,8 +1180,19 @@ fn merge(base: &mut toml::Table, over: toml::Table) {
     }
 }
 
-/// An environment value as TOML when it parses as one, else as a string.
-fn env_value(raw: &str) -> toml::Value {
+/// Whether a key (its last part) holds a secret: its value is taken as
+/// given, never parsed, and never shown in an error.
+fn secret_key(key: &str) -> bool {
+    let key = key.rsplit('.').next().unwrap_or(key);
+    ["token", "secret", "password", "api_key"].contains(&key)
+}
+
+/// An environment value as TOML when it parses as one, else as a string;
+/// a secret's always as a string.
+fn env_value(key: &str, raw: &str) -> toml::Value {
+    if secret_key(key) {
+        return toml::Value::String(raw.to_owned());
+    }
     format!("v = {raw}")
         .parse::<toml::Table>()
         .ok()
@@ -1211,6 +1227,32 @@ mod tests {
             Some(&p),
             env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
         )
+    }
+
+    /// A token or secret that looks like a number (or a date, a list...)
+    /// is still the string it was given, from the environment; written so
+    /// in the file, the error does not show it.
+    #[test]
+    fn a_secret_is_never_parsed_nor_shown_in_an_error() {
+        let c = load_str(
+            "",
+            &[
+                ("TILLER_SERVER__TOKEN", "1234567890123456"),
+                ("TILLER_CHANNELS__HOOK__SECRET", "0x7fffffff"),
+                ("TILLER_CHANNELS__HOOK__CWD", "/tmp"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.server.token, "1234567890123456");
+        assert_eq!(c.channels["hook"].secret, "0x7fffffff");
+        for text in [
+            "[server]\ntoken = 1234567890123456\n",
+            "[channels.hook]\nsecret = 987654321987\ncwd = \"/tmp\"\n",
+        ] {
+            let e = load_str(text, &[]).unwrap_err().to_string();
+            assert!(!e.contains("1234567890123456") && !e.contains("987654321987"), "{e}");
+            assert!(e.contains("token") || e.contains("secret"), "{e}");
+        }
     }
 
     #[test]
