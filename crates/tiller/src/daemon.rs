@@ -188,7 +188,7 @@ fn acp_config(cfg: &Config) -> AcpConfig {
 /// Creates the data directory 0700 (or tightens an existing one): it
 /// holds the token, the database and the socket.
 fn prepare_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+    use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -196,15 +196,24 @@ fn prepare_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
         .with_context(|| format!("cannot create the data directory {}", dir.display()))?;
     let meta = std::fs::metadata(dir)
         .with_context(|| format!("cannot read the data directory {}", dir.display()))?;
+    // Made first by someone else (in a shared `/tmp`), it would be theirs
+    // to read, or to fill with a token, a database and a socket of theirs.
+    if meta.uid() != rustix::process::geteuid().as_raw() {
+        anyhow::bail!(
+            "the data directory {} belongs to another user (uid {}), who could read or replace \
+             its token, database and socket; use a directory of your own (store.data_dir)",
+            dir.display(),
+            meta.uid()
+        );
+    }
     if meta.permissions().mode() & 0o077 != 0 {
-        match std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
-            Ok(()) => {
-                tracing::warn!(dir = %dir.display(), "the data directory was open to other users; it is now 0700");
-            }
-            Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "the data directory is open to other users and cannot be tightened");
-            }
-        }
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).with_context(|| {
+            format!(
+                "the data directory {} is open to other users and cannot be made 0700",
+                dir.display()
+            )
+        })?;
+        tracing::warn!(dir = %dir.display(), "the data directory was open to other users; it is now 0700");
     }
     Ok(())
 }
@@ -608,6 +617,34 @@ async fn wait_for_signal() {
 #[cfg(test)]
 mod tests {
     use tracing_subscriber::layer::SubscriberExt as _;
+
+    /// A data directory another user owns (made first in a shared `/tmp`,
+    /// say) could hand that user the token, the database and the socket:
+    /// the daemon refuses it, and changes nothing in it. As root the
+    /// directory is given to `nobody`; otherwise `/` is another's.
+    #[test]
+    fn a_data_directory_another_user_owns_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let d = tempfile::tempdir().unwrap();
+        let theirs = d.path().join("tiller");
+        std::fs::create_dir(&theirs).unwrap();
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let nobody = rustix::fs::Uid::from_raw(65534);
+        let dir = match rustix::fs::chown(&theirs, Some(nobody), None) {
+            Ok(()) => theirs.clone(),
+            Err(_) => std::path::PathBuf::from("/"),
+        };
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+        let e = super::prepare_data_dir(&dir).expect_err("another user's directory");
+        assert!(format!("{e:#}").contains("another user"), "{e:#}");
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode(), mode);
+        // One's own is taken and tightened, as before.
+        let mine = d.path().join("mine");
+        std::fs::create_dir(&mine).unwrap();
+        std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o755)).unwrap();
+        super::prepare_data_dir(&mine).unwrap();
+        assert_eq!(std::fs::metadata(&mine).unwrap().permissions().mode() & 0o777, 0o700);
+    }
 
     /// Whether a span of `target` at info is built under the filter.
     fn enabled(env: Option<&str>, level: &str, target_is_ractor: bool) -> bool {

@@ -5,7 +5,7 @@
 //! commands and `tiller acp --connect ws://...` find it the same way.
 
 use std::io::Write as _;
-use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+use std::os::unix::fs::{MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
@@ -37,6 +37,20 @@ pub fn for_daemon(cfg: &Config) -> anyhow::Result<Option<(String, Source)>> {
         return Ok(Some((cfg.server.token.clone(), Source::Configured)));
     }
     let path = cfg.token_path();
+    // The data directory's own file must be the daemon's user's (one
+    // `server.token_file` names, a secrets mount's, is the operator's
+    // choice).
+    if cfg.server.token_file.is_empty()
+        && let Ok(meta) = std::fs::symlink_metadata(&path)
+        && meta.uid() != rustix::process::geteuid().as_raw()
+    {
+        anyhow::bail!(
+            "the token file {} belongs to another user (uid {}), who chose the token; remove it \
+             (a new one is generated)",
+            path.display(),
+            meta.uid()
+        );
+    }
     if let Some(token) = read(&path)? {
         return Ok(Some((token, Source::File(path))));
     }
@@ -105,7 +119,12 @@ fn read(path: &Path) -> anyhow::Result<Option<String>> {
     if let Ok(meta) = std::fs::metadata(path)
         && meta.permissions().mode() & 0o077 != 0
     {
-        let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).with_context(|| {
+            format!(
+                "the token file {} is readable by others and cannot be made 0600",
+                path.display()
+            )
+        })?;
         tracing::warn!(file = %path.display(), "the token file was readable by others; it is now 0600");
     }
     let token = text.lines().next().unwrap_or_default().trim().to_owned();
@@ -157,6 +176,23 @@ mod tests {
         for_daemon(&c).unwrap();
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
+    }
+
+    /// A token file in the data directory that another user owns (placed
+    /// while the directory was open) is theirs: refused, not used. (Run as
+    /// root, as CI does, to give the file away.)
+    #[test]
+    fn a_token_file_another_user_owns_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path(), &[]);
+        let path = d.path().join("token");
+        std::fs::write(&path, "chosen-by-someone-else-0123456789\n").unwrap();
+        if rustix::fs::chown(&path, Some(rustix::fs::Uid::from_raw(65534)), None).is_err() {
+            assert!(!rustix::process::geteuid().is_root());
+            return;
+        }
+        let e = for_daemon(&c).expect_err("another user's token file");
+        assert!(format!("{e:#}").contains("another user"), "{e:#}");
     }
 
     #[test]
