@@ -6,6 +6,7 @@
 pub mod api;
 pub mod auth;
 pub mod channels;
+mod deadline;
 pub mod delivery;
 pub mod forward;
 pub mod openapi;
@@ -116,14 +117,16 @@ pub fn router(state: AppState) -> Router {
         .route("/api/cron/{id}", axum::routing::delete(api::remove_cron))
         .route("/api/sessions/{id}/events", get(api::events))
         .layer(axum::extract::DefaultBodyLimit::max(state.max_body_bytes))
-        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
-            state.body_timeout,
-        ))
         // After the checks: a request for a session another node serves
         // goes there.
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             forward::forward,
+        ))
+        // Every body, a forwarded one too, whole within its deadline.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            deadline::bound,
         ))
         // Outermost: nothing runs, and no body is read, before the checks.
         .layer(axum::middleware::from_fn_with_state(auth, auth::check))

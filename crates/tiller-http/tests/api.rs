@@ -506,3 +506,29 @@ async fn readyz_is_false_while_the_store_does_not_answer() {
     app.store.close().await;
     assert_eq!(ready().await, StatusCode::SERVICE_UNAVAILABLE);
 }
+
+/// `limits.http_body_timeout` bounds a request's whole body: one that
+/// trickles in a byte at a time, never idle for long, is cut off at the
+/// deadline (an idle timer, started over by every byte, let it hold its
+/// connection as long as it kept trickling).
+#[tokio::test]
+async fn a_body_trickling_in_is_cut_off_at_its_deadline() {
+    let mut app = app(AuthConfig::default(), 64).await;
+    app.state.body_timeout = std::time::Duration::from_millis(400);
+    let text = json!({"cwd": "/w"}).to_string().into_bytes();
+    let trickle = futures::stream::unfold(text.into_iter(), |mut bytes| async move {
+        let b = bytes.next()?;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        Some((Ok::<_, std::io::Error>(vec![b]), bytes))
+    });
+    let req = Request::post("/api/sessions")
+        .header("host", "127.0.0.1:4141")
+        .header("content-type", "application/json")
+        .body(Body::from_stream(trickle))
+        .unwrap();
+    let (status, v) = call(&app, req).await;
+    assert!(status.is_client_error(), "{status} {v}");
+    // A body in time is taken as before.
+    let (status, v) = call(&app, post("/api/sessions", json!({"cwd": "/w"}))).await;
+    assert!(status.is_success(), "{status} {v}");
+}

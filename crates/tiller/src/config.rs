@@ -574,8 +574,8 @@ pub struct Limits {
     pub http_header_timeout: Duration,
     /// Most content signals one turn may send (then `turn_too_long`).
     pub max_turn_events: u64,
-    /// The longest pause while receiving a request's body (all of it, for
-    /// the channel ingress).
+    /// How long a request's whole body may take to arrive (from its
+    /// headers).
     #[serde(with = "humantime_serde")]
     pub http_body_timeout: Duration,
 }
@@ -1250,7 +1250,10 @@ mod tests {
             "[channels.hook]\nsecret = 987654321987\ncwd = \"/tmp\"\n",
         ] {
             let e = load_str(text, &[]).unwrap_err().to_string();
-            assert!(!e.contains("1234567890123456") && !e.contains("987654321987"), "{e}");
+            assert!(
+                !e.contains("1234567890123456") && !e.contains("987654321987"),
+                "{e}"
+            );
             assert!(e.contains("token") || e.contains("secret"), "{e}");
         }
     }

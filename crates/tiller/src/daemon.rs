@@ -207,12 +207,14 @@ fn prepare_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
         );
     }
     if meta.permissions().mode() & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).with_context(|| {
-            format!(
-                "the data directory {} is open to other users and cannot be made 0700",
-                dir.display()
-            )
-        })?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).with_context(
+            || {
+                format!(
+                    "the data directory {} is open to other users and cannot be made 0700",
+                    dir.display()
+                )
+            },
+        )?;
         tracing::warn!(dir = %dir.display(), "the data directory was open to other users; it is now 0700");
     }
     Ok(())
@@ -643,7 +645,10 @@ mod tests {
         std::fs::create_dir(&mine).unwrap();
         std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o755)).unwrap();
         super::prepare_data_dir(&mine).unwrap();
-        assert_eq!(std::fs::metadata(&mine).unwrap().permissions().mode() & 0o777, 0o700);
+        assert_eq!(
+            std::fs::metadata(&mine).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
     }
 
     /// Whether a span of `target` at info is built under the filter.

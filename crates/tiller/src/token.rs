@@ -119,12 +119,14 @@ fn read(path: &Path) -> anyhow::Result<Option<String>> {
     if let Ok(meta) = std::fs::metadata(path)
         && meta.permissions().mode() & 0o077 != 0
     {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).with_context(|| {
-            format!(
-                "the token file {} is readable by others and cannot be made 0600",
-                path.display()
-            )
-        })?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).with_context(
+            || {
+                format!(
+                    "the token file {} is readable by others and cannot be made 0600",
+                    path.display()
+                )
+            },
+        )?;
         tracing::warn!(file = %path.display(), "the token file was readable by others; it is now 0600");
     }
     let token = text.lines().next().unwrap_or_default().trim().to_owned();
