@@ -63,6 +63,23 @@ pub struct Auth {
 }
 
 impl Auth {
+    /// CORS for the allowed origins (none: no layer, no CORS header).
+    pub(crate) fn cors(&self) -> Option<tower_http::cors::CorsLayer> {
+        let origins: Vec<HeaderValue> = self
+            .config
+            .allowed_origins
+            .iter()
+            .filter_map(|o| HeaderValue::from_str(o.trim_end_matches('/')).ok())
+            .collect();
+        (!origins.is_empty()).then(|| {
+            tower_http::cors::CorsLayer::new()
+                .allow_origin(origins)
+                .allow_methods([Method::GET, Method::POST, Method::PUT, Method::DELETE])
+                .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+                .max_age(std::time::Duration::from_secs(600))
+        })
+    }
+
     pub fn new(config: AuthConfig) -> Arc<Auth> {
         let cookie = config.cookie();
         Arc::new(Auth { config, cookie })

@@ -61,7 +61,7 @@ pub struct AppState {
 /// The router.
 pub fn router(state: AppState) -> Router {
     let auth = state.auth.clone();
-    Router::new()
+    let routes = Router::new()
         .route("/", get(web::index))
         .route("/app.js", get(web::app))
         .route("/i18n.js", get(web::i18n))
@@ -129,8 +129,19 @@ pub fn router(state: AppState) -> Router {
             deadline::bound,
         ))
         // Outermost: nothing runs, and no body is read, before the checks.
-        .layer(axum::middleware::from_fn_with_state(auth, auth::check))
-        .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(
+            auth.clone(),
+            auth::check,
+        ));
+    // Around them, for the origins `server.allowed_origins` lists: a
+    // browser's preflight (which carries no token) is answered, and
+    // responses say those origins may read them. The token is still
+    // needed, as a header: cookies are never sent cross-site.
+    match auth.cors() {
+        Some(cors) => routes.layer(cors),
+        None => routes,
+    }
+    .with_state(state)
 }
 
 async fn openapi_json() -> Response {

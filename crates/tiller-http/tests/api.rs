@@ -532,3 +532,75 @@ async fn a_body_trickling_in_is_cut_off_at_its_deadline() {
     let (status, v) = call(&app, post("/api/sessions", json!({"cwd": "/w"}))).await;
     assert!(status.is_success(), "{status} {v}");
 }
+
+/// A page at an origin in `server.allowed_origins` can call the API with
+/// the token, as a browser lets it: its preflight is answered (it got a
+/// 405, and no response carried `Access-Control-Allow-Origin`, so the
+/// setting allowed nothing a browser would do). Other origins get
+/// nothing, and the token is still needed.
+#[tokio::test]
+async fn an_allowed_origin_s_page_can_call_the_api() {
+    let app = app(
+        AuthConfig {
+            token: Some("tok-0123456789abcdef".into()),
+            allowed_origins: vec!["https://ide.example".into()],
+            ..AuthConfig::default()
+        },
+        64,
+    )
+    .await;
+    let preflight = |origin: &str| {
+        Request::options("/api/sessions")
+            .header("host", "127.0.0.1:4141")
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header(
+                "access-control-request-headers",
+                "authorization, content-type",
+            )
+            .body(Body::empty())
+            .unwrap()
+    };
+    let allow = |res: &axum::response::Response| {
+        res.headers()
+            .get("access-control-allow-origin")
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    let res = router(app.state.clone())
+        .oneshot(preflight("https://ide.example"))
+        .await
+        .unwrap();
+    assert!(res.status().is_success(), "{}", res.status());
+    assert_eq!(allow(&res).as_deref(), Some("https://ide.example"));
+    let allowed_headers = res
+        .headers()
+        .get("access-control-allow-headers")
+        .map(|v| v.to_str().unwrap().to_ascii_lowercase())
+        .unwrap_or_default();
+    assert!(
+        allowed_headers.contains("authorization"),
+        "{allowed_headers}"
+    );
+    let res = router(app.state.clone())
+        .oneshot(preflight("https://evil.example"))
+        .await
+        .unwrap();
+    assert_eq!(allow(&res), None);
+    // The call itself, with the token.
+    let mut req = post("/api/sessions", json!({"cwd": "/w"}));
+    req.headers_mut()
+        .insert("origin", "https://ide.example".parse().unwrap());
+    req.headers_mut().insert(
+        "authorization",
+        "Bearer tok-0123456789abcdef".parse().unwrap(),
+    );
+    let res = router(app.state.clone()).oneshot(req).await.unwrap();
+    assert!(res.status().is_success(), "{}", res.status());
+    assert_eq!(allow(&res).as_deref(), Some("https://ide.example"));
+    // Without it, refused as before.
+    let mut req = post("/api/sessions", json!({"cwd": "/w"}));
+    req.headers_mut()
+        .insert("origin", "https://ide.example".parse().unwrap());
+    let res = router(app.state.clone()).oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::UNAUTHORIZED);
+}
