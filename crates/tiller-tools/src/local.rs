@@ -527,11 +527,19 @@ pub(crate) fn replaced_text(root: &Path, path: &str, max: u64) -> Option<String>
     if let Some(text) = current_text(root, path, max) {
         return Some(text);
     }
-    let meta = std::fs::metadata(resolve(root, path).ok()?).ok()?;
-    Some(format!(
-        "(a file of {} bytes is here, not shown: binary, too long or unreadable; the write replaces it whole)",
-        meta.len()
-    ))
+    // Looked at through the session's directory: a link out of it is not
+    // followed (nothing of what it names is told).
+    let r = Root::open(root).ok()?;
+    let rel = r.relative(path).ok()?;
+    match r.metadata(&rel, path) {
+        Ok(meta) => Some(format!(
+            "(a file of {} bytes is here, not shown: binary, too long or unreadable; the write replaces it whole)",
+            meta.len()
+        )),
+        Err(_) => r.names_something(&rel).then(|| {
+            "(something is here that the file tools do not follow, such as a link out of the session's directory; the write is refused or replaces it)".to_owned()
+        }),
+    }
 }
 
 async fn write_file(
@@ -705,6 +713,25 @@ async fn edit_text(
 }
 
 /// Writes a file's new text (through the editor when it offers writes).
+/// Why [`put_text`] would refuse `path` (the editor's path, or
+/// [`Root::check_write`]), told without changing anything.
+async fn check_put(
+    root: &Path,
+    path: &str,
+    client: Option<Arc<dyn ClientTools>>,
+) -> Result<(), String> {
+    if client.is_some_and(|c| c.can_write()) {
+        return editor_write_path(root, path).await.map(drop);
+    }
+    let (root, path) = (root.to_owned(), path.to_owned());
+    blocking(move || {
+        let r = Root::open(&root)?;
+        let rel = r.relative(&path)?;
+        r.check_write(&rel, &path).map(drop)
+    })
+    .await
+}
+
 async fn put_text(
     root: &Path,
     path: &str,
@@ -814,6 +841,10 @@ async fn apply_patch(
             )
         })?;
         out.push((f.path.clone(), text, parsed.hunks().len()));
+    }
+    // Every file may be written, before any is.
+    for (path, _, _) in &out {
+        check_put(root, path, client.clone()).await?;
     }
     let mut said = Vec::new();
     for (path, text, hunks) in out {

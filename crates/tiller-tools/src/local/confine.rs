@@ -529,14 +529,13 @@ impl Root {
         Ok((file, len))
     }
 
-    /// Opens `rel` for writing (created if missing, with its parent
-    /// directories; emptied): where it lands checked first, then a regular
-    /// file, checked on the opened handle before anything is changed.
-    pub fn open_write(&self, rel: &Path, path: &str) -> Result<File, String> {
-        // Where it would land, before anything is created: not the
-        // daemon's own data, not a repository's own directory. (A path
-        // that cannot be resolved so is checked by its name here and on
-        // the opened handle.)
+    /// Why a write to `rel` would be refused, told before anything is
+    /// created or changed (a patch checks all its files first): where it
+    /// lands (not the daemon's own data, not a repository's own
+    /// directory; a path that cannot be resolved so is checked by its name
+    /// here and on the opened handle), and what is there (a regular file
+    /// with one name, or nothing). `Ok(true)` when nothing is there.
+    pub fn check_write(&self, rel: &Path, path: &str) -> Result<bool, String> {
         let real = self.landing(rel, path)?;
         if let Some(refused) = git_dir_refusal(real.as_deref().unwrap_or(rel), path) {
             return Err(refused);
@@ -549,15 +548,23 @@ impl Root {
                 if let Some(refused) = linked_refusal(m.is_file(), m.nlink(), path) {
                     return Err(refused);
                 }
+                Ok(false)
             }
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                if let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty()) {
-                    self.dir
-                        .create_dir_all(parent)
-                        .map_err(|e| self.error("create the parent directories of", path, &e))?;
-                }
-            }
-            Err(e) => return Err(self.error("write", path, &e)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(true),
+            Err(e) => Err(self.error("write", path, &e)),
+        }
+    }
+
+    /// Opens `rel` for writing (created if missing, with its parent
+    /// directories; emptied): [`Self::check_write`] first, then a regular
+    /// file, checked on the opened handle before anything is changed.
+    pub fn open_write(&self, rel: &Path, path: &str) -> Result<File, String> {
+        if self.check_write(rel, path)?
+            && let Some(parent) = rel.parent().filter(|p| !p.as_os_str().is_empty())
+        {
+            self.dir
+                .create_dir_all(parent)
+                .map_err(|e| self.error("create the parent directories of", path, &e))?;
         }
         let mut o = OpenOptions::new();
         o.write(true).create(true).custom_flags(flags());
@@ -654,6 +661,11 @@ impl Root {
     }
 
     /// The metadata of `rel` (links inside followed).
+    /// Whether anything at all is at `rel` (a link is not followed).
+    pub fn names_something(&self, rel: &Path) -> bool {
+        self.dir.symlink_metadata(rel).is_ok()
+    }
+
     pub fn metadata(&self, rel: &Path, path: &str) -> Result<Metadata, String> {
         self.dir
             .metadata(rel)

@@ -1463,6 +1463,42 @@ async fn a_hard_link_to_the_daemon_s_data_is_its_data() {
     assert!(out.ok && out.output.contains("mine"), "{}", out.output);
 }
 
+/// A patch whose later file is refused (a hard link, a name in `.git`)
+/// changes none of its files, as the tool promises: the first was written
+/// before the second was refused.
+#[tokio::test]
+async fn a_patch_with_a_refused_file_changes_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    std::fs::create_dir_all(root.join(".git")).unwrap();
+    std::fs::write(root.join(".git/config"), "[core]\n").unwrap();
+    std::fs::hard_link(root.join(".git/config"), root.join("notes.txt")).unwrap();
+    std::fs::write(root.join("a.txt"), "one\n").unwrap();
+    let first = "--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-one\n+two\n";
+    for second in [
+        "--- a/notes.txt\n+++ b/notes.txt\n@@ -1 +1,2 @@\n [core]\n+\tfsmonitor = evil\n",
+        "--- /dev/null\n+++ b/.git/hooks/pre-commit\n@@ -0,0 +1 @@\n+evil\n",
+    ] {
+        let out = go(
+            root,
+            "apply_patch",
+            json!({"patch": format!("{first}{second}")}),
+        )
+        .await;
+        assert!(!out.ok, "{}", out.output);
+        assert_eq!(
+            std::fs::read_to_string(root.join("a.txt")).unwrap(),
+            "one\n",
+            "{second}"
+        );
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join(".git/config")).unwrap(),
+        "[core]\n"
+    );
+    assert!(!root.join(".git/hooks").exists());
+}
+
 /// A patch that creates a file refuses one that exists, whatever it holds:
 /// a binary, non-UTF-8 or large file the tools cannot read as text is not
 /// taken for a missing one (it was emptied and shown as new).
@@ -1632,4 +1668,11 @@ fn a_write_over_a_file_not_shown_is_never_shown_as_a_new_file() {
         let shown = old(path).unwrap_or_else(|| panic!("{path} shown as a new file"));
         assert!(shown.contains(&format!("{bytes} bytes")), "{path}: {shown}");
     }
+    // A link out of the session's directory: nothing of what it names is
+    // told (its size was), and it is not shown as a new file either.
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("secret"), "s".repeat(12345)).unwrap();
+    std::os::unix::fs::symlink(outside.path().join("secret"), dir.path().join("out")).unwrap();
+    let shown = old("out").expect("not a new file");
+    assert!(!shown.contains("12345"), "{shown}");
 }
