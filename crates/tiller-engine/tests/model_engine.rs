@@ -298,6 +298,54 @@ async fn a_missing_key_fails_the_turn_naming_the_variable_and_sends_nothing() {
     assert!(mock.bodies.lock().unwrap().is_empty());
 }
 
+/// A redirect to another origin (an open redirect at the provider, a
+/// hijacked `base_url`) is not followed: the HTTP client drops only the
+/// headers it knows (`Authorization`), and would send Anthropic's
+/// `x-api-key` to the other host.
+#[tokio::test]
+async fn a_redirect_elsewhere_never_gets_the_key() {
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let other = {
+        let seen = seen.clone();
+        let app = Router::new().fallback(move |headers: axum::http::HeaderMap| {
+            let seen = seen.clone();
+            async move {
+                let mut seen = seen.lock().unwrap();
+                seen.extend(headers.keys().map(|k| k.to_string()));
+                seen.push("(a request)".into());
+                StatusCode::NOT_FOUND
+            }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        addr
+    };
+    let app = Router::new().fallback(move || async move {
+        (
+            StatusCode::TEMPORARY_REDIRECT,
+            [(header::LOCATION, format!("http://{other}/v1/messages"))],
+        )
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let mut cfg = config(format!("http://{addr}/v1"));
+    cfg.provider = Provider::Anthropic;
+    cfg.max_retries = 0;
+    // Any variable that is set serves as the key.
+    cfg.api_key_env = Some("PATH".into());
+    let engine = ModelEngine::new(cfg);
+    let (_h, mut rx, _) = start(&engine, "hi");
+    let signals = until_end(&mut rx).await;
+    assert!(
+        matches!(signals.last(), Some(SignalKind::Failed(..))),
+        "{signals:?}"
+    );
+    let seen = seen.lock().unwrap();
+    assert!(!seen.iter().any(|h| h == "x-api-key"), "{seen:?}");
+}
+
 #[tokio::test]
 async fn tool_calls_cut_off_by_max_tokens_never_run() {
     let mock = Mock::default();

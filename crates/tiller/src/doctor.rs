@@ -290,7 +290,13 @@ async fn model_engine(name: &str, m: &crate::config::ModelEngineCfg) -> Finding 
         tiller_engine::model::Provider::OpenAi => format!("{base}/models"),
         tiller_engine::model::Provider::Anthropic => format!("{base}/v1/models"),
     };
-    let client = match reqwest::Client::builder().timeout(PROBE_TIMEOUT).build() {
+    // Shown without credentials or query (a base_url may carry them).
+    let shown = tiller_tools::egress::redact(&url);
+    let client = match reqwest::Client::builder()
+        .timeout(PROBE_TIMEOUT)
+        .redirect(tiller_engine::model::same_origin_redirects())
+        .build()
+    {
         Ok(c) => c,
         Err(e) => return finding(Level::Fail, what, format!("no HTTP client: {e}")),
     };
@@ -308,12 +314,12 @@ async fn model_engine(name: &str, m: &crate::config::ModelEngineCfg) -> Finding 
         _ => s,
     };
     match req.send().await {
-        Ok(r) if r.status().is_success() => finding(Level::Ok, what, format!("{url} answers")),
+        Ok(r) if r.status().is_success() => finding(Level::Ok, what, format!("{shown} answers")),
         Ok(r) if r.status().as_u16() == 401 || r.status().as_u16() == 403 => finding(
             Level::Fail,
             what,
             format!(
-                "{url} refused the key ({}): check {}",
+                "{shown} refused the key ({}): check {}",
                 r.status(),
                 cfg.api_key_env.as_deref().unwrap_or("api_key_env")
             ),
@@ -322,7 +328,7 @@ async fn model_engine(name: &str, m: &crate::config::ModelEngineCfg) -> Finding 
             Level::Warn,
             what,
             format!(
-                "{url} answered {} (the server may not list models; turns may still work)",
+                "{shown} answered {} (the server may not list models; turns may still work)",
                 r.status()
             ),
         ),
@@ -330,7 +336,8 @@ async fn model_engine(name: &str, m: &crate::config::ModelEngineCfg) -> Finding 
             Level::Fail,
             what,
             redact(format!(
-                "{url} is unreachable: {e}; check engine.{name}.base_url and that the server runs"
+                "{shown} is unreachable: {}; check engine.{name}.base_url and that the server runs",
+                tiller_tools::egress::scrub(&e.to_string(), &url)
             )),
         ),
     }

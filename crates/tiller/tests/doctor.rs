@@ -187,3 +187,26 @@ async fn a_damaged_session_log_is_named_with_its_repair() {
         assert!(out.contains(&wanted), "wanted {wanted:?} in\n{out}");
     }
 }
+
+/// A `base_url` carrying credentials or a query (a proxy's, a gateway's
+/// key) is named without them, in the finding and in the HTTP client's
+/// error it quotes.
+#[test]
+fn a_base_url_s_credentials_are_never_shown() {
+    let data = private_dir();
+    for base in [
+        "http://user:pa55word@127.0.0.1:1/v1?key=s3cretq",
+        "http://user:pa55word@127.0.0.1:1/v1",
+    ] {
+        let (code, out) = doctor(
+            &format!("[engine.m]\nkind = \"openai\"\nbase_url = \"{base}\"\nmodel = \"x\"\n"),
+            data.path(),
+        );
+        assert_eq!(code, 1, "{out}");
+        assert!(out.contains("is unreachable"), "{out}");
+        assert!(
+            !out.contains("pa55word") && !out.contains("s3cretq"),
+            "{out}"
+        );
+    }
+}

@@ -101,6 +101,21 @@ pub struct ModelConfig {
     pub prices: Option<crate::Prices>,
 }
 
+/// Redirects followed only within the origin they start from (at most
+/// five): the HTTP client drops on a redirect elsewhere only the headers
+/// it knows (`Authorization`), and would hand Anthropic's `x-api-key` to
+/// another host.
+pub fn same_origin_redirects() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        let first = attempt.previous().first().map(|u| u.origin());
+        if attempt.previous().len() > 5 || first != Some(attempt.url().origin()) {
+            attempt.stop()
+        } else {
+            attempt.follow()
+        }
+    })
+}
+
 /// A model engine (see the module docs).
 pub struct ModelEngine {
     cfg: std::sync::Arc<ModelConfig>,
@@ -111,6 +126,7 @@ impl ModelEngine {
     pub fn new(cfg: ModelConfig) -> Self {
         let client = reqwest::Client::builder()
             .connect_timeout(cfg.request_timeout)
+            .redirect(same_origin_redirects())
             .build()
             .expect("the HTTP client builds with static settings");
         Self {
