@@ -25,7 +25,7 @@ pub(crate) async fn bound(State(st): State<AppState>, req: Request, next: Next) 
     } else {
         Body::new(Deadline {
             body,
-            until: Instant::now() + st.body_timeout,
+            until: tiller_session::clock::instant() + st.body_timeout,
             clock: None,
             after: st.body_timeout,
         })
