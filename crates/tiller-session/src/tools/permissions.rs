@@ -73,11 +73,36 @@ const SHELL_OPERATORS: &[char] = &[
 /// allow anything (`bash -c ls` must not allow `bash -c rm`), so "always"
 /// on them allows that exact command only. A first word with `=` (an
 /// environment assignment) likewise.
+/// Matched by name, any version suffix dropped (`python3.12`, `pypy3`).
 const WRAPPERS: &[&str] = &[
     "sh", "bash", "zsh", "dash", "ksh", "fish", "env", "sudo", "doas", "su", "xargs", "nohup",
     "timeout", "nice", "exec", "eval", "command", "builtin", "setsid", "strace", "time", "watch",
-    "python", "python3", "node", "perl", "ruby", "php", "lua", "deno", "bun", "npx", "uvx",
+    "python", "node", "nodejs", "perl", "ruby", "php", "lua", "luajit", "deno", "bun", "npx",
+    "uvx", "pypy", "tsx", "ts-node", "java", "busybox", "flock", "stdbuf", "ionice", "chroot",
+    "unshare", "nsenter", "taskset", "chrt", "script", "parallel", "systemd-run", "at", "batch",
+    "tmux", "screen", "ssh", "osascript", "pwsh",
 ];
+
+/// Words after which the next one names what runs (`uv run pytest`,
+/// `bundle exec rspec`, `uv tool run ruff`): a rule keeps that one too,
+/// so it covers that program, never another.
+const RUNNERS: &[&str] = &[
+    "run", "exec", "x", "dlx", "run-script", "tool", "tools", "script", "start",
+];
+
+/// Second words whose commands change settings that can name commands
+/// to run (`git config core.hooksPath`, `npm config set registry`):
+/// "always" on them allows that exact command only.
+const SETTINGS: &[&str] = &["config", "-c", "alias", "set"];
+
+/// `word`'s program name without its directory and version suffix
+/// (`/usr/bin/python3.12` is `python`).
+fn program(word: &str) -> &str {
+    word.rsplit('/')
+        .next()
+        .unwrap_or(word)
+        .trim_end_matches(|c: char| c.is_ascii_digit() || c == '.')
+}
 
 impl ShellRule {
     /// How many leading words a prefix rule keeps.
@@ -86,20 +111,25 @@ impl ShellRule {
     /// The rule "always allow" makes of `command`.
     pub fn of(command: &str) -> ShellRule {
         let words: Vec<&str> = command.split_whitespace().collect();
-        let wrapper = words.first().is_some_and(|w| {
-            let program = w.rsplit('/').next().unwrap_or(w);
-            WRAPPERS.contains(&program) || w.contains('=')
-        });
-        if words.is_empty() || wrapper || command.contains(SHELL_OPERATORS) {
-            return ShellRule::Exact(command.trim().to_owned());
+        let wrapper = words
+            .first()
+            .is_some_and(|w| WRAPPERS.contains(&program(w)) || w.contains('='));
+        let settings = words.get(1).is_some_and(|w| SETTINGS.contains(w));
+        let exact = || ShellRule::Exact(command.trim().to_owned());
+        if words.is_empty() || wrapper || settings || command.contains(SHELL_OPERATORS) {
+            return exact();
         }
-        ShellRule::Prefix(
-            words
-                .iter()
-                .take(Self::WORDS)
-                .map(|w| (*w).to_owned())
-                .collect(),
-        )
+        // Two words, and while the last kept is a runner, the next.
+        let mut kept = words.len().min(Self::WORDS);
+        while kept >= Self::WORDS && RUNNERS.contains(&words[kept - 1]) {
+            if kept == words.len() {
+                // Nothing named after the runner: the rule would cover
+                // whatever a later command names there.
+                return exact();
+            }
+            kept += 1;
+        }
+        ShellRule::Prefix(words[..kept].iter().map(|w| (*w).to_owned()).collect())
     }
 
     /// Whether the rule allows `command`.

@@ -392,6 +392,27 @@ fn always_allow_on_shell_is_per_command_prefix() {
         ("bash -c ls", "bash -c rm", true),
         ("/usr/bin/env ls", "/usr/bin/env rm", true),
         ("FOO=1 make", "FOO=1 rm", true),
+        // A runner's next word is what runs: kept in the rule.
+        ("uv run pytest", "uv run pytest tests", false),
+        ("uv run pytest", "uv run sh index.html", true),
+        ("uv run pytest", "uv run wget evil.example", true),
+        ("bundle exec rspec", "bundle exec sh x", true),
+        ("npm exec jest", "npm exec evilpkg", true),
+        ("pnpm dlx vitest", "pnpm dlx evil", true),
+        ("uv tool run ruff", "uv tool run evil", true),
+        ("uv tool run ruff", "uv tool install evil", true),
+        ("npm run build", "npm run build", false),
+        ("npm run build", "npm run deploy", true),
+        ("uv run", "uv run sh", true),
+        // Interpreters by any version, and other programs that run what
+        // they are given: exact only.
+        ("python3.12 -m pytest", "python3.12 -m pip install evil", true),
+        ("pypy3 x.py", "pypy3 y.py", true),
+        ("nodejs x.js", "nodejs y.js", true),
+        ("busybox ls", "busybox sh", true),
+        // Settings can name commands to run (core.hooksPath, a registry).
+        ("git config user.email", "git config core.hooksPath hooks", true),
+        ("npm config get registry", "npm config set registry evil", true),
     ];
     for (allowed, later, asks) in cases {
         let mut perms = Permissions::new(PermissionMode::Ask);
