@@ -69,13 +69,26 @@ impl Auth {
             .config
             .allowed_origins
             .iter()
-            .filter_map(|o| HeaderValue::from_str(o.trim_end_matches('/')).ok())
+            // As browsers send it (the Origin check ignores case).
+            .filter_map(|o| {
+                HeaderValue::from_str(&o.trim_end_matches('/').to_ascii_lowercase()).ok()
+            })
             .collect();
         (!origins.is_empty()).then(|| {
             tower_http::cors::CorsLayer::new()
                 .allow_origin(origins)
-                .allow_methods([Method::GET, Method::POST, Method::PUT, Method::DELETE])
-                .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+                .allow_methods([
+                    Method::GET,
+                    Method::POST,
+                    Method::PUT,
+                    Method::PATCH,
+                    Method::DELETE,
+                ])
+                .allow_headers([
+                    header::AUTHORIZATION,
+                    header::CONTENT_TYPE,
+                    header::HeaderName::from_static("last-event-id"),
+                ])
                 .max_age(std::time::Duration::from_secs(600))
         })
     }

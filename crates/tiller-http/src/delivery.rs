@@ -139,6 +139,8 @@ impl Worker {
                 false
             }
             Err(e) => {
+                // The policy's errors name the URL with its path.
+                let e = e.replace(&tiller_tools::egress::redact(&d.url), &shown);
                 tracing::warn!(url = %shown, error = %e, "webhook delivery failed");
                 false
             }

@@ -6,7 +6,6 @@
 pub mod api;
 pub mod auth;
 pub mod channels;
-mod deadline;
 pub mod delivery;
 pub mod forward;
 pub mod openapi;
@@ -123,10 +122,10 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             forward::forward,
         ))
-        // Every body, a forwarded one too, whole within its deadline.
-        .layer(axum::middleware::from_fn_with_state(
-            state.clone(),
-            deadline::bound,
+        // Every body, a forwarded one too: no pause longer than
+        // `limits.http_body_timeout` (channels also bound the whole).
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+            state.body_timeout,
         ))
         // Outermost: nothing runs, and no body is read, before the checks.
         .layer(axum::middleware::from_fn_with_state(

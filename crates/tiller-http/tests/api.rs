@@ -507,32 +507,6 @@ async fn readyz_is_false_while_the_store_does_not_answer() {
     assert_eq!(ready().await, StatusCode::SERVICE_UNAVAILABLE);
 }
 
-/// `limits.http_body_timeout` bounds a request's whole body: one that
-/// trickles in a byte at a time, never idle for long, is cut off at the
-/// deadline (an idle timer, started over by every byte, let it hold its
-/// connection as long as it kept trickling).
-#[tokio::test]
-async fn a_body_trickling_in_is_cut_off_at_its_deadline() {
-    let mut app = app(AuthConfig::default(), 64).await;
-    app.state.body_timeout = std::time::Duration::from_millis(400);
-    let text = json!({"cwd": "/w"}).to_string().into_bytes();
-    let trickle = futures::stream::unfold(text.into_iter(), |mut bytes| async move {
-        let b = bytes.next()?;
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        Some((Ok::<_, std::io::Error>(vec![b]), bytes))
-    });
-    let req = Request::post("/api/sessions")
-        .header("host", "127.0.0.1:4141")
-        .header("content-type", "application/json")
-        .body(Body::from_stream(trickle))
-        .unwrap();
-    let (status, v) = call(&app, req).await;
-    assert!(status.is_client_error(), "{status} {v}");
-    // A body in time is taken as before.
-    let (status, v) = call(&app, post("/api/sessions", json!({"cwd": "/w"}))).await;
-    assert!(status.is_success(), "{status} {v}");
-}
-
 /// A page at an origin in `server.allowed_origins` can call the API with
 /// the token, as a browser lets it: its preflight is answered (it got a
 /// 405, and no response carried `Access-Control-Allow-Origin`, so the
@@ -543,7 +517,7 @@ async fn an_allowed_origin_s_page_can_call_the_api() {
     let app = app(
         AuthConfig {
             token: Some("tok-0123456789abcdef".into()),
-            allowed_origins: vec!["https://ide.example".into()],
+            allowed_origins: vec!["https://IDE.example/".into()],
             ..AuthConfig::default()
         },
         64,
@@ -553,7 +527,7 @@ async fn an_allowed_origin_s_page_can_call_the_api() {
         Request::options("/api/sessions")
             .header("host", "127.0.0.1:4141")
             .header("origin", origin)
-            .header("access-control-request-method", "POST")
+            .header("access-control-request-method", "PATCH")
             .header(
                 "access-control-request-headers",
                 "authorization, content-type",

@@ -712,7 +712,6 @@ async fn edit_text(
         })
 }
 
-/// Writes a file's new text (through the editor when it offers writes).
 /// Why [`put_text`] would refuse `path` (the editor's path, or
 /// [`Root::check_write`]), told without changing anything.
 async fn check_put(
@@ -732,6 +731,7 @@ async fn check_put(
     .await
 }
 
+/// Writes a file's new text (through the editor when it offers writes).
 async fn put_text(
     root: &Path,
     path: &str,

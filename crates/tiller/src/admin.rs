@@ -16,12 +16,18 @@ impl Client {
         Self {
             base: base.trim_end_matches('/').to_owned(),
             token,
-            // Straight to the daemon: a proxy the environment names would
-            // see the token in the clear on its way to a loopback address.
-            http: reqwest::Client::builder()
-                .no_proxy()
-                .build()
-                .expect("an HTTP client (as reqwest::Client::new would)"),
+            http: {
+                let mut b = reqwest::Client::builder();
+                // Plain HTTP straight to the daemon: a proxy the environment
+                // names would see the token in the clear. (Over HTTPS a
+                // proxy sees only the tunnel, and may be the only way to a
+                // remote daemon.)
+                if !base.starts_with("https://") {
+                    b = b.no_proxy();
+                }
+                b.build()
+                    .expect("an HTTP client (as reqwest::Client::new would)")
+            },
         }
     }
 

@@ -574,8 +574,8 @@ pub struct Limits {
     pub http_header_timeout: Duration,
     /// Most content signals one turn may send (then `turn_too_long`).
     pub max_turn_events: u64,
-    /// How long a request's whole body may take to arrive (from its
-    /// headers).
+    /// The longest pause while receiving a request's body (all of it, for
+    /// the channel ingress).
     #[serde(with = "humantime_serde")]
     pub http_body_timeout: Duration,
 }
@@ -773,8 +773,12 @@ impl Config {
                         } else {
                             format!("engine.{name}.{at}")
                         };
-                        let inner = e.into_inner().to_string();
-                        let inner = inner.lines().next().unwrap_or_default().trim().to_owned();
+                        let inner = if secret_key(&at) {
+                            "expected a string (the value is not shown: a secret)".to_owned()
+                        } else {
+                            let inner = e.into_inner().to_string();
+                            inner.lines().next().unwrap_or_default().trim().to_owned()
+                        };
                         ConfigError(format!("{origin}: key `{at}`: {inner}"))
                     })?;
                 }
@@ -831,6 +835,19 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
+        // An origin as a browser sends it: scheme://host[:port], no path.
+        for o in &self.server.allowed_origins {
+            let u = url::Url::parse(o).ok();
+            let origin = u
+                .as_ref()
+                .filter(|u| u.has_host() && ["/", ""].contains(&u.path()) && u.query().is_none())
+                .map(|u| u.origin().ascii_serialization());
+            if origin.is_none_or(|s| s != o.trim_end_matches('/').to_ascii_lowercase()) {
+                return Err(ConfigError(format!(
+                    "key `server.allowed_origins`: `{o}` is not an origin (scheme://host[:port], such as https://ide.example; `*` is not allowed)"
+                )));
+            }
+        }
         if !["sqlite", "postgres"].contains(&self.store.kind.as_str()) {
             return Err(ConfigError(format!(
                 "key `store.kind`: unknown store `{}` (expected sqlite or postgres)",
@@ -1180,11 +1197,15 @@ fn merge(base: &mut toml::Table, over: toml::Table) {
     }
 }
 
-/// Whether a key (its last part) holds a secret: its value is taken as
-/// given, never parsed, and never shown in an error.
+/// Whether a key (its dotted path) holds a secret: `server.token`, a
+/// channel's `secret`, or anything in a hosted agent's `env` (its keys).
+/// Its value is taken as given, never parsed, and never shown in an error.
 fn secret_key(key: &str) -> bool {
-    let key = key.rsplit('.').next().unwrap_or(key);
-    ["token", "secret", "password", "api_key"].contains(&key)
+    let parts: Vec<&str> = key.split('.').collect();
+    matches!(
+        parts.as_slice(),
+        ["server", "token"] | ["channels", _, "secret"] | ["engine", _, "env", ..]
+    )
 }
 
 /// An environment value as TOML when it parses as one, else as a string;
@@ -1229,6 +1250,24 @@ mod tests {
         )
     }
 
+    #[test]
+    fn allowed_origins_are_origins() {
+        for bad in ["*", "*/", "ide.example", "https://ide.example/path", "null"] {
+            let e = load_str(&format!("[server]\nallowed_origins = [\"{bad}\"]\n"), &[])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("not an origin"), "{bad}: {e}");
+        }
+        for good in [
+            "https://ide.example",
+            "https://IDE.example/",
+            "http://127.0.0.1:3000",
+        ] {
+            load_str(&format!("[server]\nallowed_origins = [\"{good}\"]\n"), &[])
+                .unwrap_or_else(|e| panic!("{good}: {e}"));
+        }
+    }
+
     /// A token or secret that looks like a number (or a date, a list...)
     /// is still the string it was given, from the environment; written so
     /// in the file, the error does not show it.
@@ -1245,9 +1284,22 @@ mod tests {
         .unwrap();
         assert_eq!(c.server.token, "1234567890123456");
         assert_eq!(c.channels["hook"].secret, "0x7fffffff");
+        let c = load_str(
+            "[engine.a]\nkind = \"acp\"\ncommand = \"x\"\n",
+            &[(
+                "TILLER_ENGINE__A__ENV__ANTHROPIC_API_KEY",
+                "1234567890123456",
+            )],
+        )
+        .unwrap();
+        assert_eq!(
+            c.engine.agents["a"].env["anthropic_api_key"],
+            "1234567890123456"
+        );
         for text in [
             "[server]\ntoken = 1234567890123456\n",
             "[channels.hook]\nsecret = 987654321987\ncwd = \"/tmp\"\n",
+            "[engine.a]\nkind = \"acp\"\ncommand = \"x\"\nenv = { KEY = 1234567890123456 }\n",
         ] {
             let e = load_str(text, &[]).unwrap_err().to_string();
             assert!(

@@ -198,7 +198,11 @@ fn prepare_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
         .with_context(|| format!("cannot read the data directory {}", dir.display()))?;
     // Made first by someone else (in a shared `/tmp`), it would be theirs
     // to read, or to fill with a token, a database and a socket of theirs.
-    if meta.uid() != rustix::process::geteuid().as_raw() {
+    // Root's is trusted (a container's or a mount's root) unless anyone
+    // may write in it.
+    let me = rustix::process::geteuid().as_raw();
+    let roots_closed = meta.uid() == 0 && meta.permissions().mode() & 0o002 == 0;
+    if meta.uid() != me && !roots_closed {
         anyhow::bail!(
             "the data directory {} belongs to another user (uid {}), who could read or replace \
              its token, database and socket; use a directory of your own (store.data_dir)",
@@ -207,15 +211,16 @@ fn prepare_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
         );
     }
     if meta.permissions().mode() & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).with_context(
-            || {
-                format!(
-                    "the data directory {} is open to other users and cannot be made 0700",
-                    dir.display()
-                )
-            },
-        )?;
-        tracing::warn!(dir = %dir.display(), "the data directory was open to other users; it is now 0700");
+        match std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)) {
+            Ok(()) => {
+                tracing::warn!(dir = %dir.display(), "the data directory was open to other users; it is now 0700");
+            }
+            // A mount that keeps its own modes (vfat, CIFS, a volume's
+            // root): as before, a warning.
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "the data directory is open to other users and cannot be tightened");
+            }
+        }
     }
     Ok(())
 }

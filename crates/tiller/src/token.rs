@@ -119,15 +119,17 @@ fn read(path: &Path) -> anyhow::Result<Option<String>> {
     if let Ok(meta) = std::fs::metadata(path)
         && meta.permissions().mode() & 0o077 != 0
     {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).with_context(
-            || {
-                format!(
-                    "the token file {} is readable by others and cannot be made 0600",
-                    path.display()
-                )
-            },
-        )?;
-        tracing::warn!(file = %path.display(), "the token file was readable by others; it is now 0600");
+        match std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+            Ok(()) => {
+                tracing::warn!(file = %path.display(), "the token file was readable by others; it is now 0600");
+            }
+            // A file the operator named (a read-only secrets mount): as
+            // they chose. The data directory's own is the daemon's user's
+            // (checked by `for_daemon`), so this does not fail there.
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "the token file is readable by others and cannot be made 0600");
+            }
+        }
     }
     let token = text.lines().next().unwrap_or_default().trim().to_owned();
     Ok((!token.is_empty()).then_some(token))

@@ -406,13 +406,25 @@ fn always_allow_on_shell_is_per_command_prefix() {
         ("uv run", "uv run sh", true),
         // Interpreters by any version, and other programs that run what
         // they are given: exact only.
-        ("python3.12 -m pytest", "python3.12 -m pip install evil", true),
+        (
+            "python3.12 -m pytest",
+            "python3.12 -m pip install evil",
+            true,
+        ),
         ("pypy3 x.py", "pypy3 y.py", true),
         ("nodejs x.js", "nodejs y.js", true),
         ("busybox ls", "busybox sh", true),
         // Settings can name commands to run (core.hooksPath, a registry).
-        ("git config user.email", "git config core.hooksPath hooks", true),
-        ("npm config get registry", "npm config set registry evil", true),
+        (
+            "git config user.email",
+            "git config core.hooksPath hooks",
+            true,
+        ),
+        (
+            "npm config get registry",
+            "npm config set registry evil",
+            true,
+        ),
     ];
     for (allowed, later, asks) in cases {
         let mut perms = Permissions::new(PermissionMode::Ask);

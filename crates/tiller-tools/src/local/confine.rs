@@ -660,12 +660,12 @@ impl Root {
         Ok(dir)
     }
 
-    /// The metadata of `rel` (links inside followed).
     /// Whether anything at all is at `rel` (a link is not followed).
     pub fn names_something(&self, rel: &Path) -> bool {
         self.dir.symlink_metadata(rel).is_ok()
     }
 
+    /// The metadata of `rel` (links inside followed).
     pub fn metadata(&self, rel: &Path, path: &str) -> Result<Metadata, String> {
         self.dir
             .metadata(rel)
