@@ -219,14 +219,16 @@ impl Toolbox {
         self.roots.as_deref().unwrap_or_default()
     }
 
-    /// The root a call works in: the additional root an absolute `path`
-    /// (a shell's `cwd`) lies in, else the session's directory.
-    fn root_for(&self, input: &serde_json::Value) -> &PathBuf {
-        let Some(p) = input
-            .get("path")
-            .or_else(|| input.get("cwd"))
-            .and_then(serde_json::Value::as_str)
-        else {
+    /// The root a call of tool `name` works in: the additional root an
+    /// absolute `path` (a shell's `cwd`, and only that: an "always" rule
+    /// is weighed by it) lies in, else the session's directory.
+    fn root_for(&self, name: &str, input: &serde_json::Value) -> &PathBuf {
+        let given = if name == "shell" {
+            input.get("cwd")
+        } else {
+            input.get("path").or_else(|| input.get("cwd"))
+        };
+        let Some(p) = given.and_then(serde_json::Value::as_str) else {
             return &self.root;
         };
         if self.roots().is_empty()
@@ -289,7 +291,7 @@ impl Toolbox {
             "read_file" | "write_file" | "edit" | "list_dir" | "glob" | "grep"
         );
         match input.get("path").and_then(serde_json::Value::as_str) {
-            Some(p) if is_builtin => resolve(self.root_for(input), p)
+            Some(p) if is_builtin => resolve(self.root_for(name, input), p)
                 .map(|p| vec![p.display().to_string()])
                 .unwrap_or_default(),
             _ => Vec::new(),
@@ -306,7 +308,7 @@ impl Toolbox {
             return local::patch_diff(&self.root, arg("patch")?, MAX_DIFF_BYTES);
         }
         let path = arg("path")?;
-        let root = self.root_for(input);
+        let root = self.root_for(name, input);
         let shown = resolve(root, path).ok()?.display().to_string();
         match name {
             // Several replacements: the file before and after.
@@ -348,7 +350,7 @@ impl Toolbox {
         max: u64,
         client: Option<Arc<dyn ClientTools>>,
     ) -> Result<String, String> {
-        let root = self.root_for(&serde_json::json!({ "path": path }));
+        let root = self.root_for("read_file", &serde_json::json!({ "path": path }));
         local::whole_text(root, path, max, client).await
     }
 
@@ -367,7 +369,13 @@ impl Toolbox {
         if background || call.name == "shell_output" {
             return self.background(call).await;
         }
-        local::run(self.root_for(&call.input), &self.config, call, client).await
+        local::run(
+            self.root_for(&call.name, &call.input),
+            &self.config,
+            call,
+            client,
+        )
+        .await
     }
 
     /// `shell` with `background: true` (always local: an editor's terminal
@@ -386,7 +394,8 @@ impl Toolbox {
         } else {
             match input.get("command").and_then(serde_json::Value::as_str) {
                 None => Err("missing string argument `command`".into()),
-                Some(command) => match local::shell_cwd(self.root_for(input), input).await {
+                Some(command) => match local::shell_cwd(self.root_for("shell", input), input).await
+                {
                     Ok(cwd) => jobs.start(command, &cwd, &self.config).await,
                     Err(e) => Err(e),
                 },

@@ -70,3 +70,39 @@ async fn absolute_paths_in_an_additional_root_work_there_and_nowhere_else() {
             .ok
     );
 }
+
+/// A shell's directory comes from its `cwd` only: a `path` naming another
+/// root does not move it there (an "always" rule, which looks at `cwd`,
+/// would have covered `npm test` run in another project).
+#[tokio::test]
+async fn a_shell_runs_where_its_cwd_says_never_where_a_path_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().canonicalize().unwrap();
+    let (cwd, lib) = (base.join("cwd"), base.join("lib"));
+    for d in [&cwd, &lib] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let tools =
+        Toolbox::new(cwd.clone(), Arc::new(ToolsConfig::default())).with_roots(vec![lib.clone()]);
+    for background in [false, true] {
+        let c = call(
+            "shell",
+            json!({ "command": "pwd; sleep 0.2", "path": lib.join("x").display().to_string(), "background": background }),
+        );
+        let mut out = tools.run(&c, None).await.output;
+        if background {
+            let id: u64 = out
+                .split(|ch: char| !ch.is_ascii_digit())
+                .find(|w| !w.is_empty())
+                .and_then(|w| w.parse().ok())
+                .unwrap_or_else(|| panic!("a job id in {out}"));
+            tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+            out = tools
+                .run(&call("shell_output", json!({ "id": id })), None)
+                .await
+                .output;
+        }
+        assert!(out.contains(&cwd.display().to_string()), "{out}");
+        assert!(!out.contains(&lib.display().to_string()), "{out}");
+    }
+}
