@@ -238,9 +238,9 @@ fn clean(s: &str) -> String {
 fn kind(tool: &Tool) -> ToolKind {
     match &tool.annotations {
         Some(a) if a.read_only_hint == Some(true) => ToolKind::Read,
-        Some(a) if a.destructive_hint == Some(false) => ToolKind::Other,
-        // Unknown effects are treated like a command: they ask in `ask`
-        // and `accept-edits` modes.
+        // Anything else, `destructiveHint: false` included (additive:
+        // creating an issue, sending a message), is treated like a
+        // command: it asks in `ask` and `accept-edits` modes.
         _ => ToolKind::Execute,
     }
 }
@@ -478,6 +478,33 @@ impl Drop for McpServer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a read-only tool runs unasked: `destructiveHint: false` means
+    /// "additive" (it may create an issue, send a message, push a file),
+    /// which a hostile document could use unasked.
+    #[test]
+    fn only_read_only_mcp_tools_run_unasked() {
+        let tool = |a: Option<rmcp::model::ToolAnnotations>| {
+            let t = Tool::new("t", "d", serde_json::Map::new());
+            match a {
+                Some(a) => t.annotate(a),
+                None => t,
+            }
+        };
+        let annotated = rmcp::model::ToolAnnotations::new();
+        assert_eq!(
+            kind(&tool(Some(annotated.clone().read_only(true)))),
+            ToolKind::Read
+        );
+        for t in [
+            tool(None),
+            tool(Some(annotated.clone().destructive(false))),
+            tool(Some(annotated.clone().destructive(true))),
+            tool(Some(annotated.read_only(false))),
+        ] {
+            assert_eq!(kind(&t), ToolKind::Execute, "{:?}", t.annotations);
+        }
+    }
 
     #[test]
     fn commands_match_only_configured_entries() {
