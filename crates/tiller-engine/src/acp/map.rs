@@ -215,7 +215,8 @@ pub(super) fn call(c: &Value) -> HostedCall {
 /// (an "always" answer falls back to "once" and back), else `cancelled`.
 pub(super) fn permission_outcome(answer: PermissionAnswer, options: Option<&Value>) -> Value {
     let wanted: &[&str] = match answer {
-        PermissionAnswer::AllowOnce => &["allow_once", "allow_always"],
+        // Never the agent's "always": it may cover its whole tool.
+        PermissionAnswer::AllowOnce => &["allow_once"],
         PermissionAnswer::AllowAlways => &["allow_always", "allow_once"],
         PermissionAnswer::Reject => &["reject_once", "reject_always"],
         PermissionAnswer::Cancelled => &[],
@@ -278,6 +279,16 @@ mod tests {
         let only = json!([{"optionId": "o1", "kind": "allow_once", "name": "Once"}]);
         assert_eq!(
             permission_outcome(PermissionAnswer::Reject, Some(&only))["outcome"]["outcome"],
+            "cancelled"
+        );
+        // "Once" is never answered with the agent's "always" (which may
+        // cover its whole tool for the rest of its session).
+        let no_once = json!([
+            {"optionId": "a1", "kind": "allow_always", "name": "Always"},
+            {"optionId": "r1", "kind": "reject_once", "name": "No"},
+        ]);
+        assert_eq!(
+            permission_outcome(PermissionAnswer::AllowOnce, Some(&no_once))["outcome"]["outcome"],
             "cancelled"
         );
     }
