@@ -41,7 +41,9 @@ use std::time::Duration;
 
 use tiller_engine::{ToolCall, ToolOutput, ToolSpec};
 
-pub use local::{builtin_specs, in_git_dir, lands_in_git_dir, protect, resolve, todo_entries};
+pub use local::{
+    builtin_specs, in_git_dir, lands_in_git_dir, lands_within, protect, resolve, todo_entries,
+};
 pub use mcp::{McpPolicy, McpServer, McpServerConfig};
 pub use supervise::{SUPERVISE_ARG, supervise};
 

@@ -26,7 +26,7 @@
 //! through the handle.
 
 mod confine;
-pub use confine::{in_git_dir, lands_in_git_dir, protect};
+pub use confine::{in_git_dir, lands_in_git_dir, lands_within, protect};
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::ops::ControlFlow;

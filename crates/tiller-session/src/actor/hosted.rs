@@ -63,8 +63,8 @@ impl CallState {
 /// directory, a fetch, its own tools, a command), and Tiller does not
 /// confine what the agent does itself: an edit weighs as an edit (unless
 /// it touches a repository's own directory, whose config and hooks git
-/// runs, or names no path that can be checked), anything else as a
-/// command. A bare command line the agent names
+/// runs, lands outside the session's roots, or names no path that can be
+/// checked), anything else as a command. A bare command line the agent names
 /// is weighed as a `shell` call, so "always" covers that command's prefix,
 /// never the agent's whole tool; with anything more (a directory...),
 /// "always" covers nothing but this call.
@@ -72,6 +72,7 @@ fn asked(
     mut call: tiller_engine::ToolCall,
     locations: &[String],
     dir: &std::path::Path,
+    roots: &[std::path::PathBuf],
 ) -> tiller_engine::ToolCall {
     // Whatever the agent calls them: `path`, `file_path`, `notebook_path`,
     // `filePath`, a list under `paths`...
@@ -91,12 +92,14 @@ fn asked(
         .filter_map(|v| v.as_str())
         .chain(locations.iter().map(String::as_str))
         .collect();
-    // An edit naming no path that can be checked could be anywhere.
-    let into_git = paths.is_empty()
-        || paths
-            .iter()
-            .any(|p| tiller_tools::lands_in_git_dir(dir, std::path::Path::new(p)));
-    if call.kind == ToolKind::Edit && !into_git {
+    // An edit naming no path that can be checked could be anywhere; one
+    // outside the session's roots is what an agent asks about.
+    let weighs_as_command = paths.is_empty()
+        || paths.iter().any(|p| {
+            let p = std::path::Path::new(p);
+            tiller_tools::lands_in_git_dir(dir, p) || !tiller_tools::lands_within(dir, roots, p)
+        });
+    if call.kind == ToolKind::Edit && !weighs_as_command {
         return call;
     }
     let bare = call.input.as_object().is_some_and(|o| {
@@ -322,7 +325,12 @@ impl SessionState {
         let hosted = run.hosted.as_mut()?;
         let s = &hosted.calls[i];
         let tool = s.as_tool_call();
-        let weighed = asked(tool.clone(), &s.locations, self.toolbox.root());
+        let weighed = asked(
+            tool.clone(),
+            &s.locations,
+            self.toolbox.root(),
+            self.toolbox.roots(),
+        );
         // The session's rules may allow the call without asking; else
         // nobody answers for an automatic turn.
         if !self.permissions.needs(&weighed) {
@@ -401,7 +409,12 @@ impl SessionState {
                 // Tiller remembers the rule and answers the agent's later
                 // requests by it; the agent itself is told once only (its
                 // own "always" may cover its whole tool).
-                let call = asked(s.as_tool_call(), &s.locations, self.toolbox.root());
+                let call = asked(
+                    s.as_tool_call(),
+                    &s.locations,
+                    self.toolbox.root(),
+                    self.toolbox.roots(),
+                );
                 if crate::tools::may_always(&call) {
                     self.permissions.allow_always(&call);
                 } else {

@@ -132,51 +132,69 @@ pub fn in_git_dir(path: &Path) -> bool {
 /// directory: by its name ([`in_git_dir`]), or once the links on its way
 /// are followed (`tools -> .git/hooks`, then `tools/pre-commit` or
 /// `tools/../config`), as far as it exists; or may, being a file with
-/// other names (hard links), which could be one there.
+/// other names (hard links), which could be one there, or going where
+/// that cannot be told ([`landing_of`]).
 pub fn lands_in_git_dir(dir: &Path, path: &Path) -> bool {
     if in_git_dir(path) {
         return true;
     }
-    // A `..` after a directory that does not exist yet lands wherever the
-    // links before it lead once it is made: taken as landing there.
-    let climbs = |rest: &[std::ffi::OsString]| rest.iter().any(|c| c == "..");
+    match landing_of(dir, path) {
+        Some((real, linked)) => linked || in_git_dir(&real),
+        None => true,
+    }
+}
+
+/// Whether a write to `path` (relative to `dir`) lands inside `dir` or
+/// one of `roots`, once the links on its way are followed; false where
+/// that cannot be told ([`landing_of`]).
+pub fn lands_within(dir: &Path, roots: &[PathBuf], path: &Path) -> bool {
+    let Some((real, _)) = landing_of(dir, path) else {
+        return false;
+    };
+    // A root that does not exist (any more) is taken as written.
+    std::iter::once(dir)
+        .chain(roots.iter().map(PathBuf::as_path))
+        .any(|r| real.starts_with(r.canonicalize().unwrap_or_else(|_| r.to_owned())))
+}
+
+/// Where a write to `path` (relative to `dir`) lands, as far as it exists
+/// (its links followed), the rest appended; and whether it is a file with
+/// other names. `None` when that cannot be told: a dangling link on the
+/// way (a write through it creates its target, wherever that is), a `..`
+/// after a directory that does not exist yet (it lands wherever the links
+/// before it lead once it is made), or a path that cannot be resolved for
+/// another reason than a missing part (`notes.txt/`: not a directory,
+/// which an agent's own write drops).
+fn landing_of(dir: &Path, path: &Path) -> Option<(PathBuf, bool)> {
     let full = dir.join(path);
-    let mut rest = Vec::new();
+    let mut rest: Vec<std::ffi::OsString> = Vec::new();
     let mut at = full.as_path();
     loop {
         let found = at.canonicalize();
         if let Ok(real) = found {
-            // A file with other names may be one in `.git` (see
-            // [`linked_refusal`]).
+            if rest.iter().any(|c| c == "..") {
+                return None;
+            }
             let linked = rest.is_empty()
                 && real
                     .metadata()
                     .is_ok_and(|m| m.is_file() && std::os::unix::fs::MetadataExt::nlink(&m) > 1);
-            return linked
-                || climbs(&rest)
-                || in_git_dir(&rest.iter().rev().fold(real, |p, c| p.join(c)));
+            return Some((rest.iter().rev().fold(real, |p, c| p.join(c)), linked));
         }
-        // A dangling link: a write through it creates its target, wherever
-        // that is. Taken as landing in `.git`; so is a path that cannot be
-        // resolved for another reason than a missing part (`notes.txt/`:
-        // not a directory, which an agent's own write drops).
         if found.is_err_and(|e| e.kind() != io::ErrorKind::NotFound)
             || at
                 .symlink_metadata()
                 .is_ok_and(|m| m.file_type().is_symlink())
         {
-            return true;
+            return None;
         }
         let name = match at.components().next_back() {
             Some(Component::Normal(name)) => name.to_owned(),
             Some(Component::ParentDir) => "..".into(),
-            _ => return false,
+            _ => return Some((full.clone(), false)),
         };
         rest.push(name);
-        match at.parent() {
-            Some(parent) => at = parent,
-            None => return false,
-        }
+        at = at.parent()?;
     }
 }
 

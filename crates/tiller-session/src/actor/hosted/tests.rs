@@ -3,6 +3,15 @@
 /// An agent's edit weighs as an edit, unless it lands in a
 /// repository's own directory, by any case of its name (`.GIT` is
 /// `.git` on a case-insensitive file system): then as a command.
+/// [`super::asked`] with no additional roots.
+fn asked_in(
+    call: tiller_engine::ToolCall,
+    locations: &[String],
+    dir: &std::path::Path,
+) -> tiller_engine::ToolCall {
+    super::asked(call, locations, dir, &[])
+}
+
 #[test]
 fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
     use tiller_engine::{ToolCall, ToolKind};
@@ -23,7 +32,7 @@ fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
         ("src/.gitignore", ToolKind::Edit),
     ] {
         assert_eq!(
-            super::asked(edit(path), &[], "/p".as_ref()).kind,
+            asked_in(edit(path), &[], "/p".as_ref()).kind,
             kind,
             "{path}"
         );
@@ -33,12 +42,12 @@ fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
         let mut call = edit("a.rs");
         call.input = serde_json::json!({ key: "/p/.git/config" });
         assert_eq!(
-            super::asked(call, &[], "/p".as_ref()).kind,
+            asked_in(call, &[], "/p".as_ref()).kind,
             ToolKind::Execute,
             "{key}"
         );
     }
-    let located = super::asked(edit("a.rs"), &["/p/.gIT/config".into()], "/p".as_ref());
+    let located = asked_in(edit("a.rs"), &["/p/.gIT/config".into()], "/p".as_ref());
     assert_eq!(located.kind, ToolKind::Execute);
     // Through a link the repository checked out (`tools -> .git/hooks`).
     let dir = tempfile::tempdir().unwrap();
@@ -53,13 +62,13 @@ fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
         "dangling",
     ] {
         assert_eq!(
-            super::asked(edit(path), &[], dir.path()).kind,
+            asked_in(edit(path), &[], dir.path()).kind,
             ToolKind::Execute,
             "{path}"
         );
     }
     assert_eq!(
-        super::asked(edit("src/a.rs"), &[], dir.path()).kind,
+        asked_in(edit("src/a.rs"), &[], dir.path()).kind,
         ToolKind::Edit
     );
     // An edit naming no path Tiller can check (under another key, in a
@@ -73,15 +82,15 @@ fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
         let mut call = edit("a.rs");
         call.input = input.clone();
         assert_eq!(
-            super::asked(call, &[], "/p".as_ref()).kind,
+            asked_in(call, &[], "/p".as_ref()).kind,
             ToolKind::Execute,
             "{input}"
         );
     }
     let mut call = edit("a.rs");
     call.input = serde_json::json!({ "paths": ["/p/a.rs", "/p/b.rs"] });
-    assert_eq!(super::asked(call, &[], "/p".as_ref()).kind, ToolKind::Edit);
-    let located = super::asked(
+    assert_eq!(asked_in(call, &[], "/p".as_ref()).kind, ToolKind::Edit);
+    let located = asked_in(
         ToolCall {
             input: serde_json::json!({}),
             ..edit("x")
@@ -90,6 +99,49 @@ fn an_edit_into_a_repository_s_own_directory_weighs_as_a_command() {
         "/p".as_ref(),
     );
     assert_eq!(located.kind, ToolKind::Edit);
+}
+
+/// An agent asks before editing outside its directory (that is why it
+/// asks): such an edit weighs as a command, never let through by
+/// `accept-edits` or an "always" given to edits inside. An additional
+/// root is inside.
+#[test]
+fn an_edit_outside_the_session_s_roots_weighs_as_a_command() {
+    use tiller_engine::{ToolCall, ToolKind};
+    let dir = tempfile::tempdir().unwrap();
+    let (home, extra) = (dir.path().join("p"), dir.path().join("lib"));
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::create_dir_all(&extra).unwrap();
+    std::os::unix::fs::symlink(dir.path(), home.join("up")).unwrap();
+    let edit = |path: String| ToolCall {
+        id: "t".into(),
+        name: "Write".into(),
+        kind: ToolKind::Edit,
+        input: serde_json::json!({ "file_path": path }),
+        simulated: None,
+    };
+    let roots = [extra.clone()];
+    for (path, kind) in [
+        ("src/a.rs".to_owned(), ToolKind::Edit),
+        (home.join("b.rs").display().to_string(), ToolKind::Edit),
+        (extra.join("c.rs").display().to_string(), ToolKind::Edit),
+        ("/etc/profile.d/x.sh".to_owned(), ToolKind::Execute),
+        ("../.bashrc".to_owned(), ToolKind::Execute),
+        ("up/.bashrc".to_owned(), ToolKind::Execute),
+        (
+            dir.path()
+                .join(".ssh/authorized_keys")
+                .display()
+                .to_string(),
+            ToolKind::Execute,
+        ),
+    ] {
+        assert_eq!(
+            super::asked(edit(path.clone()), &[], &home, &roots).kind,
+            kind,
+            "{path}"
+        );
+    }
 }
 
 #[test]
