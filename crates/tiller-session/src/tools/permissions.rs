@@ -239,6 +239,18 @@ impl ShellRule {
     }
 }
 
+/// The stored form of "always" for a tool other than `shell`: its name,
+/// unless that reads like a shell rule's key (a hosted agent's tool is
+/// named by its title: `shell: rm` must not become a rule), then marked
+/// as a tool's.
+fn tool_key(name: &str) -> String {
+    if name.starts_with("shell") || name.starts_with("tool:") {
+        format!("tool:{name}")
+    } else {
+        name.to_owned()
+    }
+}
+
 /// An argument a prefix rule lets through: a name, not an option or a path.
 pub(super) fn plain_argument(word: &str) -> bool {
     word.chars()
@@ -306,13 +318,13 @@ impl Permissions {
                 self.always.insert(ShellRule::of(c).key());
             }
         } else {
-            self.always.insert(call.name.clone());
+            self.always.insert(tool_key(&call.name));
         }
     }
 
     fn allowed_always(&self, call: &ToolCall) -> bool {
         if call.name != "shell" {
-            return self.always.contains(&call.name);
+            return self.always.contains(&tool_key(&call.name));
         }
         let Some(command) = shell_command(call) else {
             return false;

@@ -446,6 +446,22 @@ fn always_allow_on_shell_is_per_command_prefix() {
             "restored: {allowed:?} then {later:?}"
         );
     }
+    // A tool named like a shell rule (a hosted agent's title is its
+    // name) is remembered as that tool only, never as a rule.
+    for name in ["shell:", "shell: rm", "shell=rm -rf x"] {
+        let mut perms = Permissions::new(PermissionMode::Ask);
+        let tool = call("t", name, serde_json::json!({}), true, "");
+        perms.allow_always(&tool);
+        assert!(!perms.needs(&tool), "{name} itself");
+        let restored = Permissions::new(PermissionMode::Ask).with_always(perms.always());
+        assert!(!restored.needs(&tool), "{name} restored");
+        for p in [&perms, &restored] {
+            for c in ["rm -rf x", "rm"] {
+                let shell = call("s", "shell", serde_json::json!({ "command": c }), true, "");
+                assert!(p.needs(&shell), "{name} then {c}");
+            }
+        }
+    }
     // A bare `shell` stored by an older version allows nothing now.
     let old = Permissions::new(PermissionMode::Ask).with_always(["shell".to_string()]);
     assert!(old.needs(&call(
