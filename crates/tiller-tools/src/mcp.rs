@@ -114,7 +114,8 @@ impl McpPolicy {
 /// (`PATH`, `HOME` with its dotfiles), the dynamic loader (`LD_*`,
 /// `DYLD_*`), shells (`BASH_ENV`, `ENV`, `IFS`, ...), interpreters and
 /// package managers (`NODE_*`, `npm_config_*`, `PYTHON*`, `PERL5*`,
-/// `RUBY*`, `*_OPTIONS`, ...) and git (`GIT_*`).
+/// `RUBY*`, `UV_*`, `PIP_*`, `CARGO_*`, Go's, `*_OPTIONS`, ...), config
+/// homes (`XDG_*`), certificates and proxies, and git (`GIT_*`).
 fn dropped_var(name: &str) -> bool {
     const NAMES: &[&str] = &[
         "PATH",
@@ -131,7 +132,26 @@ fn dropped_var(name: &str) -> bool {
         "PERLLIB",
         "GEM_HOME",
         "GEM_PATH",
-        "UV_PYTHON",
+        "PHPRC",
+        "PHP_INI_SCAN_DIR",
+        "TMPDIR",
+        "CURL_CA_BUNDLE",
+        "REQUESTS_CA_BUNDLE",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "GOFLAGS",
+        "GOPROXY",
+        "GOPATH",
+        "GOROOT",
+        "GOBIN",
+        "GOENV",
+        "GOTOOLCHAIN",
+        "GOPRIVATE",
+        "GONOSUMDB",
+        "GONOSUMCHECK",
+        "GOINSECURE",
+        "GOSUMDB",
     ];
     const PREFIXES: &[&str] = &[
         "LD_",
@@ -149,6 +169,18 @@ fn dropped_var(name: &str) -> bool {
         "_JAVA_",
         "DENO_",
         "BUN_",
+        "UV_",
+        "PIP_",
+        "PIPX_",
+        "XDG_",
+        "CARGO_",
+        "RUSTC",
+        "RUSTUP_",
+        "LUA_",
+        "SSL_CERT_",
+        "PNPM_",
+        "COREPACK_",
+        "CONDA",
     ];
     let upper = name.to_ascii_uppercase();
     NAMES.contains(&upper.as_str())
@@ -565,6 +597,27 @@ mod tests {
             ("BASH_ENV", true),
             ("JAVA_TOOL_OPTIONS", true),
             ("GIT_SSH_COMMAND", true),
+            // Package managers' indexes and config homes, toolchains'
+            // wrappers, certificates and proxies: another package runs.
+            ("UV_DEFAULT_INDEX", true),
+            ("UV_INDEX_URL", true),
+            ("PIP_INDEX_URL", true),
+            ("PIPX_HOME", true),
+            ("XDG_CONFIG_HOME", true),
+            ("CARGO_HOME", true),
+            ("RUSTC_WRAPPER", true),
+            ("GOFLAGS", true),
+            ("GOPROXY", true),
+            ("LUA_INIT", true),
+            ("PHPRC", true),
+            ("TMPDIR", true),
+            ("SSL_CERT_FILE", true),
+            ("REQUESTS_CA_BUNDLE", true),
+            ("https_proxy", true),
+            ("PNPM_HOME", true),
+            ("COREPACK_NPM_REGISTRY", true),
+            ("CONDA_PREFIX", true),
+            ("GOOGLE_API_KEY", false),
             ("OLD_PATH", false),
             ("API_KEY", false),
             ("GITHUB_TOKEN", false),
