@@ -73,12 +73,20 @@ fn weight(line: &str) -> usize {
 struct Limits {
     queue_bytes: usize,
     max_weight: usize,
+    /// [`OUT_BYTES`].
+    out_bytes: usize,
 }
 
 const LIMITS: Limits = Limits {
     queue_bytes: QUEUE_BYTES,
     max_weight: MAX_WEIGHT,
+    out_bytes: OUT_BYTES,
 };
+
+/// Bytes Tiller's messages to an agent may wait for it to read; past it
+/// the agent, which takes nothing of its input, is killed (its answers to
+/// its own file requests could otherwise pile up without end).
+const OUT_BYTES: usize = 64 * 1024 * 1024;
 
 /// A message for a turn and its share of [`QUEUE_BYTES`], given back once
 /// the turn takes it.
@@ -204,6 +212,9 @@ pub(super) struct Child {
     secrets: Box<[String]>,
     pid: Option<u32>,
     out: mpsc::UnboundedSender<String>,
+    /// Bytes sent and not yet written to the agent, and their bound.
+    out_waiting: Arc<std::sync::atomic::AtomicUsize>,
+    out_bytes: usize,
     /// [`QUEUE_BYTES`], in KiB: all of it, and what is not waiting.
     queue_kib: u32,
     queued: Arc<tokio::sync::Semaphore>,
@@ -245,6 +256,8 @@ impl Child {
             secrets: secrets(&cfg.env, &cfg.args),
             pid: proc.id(),
             out: tx,
+            out_waiting: Arc::default(),
+            out_bytes: limits.out_bytes,
             queue_kib: kib(queue_bytes),
             queued: Arc::new(tokio::sync::Semaphore::new(kib(queue_bytes) as usize)),
             state: Mutex::new(State::default()),
@@ -254,11 +267,13 @@ impl Child {
         let stdout = proc.stdout.take().expect("piped");
         let stderr = proc.stderr.take().expect("piped");
         let w = Arc::downgrade(&child);
+        let waiting = child.out_waiting.clone();
         tokio::spawn(async move {
             while let Some(line) = rx.recv().await {
                 let ok = stdin.write_all(line.as_bytes()).await.is_ok()
                     && stdin.write_all(b"\n").await.is_ok()
                     && stdin.flush().await.is_ok();
+                waiting.fetch_sub(line.len(), std::sync::atomic::Ordering::Relaxed);
                 if !ok {
                     if let Some(c) = w.upgrade() {
                         c.die(Death::Exited, "the agent stopped reading its input".into());
@@ -416,8 +431,26 @@ impl Child {
         self.send(msg);
     }
 
+    /// Queues `msg` for the agent; an agent that has let more than
+    /// [`OUT_BYTES`] wait (it takes nothing of its input) is killed.
     fn send(&self, msg: Value) {
-        let _ = self.out.send(msg.to_string());
+        let line = msg.to_string();
+        let len = line.len();
+        let waiting = self
+            .out_waiting
+            .fetch_add(len, std::sync::atomic::Ordering::Relaxed)
+            + len;
+        if waiting > self.out_bytes {
+            self.die(
+                Death::Protocol,
+                format!(
+                    "the agent stopped reading its input ({} MiB waiting for it)",
+                    waiting >> 20
+                ),
+            );
+            return;
+        }
+        let _ = self.out.send(line);
     }
 
     /// Routes the agent's messages for `upstream` to the returned receiver
@@ -728,6 +761,7 @@ mod tests {
         let limits = super::Limits {
             queue_bytes: 1 << 20,
             max_weight: super::MAX_WEIGHT,
+            out_bytes: super::OUT_BYTES,
         };
         let child = super::Child::spawn_with(&cfg, limits).unwrap();
         let mut route = child.route("s");
@@ -766,6 +800,37 @@ mod tests {
             .expect("every update arrives");
     }
 
+    /// An agent that takes nothing of what Tiller writes to it (answers to
+    /// its own file requests, of up to 16 MiB each) is killed once the
+    /// bytes waiting for it pass the bound, instead of holding them all.
+    #[tokio::test]
+    async fn an_agent_that_reads_nothing_is_killed_past_the_bytes_waiting() {
+        let cfg = sh_agent("deaf", "exec sleep 30".into());
+        let limits = super::Limits {
+            queue_bytes: 1 << 20,
+            max_weight: super::MAX_WEIGHT,
+            out_bytes: 1 << 20,
+        };
+        let child = super::Child::spawn_with(&cfg, limits).unwrap();
+        let text = "x".repeat(64 * 1024);
+        for i in 0..64 {
+            child.respond(
+                serde_json::json!(i),
+                Ok(serde_json::json!({ "content": text })),
+            );
+        }
+        let dead = async {
+            while child.alive() {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(10), dead)
+            .await
+            .expect("the agent was killed");
+        let (_, why) = child.death().unwrap();
+        assert!(why.contains("reading"), "{why}");
+    }
+
     /// A message that would take more than its bound parsed (told before
     /// parsing it) kills the agent; a long text does not.
     #[tokio::test]
@@ -787,6 +852,7 @@ mod tests {
         let limits = super::Limits {
             queue_bytes: 4 << 20,
             max_weight: 1 << 20,
+            out_bytes: super::OUT_BYTES,
         };
         let child = super::Child::spawn_with(&cfg, limits).unwrap();
         let mut route = child.route("s");

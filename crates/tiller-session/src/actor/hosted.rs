@@ -13,14 +13,30 @@ use tiller_core::pipeline::Failure;
 use tiller_engine::{FileOp, Hosted, HostedCall, PermissionAnswer, ToolKind, UpstreamStart};
 
 /// What the session knows of a hosted turn's calls.
-#[derive(Default)]
 pub(super) struct HostedTurn {
     calls: Vec<CallState>,
     /// The agent's id -> its place in `calls`.
     index: std::collections::HashMap<String, usize>,
     /// The permission request a person is asked, if any.
     waiting: Option<Wait>,
+    /// File requests served at once ([`FILES_AT_ONCE`]): each may hold a
+    /// file of up to [`MAX_AGENT_READ`] while it is read and answered.
+    files: Arc<tokio::sync::Semaphore>,
 }
+
+impl Default for HostedTurn {
+    fn default() -> Self {
+        HostedTurn {
+            calls: Vec::new(),
+            index: Default::default(),
+            waiting: None,
+            files: Arc::new(tokio::sync::Semaphore::new(FILES_AT_ONCE)),
+        }
+    }
+}
+
+/// File requests of one hosted turn served at once; the rest wait.
+const FILES_AT_ONCE: usize = 4;
 
 struct CallState {
     /// The agent's id.
@@ -466,6 +482,7 @@ impl SessionState {
             return;
         };
         let engine = run.handle.sender();
+        let files = run.hosted.as_ref().map(|h| h.files.clone());
         let task: futures::future::BoxFuture<'static, Result<String, String>> = match op {
             // Whole text, never cut: an agent writes back what it read.
             FileOp::Read { path, line, limit } => Box::pin(async move {
@@ -505,6 +522,12 @@ impl SessionState {
             }
         };
         let task = async move {
+            // A turn's file requests wait their turn: an agent asking for
+            // a thousand large files at once holds a few of them only.
+            let _permit = match &files {
+                Some(f) => f.clone().acquire_owned().await.ok(),
+                None => None,
+            };
             let result = task.await;
             let _ = engine.send(EngineInput::File { request, result });
         };
