@@ -517,6 +517,8 @@ pub fn canonical_json(v: &serde_json::Value) -> String {
 }
 
 #[cfg(test)]
+mod always_tests;
+#[cfg(test)]
 mod tests;
 
 #[cfg(test)]

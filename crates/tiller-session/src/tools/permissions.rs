@@ -137,8 +137,12 @@ const WRAPPERS: &[&str] = &[
 /// Words after which the next one names what runs (`uv run pytest`,
 /// `bundle exec rspec`, `uv tool run ruff`): a rule keeps that one too,
 /// so it covers that program, never another.
+/// Installing is running too (a package's install scripts), so the
+/// package is kept.
 const RUNNERS: &[&str] = &[
     "run",
+    "rum",
+    "urn",
     "exec",
     "x",
     "dlx",
@@ -147,12 +151,16 @@ const RUNNERS: &[&str] = &[
     "tools",
     "script",
     "start",
+    "install",
+    "i",
+    "add",
 ];
 
-/// Second words whose commands change settings that can name commands
-/// to run (`git config core.hooksPath`, `npm config set registry`):
-/// "always" on them allows that exact command only.
-const SETTINGS: &[&str] = &["config", "-c", "alias", "set"];
+/// Words whose commands change settings that can name commands to run
+/// (`git config core.hooksPath`, `npm config set registry`): a command
+/// holding one is allowed "always" only exactly, and a prefix rule never
+/// covers a command holding one.
+const SETTINGS: &[&str] = &["config", "alias", "set"];
 
 /// `word`'s program name without its directory and version suffix
 /// (`/usr/bin/python3.12` is `python`).
@@ -173,7 +181,7 @@ impl ShellRule {
         let wrapper = words
             .first()
             .is_some_and(|w| WRAPPERS.contains(&program(w)) || w.contains('='));
-        let settings = words.get(1).is_some_and(|w| SETTINGS.contains(w));
+        let settings = words.iter().any(|w| SETTINGS.contains(w));
         let exact = || ShellRule::Exact(command.trim().to_owned());
         if words.is_empty() || wrapper || settings || command.contains(SHELL_OPERATORS) {
             return exact();
@@ -188,7 +196,16 @@ impl ShellRule {
             }
             kept += 1;
         }
-        ShellRule::Prefix(words[..kept].iter().map(|w| (*w).to_owned()).collect())
+        let kept = &words[..kept];
+        // What a runner runs, when that is an option (`uv run -m`, `npm
+        // exec --yes`) or a program that runs anything itself (`uv run
+        // python`): only exactly. (An option elsewhere, `git --no-pager`,
+        // is kept: a later runner or settings word is never covered.)
+        let ran = (kept.len() > Self::WORDS).then(|| kept[kept.len() - 1]);
+        if ran.is_some_and(|w| w.starts_with('-') || WRAPPERS.contains(&program(w))) {
+            return exact();
+        }
+        ShellRule::Prefix(kept.iter().map(|w| (*w).to_owned()).collect())
     }
 
     /// Whether the rule allows `command`.
@@ -197,10 +214,15 @@ impl ShellRule {
             ShellRule::Exact(c) => c == command.trim(),
             ShellRule::Prefix(p) => {
                 let words: Vec<&str> = command.split_whitespace().collect();
+                // After the prefix, plain arguments only, none of which
+                // runs another program or changes a setting
+                // (`docker compose` then `run web sh`).
                 !command.contains(SHELL_OPERATORS)
                     && words.len() >= p.len()
                     && words[..p.len()].iter().eq(p.iter())
-                    && words[p.len()..].iter().all(|w| plain_argument(w))
+                    && words[p.len()..]
+                        .iter()
+                        .all(|w| plain_argument(w) && !RUNNERS.contains(w) && !SETTINGS.contains(w))
             }
         }
     }
@@ -236,6 +258,16 @@ impl ShellRule {
                 format!("Always allow exactly `{short}{more}`")
             }
         }
+    }
+}
+
+/// Whether a stored key is one this version would still make: a prefix
+/// rule an older version made that is wider than today's rule for the
+/// same command (`uv run`, `git config`) is not restored.
+fn still_made(key: &str) -> bool {
+    match ShellRule::parse(key) {
+        Some(ShellRule::Prefix(p)) => ShellRule::of(&p.join(" ")) == ShellRule::Prefix(p),
+        _ => true,
     }
 }
 
@@ -296,7 +328,7 @@ impl Permissions {
     /// command) is not restored.
     pub fn with_always(mut self, names: impl IntoIterator<Item = String>) -> Self {
         self.always
-            .extend(names.into_iter().filter(|n| n != "shell"));
+            .extend(names.into_iter().filter(|n| n != "shell" && still_made(n)));
         self
     }
 
