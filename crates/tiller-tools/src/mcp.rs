@@ -152,6 +152,15 @@ fn dropped_var(name: &str) -> bool {
         "GONOSUMCHECK",
         "GOINSECURE",
         "GOSUMDB",
+        "RUSTFLAGS",
+        "RUSTDOCFLAGS",
+        "CC",
+        "CXX",
+        "LD",
+        "AR",
+        "CFLAGS",
+        "CXXFLAGS",
+        "LDFLAGS",
     ];
     const PREFIXES: &[&str] = &[
         "LD_",
@@ -181,11 +190,25 @@ fn dropped_var(name: &str) -> bool {
         "PNPM_",
         "COREPACK_",
         "CONDA",
+        "BASH_FUNC_",
+        "DOTNET_",
+        "CORECLR_",
+        "COMPLUS_",
+        "CGO_",
+        "PYENV",
+        "ASDF_",
+        "MISE_",
+        "GRADLE_",
+        "MAVEN_",
+        "SDKMAN_",
+        "NVM_",
+        "VOLTA_",
     ];
     let upper = name.to_ascii_uppercase();
     NAMES.contains(&upper.as_str())
         || PREFIXES.iter().any(|p| upper.starts_with(p))
         || upper.ends_with("_OPTIONS")
+        || upper.ends_with("_OPTS")
 }
 
 /// How to reach one MCP server (as a client asked; [`McpPolicy`]
@@ -617,6 +640,16 @@ mod tests {
             ("PNPM_HOME", true),
             ("COREPACK_NPM_REGISTRY", true),
             ("CONDA_PREFIX", true),
+            ("BASH_FUNC_ls%%", true),
+            ("MAVEN_OPTS", true),
+            ("GRADLE_OPTS", true),
+            ("DOTNET_STARTUP_HOOKS", true),
+            ("CORECLR_PROFILER_PATH", true),
+            ("RUSTFLAGS", true),
+            ("CC", true),
+            ("CGO_LDFLAGS", true),
+            ("PYENV_VERSION", true),
+            ("MISE_CONFIG_FILE", true),
             ("GOOGLE_API_KEY", false),
             ("OLD_PATH", false),
             ("API_KEY", false),

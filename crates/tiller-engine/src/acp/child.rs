@@ -85,8 +85,10 @@ const LIMITS: Limits = Limits {
 
 /// Bytes Tiller's messages to an agent may wait for it to read; past it
 /// the agent, which takes nothing of its input, is killed (its answers to
-/// its own file requests could otherwise pile up without end).
-const OUT_BYTES: usize = 64 * 1024 * 1024;
+/// its own file requests could otherwise pile up without end). Room for
+/// a few answers of the largest file served (16 MiB, up to six times that
+/// escaped), two served at once per turn, while a busy agent parses.
+const OUT_BYTES: usize = 256 * 1024 * 1024;
 
 /// A message for a turn and its share of [`QUEUE_BYTES`], given back once
 /// the turn takes it.

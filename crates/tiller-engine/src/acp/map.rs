@@ -218,7 +218,8 @@ pub(super) fn permission_outcome(answer: PermissionAnswer, options: Option<&Valu
         // Never the agent's "always": it may cover its whole tool.
         PermissionAnswer::AllowOnce => &["allow_once"],
         PermissionAnswer::AllowAlways => &["allow_always", "allow_once"],
-        PermissionAnswer::Reject => &["reject_once", "reject_always"],
+        // Nor its "never": a person's "deny" is for this call.
+        PermissionAnswer::Reject => &["reject_once"],
         PermissionAnswer::Cancelled => &[],
     };
     let options = options.and_then(Value::as_array);
@@ -289,6 +290,15 @@ mod tests {
         ]);
         assert_eq!(
             permission_outcome(PermissionAnswer::AllowOnce, Some(&no_once))["outcome"]["outcome"],
+            "cancelled"
+        );
+        // Nor "deny" with its "deny always".
+        let never = json!([
+            {"optionId": "o1", "kind": "allow_once", "name": "Once"},
+            {"optionId": "n1", "kind": "reject_always", "name": "Never"},
+        ]);
+        assert_eq!(
+            permission_outcome(PermissionAnswer::Reject, Some(&never))["outcome"]["outcome"],
             "cancelled"
         );
     }

@@ -36,7 +36,7 @@ impl Default for HostedTurn {
 }
 
 /// File requests of one hosted turn served at once; the rest wait.
-const FILES_AT_ONCE: usize = 4;
+const FILES_AT_ONCE: usize = 2;
 
 struct CallState {
     /// The agent's id.
@@ -463,6 +463,8 @@ impl SessionState {
         let Some(hosted) = run.hosted.as_mut() else {
             return events;
         };
+        // File requests still waiting their turn are not served.
+        hosted.files.close();
         end_unfinished(
             hosted,
             &run.handle.sender(),
@@ -524,11 +526,14 @@ impl SessionState {
         let task = async move {
             // A turn's file requests wait their turn: an agent asking for
             // a thousand large files at once holds a few of them only.
-            let _permit = match &files {
-                Some(f) => f.clone().acquire_owned().await.ok(),
-                None => None,
+            let permit = match &files {
+                Some(f) => f.clone().acquire_owned().await.map(Some),
+                None => Ok(None),
             };
-            let result = task.await;
+            let result = match permit {
+                Ok(_held) => task.await,
+                Err(_) => Err("the turn ended before this file request was served".to_owned()),
+            };
             let _ = engine.send(EngineInput::File { request, result });
         };
         tokio::spawn(task.instrument(run.span.clone()));
