@@ -738,7 +738,14 @@ impl Config {
             if !rest.contains("__") {
                 continue;
             }
-            let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+            // Lower-case keys, but an agent's `env` names as given
+            // (`TILLER_ENGINE__A__ENV__ANTHROPIC_API_KEY`).
+            let mut path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+            if path.len() > 3 && path[0] == "engine" && path[2] == "env" {
+                for (p, given) in path.iter_mut().zip(rest.split("__")).skip(3) {
+                    *p = given.to_owned();
+                }
+            }
             set_path(&mut table, &path, env_value(&path.join("."), &raw))
                 .map_err(|e| ConfigError(format!("environment variable {key}: {e}")))?;
             from_env.push((path.join("."), key));
@@ -835,17 +842,32 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        // An origin as a browser sends it: scheme://host[:port], no path.
+        // An origin as a browser sends it: scheme://host[:port], no path
+        // (an extension's or an app's scheme too: `tauri://localhost`).
         for o in &self.server.allowed_origins {
-            let u = url::Url::parse(o).ok();
-            let origin = u
-                .as_ref()
-                .filter(|u| u.has_host() && ["/", ""].contains(&u.path()) && u.query().is_none())
-                .map(|u| u.origin().ascii_serialization());
-            if origin.is_none_or(|s| s != o.trim_end_matches('/').to_ascii_lowercase()) {
-                return Err(ConfigError(format!(
-                    "key `server.allowed_origins`: `{o}` is not an origin (scheme://host[:port], such as https://ide.example; `*` is not allowed)"
-                )));
+            let origin = url::Url::parse(o)
+                .ok()
+                .filter(|u| u.has_host() && ["/", ""].contains(&u.path()) && u.query().is_none());
+            let origin = origin.map(|u| {
+                let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
+                format!(
+                    "{}://{}{port}",
+                    u.scheme(),
+                    u.host_str().unwrap_or_default()
+                )
+            });
+            match origin {
+                Some(form) if form == o.trim_end_matches('/').to_ascii_lowercase() => {}
+                Some(form) => {
+                    return Err(ConfigError(format!(
+                        "key `server.allowed_origins`: write `{o}` as a browser sends it: `{form}`"
+                    )));
+                }
+                None => {
+                    return Err(ConfigError(format!(
+                        "key `server.allowed_origins`: `{o}` is not an origin (scheme://host[:port], such as https://ide.example; `*` is not allowed)"
+                    )));
+                }
             }
         }
         if !["sqlite", "postgres"].contains(&self.store.kind.as_str()) {
@@ -1258,10 +1280,19 @@ mod tests {
                 .to_string();
             assert!(e.contains("not an origin"), "{bad}: {e}");
         }
+        let e = load_str(
+            "[server]\nallowed_origins = [\"https://ide.example:443\"]\n",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("`https://ide.example`"), "{e}");
         for good in [
             "https://ide.example",
             "https://IDE.example/",
             "http://127.0.0.1:3000",
+            "tauri://localhost",
+            "chrome-extension://abcdefghijklmnop",
         ] {
             load_str(&format!("[server]\nallowed_origins = [\"{good}\"]\n"), &[])
                 .unwrap_or_else(|e| panic!("{good}: {e}"));
@@ -1293,7 +1324,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            c.engine.agents["a"].env["anthropic_api_key"],
+            c.engine.agents["a"].env["ANTHROPIC_API_KEY"],
             "1234567890123456"
         );
         for text in [

@@ -198,10 +198,13 @@ fn prepare_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
         .with_context(|| format!("cannot read the data directory {}", dir.display()))?;
     // Made first by someone else (in a shared `/tmp`), it would be theirs
     // to read, or to fill with a token, a database and a socket of theirs.
-    // Root's is trusted (a container's or a mount's root) unless anyone
-    // may write in it.
+    // Root's is trusted (a container's or a mount's root) unless someone
+    // else may write in it: everyone, or a group not the daemon's own.
     let me = rustix::process::geteuid().as_raw();
-    let roots_closed = meta.uid() == 0 && meta.permissions().mode() & 0o002 == 0;
+    let mode = meta.permissions().mode();
+    let roots_closed = meta.uid() == 0
+        && mode & 0o002 == 0
+        && (mode & 0o020 == 0 || meta.gid() == rustix::process::getegid().as_raw());
     if meta.uid() != me && !roots_closed {
         anyhow::bail!(
             "the data directory {} belongs to another user (uid {}), who could read or replace \
@@ -628,7 +631,7 @@ mod tests {
     /// A data directory another user owns (made first in a shared `/tmp`,
     /// say) could hand that user the token, the database and the socket:
     /// the daemon refuses it, and changes nothing in it. As root the
-    /// directory is given to `nobody`; otherwise `/` is another's.
+    /// directory is given to `nobody`; otherwise `/tmp`, which everyone may write in.
     #[test]
     fn a_data_directory_another_user_owns_is_refused() {
         use std::os::unix::fs::PermissionsExt as _;
@@ -639,7 +642,8 @@ mod tests {
         let nobody = rustix::fs::Uid::from_raw(65534);
         let dir = match rustix::fs::chown(&theirs, Some(nobody), None) {
             Ok(()) => theirs.clone(),
-            Err(_) => std::path::PathBuf::from("/"),
+            // Not root: `/tmp` is root's and everyone may write in it.
+            Err(_) => std::path::PathBuf::from("/tmp"),
         };
         let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
         let e = super::prepare_data_dir(&dir).expect_err("another user's directory");
