@@ -132,13 +132,22 @@ const WRAPPERS: &[&str] = &[
     "ssh",
     "osascript",
     "pwsh",
+    "pnpx",
+    "bunx",
+    "xvfb-run",
+    "valgrind",
+    "gdb",
+    "ltrace",
+    "docker",
+    "podman",
+    "nerdctl",
+    "kubectl",
+    "dbus-run-session",
 ];
 
 /// Words after which the next one names what runs (`uv run pytest`,
 /// `bundle exec rspec`, `uv tool run ruff`): a rule keeps that one too,
 /// so it covers that program, never another.
-/// Installing is running too (a package's install scripts), so the
-/// package is kept.
 const RUNNERS: &[&str] = &[
     "run",
     "rum",
@@ -151,15 +160,63 @@ const RUNNERS: &[&str] = &[
     "tools",
     "script",
     "start",
-    "install",
-    "i",
-    "add",
+    "foreach",
+];
+
+/// Words that install, create or fetch what then runs (a package's
+/// scripts, a generator, a module): never covered after a rule's prefix.
+const INSTALLS: &[&str] = &[
+    "install", "i", "add", "create", "init", "download", "get", "sync", "update", "upgrade",
+];
+
+/// Package managers, with the subcommands a rule may cover: those that
+/// run the project's own scripts or only read. Any other subcommand
+/// (`install`, `create`, `dlx`, one of npm's many aliases or
+/// abbreviations of them) is allowed only exactly.
+const PACKAGE_MANAGERS: &[(&str, &[&str])] = &[
+    (
+        "npm",
+        &[
+            "test",
+            "t",
+            "tst",
+            "run",
+            "run-script",
+            "start",
+            "ls",
+            "list",
+            "outdated",
+            "view",
+            "why",
+            "explain",
+        ],
+    ),
+    (
+        "pnpm",
+        &["test", "t", "run", "start", "ls", "list", "outdated", "why"],
+    ),
+    ("yarn", &["test", "run", "start", "list", "outdated", "why"]),
+    (
+        "cargo",
+        &[
+            "build", "b", "check", "c", "test", "t", "bench", "clippy", "fmt", "doc", "d", "run",
+            "r", "tree", "metadata",
+        ],
+    ),
+    (
+        "go",
+        &["build", "test", "vet", "fmt", "list", "version", "run"],
+    ),
+    ("pip", &["list", "show", "freeze", "check"]),
+    ("uv", &["run", "lock", "tree"]),
+    ("poetry", &["run", "show", "check", "build"]),
+    ("gem", &["list"]),
 ];
 
 /// Words whose commands change settings that can name commands to run
-/// (`git config core.hooksPath`, `npm config set registry`): a command
-/// holding one is allowed "always" only exactly, and a prefix rule never
-/// covers a command holding one.
+/// (`git config core.hooksPath`, `npm config set registry`): as a
+/// subcommand, "always" allows that exact command only; later, never
+/// covered.
 const SETTINGS: &[&str] = &["config", "alias", "set"];
 
 /// `word`'s program name without its directory and version suffix
@@ -178,12 +235,17 @@ impl ShellRule {
     /// The rule "always allow" makes of `command`.
     pub fn of(command: &str) -> ShellRule {
         let words: Vec<&str> = command.split_whitespace().collect();
-        let wrapper = words
-            .first()
-            .is_some_and(|w| WRAPPERS.contains(&program(w)) || w.contains('='));
-        let settings = words.iter().any(|w| SETTINGS.contains(w));
         let exact = || ShellRule::Exact(command.trim().to_owned());
-        if words.is_empty() || wrapper || settings || command.contains(SHELL_OPERATORS) {
+        let Some(first) = words.first() else {
+            return exact();
+        };
+        let wrapper = WRAPPERS.contains(&program(first)) || first.contains('=');
+        let settings = words.get(1).is_some_and(|w| SETTINGS.contains(w));
+        let unsafe_subcommand = PACKAGE_MANAGERS
+            .iter()
+            .find(|(pm, _)| *pm == program(first))
+            .is_some_and(|(_, safe)| words.get(1).is_some_and(|w| !safe.contains(w)));
+        if wrapper || settings || unsafe_subcommand || command.contains(SHELL_OPERATORS) {
             return exact();
         }
         // Two words, and while the last kept is a runner, the next.
@@ -197,12 +259,13 @@ impl ShellRule {
             kept += 1;
         }
         let kept = &words[..kept];
-        // What a runner runs, when that is an option (`uv run -m`, `npm
-        // exec --yes`) or a program that runs anything itself (`uv run
-        // python`): only exactly. (An option elsewhere, `git --no-pager`,
-        // is kept: a later runner or settings word is never covered.)
+        // An option or a setting among them (`kubectl -n prod get`, `git
+        // -C dir`, `uv run -m`) changes what the words after it mean; a
+        // program a runner runs may run anything itself (`uv run python`).
         let ran = (kept.len() > Self::WORDS).then(|| kept[kept.len() - 1]);
-        if ran.is_some_and(|w| w.starts_with('-') || WRAPPERS.contains(&program(w))) {
+        if kept.iter().any(|w| w.starts_with('-') || w.contains('='))
+            || ran.is_some_and(|w| WRAPPERS.contains(&program(w)))
+        {
             return exact();
         }
         ShellRule::Prefix(kept.iter().map(|w| (*w).to_owned()).collect())
@@ -220,9 +283,11 @@ impl ShellRule {
                 !command.contains(SHELL_OPERATORS)
                     && words.len() >= p.len()
                     && words[..p.len()].iter().eq(p.iter())
-                    && words[p.len()..]
-                        .iter()
-                        .all(|w| plain_argument(w) && !RUNNERS.contains(w) && !SETTINGS.contains(w))
+                    && words[p.len()..].iter().all(|w| {
+                        plain_argument(w)
+                            && ![RUNNERS, INSTALLS, SETTINGS].iter().any(|l| l.contains(w))
+                            && !WRAPPERS.contains(&program(w))
+                    })
             }
         }
     }
