@@ -65,18 +65,22 @@ pub struct Auth {
 impl Auth {
     /// CORS for the allowed origins (none: no layer, no CORS header).
     pub(crate) fn cors(&self) -> Option<tower_http::cors::CorsLayer> {
-        let origins: Vec<HeaderValue> = self
+        let origins: Vec<String> = self
             .config
             .allowed_origins
             .iter()
-            // As browsers send it (the Origin check ignores case).
-            .filter_map(|o| {
-                HeaderValue::from_str(&o.trim_end_matches('/').to_ascii_lowercase()).ok()
-            })
+            .map(|o| o.trim_end_matches('/').to_owned())
             .collect();
         (!origins.is_empty()).then(|| {
             tower_http::cors::CorsLayer::new()
-                .allow_origin(origins)
+                // In any case, as the Origin check compares.
+                .allow_origin(tower_http::cors::AllowOrigin::predicate(
+                    move |origin: &HeaderValue, _| {
+                        origins
+                            .iter()
+                            .any(|o| o.as_bytes().eq_ignore_ascii_case(origin.as_bytes()))
+                    },
+                ))
                 .allow_methods([
                     Method::GET,
                     Method::POST,

@@ -857,7 +857,7 @@ impl Config {
                 )
             });
             match origin {
-                Some(form) if form == o.trim_end_matches('/').to_ascii_lowercase() => {}
+                Some(form) if form.eq_ignore_ascii_case(o.trim_end_matches('/')) => {}
                 Some(form) => {
                     return Err(ConfigError(format!(
                         "key `server.allowed_origins`: write `{o}` as a browser sends it: `{form}`"
@@ -1293,6 +1293,7 @@ mod tests {
             "http://127.0.0.1:3000",
             "tauri://localhost",
             "chrome-extension://abcdefghijklmnop",
+            "app://MyApp",
         ] {
             load_str(&format!("[server]\nallowed_origins = [\"{good}\"]\n"), &[])
                 .unwrap_or_else(|e| panic!("{good}: {e}"));

@@ -199,12 +199,17 @@ fn prepare_data_dir(dir: &std::path::Path) -> anyhow::Result<()> {
     // Made first by someone else (in a shared `/tmp`), it would be theirs
     // to read, or to fill with a token, a database and a socket of theirs.
     // Root's is trusted (a container's or a mount's root) unless someone
-    // else may write in it: everyone, or a group not the daemon's own.
+    // else may write in it: everyone, or a group the daemon is not in (a
+    // volume's `fsGroup` is one of its groups; its other members, if
+    // any, are trusted).
     let me = rustix::process::geteuid().as_raw();
     let mode = meta.permissions().mode();
-    let roots_closed = meta.uid() == 0
-        && mode & 0o002 == 0
-        && (mode & 0o020 == 0 || meta.gid() == rustix::process::getegid().as_raw());
+    let in_group = |gid: u32| {
+        rustix::process::getegid().as_raw() == gid
+            || rustix::process::getgroups().is_ok_and(|gs| gs.iter().any(|g| g.as_raw() == gid))
+    };
+    let roots_closed =
+        meta.uid() == 0 && mode & 0o002 == 0 && (mode & 0o020 == 0 || in_group(meta.gid()));
     if meta.uid() != me && !roots_closed {
         anyhow::bail!(
             "the data directory {} belongs to another user (uid {}), who could read or replace \

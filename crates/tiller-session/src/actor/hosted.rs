@@ -480,11 +480,13 @@ impl SessionState {
     /// offers files, else the session's confined tools.
     fn hosted_file(&mut self, turn: TurnId, request: u64, op: FileOp) {
         let exec = pipeline::Exec::of(self);
-        let Some(run) = self.running.as_ref().filter(|r| r.turn == turn) else {
+        let Some(run) = self.running.as_mut().filter(|r| r.turn == turn) else {
             return;
         };
         let engine = run.handle.sender();
-        let files = run.hosted.as_ref().map(|h| h.files.clone());
+        // Made here if no call came first: every file request waits its
+        // turn, and those waiting when the turn ends are refused.
+        let files = run.hosted.get_or_insert_with(Box::default).files.clone();
         let task: futures::future::BoxFuture<'static, Result<String, String>> = match op {
             // Whole text, never cut: an agent writes back what it read.
             FileOp::Read { path, line, limit } => Box::pin(async move {
@@ -526,11 +528,7 @@ impl SessionState {
         let task = async move {
             // A turn's file requests wait their turn: an agent asking for
             // a thousand large files at once holds a few of them only.
-            let permit = match &files {
-                Some(f) => f.clone().acquire_owned().await.map(Some),
-                None => Ok(None),
-            };
-            let result = match permit {
+            let result = match files.acquire_owned().await {
                 Ok(_held) => task.await,
                 Err(_) => Err("the turn ended before this file request was served".to_owned()),
             };
