@@ -460,10 +460,9 @@ impl SessionState {
         let Some(run) = self.running.as_mut().filter(|r| r.turn == turn) else {
             return events;
         };
-        let Some(hosted) = run.hosted.as_mut() else {
-            return events;
-        };
-        // File requests still waiting their turn are not served.
+        // File requests still waiting their turn, or coming after this,
+        // are not served (made here if none came yet).
+        let hosted = run.hosted.get_or_insert_with(Box::default);
         hosted.files.close();
         end_unfinished(
             hosted,
