@@ -8,7 +8,8 @@ fn always_allow_on_shell_is_per_command_prefix() {
     // (allowed always, later command, asks?)
     let cases: &[(&str, &str, bool)] = &[
         ("npm test", "npm test", false),
-        ("npm test", "npm test unit", false),
+        ("npm test", "npm test unit", true),
+        ("cargo test", "cargo test unit", false),
         ("npm test", "npm test -- -u", true),
         ("npm test", "npm test --config /tmp/x", true),
         ("npm test", "npm install evil", true),
@@ -115,7 +116,13 @@ fn always_allow_on_shell_is_per_command_prefix() {
             true,
         ),
         ("docker compose ps", "docker compose run web sh", true),
-        ("npm test", "npm test config", false),
+        ("npm test", "npm test config", true),
+        ("npm test", "npm test deploy", true),
+        ("date", "date 010100002030", true),
+        ("cat README", "cat notes", true),
+        ("tsc", "tsc index.ts", true),
+        ("go test", "go test all", true),
+        ("mocha", "mocha init .", true),
         ("npm test", "npm test +x", true),
         ("npm rum build", "npm rum evil", true),
         ("npm install left-pad", "npm install left-pad", false),
@@ -220,12 +227,14 @@ fn always_allow_on_shell_is_per_command_prefix() {
     let old = Permissions::new(PermissionMode::Ask).with_always([
         "shell:uv run".to_string(),
         "shell:git config".to_string(),
+        "shell:cargo test".to_string(),
         "shell:npm test".to_string(),
     ]);
     let shell = |c: &str| call("s", "shell", serde_json::json!({ "command": c }), true, "");
     assert!(old.needs(&shell("uv run sh x")));
     assert!(old.needs(&shell("git config core.hooksPath h")));
-    assert!(!old.needs(&shell("npm test unit")));
+    assert!(!old.needs(&shell("cargo test unit")));
+    assert!(old.needs(&shell("npm test unit")));
     // A bare `shell` stored by an older version allows nothing now.
     let old = Permissions::new(PermissionMode::Ask).with_always(["shell".to_string()]);
     assert!(old.needs(&call(
@@ -239,12 +248,12 @@ fn always_allow_on_shell_is_per_command_prefix() {
     let opts = options(&call(
         "s",
         "shell",
-        serde_json::json!({"command": "npm test -- -u"}),
+        serde_json::json!({"command": "cargo test -- -u"}),
         true,
         "",
     ));
     assert_eq!(
         opts[1].name,
-        "Always allow `npm test …` (plain arguments, no options or paths)"
+        "Always allow `cargo test …` (plain arguments, no options or paths)"
     );
 }
