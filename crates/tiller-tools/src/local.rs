@@ -30,6 +30,7 @@ pub use confine::{in_git_dir, lands_in_git_dir, lands_within, protect};
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::ops::ControlFlow;
+use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -208,12 +209,26 @@ async fn blocking<T: Send + 'static>(
         .map_err(|e| format!("the tool failed: {e}"))?
 }
 
-/// Whether `path` names anything inside `root` (links inside followed).
-async fn exists(root: &Path, path: &str) -> bool {
+/// Runs `f` on a blocking thread with `root` opened and `path` (relative
+/// to it) checked to stay inside; `f` gets the root, the relative path
+/// and the path as given (for its messages).
+async fn in_root<T: Send + 'static>(
+    root: &Path,
+    path: &str,
+    f: impl FnOnce(Root, PathBuf, String) -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
     let (root, path) = (root.to_owned(), path.to_owned());
     blocking(move || {
         let r = Root::open(&root)?;
         let rel = r.relative(&path)?;
+        f(r, rel, path)
+    })
+    .await
+}
+
+/// Whether `path` names anything inside `root` (links inside followed).
+async fn exists(root: &Path, path: &str) -> bool {
+    in_root(root, path, move |r, rel, path| {
         r.metadata(&rel, &path).map(|_| ())
     })
     .await
@@ -257,13 +272,7 @@ pub(crate) async fn run(
 
 /// The path of `path` for an editor, checked through the handle.
 async fn editor_path(root: &Path, path: &str) -> Result<PathBuf, String> {
-    let (root, path) = (root.to_owned(), path.to_owned());
-    blocking(move || {
-        let r = Root::open(&root)?;
-        let rel = r.relative(&path)?;
-        r.editor_path(&rel, &path)
-    })
-    .await
+    in_root(root, path, move |r, rel, path| r.editor_path(&rel, &path)).await
 }
 
 /// [`editor_path`] for a write: never into a repository's own directory
@@ -272,7 +281,7 @@ async fn editor_write_path(root: &Path, path: &str) -> Result<PathBuf, String> {
     let p = editor_path(root, path).await?;
     let linked = || {
         let m = std::fs::metadata(&p).ok()?;
-        confine::linked_refusal(m.is_file(), std::os::unix::fs::MetadataExt::nlink(&m), path)
+        confine::linked_refusal(m.is_file(), m.nlink(), path)
     };
     match confine::git_dir_refusal(&p, path).or_else(linked) {
         Some(refused) => Err(refused),
@@ -423,11 +432,8 @@ async fn read_file(
         return select_lines(&mut text.as_bytes(), offset, limit, max, numbered)
             .map_err(|e| e.to_string());
     }
-    let root = root.to_owned();
     let deadline = Deadline::of(cfg);
-    blocking(move || {
-        let r = Root::open(&root)?;
-        let rel = r.relative(&path)?;
+    in_root(root, &path, move |r, rel, path| {
         let (file, len) = r.open_read(&rel, &path)?;
         let mut reader = BufReader::with_capacity(64 * 1024, file);
         if looks_binary(&mut reader) {
@@ -482,10 +488,7 @@ pub(crate) async fn whole_text(
         }
         return Ok(text);
     }
-    let (root, path) = (root.to_owned(), path.to_owned());
-    blocking(move || {
-        let r = Root::open(&root)?;
-        let rel = r.relative(&path)?;
+    in_root(root, path, move |r, rel, path| {
         let (file, len) = r.open_read(&rel, &path)?;
         if len > max {
             return Err(format!("{} is larger than {max} bytes", Shown(&path)));
@@ -555,10 +558,7 @@ async fn write_file(
         c.write_text_file(p.clone(), content).await?;
         return Ok(format!("wrote {n} bytes to {}", p.display()));
     }
-    let root = root.to_owned();
-    blocking(move || {
-        let r = Root::open(&root)?;
-        let rel = r.relative(&path)?;
+    in_root(root, &path, move |r, rel, path| {
         write_local(&r, &rel, &path, content.as_bytes())?;
         Ok(format!("wrote {n} bytes to {}", shown_path(&r, &rel)))
     })
@@ -673,15 +673,7 @@ async fn edit(
     let reps = replacements(input)?;
     let shown = match &client {
         Some(c) if c.can_read() => editor_path(root, &path).await?.display().to_string(),
-        _ => {
-            let (root, path) = (root.to_owned(), path.clone());
-            blocking(move || {
-                let r = Root::open(&root)?;
-                let rel = r.relative(&path)?;
-                Ok(shown_path(&r, &rel))
-            })
-            .await?
-        }
+        _ => in_root(root, &path, move |r, rel, _| Ok(shown_path(&r, &rel))).await?,
     };
     let text = edit_text(root, &path, client.clone()).await?;
     let (updated, count) = replace_each(&text, &reps, &shown)?;
@@ -722,10 +714,7 @@ async fn check_put(
     if client.is_some_and(|c| c.can_write()) {
         return editor_write_path(root, path).await.map(drop);
     }
-    let (root, path) = (root.to_owned(), path.to_owned());
-    blocking(move || {
-        let r = Root::open(&root)?;
-        let rel = r.relative(&path)?;
+    in_root(root, path, move |r, rel, path| {
         r.check_write(&rel, &path).map(drop)
     })
     .await
@@ -742,10 +731,7 @@ async fn put_text(
         let p = editor_write_path(root, path).await?;
         return c.write_text_file(p, text).await;
     }
-    let (root, path) = (root.to_owned(), path.to_owned());
-    blocking(move || {
-        let r = Root::open(&root)?;
-        let rel = r.relative(&path)?;
+    in_root(root, path, move |r, rel, path| {
         write_local(&r, &rel, &path, text.as_bytes())
     })
     .await
@@ -1012,10 +998,7 @@ async fn list_dir(root: &Path, input: &Value) -> Result<String, String> {
         .and_then(Value::as_str)
         .unwrap_or(".")
         .to_owned();
-    let root = root.to_owned();
-    blocking(move || {
-        let r = Root::open(&root)?;
-        let rel = r.relative(&path)?;
+    in_root(root, &path, move |r, rel, path| {
         let dir = r.open_dir(&rel, &path)?;
         let entries = dir.entries().map_err(|e| r.error("list", &path, &e))?;
         // The first MAX_RESULTS names in order, without holding them all.
@@ -1149,11 +1132,8 @@ async fn glob(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
     let matcher = globset::Glob::new(&pattern)
         .map_err(|e| format!("bad glob `{pattern}`: {e}"))?
         .compile_matcher();
-    let root = root.to_owned();
     let deadline = Deadline::of(cfg);
-    blocking(move || {
-        let r = Root::open(&root)?;
-        let rel = r.relative(&path)?;
+    in_root(root, &path, move |r, rel, path| {
         let base = r.open_dir(&rel, &path)?;
         let mut found = Vec::new();
         let stopped = std::cell::Cell::new(false);
@@ -1277,11 +1257,8 @@ async fn grep(root: &Path, cfg: &ToolsConfig, input: &Value) -> Result<String, S
         None => None,
     };
     let max = cfg.max_output_bytes;
-    let root = root.to_owned();
     let deadline = Deadline::of(cfg);
-    blocking(move || {
-        let r = Root::open(&root)?;
-        let rel = r.relative(&path)?;
+    in_root(root, &path, move |r, rel, path| {
         let mut m = Matches {
             out: String::new(),
             n: 0,

@@ -7,6 +7,7 @@
 use std::ffi::OsStr;
 use std::io;
 use std::ops::ControlFlow;
+use std::os::unix::fs::MetadataExt as _;
 use std::path::{Component, Path, PathBuf};
 
 use cap_std::fs::{
@@ -79,7 +80,6 @@ fn linked_to_protected(names: u64, dev: u64, ino: u64) -> bool {
 /// Whether `path` or anything under it (links not followed) is the file
 /// `(dev, ino)`; true past [`PROTECTED_SCAN`] entries.
 fn holds_file(path: &Path, dev: u64, ino: u64) -> bool {
-    use std::os::unix::fs::MetadataExt as _;
     let mut stack = vec![path.to_owned()];
     let mut seen = 0;
     while let Some(p) = stack.pop() {
@@ -175,10 +175,8 @@ fn landing_of(dir: &Path, path: &Path) -> Option<(PathBuf, bool)> {
             if rest.iter().any(|c| c == "..") {
                 return None;
             }
-            let linked = rest.is_empty()
-                && real
-                    .metadata()
-                    .is_ok_and(|m| m.is_file() && std::os::unix::fs::MetadataExt::nlink(&m) > 1);
+            let linked =
+                rest.is_empty() && real.metadata().is_ok_and(|m| m.is_file() && m.nlink() > 1);
             return Some((rest.iter().rev().fold(real, |p, c| p.join(c)), linked));
         }
         if found.is_err_and(|e| e.kind() != io::ErrorKind::NotFound)

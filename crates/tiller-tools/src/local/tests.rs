@@ -492,6 +492,32 @@ struct Editor {
     files: Mutex<HashMap<PathBuf, String>>,
 }
 
+impl Editor {
+    /// An editor holding `text` as the buffer of `name` under `root`, and
+    /// that buffer's path.
+    fn holding(root: &Path, name: &str, text: &str) -> (Arc<Editor>, PathBuf) {
+        let editor = Arc::new(Editor::default());
+        let path = root.canonicalize().unwrap().join(name);
+        editor
+            .files
+            .lock()
+            .unwrap()
+            .insert(path.clone(), text.into());
+        (editor, path)
+    }
+
+    /// Each call run through this editor with the default tools, in order.
+    async fn run_all(self: &Arc<Self>, root: &Path, calls: &[(&str, Value)]) -> Vec<ToolOutput> {
+        let client: Option<Arc<dyn ClientTools>> = Some(self.clone());
+        let mut outs = Vec::new();
+        for (name, input) in calls {
+            let c = call(name, input.clone());
+            outs.push(run(root, &ToolsConfig::default(), &c, client.clone()).await);
+        }
+        outs
+    }
+}
+
 impl ClientTools for Editor {
     fn can_read(&self) -> bool {
         true
@@ -531,13 +557,7 @@ async fn an_editor_client_is_the_truth_for_files() {
     let d = tempfile::tempdir().unwrap();
     let root = d.path();
     std::fs::write(root.join("f.txt"), "on disk").unwrap();
-    let editor = Arc::new(Editor::default());
-    let path = root.canonicalize().unwrap().join("f.txt");
-    editor
-        .files
-        .lock()
-        .unwrap()
-        .insert(path.clone(), "unsaved buffer".into());
+    let (editor, path) = Editor::holding(root, "f.txt", "unsaved buffer");
     let client: Option<Arc<dyn ClientTools>> = Some(editor.clone());
     let cfg = ToolsConfig::default();
     let out = run(
@@ -1314,15 +1334,8 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
         .ok
     );
     // Nor through an attached editor, whichever tool writes.
-    let editor = Arc::new(Editor::default());
-    let config = root.canonicalize().unwrap().join(".git/config");
-    editor
-        .files
-        .lock()
-        .unwrap()
-        .insert(config.clone(), "[core]\n".into());
-    let client: Option<Arc<dyn ClientTools>> = Some(editor.clone());
-    for (name, input) in [
+    let (editor, config) = Editor::holding(root, ".git/config", "[core]\n");
+    let calls = [
         (
             "write_file",
             json!({"path": ".git/config", "content": "[core]\n\tfsmonitor = evil\n"}),
@@ -1335,14 +1348,8 @@ async fn the_file_tools_do_not_write_into_a_repository_s_own_directory() {
             "apply_patch",
             json!({"patch": "--- /dev/null\n+++ b/.git/hooks/post-checkout\n@@ -0,0 +1 @@\n+evil\n"}),
         ),
-    ] {
-        let out = run(
-            root,
-            &ToolsConfig::default(),
-            &call(name, input.clone()),
-            client.clone(),
-        )
-        .await;
+    ];
+    for ((name, input), out) in calls.iter().zip(editor.run_all(root, &calls).await) {
         assert!(!out.ok, "{name} {input} through the editor: {}", out.output);
     }
     assert_eq!(editor.files.lock().unwrap()[&config], "[core]\n");
@@ -1381,22 +1388,8 @@ async fn the_file_tools_do_not_write_through_a_hard_link() {
         std::fs::read_to_string(root.join(".git/config")).unwrap(),
         "[core]\n"
     );
-    let editor = Arc::new(Editor::default());
-    let notes = root.canonicalize().unwrap().join("notes.txt");
-    editor
-        .files
-        .lock()
-        .unwrap()
-        .insert(notes.clone(), "[core]\n".into());
-    let client: Option<Arc<dyn ClientTools>> = Some(editor.clone());
-    for (name, input) in &calls {
-        let out = run(
-            root,
-            &ToolsConfig::default(),
-            &call(name, input.clone()),
-            client.clone(),
-        )
-        .await;
+    let (editor, notes) = Editor::holding(root, "notes.txt", "[core]\n");
+    for ((name, _), out) in calls.iter().zip(editor.run_all(root, &calls).await) {
         assert!(!out.ok, "{name} through the editor: {}", out.output);
     }
     assert_eq!(editor.files.lock().unwrap()[&notes], "[core]\n");
@@ -1447,12 +1440,9 @@ async fn a_hard_link_to_the_daemon_s_data_is_its_data() {
     let out = go(&root, "grep", json!({"pattern": "SECRET"})).await;
     assert!(!out.output.contains(token), "{}", out.output);
     // Nor through an editor, which would read it by its other name.
-    let editor = Arc::new(Editor::default());
-    let tok = root.canonicalize().unwrap().join("tok.txt");
-    editor.files.lock().unwrap().insert(tok, token.into());
-    let client: Option<Arc<dyn ClientTools>> = Some(editor);
-    let read = call("read_file", json!({"path": "tok.txt"}));
-    let out = run(&root, &ToolsConfig::default(), &read, client).await;
+    let (editor, _) = Editor::holding(&root, "tok.txt", token);
+    let read = [("read_file", json!({"path": "tok.txt"}))];
+    let out = editor.run_all(&root, &read).await.remove(0);
     assert!(
         !out.ok && out.output.contains("daemon's own data"),
         "{}",
