@@ -70,6 +70,11 @@ pub(crate) struct Queue {
     len: usize,
 }
 
+/// Lanes an emptied queue keeps room for; past that, it lets go of the
+/// room a burst made (a thousand sessions' backlog once would otherwise
+/// hold its peak for the daemon's life).
+const KEPT: usize = 1024;
+
 /// Least time between two commits of streamed appends only, on the store
 /// thread: a stream's events wait that long for the next ones, so a
 /// store thread that keeps up does not commit every few events apart
@@ -144,6 +149,9 @@ impl Queue {
             self.lanes.clear();
             self.order.clear();
             self.urgent.clear();
+            self.lanes.shrink_to(KEPT);
+            self.order.shrink_to(KEPT);
+            self.urgent.shrink_to(KEPT);
         }
     }
 }
@@ -358,7 +366,9 @@ impl Upkeep {
 }
 
 /// The next batch to write: the sessions with an awaited append, each up
-/// to its last awaited one, alone; else the streamed appends of the next
+/// to its last awaited one, alone, up to `max` in all (a session cut
+/// before the awaited append its turn came for goes on first next time);
+/// else the streamed appends of the next
 /// `sessions` sessions in turn, each from its oldest, up to
 /// `max` ([`MAX_BATCH`]) in all (a session's events per segment do not change:
 /// its next slice comes about when its next whole batch would). After a
@@ -379,6 +389,7 @@ fn next_batch(
     if !*urgent_last {
         let mut taken = 0;
         while taken < sessions
+            && batch.len() < max
             && let Some((s, ticket)) = queued.urgent.pop_front()
         {
             let Some(lane) = queued
@@ -388,8 +399,19 @@ fn next_batch(
             else {
                 continue; // stale
             };
-            while !lane.awaited.is_empty() && lane.pop_into(&mut batch).is_some() {}
-            debug_assert!(lane.awaited.is_empty());
+            let mut joined = false;
+            while !lane.awaited.is_empty()
+                && (batch.len() < max || joined)
+                && let Some(j) = lane.pop_into(&mut batch)
+            {
+                joined = j;
+            }
+            if lane.awaited.front() == Some(&ticket) {
+                // Cut at the limit before its awaited append: its turn
+                // goes on first. (Past it, a later awaited append's turn
+                // comes where that one was sent.)
+                queued.urgent.push_front((s, ticket));
+            }
             taken += 1;
         }
         if !batch.is_empty() {
@@ -854,6 +876,56 @@ mod tests {
     }
 
     #[test]
+    fn an_awaited_batch_is_cut_at_the_limit_and_its_session_goes_on_first() {
+        let sessions = [SessionId::new(), SessionId::new()];
+        // Session 0 streamed two and a half batches before its awaited
+        // append; session 1 awaits too.
+        let n = 2 * MAX_BATCH + MAX_BATCH / 2;
+        let mut spec = vec![(0, false); n];
+        spec.extend([(0, true), (1, true)]);
+        let mut q = queue(&spec, &sessions);
+        let mut urgent_last = false;
+        let (mut sizes, mut last) = (Vec::new(), Vec::new());
+        while let Some(batch) = next_batch(&mut q, SLICE, MAX_BATCH, &mut urgent_last) {
+            assert!(
+                batch.len() <= MAX_BATCH,
+                "{} appends in one commit",
+                batch.len()
+            );
+            sizes.push((names(&batch, &sessions)[0].0, batch.len()));
+            last = names(&batch, &sessions);
+            check(&q);
+        }
+        // Session 0's lane in three commits (the second a streamed one),
+        // its awaited append in the last, with session 1's.
+        assert_eq!(
+            sizes,
+            [(0, MAX_BATCH), (0, MAX_BATCH), (0, MAX_BATCH / 2 + 2)]
+        );
+        assert_eq!(last[last.len() - 2..], [(0, n as u64 + 1), (1, 1)]);
+    }
+
+    #[test]
+    fn an_emptied_queue_lets_go_of_its_peak() {
+        let sessions: Vec<SessionId> = (0..20_000).map(|_| SessionId::new()).collect();
+        let spec: Vec<(usize, bool)> = (0..sessions.len()).map(|s| (s, s % 2 == 0)).collect();
+        let mut q = queue(&spec, &sessions);
+        let mut urgent_last = false;
+        while next_batch(&mut q, SLICE, MAX_BATCH, &mut urgent_last).is_some() {}
+        assert!(q.is_empty());
+        assert!(
+            // A map's room is rounded up to its next size.
+            q.lanes.capacity() <= 2 * KEPT
+                && q.order.capacity() <= KEPT
+                && q.urgent.capacity() <= KEPT,
+            "kept room for {} lanes, {} in turn, {} awaited",
+            q.lanes.capacity(),
+            q.order.capacity(),
+            q.urgent.capacity()
+        );
+    }
+
+    #[test]
     fn awaited_appends_go_first_with_their_session_s_earlier_ones_in_order() {
         let sessions = [SessionId::new(), SessionId::new(), SessionId::new()];
         // (queued appends, expected first batch (session, seq), left behind)
@@ -1040,10 +1112,11 @@ mod tests {
         /// sessions (PostgreSQL's is every session) and a batch limit
         /// small enough to cut: every append comes out once, each
         /// session's in the order sent; a batch never ends inside a
-        /// joined group, holds at most `slice` sessions, and a streamed
-        /// one no more than the limit and the rest of a group; an awaited
-        /// batch holds each of its sessions up to its last awaited
-        /// append; and the bookkeeping stays true.
+        /// joined group, holds at most `slice` sessions and no more than
+        /// the limit and the rest of a group; an awaited batch holds the
+        /// first sessions with an awaited append, each up to its last
+        /// awaited one (the last maybe cut at the limit); and the
+        /// bookkeeping stays true.
         #[test]
         fn every_append_comes_out_once_in_its_session_s_order(
             steps in proptest::collection::vec(step(), 1..60),
@@ -1094,6 +1167,13 @@ mod tests {
                                 break;
                             };
                             prop_assert_eq!(turn, urgent_last);
+                            // In the order they come in the batch.
+                            let mut got: Vec<SessionId> = Vec::new();
+                            for p in &batch {
+                                if !got.contains(&p.event.session) {
+                                    got.push(p.event.session);
+                                }
+                            }
                             if turn {
                                 let mut first: Vec<SessionId> = Vec::new();
                                 for (s, _) in &waiting {
@@ -1101,27 +1181,30 @@ mod tests {
                                         first.push(*s);
                                     }
                                 }
-                                let got: HashSet<SessionId> =
-                                    batch.iter().map(|p| p.event.session).collect();
-                                prop_assert_eq!(got, first.into_iter().collect::<HashSet<_>>());
+                                // The first of them, all unless the limit
+                                // was reached.
+                                prop_assert!(got.len() <= first.len());
+                                prop_assert_eq!(&got[..], &first[..got.len()]);
+                                prop_assert!(got.len() == first.len() || batch.len() >= max);
                             }
                             waiting.retain(|(s, seq)| {
                                 !batch.iter().any(|p| p.event.session == *s && p.event.seq == *seq)
                             });
                             if urgent_last {
-                                // Each of its sessions up to its last awaited one.
-                                for s in &sessions {
-                                    if let Some(lane) = q.lanes.get(s)
-                                        && batch.iter().any(|p| p.event.session == *s)
-                                    {
-                                        prop_assert!(lane.awaited.is_empty());
+                                // Each of its sessions up to its last awaited
+                                // one; the last maybe cut at the limit.
+                                for (i, s) in got.iter().enumerate() {
+                                    if let Some(lane) = q.lanes.get(s) {
+                                        prop_assert!(
+                                            lane.awaited.is_empty()
+                                                || (i + 1 == got.len() && batch.len() >= max)
+                                        );
                                     }
                                 }
-                            } else {
-                                // The limit, and at most the rest of a group
-                                // (a group is at most 39 appends).
-                                prop_assert!(batch.len() < max + 39);
                             }
+                            // The limit, and at most the rest of a group
+                            // (a group is at most 39 appends).
+                            prop_assert!(batch.len() < max + 39);
                             take(batch, &mut out)?;
                             check(&q);
                         }
