@@ -238,7 +238,7 @@ fn secure_headers(h: &mut HeaderMap) {
     h.insert(
         header::CONTENT_SECURITY_POLICY,
         HeaderValue::from_static(
-            "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
+            "default-src 'self'; script-src 'self'; style-src 'self'; img-src data:; \
              connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; \
              frame-ancestors 'none'",
         ),

@@ -15,13 +15,21 @@ const markdown = new Marked({ gfm: true, breaks: false });
 DOMPurify.addHook("afterSanitizeAttributes", (node) => {
   if (node.tagName === "IMG" && !node.hasAttribute("alt")) node.setAttribute("alt", "");
 });
+// Nothing of it may stand in for the page's own elements: no ids or names
+// (`getElementById` and a form's named fields would find them), no forms,
+// fields, buttons or dialogs (a forged prompt box or permission dialog).
+const SANITIZE = {
+  USE_PROFILES: { html: true },
+  FORBID_ATTR: ["id", "name", "form", "formaction", "autofocus"],
+  FORBID_TAGS: ["form", "input", "textarea", "select", "option", "optgroup", "button", "dialog", "datalist", "fieldset", "label", "output", "style"],
+};
 function renderMarkdown(node, text) {
-  node.innerHTML = DOMPurify.sanitize(markdown.parse(text).trim(), { USE_PROFILES: { html: true } });
+  node.innerHTML = DOMPurify.sanitize(markdown.parse(text).trim(), SANITIZE);
   for (const code of node.querySelectorAll("pre code")) {
     const lang = [...code.classList].find((c) => c.startsWith("language-"))?.slice(9);
     if (lang && hljs.getLanguage(lang)) {
       // highlight.js escapes the text itself; the result is sanitized again.
-      code.innerHTML = DOMPurify.sanitize(hljs.highlight(code.textContent, { language: lang }).value);
+      code.innerHTML = DOMPurify.sanitize(hljs.highlight(code.textContent, { language: lang }).value, SANITIZE);
       code.classList.add("hljs");
     }
   }
@@ -31,15 +39,16 @@ function renderMarkdown(node, text) {
   }
 }
 
+const lines = (sign, text) => String(text ?? "").replace(/\n$/, "").split("\n").map((l) => [sign, l]);
+
 /** The change an edit-like call makes, as diff lines: [sign, text]. */
 function diffLines(name, input) {
-  const lines = (sign, text) => String(text ?? "").replace(/\n$/, "").split("\n").map((l) => [sign, l]);
   if (name === "edit") {
     const edits = Array.isArray(input?.edits) ? input.edits : [input ?? {}];
     return edits.flatMap((e, i) => [
       ...(edits.length > 1 ? [["@", `@@ ${i + 1}/${edits.length}`]] : []),
-      ...lines("-", e.old_string),
-      ...lines("+", e.new_string),
+      ...lines("-", e?.old_string),
+      ...lines("+", e?.new_string),
     ]);
   }
   if (name === "write_file") return lines("+", input?.content);
@@ -57,7 +66,10 @@ function diffView(rows) {
     el("span", { class: `diff-line diff-${{ "+": "add", "-": "del", "@": "hunk" }[sign] ?? "ctx"}`, text: sign === "@" || sign === " " ? `${text}\n` : `${sign} ${text}\n` })));
 }
 
-const $ = (id) => document.getElementById(id);
+// The page's own elements, found once before any agent text is shown
+// (which is sanitized of ids too: see SANITIZE).
+const PAGE = new Map([...document.querySelectorAll("[id]")].map((n) => [n.id, n]));
+const $ = (id) => PAGE.get(id);
 // Credentials: the daemon's HttpOnly cookie, set when this page was opened
 // through the link `tiller serve` printed (`/?token=...`, which the daemon
 // trades for the cookie and a clean address); the browser sends it itself.
@@ -178,8 +190,14 @@ async function createSession() {
 }
 
 async function openSession(id) {
+  // The last session chosen wins: an earlier choice still loading stops at
+  // its next step (it would open a stream nothing reads).
+  const ticket = (state.opening = (state.opening ?? 0) + 1);
+  const superseded = () => state.opening !== ticket;
   state.current?.es?.close();
   const info = await api("GET", `/api/sessions/${id}`);
+  if (superseded()) return;
+  state.current?.es?.close();
   const cur = {
     id,
     title: sessionLabel(info),
@@ -195,6 +213,7 @@ async function openSession(id) {
   renderSessions();
   renderOptions(); // the previous session's options go at once
   const page = await api("GET", `/api/sessions/${id}/history?limit=100`);
+  if (superseded()) return;
   for (const ev of page.events) cur.events.set(ev.seq, ev);
   cur.hasMore = page.hasMore;
   cur.nextBefore = page.nextBefore;
@@ -205,7 +224,7 @@ async function openSession(id) {
   } catch {
     cur.options = [];
   }
-  renderOptions();
+  if (state.current === cur) renderOptions();
 }
 
 // --- session options (model, permission mode) ------------------------------
@@ -259,7 +278,14 @@ function connect(cur) {
   const q = new URLSearchParams({ after: String(lastSeq(cur)) });
   const es = new EventSource(`/api/sessions/${cur.id}/events?${q}`);
   cur.es = es;
+  // A stream of a session no longer shown is let go.
+  const shown = () => {
+    if (state.current === cur) return true;
+    es.close();
+    return false;
+  };
   es.addEventListener("session_snapshot", (e) => {
+    if (!shown()) return;
     const snap = JSON.parse(e.data);
     // The log ends before events this page was shown: a session that could
     // not store them was rebuilt from its log, and their numbers are used
@@ -272,20 +298,39 @@ function connect(cur) {
     cur.snapshot = { ...cur.snapshot, ...snap };
     render();
   });
-  es.addEventListener("event", (e) => addEvent(cur, JSON.parse(e.data)));
-  // A refused reconnect (the session cannot open right now: the store is
-  // full, the daemon restarting) closes an EventSource for good: try again.
+  es.addEventListener("event", (e) => {
+    if (shown()) addEvent(cur, JSON.parse(e.data));
+  });
+  // While the stream is down the page says so (a lost connection must not
+  // look like a turn that hangs).
+  const link = (up) => {
+    if (shown() && Boolean(cur.offline) === up) {
+      cur.offline = !up;
+      renderState();
+    }
+  };
+  es.addEventListener("open", () => link(true));
   es.addEventListener("error", () => {
-    if (es.readyState === EventSource.CLOSED && state.current === cur && cur.es === es) {
-      setTimeout(() => {
+    if (cur.es !== es) return;
+    link(false);
+    // A refused reconnect closes an EventSource for good. Signed out or
+    // the session gone: said so, and left. Else (the store full, the
+    // daemon restarting) tried again.
+    if (es.readyState === EventSource.CLOSED && state.current === cur) {
+      setTimeout(async () => {
+        if (state.current !== cur || cur.es !== es) return;
+        try {
+          await api("GET", `/api/sessions/${cur.id}`);
+        } catch (e) {
+          if (e.status === 401 || e.status === 404) {
+            cur.refused = e.status;
+            if (state.current === cur) renderState();
+            return;
+          }
+        }
         if (state.current === cur && cur.es === es) connect(cur);
       }, 2000);
     }
-  });
-  es.addEventListener("resync", () => {
-    // Fell behind: start a new stream from what we have.
-    es.close();
-    if (state.current === cur) connect(cur);
   });
 }
 
@@ -378,7 +423,14 @@ function render(scrollToEnd = false) {
   }
   const events = (rebuild ? [...cur.events.values()] : fresh).sort((a, b) => a.seq - b.seq);
   for (const ev of events) {
-    apply(view, box, ev);
+    try {
+      apply(view, box, ev);
+    } catch (e) {
+      // One event this page cannot draw (a call's odd input) is shown as
+      // such; the others, the state and any permission request still are.
+      console.error("event", ev.seq, e);
+      (view.turn ?? box).append(el("div", { class: "notice", "data-unshown": String(ev.seq), text: state.t("unshown") }));
+    }
     view.last = Math.max(view.last, ev.seq);
     view.count += 1;
   }
@@ -540,6 +592,13 @@ function renderState() {
   $("send").textContent = s === "running" ? t("steer") : t("send");
   // Banners: the last turn error (server-owned) and a paused goal.
   const banners = [];
+  if (cur?.refused === 401) {
+    banners.push(el("div", { class: "banner banner-error", role: "alert", id: "sign-in", text: t("signIn") }));
+  } else if (cur?.refused === 404) {
+    banners.push(el("div", { class: "banner banner-error", role: "alert", id: "session-gone", text: t("sessionGone") }));
+  } else if (cur?.offline) {
+    banners.push(el("div", { class: "banner notice", role: "status", id: "offline", text: t("resync") }));
+  }
   if (snap.lastTurnError) {
     banners.push(el("div", { class: "banner banner-error", role: "alert", id: "last-error", "data-error-kind": snap.lastTurnError.errorKind },
       el("strong", { text: `${t("lastError")} ` }), errorText(t, snap.lastTurnError)));
@@ -558,7 +617,9 @@ function renderState() {
   const pp = snap.pendingPermission;
   if (pp && dlg.dataset.request !== pp.requestId) {
     dlg.dataset.request = pp.requestId;
+    delete dlg.dataset.answered;
     $("permission-text").textContent = t("permissionText", { tool: pp.title });
+    $("permission-call").replaceChildren(...callView(pp));
     $("permission-options").replaceChildren(
       ...pp.options.map((o) =>
         el("button", {
@@ -570,20 +631,44 @@ function renderState() {
         }),
       ),
     );
-    if (!dlg.open) dlg.showModal();
-  } else if (!pp && dlg.open) {
-    dlg.close();
-    delete dlg.dataset.request;
   }
+  if (pp && dlg.dataset.answered !== pp.requestId) {
+    // Until it is answered: closed unanswered (Esc), it opens again.
+    if (!dlg.open) dlg.showModal();
+  } else if (!pp) {
+    if (dlg.open) dlg.close();
+    delete dlg.dataset.request;
+    delete dlg.dataset.answered;
+  }
+}
+
+/** What a call asking for permission would do: its paths, and its change,
+ * command or input (a title is only the agent's word for it). */
+function callView(pp) {
+  const parts = [];
+  const input = pp.input && typeof pp.input === "object" ? pp.input : {};
+  const paths = pp.locations?.length ? pp.locations : typeof input.path === "string" ? [input.path] : [];
+  if (paths.length) parts.push(el("p", { class: "call-paths", text: paths.join("\n") }));
+  const diff = pp.diff ? [...(pp.diff.oldText == null ? [] : lines("-", pp.diff.oldText)), ...lines("+", pp.diff.newText)] : diffLines(pp.name, input);
+  if (diff) parts.push(diffView(diff.slice(0, 500)));
+  else if (typeof input.command === "string") parts.push(el("pre", { class: "tool-input", text: input.command }));
+  else if (Object.keys(input).length) parts.push(el("pre", { class: "tool-input", text: JSON.stringify(input, null, 2).slice(0, 20000) }));
+  return parts;
 }
 
 // --- actions --------------------------------------------------------------
 
 async function answerPermission(requestId, optionId) {
   const cur = state.current;
-  $("permission").close();
+  const dlg = $("permission");
+  dlg.dataset.answered = requestId;
+  dlg.close();
   try {
     await api("POST", `/api/sessions/${cur.id}/permissions/${encodeURIComponent(requestId)}`, { optionId });
+  } catch (e) {
+    // Not taken: say why, and ask again.
+    $("form-status").textContent = e.message;
+    if (dlg.dataset.answered === requestId) delete dlg.dataset.answered;
   } finally {
     refreshSnapshot(cur);
   }
@@ -720,6 +805,10 @@ document.addEventListener("keydown", (e) => {
   }
 });
 $("help").addEventListener("click", () => $("help-dialog").showModal());
+// A permission request waits for an answer: Esc does not dismiss it (and
+// if it closes anyway, it opens again).
+$("permission").addEventListener("cancel", (e) => e.preventDefault());
+$("permission").addEventListener("close", () => scheduleRender());
 $("session-search").addEventListener("input", renderSessions);
 $("compact").addEventListener("click", async () => {
   const cur = state.current;

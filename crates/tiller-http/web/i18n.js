@@ -24,7 +24,7 @@ const STRINGS = {
     keyPalette: "At the start of the prompt: the command list", keyPaste: "Paste an image into the prompt (or drop one on it)",
     removeImage: "Remove the image", cmd_clear: "Forget the conversation (the history stays)", cmd_compact: "Summarize older turns",
     cmd_model: "Switch the model", cmd_mode: "Switch the permission mode", cmd_goal: "Work towards a goal", cmd_cancel: "Cancel the running turn",
-    permissionTitle: "Permission requested", permissionText: "The agent wants to run {tool}.",
+    permissionTitle: "Permission requested", permissionText: "The agent wants to run {tool}.", unshown: "(an event this page cannot show)", sessionGone: "This session no longer exists (it was closed).",
     pending: "pending", in_progress: "running", completed: "completed", failed: "failed",
     steerInjected: "Steer sent to the running turn.", steerNewTurn: "No turn was running: started a new one.",
     steerRefused: "The turn is ending; send a new prompt instead.", steerDropped: "A steer was not used:",
@@ -66,7 +66,7 @@ const STRINGS = {
     keyPalette: "在输入开头：命令列表", keyPaste: "将图片粘贴到输入框（或拖放到其上）",
     removeImage: "移除图片", cmd_clear: "清除对话（历史记录保留）", cmd_compact: "压缩较早的轮次",
     cmd_model: "切换模型", cmd_mode: "切换权限模式", cmd_goal: "朝目标推进", cmd_cancel: "取消正在运行的轮次",
-    permissionTitle: "请求权限", permissionText: "智能体想要运行 {tool}。",
+    permissionTitle: "请求权限", permissionText: "智能体想要运行 {tool}。", unshown: "（此页面无法显示的事件）", sessionGone: "此会话已不存在（已被关闭）。",
     pending: "等待中", in_progress: "运行中", completed: "已完成", failed: "失败",
     steerInjected: "已将引导发送到正在运行的轮次。", steerNewTurn: "没有正在运行的轮次：已开始新的轮次。",
     steerRefused: "该轮次正在结束，请改为发送新的提示。", steerDropped: "一条引导未被使用：",
@@ -108,7 +108,7 @@ const STRINGS = {
     keyPalette: "入力の先頭で：コマンド一覧", keyPaste: "画像を入力欄に貼り付け（またはドロップ）",
     removeImage: "画像を削除", cmd_clear: "会話を消去（履歴は残ります）", cmd_compact: "以前のターンを要約",
     cmd_model: "モデルを切り替え", cmd_mode: "権限モードを切り替え", cmd_goal: "目標に向けて作業", cmd_cancel: "実行中のターンをキャンセル",
-    permissionTitle: "許可の要求", permissionText: "エージェントが {tool} を実行しようとしています。",
+    permissionTitle: "許可の要求", permissionText: "エージェントが {tool} を実行しようとしています。", unshown: "（このページでは表示できないイベント）", sessionGone: "このセッションはもう存在しません（閉じられました）。",
     pending: "保留中", in_progress: "実行中", completed: "完了", failed: "失敗",
     steerInjected: "実行中のターンに指示を送りました。", steerNewTurn: "実行中のターンがなかったため、新しいターンを開始しました。",
     steerRefused: "ターンが終了中です。新しいプロンプトを送ってください。", steerDropped: "使われなかった指示があります：",
@@ -150,7 +150,7 @@ const STRINGS = {
     keyPalette: "Am Anfang der Eingabe: die Befehlsliste", keyPaste: "Ein Bild in die Eingabe einfügen (oder darauf ziehen)",
     removeImage: "Bild entfernen", cmd_clear: "Das Gespräch vergessen (der Verlauf bleibt)", cmd_compact: "Ältere Runden zusammenfassen",
     cmd_model: "Das Modell wechseln", cmd_mode: "Den Berechtigungsmodus wechseln", cmd_goal: "Auf ein Ziel hinarbeiten", cmd_cancel: "Die laufende Runde abbrechen",
-    permissionTitle: "Berechtigung angefragt", permissionText: "Der Agent möchte {tool} ausführen.",
+    permissionTitle: "Berechtigung angefragt", permissionText: "Der Agent möchte {tool} ausführen.", unshown: "(ein Ereignis, das diese Seite nicht anzeigen kann)", sessionGone: "Diese Sitzung gibt es nicht mehr (sie wurde geschlossen).",
     pending: "wartet", in_progress: "läuft", completed: "fertig", failed: "fehlgeschlagen",
     steerInjected: "Hinweis an den laufenden Durchgang gesendet.", steerNewTurn: "Es lief kein Durchgang: ein neuer wurde gestartet.",
     steerRefused: "Der Durchgang endet gerade; sende stattdessen eine neue Nachricht.", steerDropped: "Ein Hinweis wurde nicht verwendet:",
@@ -192,7 +192,7 @@ const STRINGS = {
     keyPalette: "Al inicio del mensaje: la lista de comandos", keyPaste: "Pegar una imagen en el mensaje (o soltarla encima)",
     removeImage: "Quitar la imagen", cmd_clear: "Olvidar la conversación (el historial se conserva)", cmd_compact: "Resumir los turnos anteriores",
     cmd_model: "Cambiar el modelo", cmd_mode: "Cambiar el modo de permisos", cmd_goal: "Trabajar hacia un objetivo", cmd_cancel: "Cancelar el turno en curso",
-    permissionTitle: "Permiso solicitado", permissionText: "El agente quiere ejecutar {tool}.",
+    permissionTitle: "Permiso solicitado", permissionText: "El agente quiere ejecutar {tool}.", unshown: "(un evento que esta página no puede mostrar)", sessionGone: "Esta sesión ya no existe (se cerró).",
     pending: "pendiente", in_progress: "en curso", completed: "completada", failed: "fallida",
     steerInjected: "Indicación enviada al turno en curso.", steerNewTurn: "No había un turno en curso: se inició uno nuevo.",
     steerRefused: "El turno está terminando; envía un mensaje nuevo.", steerDropped: "Una indicación no se usó:",
@@ -233,7 +233,10 @@ export function pickLanguage(prefs) {
 export function translator(lang) {
   const table = STRINGS[lang] ?? STRINGS.en;
   return (key, vars = {}) => {
-    const s = table[key] ?? STRINGS.en[key] ?? key;
+    // Keys may come from an agent (a plan entry's status): only strings of
+    // the tables' own, never an object's inherited properties.
+    const own = (t) => (Object.hasOwn(t, key) && typeof t[key] === "string" ? t[key] : undefined);
+    const s = own(table) ?? own(STRINGS.en) ?? String(key);
     return s.replace(/\{(\w+)\}/g, (_, k) => vars[k] ?? "");
   };
 }
