@@ -41,9 +41,11 @@ pub enum CronMsg {
         reply: oneshot::Sender<Result<CronJob, CronError>>,
     },
     List(oneshot::Sender<Vec<CronJob>>),
+    /// False when there was no such job; an error, with the job kept,
+    /// when its removal could not be stored.
     Remove {
         id: String,
-        reply: oneshot::Sender<bool>,
+        reply: oneshot::Sender<Result<bool, SessionError>>,
     },
     /// The timer: fire what is due, re-arm.
     Tick,
@@ -134,10 +136,12 @@ impl Actor for CronActor {
                 let _ = reply.send(jobs);
             }
             CronMsg::Remove { id, reply } => {
-                let removed = st.store.cron_remove(id.clone()).await.unwrap_or(false);
-                st.jobs.remove(&id);
-                st.fires.remove_job(&id);
-                let _ = reply.send(removed);
+                let removed = st.store.cron_remove(id.clone()).await;
+                if removed.is_ok() {
+                    st.jobs.remove(&id);
+                    st.fires.remove_job(&id);
+                }
+                let _ = reply.send(removed.map_err(SessionError::from));
                 st.arm(&myself);
             }
             CronMsg::Tick => st.tick(&myself).await,

@@ -252,13 +252,14 @@ impl Sessions {
         rx.await.map_err(|_| SessionError::Stopped)
     }
 
-    /// Removes a cron job; false when there was none.
+    /// Removes a cron job; false when there was none, an error (the job
+    /// kept) when its removal could not be stored.
     pub async fn cron_remove(&self, id: String) -> Result<bool, SessionError> {
         let (tx, rx) = oneshot::channel();
         self.cron
             .send_message(cron::CronMsg::Remove { id, reply: tx })
             .map_err(|_| SessionError::Stopped)?;
-        rx.await.map_err(|_| SessionError::Stopped)
+        rx.await.map_err(|_| SessionError::Stopped)?
     }
 
     /// Queues a background notification for a session (durable when this

@@ -899,3 +899,36 @@ async fn a_damaged_session_with_a_queued_prompt_is_deleted() {
         "deleted"
     );
 }
+
+/// A cron job whose removal cannot be stored is an error to the caller
+/// (never "no such job"), and the job stays, as the store keeps it: it
+/// neither stops firing until a restart nor fires again after one.
+#[tokio::test]
+async fn a_cron_removal_that_cannot_be_stored_is_an_error_and_the_job_stays() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let job = s
+        .cron_add(h.id(), "0 3 * * *".into(), "UTC".into(), "nightly".into())
+        .await
+        .unwrap()
+        .unwrap();
+    store.fail_deletes(true);
+    let removed = s.cron_remove(job.id.clone()).await;
+    assert!(
+        matches!(removed, Err(SessionError::Store(_))),
+        "{removed:?}"
+    );
+    let ids: Vec<String> = s
+        .cron_list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|j| j.id)
+        .collect();
+    assert_eq!(ids, std::slice::from_ref(&job.id));
+    store.fail_deletes(false);
+    assert!(s.cron_remove(job.id.clone()).await.unwrap());
+    assert!(s.cron_list().await.unwrap().is_empty());
+    assert!(!s.cron_remove(job.id).await.unwrap(), "gone: no such job");
+}

@@ -356,7 +356,8 @@ impl Store {
         self.shared.fail_appends.store(on, Ordering::Relaxed);
     }
 
-    /// Makes every session delete fail until turned off.
+    /// Makes every session delete and cron job removal fail until turned
+    /// off.
     #[cfg(feature = "test-hooks")]
     pub fn fail_deletes(&self, on: bool) {
         self.shared.fail_deletes.store(on, Ordering::Relaxed);
@@ -798,7 +799,14 @@ impl Store {
 
     /// Removes a job (and its waiting fire); false when there was none.
     pub async fn cron_remove(&self, id: String) -> Result<bool, StoreError> {
-        self.call(move |c| c.cron_remove(&id)).await
+        let fail = self.shared.fail_deletes.load(Ordering::Relaxed);
+        self.call(move |c| {
+            if fail {
+                return Err(StoreError::Injected);
+            }
+            c.cron_remove(&id)
+        })
+        .await
     }
 
     /// Stores what the cron core decided for a fire of job `job_id` and
