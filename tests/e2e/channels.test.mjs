@@ -107,6 +107,38 @@ describe("channels", () => {
     assert.equal(unknown.status, 401);
   });
 
+  test("a request that was not admitted (429: the session's queue is full) can be sent again", async () => {
+    const first = JSON.stringify({ text: script([{ say: "busy" }, { sleep_ms: 60000 }]) });
+    const res = await channelPost(first, sign(first));
+    assert.equal(res.status, 202, JSON.stringify(res.body));
+    const { sessionId } = res.body;
+    // Its queue fills (config: max_queued_prompts = 8).
+    for (let i = 0; ; i++) {
+      const body = JSON.stringify({ sessionId, text: `queued ${i}` });
+      const r = await channelPost(body, sign(body));
+      if (r.status === 429) break;
+      assert.equal(r.status, 202, JSON.stringify(r.body));
+      assert.ok(i < 100, "the queue never filled");
+    }
+    const body = JSON.stringify({ sessionId, text: script([{ say: "finally" }]) });
+    const headers = sign(body);
+    const full = await channelPost(body, headers);
+    assert.equal(full.status, 429, JSON.stringify(full.body));
+    // The turn ends, the queue drains: the sender's identical retry is
+    // taken (it was never admitted, so it is no replay).
+    assert.equal((await api(daemon, "POST", `/api/sessions/${sessionId}/cancel`)).status < 300, true);
+    let again;
+    await until(async () => {
+      again = await channelPost(body, headers);
+      assert.notEqual(again.status, 401, JSON.stringify(again.body));
+      return again.status === 202;
+    }, 20000);
+    // And now it was admitted, it is one.
+    const replay = await channelPost(body, headers);
+    assert.equal(replay.status, 401);
+    assert.match(replay.body.error.message, /replayed/);
+  });
+
   test("a webhook to a host the config does not allow is refused", async () => {
     const body = JSON.stringify({ text: "hi", delivery: { webhook: "http://evil.example/x" } });
     const res = await channelPost(body, sign(body));

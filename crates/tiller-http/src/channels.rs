@@ -191,10 +191,26 @@ pub async fn post_prompt(
         .map_err(refuse)?;
     // Durable replay guard: twice the window covers timestamps from the future.
     let window = 2 * st.channels.replay_window.as_secs() as i64;
-    if !st.sessions.channel_seen(key, now, window).await? {
+    if !st.sessions.channel_seen(key.clone(), now, window).await? {
         return Err(refuse("replayed request"));
     }
-    let req: ChannelBody = serde_json::from_slice(&body).map_err(|e| {
+    let admitted = admit_prompt(&st, &channel, &body).await;
+    if admitted.is_err()
+        && let Err(e) = st.sessions.channel_unseen(key, now).await
+    {
+        // The sender's retry is refused as a replay until the window ends.
+        tracing::warn!(%channel, error = %e, "cannot forget a refused channel request");
+    }
+    admitted
+}
+
+/// The prompt of a verified channel request, admitted (or why not).
+async fn admit_prompt(
+    st: &AppState,
+    channel: &str,
+    body: &[u8],
+) -> Result<(StatusCode, Json<ChannelAccepted>), ApiError> {
+    let req: ChannelBody = serde_json::from_slice(body).map_err(|e| {
         ApiError(
             StatusCode::BAD_REQUEST,
             json!({ "errorKind": "invalid_params", "message": format!("invalid body: {e}") }),
@@ -203,20 +219,20 @@ pub async fn post_prompt(
     let config = st
         .channels
         .channels
-        .get(&channel)
+        .get(channel)
         .expect("verified above: the channel exists");
     let handle = match &req.session_id {
         Some(raw) => {
             // Only its own sessions, or ones its config lists: a channel
             // carries third-party text and must not reach a person's session.
-            let id = SessionId::parse(raw).ok_or_else(|| forbidden(&channel, raw))?;
+            let id = SessionId::parse(raw).ok_or_else(|| forbidden(channel, raw))?;
             let rec = st
                 .sessions
                 .record(id)
                 .await
-                .map_err(|_| forbidden(&channel, raw))?;
-            if rec.channel.as_deref() != Some(channel.as_str()) && !config.sessions.contains(&id) {
-                return Err(forbidden(&channel, raw));
+                .map_err(|_| forbidden(channel, raw))?;
+            if rec.channel.as_deref() != Some(channel) && !config.sessions.contains(&id) {
+                return Err(forbidden(channel, raw));
             }
             st.sessions.open(id).await?
         }
@@ -226,7 +242,7 @@ pub async fn post_prompt(
                     cwd: config.cwd.clone(),
                     title: Some(format!("channel {channel}")),
                     engine: config.engine.clone(),
-                    channel: Some(channel.clone()),
+                    channel: Some(channel.to_owned()),
                 })
                 .await?
         }

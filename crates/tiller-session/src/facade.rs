@@ -457,6 +457,13 @@ impl Sessions {
         Ok(self.store.channel_seen(key, now_s, window_s).await?)
     }
 
+    /// Forgets a channel request key recorded at `seen_s` (see
+    /// [`Sessions::channel_seen`]): its request was not admitted, so the
+    /// sender's retry is no replay.
+    pub async fn channel_unseen(&self, key: String, seen_s: i64) -> Result<(), SessionError> {
+        Ok(self.store.channel_unseen(key, seen_s).await?)
+    }
+
     /// The stored record of a session.
     pub async fn record(&self, id: SessionId) -> Result<SessionRecord, SessionError> {
         match self.store.get_session(id).await? {

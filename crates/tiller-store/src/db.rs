@@ -44,6 +44,7 @@ pub(crate) trait Db: Send {
     fn save_conversation(&mut self, id: SessionId, write: &ConversationWrite) -> R<()>;
     fn load_state(&mut self, id: SessionId) -> R<SessionExtras>;
     fn channel_seen(&mut self, key: &str, now_s: i64, window_s: i64) -> R<bool>;
+    fn channel_unseen(&mut self, key: &str, seen_s: i64) -> R<()>;
     fn set_title(&mut self, id: SessionId, title: Option<&str>) -> R<()>;
     fn close_session(&mut self, id: SessionId) -> R<()>;
     fn delete_session(&mut self, id: SessionId) -> R<bool>;
@@ -258,6 +259,10 @@ impl Db for Sqlite {
     }
     fn channel_seen(&mut self, key: &str, now_s: i64, window_s: i64) -> R<bool> {
         Ok(sessions::channel_seen(&self.conn, key, now_s, window_s)?)
+    }
+
+    fn channel_unseen(&mut self, key: &str, seen_s: i64) -> R<()> {
+        Ok(sessions::channel_unseen(&self.conn, key, seen_s)?)
     }
     fn set_title(&mut self, id: SessionId, title: Option<&str>) -> R<()> {
         Ok(sessions::set_title(&self.conn, id, title)?)

@@ -581,6 +581,12 @@ impl Store {
             .await
     }
 
+    /// Forgets a channel request key [`Store::channel_seen`] recorded at
+    /// `seen_s`: its request was not admitted.
+    pub async fn channel_unseen(&self, key: String, seen_s: i64) -> Result<(), StoreError> {
+        self.call(move |c| c.channel_unseen(&key, seen_s)).await
+    }
+
     /// Sets (or clears) a session's title.
     pub async fn set_title(&self, id: SessionId, title: Option<String>) -> Result<(), StoreError> {
         self.call_for(id, move |c| c.set_title(id, title.as_deref()))

@@ -662,6 +662,14 @@ impl Db for PgDb {
         Ok(n == 1)
     }
 
+    fn channel_unseen(&mut self, key: &str, seen_s: i64) -> R<()> {
+        self.client()?.execute(
+            "DELETE FROM channel_seen WHERE key = $1 AND seen_s = $2",
+            &[&key, &seen_s],
+        )?;
+        Ok(())
+    }
+
     fn set_title(&mut self, id: SessionId, title: Option<&str>) -> R<()> {
         self.fenced_update(id, "UPDATE sessions SET title = $2 WHERE id = $1", title)
     }

@@ -277,3 +277,13 @@ pub(crate) fn channel_seen(
     )
     .map(|n| n == 1)
 }
+
+/// Forgets a channel request key recorded at `seen_s` (its request was not
+/// admitted: the sender's retry is no replay).
+pub(crate) fn channel_unseen(conn: &Connection, key: &str, seen_s: i64) -> rusqlite::Result<()> {
+    conn.execute(
+        "DELETE FROM channel_seen WHERE key = ?1 AND seen_s = ?2",
+        params![key, seen_s],
+    )
+    .map(drop)
+}
