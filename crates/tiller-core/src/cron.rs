@@ -77,6 +77,28 @@ pub fn due(schedule: &Schedule, next_fire: i64, now: i64) -> Option<i64> {
     (next_fire <= now).then(|| schedule.next_after(now).unwrap_or(i64::MAX))
 }
 
+/// When a job whose due fire could not be stored is tried again: after a
+/// pause that doubles from a second to a minute (a store that is down
+/// would otherwise be asked again at once, in a loop).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Retry {
+    /// Not before this (Unix ms).
+    pub at_ms: i64,
+    failures: u32,
+}
+
+impl Retry {
+    /// The next try after one more failure at `now`.
+    pub fn failed(self, now: i64) -> Retry {
+        let failures = self.failures.saturating_add(1);
+        let pause = (1_000i64 << (failures - 1).min(6)).min(60_000);
+        Retry {
+            at_ms: now + pause,
+            failures,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,6 +106,22 @@ mod tests {
     const MIN: i64 = 60_000;
     /// 2026-11-30T00:00:00Z
     const T0: i64 = 1_796_083_200_000;
+
+    #[test]
+    fn a_failed_fire_is_tried_again_after_a_pause_that_doubles_to_a_minute() {
+        let mut r = Retry::default();
+        let mut pauses = Vec::new();
+        for _ in 0..9 {
+            r = r.failed(T0);
+            pauses.push(r.at_ms - T0);
+        }
+        assert_eq!(
+            pauses,
+            [
+                1_000, 2_000, 4_000, 8_000, 16_000, 32_000, 60_000, 60_000, 60_000
+            ]
+        );
+    }
 
     #[test]
     fn parse_table() {

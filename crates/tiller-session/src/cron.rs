@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tiller_core::cron::{Fires, Waiting};
-use tiller_core::cron::{Schedule, due};
+use tiller_core::cron::{Retry, Schedule, due};
 use tiller_core::{Origin, SessionId};
 use tiller_store::{CronFire, CronJob, Store};
 use tokio::sync::oneshot;
@@ -82,6 +82,9 @@ pub struct CronState {
     sessions: Option<Arc<dyn Waker>>,
     /// The pending wake-up.
     timer: Option<tokio::task::JoinHandle<Result<(), ractor::MessagingErr<CronMsg>>>>,
+    /// Jobs whose due fire could not be stored, and when they are tried
+    /// again.
+    retry: HashMap<String, Retry>,
 }
 
 fn now_ms() -> i64 {
@@ -105,6 +108,7 @@ impl Actor for CronActor {
             fires,
             sessions: None,
             timer: None,
+            retry: HashMap::new(),
         })
     }
 
@@ -140,6 +144,7 @@ impl Actor for CronActor {
                 if removed.is_ok() {
                     st.jobs.remove(&id);
                     st.fires.remove_job(&id);
+                    st.retry.remove(&id);
                 }
                 let _ = reply.send(removed.map_err(SessionError::from));
                 st.arm(&myself);
@@ -280,11 +285,19 @@ impl CronState {
             let Some(next) = due(schedule, job.next_fire_ms, now) else {
                 continue;
             };
+            if self.retry.get(&job.id).is_some_and(|r| r.at_ms > now) {
+                continue;
+            }
+            let failed = |retry: &mut HashMap<String, Retry>| {
+                let r = retry.entry(job.id.clone()).or_default();
+                *r = r.failed(now);
+            };
             match self.store.fresh_id(tiller_store::IdQueue::CronFires).await {
                 Ok(Some(id)) => self.fires.reserve_ids(id),
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::error!(job = %job.id, error = %e, "cannot number a cron fire; it fires at the next tick");
+                    tracing::error!(job = %job.id, error = %e, "cannot number a cron fire; it is tried again later");
+                    failed(&mut self.retry);
                     continue;
                 }
             }
@@ -303,11 +316,13 @@ impl CronState {
                     continue;
                 }
                 Err(e) => {
-                    tracing::error!(job = %job.id, error = %e, "cannot record a cron fire");
+                    tracing::error!(job = %job.id, error = %e, "cannot record a cron fire; it is tried again later");
                     self.fires.put_back(job.session, before);
+                    failed(&mut self.retry);
                     continue;
                 }
             }
+            self.retry.remove(&job.id);
             job.next_fire_ms = next;
             metrics::counter!("tiller_cron_fires_total").increment(1);
             fired.push((job.session, job.id.clone()));
@@ -332,7 +347,16 @@ impl CronState {
         if self.sessions.is_none() {
             return;
         }
-        let Some(next) = self.jobs.values().map(|(j, _)| j.next_fire_ms).min() else {
+        // (Jobs removed meanwhile, by a delete or a reload, are not tried.)
+        let jobs = &self.jobs;
+        self.retry.retain(|id, _| jobs.contains_key(id));
+        let retry = |j: &CronJob| self.retry.get(&j.id).map_or(i64::MIN, |r| r.at_ms);
+        let Some(next) = self
+            .jobs
+            .values()
+            .map(|(j, _)| j.next_fire_ms.max(retry(j)))
+            .min()
+        else {
             return;
         };
         // Wake at the earliest fire (at least every hour, to follow clock

@@ -932,3 +932,37 @@ async fn a_cron_removal_that_cannot_be_stored_is_an_error_and_the_job_stays() {
     assert!(s.cron_list().await.unwrap().is_empty());
     assert!(!s.cron_remove(job.id).await.unwrap(), "gone: no such job");
 }
+
+/// A cron fire that cannot be stored (a full disk) is tried again after a
+/// pause that grows, not at once in a loop (the cron actor spun on the
+/// store, logging an error each time); it fires once the store is back.
+#[tokio::test]
+async fn a_cron_fire_that_cannot_be_stored_is_retried_after_a_pause() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    store.fail_appends(true);
+    s.cron_add(h.id(), "* * * * * *".into(), "UTC".into(), "tick".into())
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let tries = store.cron_fire_calls();
+    assert!((1..=6).contains(&tries), "{tries} tries in 2.5 s");
+    store.fail_appends(false);
+    // (A hang detector, not a timing.)
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+            if log
+                .iter()
+                .any(|e| matches!(e.body, EventBody::CronFired { .. }))
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("it fires once the store is back");
+}

@@ -144,6 +144,8 @@ pub(crate) struct Shared {
     pub(crate) writer_checkpoints: AtomicUsize,
     /// Transactions of appends committed (tests read it).
     pub(crate) append_commits: AtomicUsize,
+    /// Cron fires the store was asked to record (tests read it).
+    pub(crate) cron_fire_calls: AtomicUsize,
 }
 
 impl Shared {
@@ -350,7 +352,8 @@ impl Store {
         rx.await.map_err(|_| StoreError::Closed)?
     }
 
-    /// Makes every append fail (as a full disk would) until turned off.
+    /// Makes every append and cron fire fail (as a full disk would) until
+    /// turned off.
     #[cfg(feature = "test-hooks")]
     pub fn fail_appends(&self, on: bool) {
         self.shared.fail_appends.store(on, Ordering::Relaxed);
@@ -390,6 +393,12 @@ impl Store {
     #[cfg(feature = "test-hooks")]
     pub fn fail_checkpoints(&self, on: bool) {
         self.shared.fail_checkpoints.store(on, Ordering::Relaxed);
+    }
+
+    /// How many cron fires the store was asked to record so far.
+    #[cfg(feature = "test-hooks")]
+    pub fn cron_fire_calls(&self) -> usize {
+        self.shared.cron_fire_calls.load(Ordering::Relaxed)
     }
 
     /// How many transactions of appends committed so far.
@@ -826,8 +835,16 @@ impl Store {
         job_id: String,
         from_to: (i64, i64),
     ) -> Result<(), StoreError> {
-        self.call(move |c| c.cron_fire(&change, &job_id, from_to))
-            .await
+        self.shared.cron_fire_calls.fetch_add(1, Ordering::Relaxed);
+        // A full disk fails it as it fails appends.
+        let fail = self.shared.fail_appends.load(Ordering::Relaxed);
+        self.call(move |c| {
+            if fail {
+                return Err(StoreError::Injected);
+            }
+            c.cron_fire(&change, &job_id, from_to)
+        })
+        .await
     }
 
     /// Every waiting fire, oldest first.
