@@ -143,9 +143,70 @@ impl Goal {
     }
 }
 
+/// Which goal each session's goal turn is for. A goal set gets a number no
+/// other ever had; an offered continuation takes the current one; the turn
+/// counts (towards the budget, the loop stops) only while that is still
+/// the session's goal. One set while the old goal's turn ran starts
+/// afresh. In memory: a turn never outlives the daemon that started it.
+#[derive(Debug, Default)]
+pub struct Turns {
+    current: std::collections::HashMap<crate::SessionId, u64>,
+    offered: std::collections::HashMap<crate::SessionId, u64>,
+    last: u64,
+}
+
+impl Turns {
+    /// A goal was set for `session`.
+    pub fn set(&mut self, session: crate::SessionId) {
+        self.last += 1;
+        self.current.insert(session, self.last);
+    }
+
+    /// The session's goal was cleared.
+    pub fn cleared(&mut self, session: crate::SessionId) {
+        self.current.remove(&session);
+    }
+
+    /// A continuation of the session's stored goal was offered (one stored
+    /// before this daemon started is numbered now).
+    pub fn offered(&mut self, session: crate::SessionId) {
+        if !self.current.contains_key(&session) {
+            self.set(session);
+        }
+        self.offered.insert(session, self.current[&session]);
+    }
+
+    /// A goal turn of `session` ended: whether it counts for its goal.
+    pub fn ended(&mut self, session: crate::SessionId) -> bool {
+        let offered = self.offered.remove(&session);
+        offered.is_some() && offered == self.current.get(&session).copied()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_turn_counts_only_for_the_goal_it_was_offered_for() {
+        let (a, b) = (crate::SessionId::new(), crate::SessionId::new());
+        let mut t = Turns::default();
+        t.set(a);
+        t.offered(a);
+        assert!(t.ended(a), "the goal's own turn");
+        assert!(!t.ended(a), "once");
+        t.offered(a);
+        t.set(a); // replaced while its turn ran
+        assert!(!t.ended(a));
+        t.offered(a);
+        t.cleared(a);
+        t.set(a); // cleared and set again: a new goal too
+        assert!(!t.ended(a));
+        // Stored before the daemon started: numbered at its first offer.
+        t.offered(b);
+        assert!(t.ended(b));
+        assert!(!t.ended(b), "no turn was offered");
+    }
 
     #[test]
     fn three_loop_stops_in_a_row_pause_the_goal() {

@@ -4,7 +4,7 @@
 //! three loop-stopped turns in a row pause the goal visibly.
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use tiller_core::goal::{Goal, GoalChange, GoalStatus, PauseReason};
+use tiller_core::goal::{Goal, GoalChange, GoalStatus, PauseReason, Turns};
 use tiller_core::{Origin, SessionId};
 use tiller_store::{GoalRow, Store, StoreError};
 use tokio::sync::oneshot;
@@ -76,6 +76,12 @@ pub enum GoalMsg {
 /// See the module docs.
 pub struct GoalActor;
 
+/// The actor's state: the store, and which goal each turn is for.
+pub struct GoalState {
+    store: Store,
+    turns: Turns,
+}
+
 fn to_core(row: &GoalRow) -> Goal {
     Goal {
         objective: row.objective.clone(),
@@ -114,23 +120,27 @@ fn to_row(session: SessionId, g: &Goal) -> GoalRow {
 
 impl Actor for GoalActor {
     type Msg = GoalMsg;
-    type State = Store;
+    type State = GoalState;
     type Arguments = Store;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<GoalMsg>,
         store: Store,
-    ) -> Result<Store, ActorProcessingErr> {
-        Ok(store)
+    ) -> Result<GoalState, ActorProcessingErr> {
+        Ok(GoalState {
+            store,
+            turns: Turns::default(),
+        })
     }
 
     async fn handle(
         &self,
         _myself: ActorRef<GoalMsg>,
         msg: GoalMsg,
-        store: &mut Store,
+        st: &mut GoalState,
     ) -> Result<(), ActorProcessingErr> {
+        let store = &st.store;
         match msg {
             GoalMsg::Set {
                 session,
@@ -142,6 +152,7 @@ impl Actor for GoalActor {
                 let row = to_row(session, &Goal::new(objective.clone(), max_turns));
                 let r = store.goal_put(row.clone()).await.map(|()| row);
                 if r.is_ok() {
+                    st.turns.set(session);
                     let set = EventBody::GoalSet {
                         objective,
                         max_turns,
@@ -179,13 +190,20 @@ impl Actor for GoalActor {
             } => {
                 let r = store.goal_delete(session).await;
                 if let Ok(cleared) = r {
+                    st.turns.cleared(session);
                     publish.send(cleared.then_some((EventBody::GoalCleared, false)));
                 }
                 let _ = reply.send(r);
             }
             GoalMsg::Poll { session, reply } => {
                 let text = match store.goal_get(session).await {
-                    Ok(Some(row)) => to_core(&row).continuation(),
+                    Ok(Some(row)) => {
+                        let text = to_core(&row).continuation();
+                        if text.is_some() {
+                            st.turns.offered(session);
+                        }
+                        text
+                    }
                     Ok(None) => None,
                     Err(e) => {
                         tracing::error!(error = %e, "cannot read a goal");
@@ -199,6 +217,9 @@ impl Actor for GoalActor {
                 loop_stopped,
                 inbox,
             } => {
+                if !st.turns.ended(session) {
+                    return Ok(()); // replaced or cleared meanwhile
+                }
                 let Ok(Some(row)) = store.goal_get(session).await else {
                     return Ok(()); // cleared meanwhile
                 };

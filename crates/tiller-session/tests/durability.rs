@@ -966,3 +966,57 @@ async fn a_cron_fire_that_cannot_be_stored_is_retried_after_a_pause() {
     .await
     .expect("it fires once the store is back");
 }
+
+/// A goal replaced while one of the old goal's turns runs starts afresh:
+/// that turn is not charged to it (a new goal of one turn was completed
+/// before any turn of its own ran).
+#[tokio::test]
+async fn a_goal_replaced_during_its_turn_is_not_charged_for_the_old_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let id = h.id();
+    let goal_turns = |log: &[tiller_session::EventRecord]| {
+        log.iter()
+            .filter(|e| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "goal"))
+            .count()
+    };
+    s.goal_set(id, r#"{"script": [{"sleep_ms": 800}]}"#.into(), 5)
+        .await
+        .unwrap();
+    // (Hang detectors, not timings.)
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while goal_turns(&s.events_after(id, 0, 1000).await.unwrap()) == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the old goal's turn starts");
+    s.goal_set(id, r#"{"script": [{"say": "new"}]}"#.into(), 1)
+        .await
+        .unwrap();
+    let log = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let log = s.events_after(id, 0, 1000).await.unwrap();
+            if log
+                .iter()
+                .any(|e| matches!(e.body, EventBody::GoalCompleted { .. }))
+            {
+                return log;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the new goal completes");
+    let set = log
+        .iter()
+        .rposition(|e| matches!(e.body, EventBody::GoalSet { .. }))
+        .unwrap();
+    assert_eq!(
+        goal_turns(&log[set..]),
+        1,
+        "one turn of the new goal before it completed: {:?}",
+        kinds(&log)
+    );
+}
