@@ -1020,3 +1020,49 @@ async fn a_goal_replaced_during_its_turn_is_not_charged_for_the_old_turn() {
         kinds(&log)
     );
 }
+
+/// Work queued for a session whose actor failed (the store went down
+/// mid-turn) runs once the store is back, with nobody opening the session
+/// (it waited until a client happened to).
+#[tokio::test]
+async fn work_queued_for_a_failed_session_runs_once_the_store_is_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let id = h.id();
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"say": "a"}, {"sleep_ms": 300}, {"say": "b"}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    // Queued behind the turn, stored.
+    s.notify(id, "t".into(), r#"{"script": [{"say": "noted"}]}"#.into())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.fail_appends(true);
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::failed(ErrorKind::StoreUnavailable)
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store.fail_appends(false);
+    // (A hang detector, not a timing.)
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let log = s.events_after(id, 0, 1000).await.unwrap();
+            if log
+                .iter()
+                .any(|e| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "notification"))
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the queued notification runs");
+}

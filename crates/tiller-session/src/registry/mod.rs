@@ -15,6 +15,7 @@ use crate::actor::{Automation, SessionActor, SessionArgs, SessionMsg};
 use crate::handle::{Slot, SlotState};
 
 mod park;
+mod reopen;
 mod spawn;
 use crate::{Engines, SessionConfig, SubscriberId};
 use park::{Live, Run, resume};
@@ -52,6 +53,8 @@ pub enum RegistryMsg {
     /// Queued work may wait for these sessions: the live ones poll their
     /// queues (the others are not served here).
     Kick(Vec<SessionId>),
+    /// A session whose actor failed is opened again (see `reopen`).
+    Reopen(SessionId),
     /// Another node took these sessions over (the leases this node held
     /// at these fences): their actors stop after the message they are
     /// handling, storing nothing more (the new owner settles what was in
@@ -118,6 +121,8 @@ pub struct RegistryState {
     unreconciled: HashMap<SessionId, tiller_core::ErrorKind>,
     /// Sessions being deleted: not opened meanwhile.
     deleting: std::collections::HashSet<SessionId>,
+    /// Failed sessions opened again: how many times, the last when.
+    reopening: HashMap<SessionId, (u32, tokio::time::Instant)>,
     /// This node, when the store is shared: a session runs here only
     /// while this node holds its lease.
     cluster: Option<Arc<crate::ClusterConfig>>,
@@ -152,6 +157,7 @@ impl Actor for Registry {
             by_actor: HashMap::new(),
             unreconciled: HashMap::new(),
             deleting: Default::default(),
+            reopening: Default::default(),
             cluster: args.cluster,
         })
     }
@@ -195,6 +201,7 @@ impl Actor for Registry {
                 Some((id, waiting)) => {
                     tracing::error!(session = %id, error = %err, "session actor failed; it reloads from the store on next use");
                     st.failed(id, &err).await;
+                    st.reopen_later(&myself, id, &err);
                     waiting
                 }
                 // A session taken over fails as its writes are refused.
@@ -279,6 +286,7 @@ impl RegistryState {
                     self.unreconciled.remove(&id);
                 }
             }
+            RegistryMsg::Reopen(id) => self.reopen(myself, id).await,
             RegistryMsg::Kick(ids) => {
                 for id in ids {
                     if let Some(l) = self.live.get(&id) {
