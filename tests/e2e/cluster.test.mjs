@@ -285,6 +285,71 @@ describe("cluster over PostgreSQL", { skip }, () => {
     }
   });
 
+  test("an owner cut off from the store stops its sessions before its leases lapse: its clients hear node_lost, only the new owner runs them", async () => {
+    const schema = `cluster_${randomBytes(6).toString("hex")}`;
+    // Node a reaches PostgreSQL through a proxy that can stop carrying
+    // anything (a network partition between a and the store).
+    const net = await import("node:net");
+    const port = Number(/port=(\d+)/.exec(pg)[1]);
+    let cut = false;
+    const held = new Set();
+    const proxy = net.createServer((client) => {
+      const upstream = net.connect(port, "127.0.0.1");
+      for (const [from, to] of [[client, upstream], [upstream, client]]) {
+        held.add(from);
+        from.on("error", () => {});
+        from.on("data", (d) => {
+          if (!cut) to.write(d);
+        });
+        from.on("close", () => to.destroy());
+      }
+    });
+    await new Promise((r) => proxy.listen(0, "127.0.0.1", r));
+    const viaProxy = pg.replace(/port=\d+/, `port=${proxy.address().port}`);
+    const a = await startNode(schema, "node-a", tempDir(), {
+      TILLER_DATABASE_URL: viaProxy,
+      TILLER_TURN__STALL_TIMEOUT: "600s",
+    });
+    const b = await startNode(schema, "node-b");
+    const sid = (await api(a, "POST", "/api/sessions", { cwd: "/tmp" })).body.id;
+    const onA = await connectWs(a);
+    try {
+      await initialize(onA);
+      await onA.request("session/load", { sessionId: sid, cwd: "/tmp", mcpServers: [] });
+      const prompt = onA.request("session/prompt", textPrompt(sid, script([{ say: "working" }, { sleep_ms: 60000 }])));
+      const answered = prompt.then(
+        (r) => ({ result: r }),
+        (e) => ({ error: e }),
+      );
+      await onA.until(() => agentText(onA, sid) === "working");
+      cut = true;
+      // a cannot renew: it stops the session itself, before its lease
+      // lapses (2 s), and tells its client; it does not go on running the
+      // turn beside the node that takes the session over.
+      const { result, error } = await Promise.race([
+        answered,
+        sleep(15000).then(() => ({ result: "still running after 15 s" })),
+      ]);
+      assert.equal(result, undefined, `a's client heard: ${JSON.stringify(result)}`);
+      assert.equal(error.data?.errorKind, "node_lost", `a's client heard: ${JSON.stringify(error)}`);
+      // b takes the session and settles the prompt left in flight.
+      await until("b takes the session", async () => (await api(b, "GET", `/api/sessions/${sid}`)).status === 200);
+      const events = await history(b, sid);
+      const started = events.find((e) => e.type === "prompt_started");
+      assert.deepEqual(terminalsOf(events, started.promptId).map((e) => e.data.errorKind), ["node_lost"]);
+      // a, reconnected, does not take it back by renewing its old lease.
+      cut = false;
+      for (const s of held) s.destroy();
+      await sleep(3000);
+      const again = await api(b, "POST", `/api/sessions/${sid}/prompts`, { text: script([{ say: "from b" }]) });
+      assert.equal(again.status, 202, JSON.stringify(again.body));
+    } finally {
+      onA.close();
+      proxy.close();
+      for (const s of held) s.destroy();
+    }
+  });
+
   test("background notifications: each owner queues and runs its own, one sent through another node too, ids never collide", async () => {
     const schema = `cluster_${randomBytes(6).toString("hex")}`;
     const a = await startNode(schema, "node-a");

@@ -9,11 +9,22 @@ impl Sessions {
     /// sessions another node took over) and, on a task of its own so a
     /// slow takeover never delays a renewal, adopts orphaned sessions and
     /// follows the queues, until shutdown.
+    ///
+    /// A lease holds for `lease_ttl` from its last renewal: when no
+    /// renewal got through in time (the store out of reach, or too slow),
+    /// every session here stops before its lease can lapse, so no session
+    /// runs on two nodes (fencing guards the store; this guards what a
+    /// turn does beside it). Their leases are let go before the next
+    /// renewal, which would otherwise keep them from every other node.
     pub(crate) async fn keep_leases(self) {
         let Some(c) = self.cluster.clone() else {
             return;
         };
         let ttl = c.lease_ttl.as_millis() as i64;
+        // Stopped a fifth of the lease's life before it could lapse.
+        let safe = c.lease_ttl - c.lease_ttl / 5;
+        let mut valid_until = clock::instant() + safe;
+        let mut to_release: Vec<SessionId> = Vec::new();
         let tend = {
             let this = self.clone();
             let every = c.renew_every;
@@ -33,17 +44,51 @@ impl Sessions {
                     return;
                 }
             }
-            match self.store.renew_leases(c.node.clone(), ttl).await {
-                Ok(lost) if !lost.is_empty() => {
-                    metrics::counter!("tiller_leases_lost_total").increment(lost.len() as u64);
-                    let _ = self.registry.send_message(RegistryMsg::LeasesLost(lost));
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    metrics::counter!("tiller_lease_renewal_failures_total").increment(1);
-                    tracing::warn!(error = %e, "cannot renew this node's leases");
+            if !to_release.is_empty() {
+                let only = Some(to_release.clone());
+                match self.store.release_leases(c.node.clone(), only, false).await {
+                    Ok(()) => to_release.clear(),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot let go of the stopped sessions' leases yet");
+                        continue;
+                    }
                 }
             }
+            let sent = clock::instant();
+            let renewal = self.store.renew_leases(c.node.clone(), ttl);
+            match tokio::time::timeout_at(valid_until, renewal).await {
+                Ok(Ok(lost)) => {
+                    valid_until = sent + safe;
+                    if !lost.is_empty() {
+                        metrics::counter!("tiller_leases_lost_total").increment(lost.len() as u64);
+                        let _ = self.registry.send_message(RegistryMsg::LeasesLost(lost));
+                    }
+                    continue;
+                }
+                Ok(Err(e)) => {
+                    metrics::counter!("tiller_lease_renewal_failures_total").increment(1);
+                    tracing::warn!(error = %e, "cannot renew this node's leases");
+                    if clock::instant() < valid_until {
+                        continue;
+                    }
+                }
+                Err(_) => {
+                    metrics::counter!("tiller_lease_renewal_failures_total").increment(1);
+                    tracing::warn!("this node's leases were not renewed in time");
+                }
+            }
+            // Out of time: every session here stops.
+            let (tx, rx) = oneshot::channel();
+            if self
+                .registry
+                .send_message(RegistryMsg::LeasesExpiring(tx))
+                .is_ok()
+                && let Ok(stopped) = rx.await
+            {
+                to_release.extend(stopped);
+            }
+            // Sessions opened from now on hold fresh leases.
+            valid_until = clock::instant() + safe;
         }
     }
 

@@ -62,6 +62,10 @@ pub enum RegistryMsg {
     /// actor started since on a newer lease of the same session is not
     /// one of them.
     LeasesLost(Vec<(SessionId, i64)>),
+    /// This node could not renew its leases in time: they may lapse, and
+    /// another node take the sessions over. Every live session it holds a
+    /// lease for stops here now (as for `LeasesLost`); the answer is them.
+    LeasesExpiring(oneshot::Sender<Vec<SessionId>>),
     /// Cancel every running turn and wait (bounded) until all are idle.
     Shutdown(oneshot::Sender<()>),
     /// Ask every running session to park if it has been idle for
@@ -302,17 +306,21 @@ impl RegistryState {
                         continue; // it runs on a newer lease
                     }
                     tracing::warn!(session = %id, "another node took this session over; it stops here");
-                    let Some(live) = self.live.get(&id) else {
-                        continue;
-                    };
-                    let (slot, actor) = (live.slot.clone(), live.run.actor().cloned());
-                    resumed.extend(self.drop_live(id).into_iter().flatten());
-                    // Marked before the stop, which its actor reads.
-                    *slot.lock() = SlotState::Taken;
-                    if let Some(actor) = actor {
-                        actor.stop(Some("lease lost".into()));
-                    }
+                    resumed.extend(self.lose(id));
                 }
+                return Some(resumed);
+            }
+            RegistryMsg::LeasesExpiring(reply) => {
+                let held: Vec<SessionId> = (self.live.keys())
+                    .filter(|id| self.fences.contains_key(id))
+                    .copied()
+                    .collect();
+                let mut resumed = Vec::new();
+                for &id in &held {
+                    tracing::warn!(session = %id, "this node's lease may lapse (the store is out of reach); the session stops here");
+                    resumed.extend(self.lose(id));
+                }
+                let _ = reply.send(held);
                 return Some(resumed);
             }
             RegistryMsg::Shutdown(reply) => {
@@ -358,6 +366,22 @@ impl RegistryState {
             }
         }
         None
+    }
+
+    /// Stops a live session whose lease this node lost (or may have): its
+    /// clients hear `node_lost`; what waited for it to park is answered.
+    fn lose(&mut self, id: SessionId) -> Vec<RegistryMsg> {
+        let Some(live) = self.live.get(&id) else {
+            return Vec::new();
+        };
+        let (slot, actor) = (live.slot.clone(), live.run.actor().cloned());
+        let resumed = self.drop_live(id).into_iter().flatten().collect();
+        // Marked before the stop, which its actor reads.
+        *slot.lock() = SlotState::Taken;
+        if let Some(actor) = actor {
+            actor.stop(Some("lease lost".into()));
+        }
+        resumed
     }
 
     /// The session whose actor stopped, forgotten, and what waited for it
