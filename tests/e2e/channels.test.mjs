@@ -82,6 +82,31 @@ describe("channels", () => {
     assert.ok(!types.includes("turn_error"));
   });
 
+  test("the webhook hears every end of a turn: cancelled, max_tokens, a failure with its kind", async () => {
+    const post = async (text) => {
+      const body = JSON.stringify({ text, delivery: { webhook: webhook() } });
+      const res = await channelPost(body, sign(body));
+      assert.equal(res.status, 202, JSON.stringify(res.body));
+      return res.body;
+    };
+    const delivered = async (promptId) => {
+      await until(() => received.some((r) => r.promptId === promptId), 15000);
+      return received.find((r) => r.promptId === promptId);
+    };
+    const long = await post(script([{ say: "started" }, { sleep_ms: 60000 }]));
+    await until(async () => (await api(daemon, "GET", `/api/sessions/${long.sessionId}`)).body.state === "running");
+    await api(daemon, "POST", `/api/sessions/${long.sessionId}/cancel`);
+    const cancelled = await delivered(long.promptId);
+    assert.equal(cancelled.stopReason, "cancelled", JSON.stringify(cancelled));
+    const capped = await delivered((await post(script([{ say: "half" }, { result: "max_tokens" }]))).promptId);
+    assert.equal(capped.stopReason, "max_tokens");
+    assert.equal(capped.text, "half");
+    const failed = await delivered((await post(script([{ say: "so far" }, { fail: "boom" }]))).promptId);
+    assert.equal(failed.stopReason, "error", JSON.stringify(failed));
+    assert.equal(failed.errorKind, "model_stream_interrupted", JSON.stringify(failed));
+    assert.equal(failed.text, "so far");
+  });
+
   test("unsigned, badly signed, stale or replayed requests are refused", async () => {
     const body = JSON.stringify({ text: "hi" });
     const good = sign(body);
@@ -156,9 +181,11 @@ describe("channels", () => {
         c.request("session/prompt", { ...textPrompt(sid, looping), _meta: meta }),
         (e) => e.code === -32603 && e.data.errorKind === "loop_detected",
       );
-      // Not end_turn, so nothing is delivered.
-      await new Promise((r) => setTimeout(r, 200));
-      assert.ok(!received.some((r) => r.sessionId === sid));
+      // Its webhook hears the same failure (never a success).
+      await until(() => received.some((r) => r.sessionId === sid));
+      const told = received.find((r) => r.sessionId === sid);
+      assert.equal(told.stopReason, "error", JSON.stringify(told));
+      assert.equal(told.errorKind, "loop_detected", JSON.stringify(told));
       // The delivery meta alone does work for a normal turn.
       await c.request("session/prompt", { ...textPrompt(sid, script([{ say: "delivered" }])), _meta: meta });
       await until(() => received.some((r) => r.sessionId === sid && r.text === "delivered"));

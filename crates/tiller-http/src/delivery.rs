@@ -126,12 +126,16 @@ impl Worker {
         };
         // Not the path: some webhooks' is their credential.
         let shown = redact_origin(&d.url);
-        let body = json!({
+        let (stop_reason, error_kind) = d.told();
+        let mut body = json!({
             "sessionId": d.session.to_string(),
             "promptId": d.prompt.to_string(),
-            "stopReason": d.stop_reason,
+            "stopReason": stop_reason,
             "text": d.text,
         });
+        if let Some(kind) = error_kind {
+            body["errorKind"] = json!(kind);
+        }
         let ok = match self.send(&d.url, &body).await {
             Ok(status) if status.is_success() => true,
             Ok(status) => {

@@ -236,6 +236,27 @@ pub struct Delivery {
     pub next_at_ms: i64,
 }
 
+impl Delivery {
+    /// How a terminal is stored in `stop_reason`: the stop reason of a
+    /// completed turn (`end_turn`, `cancelled`...), `error:KIND` of a
+    /// failed one.
+    pub fn stop_reason_of(terminal: &tiller_core::Terminal) -> String {
+        match terminal {
+            tiller_core::Terminal::Completed(r) => r.as_str().to_owned(),
+            tiller_core::Terminal::Failed { kind, .. } => format!("error:{}", kind.as_str()),
+        }
+    }
+
+    /// The stop reason a webhook is told (`error` for a failure) and the
+    /// failure's kind.
+    pub fn told(&self) -> (&str, Option<&str>) {
+        match self.stop_reason.strip_prefix("error:") {
+            Some(kind) => ("error", Some(kind)),
+            None => (&self.stop_reason, None),
+        }
+    }
+}
+
 /// What enqueueing did.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Enqueued {

@@ -90,21 +90,20 @@ impl SessionState {
                 code: kind.loop_type().map(|_| "LOOP_DETECTED".into()),
             },
         };
-        // The delivery of the final text commits with the terminal.
-        let ledger = match (pending.delivery.clone(), &terminal) {
-            (Some(url), Terminal::Completed(tiller_core::StopReason::EndTurn)) => {
-                Ledger::Deliver(tiller_store::Delivery {
-                    id: 0,
-                    url,
-                    session: self.id,
-                    prompt,
-                    text: final_text.unwrap_or_default(),
-                    stop_reason: "end_turn".into(),
-                    attempts: 0,
-                    next_at_ms: unix_ms(),
-                })
-            }
-            _ => Ledger::Plain,
+        // The delivery of the final text commits with the terminal: every
+        // end of the turn, so a sender hears of a cancel or a failure too.
+        let ledger = match pending.delivery.clone() {
+            Some(url) => Ledger::Deliver(tiller_store::Delivery {
+                id: 0,
+                url,
+                session: self.id,
+                prompt,
+                text: final_text.unwrap_or_default(),
+                stop_reason: tiller_store::Delivery::stop_reason_of(&terminal),
+                attempts: 0,
+                next_at_ms: unix_ms(),
+            }),
+            None => Ledger::Plain,
         };
         let delivers = matches!(ledger, Ledger::Deliver(_));
         let terminal = match self.publish_durable(Some(prompt), turn, body, ledger).await {
