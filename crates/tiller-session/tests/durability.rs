@@ -1066,3 +1066,57 @@ async fn work_queued_for_a_failed_session_runs_once_the_store_is_back() {
     .await
     .expect("the queued notification runs");
 }
+
+/// A terminal whose commit was reported failed though it was stored (a
+/// connection lost during `COMMIT`) is found in the log when the session
+/// reopens it: its owner hears what the log says (it heard
+/// `store_unavailable` of a turn the log says completed), and the session
+/// goes on.
+#[tokio::test]
+async fn a_terminal_stored_despite_a_failed_commit_is_what_its_owner_hears() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let (prompt, rx) = h
+        .prompt(
+            r#"{"script": [{"say": "a"}, {"sleep_ms": 300}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    store.ambiguous_next_commit();
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let terminals: Vec<_> = log
+        .iter()
+        .filter(|e| e.prompt == Some(prompt))
+        .filter(|e| {
+            matches!(
+                e.body,
+                EventBody::TurnComplete { .. } | EventBody::TurnError { .. }
+            )
+        })
+        .map(|e| e.body.kind())
+        .collect();
+    assert_eq!(terminals, ["turn_complete"], "{:?}", kinds(&log));
+    let seqs: Vec<u64> = log.iter().map(|e| e.seq).collect();
+    assert!(contiguous(&seqs), "{seqs:?}");
+    // The session goes on.
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"say": "next"}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+}

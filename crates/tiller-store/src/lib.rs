@@ -146,6 +146,10 @@ pub(crate) struct Shared {
     pub(crate) append_commits: AtomicUsize,
     /// Cron fires the store was asked to record (tests read it).
     pub(crate) cron_fire_calls: AtomicUsize,
+    /// Set by a test: the next commit holding an awaited append is
+    /// reported failed though it was stored (a connection lost during
+    /// `COMMIT`).
+    pub(crate) ambiguous_commit: AtomicBool,
 }
 
 impl Shared {
@@ -393,6 +397,15 @@ impl Store {
     #[cfg(feature = "test-hooks")]
     pub fn fail_checkpoints(&self, on: bool) {
         self.shared.fail_checkpoints.store(on, Ordering::Relaxed);
+    }
+
+    /// Makes the next commit that holds an awaited append (an admission, a
+    /// terminal) report a failure the store may recover from, though it
+    /// was stored: what a connection lost during `COMMIT` leaves the
+    /// caller with.
+    #[cfg(feature = "test-hooks")]
+    pub fn ambiguous_next_commit(&self) {
+        self.shared.ambiguous_commit.store(true, Ordering::Relaxed);
     }
 
     /// How many cron fires the store was asked to record so far.

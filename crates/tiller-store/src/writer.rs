@@ -650,6 +650,11 @@ impl Writer {
             return self.fail(batch, Arc::new(StoreError::Injected));
         }
         let Err(e) = self.conn.append_batch(&mut self.heads, &batch) else {
+            if batch.iter().any(|p| p.reply.is_some())
+                && self.shared.ambiguous_commit.swap(false, Ordering::Relaxed)
+            {
+                return self.fail(batch, Arc::new(StoreError::Injected));
+            }
             return self.committed(batch);
         };
         let sessions: HashSet<SessionId> = batch.iter().map(|p| p.event.session).collect();

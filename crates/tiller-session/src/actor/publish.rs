@@ -326,7 +326,7 @@ impl SessionState {
             let lost = self.recovery.lost;
             tracing::warn!(session = %self.id, error = %e, attempt = lost, "streamed events were not stored; retrying");
             tokio::time::sleep(Duration::from_millis(25 << (2 * lost))).await;
-            if self.resend_lost().await {
+            if self.resend_lost().await.is_some() {
                 return;
             }
             self.recovery.lost += 1;
@@ -345,11 +345,12 @@ impl SessionState {
 
     /// Reopens the log after a failed append and sends again what it
     /// lost (everything published after its stored head, with the
-    /// sequence numbers clients already saw); false when it cannot be
-    /// reopened. Reports older than this reopen become stale.
-    async fn resend_lost(&mut self) -> bool {
+    /// sequence numbers clients already saw); the log's last sequence
+    /// number, `None` when it cannot be reopened. Reports older than this
+    /// reopen become stale.
+    async fn resend_lost(&mut self) -> Option<u64> {
         let Ok(head) = self.store.reopen_log(self.id).await else {
-            return false;
+            return None;
         };
         self.recovery.reopens.fetch_add(1, Ordering::Relaxed);
         // Sent here, with the rest.
@@ -363,7 +364,7 @@ impl SessionState {
             self.store
                 .append(u.to_stored(), op.clone(), Some(tell.clone()));
         }
-        true
+        Some(head.last_seq)
     }
 
     /// The store committed this session's events up to `seq`: they are
@@ -418,29 +419,32 @@ impl SessionState {
                 .store
                 .append_durable_after(std::mem::take(&mut before), rec.to_stored(), op.clone())
                 .await;
-            match r {
-                Ok(()) => {
-                    // Everything before it committed too (appends commit
-                    // in order; a lost one would have failed this one).
-                    self.admission_stored();
-                    self.committed(rec.seq - 1);
-                    self.fan_out(&rec);
-                    self.fanned = rec.seq;
-                    self.unconfirmed.clear();
-                    self.signals.pace.held(0);
-                    return Ok(());
-                }
+            let stored = match r {
+                Ok(()) => true,
                 Err(e) if attempt < retries && e.is_unavailable() => {
                     attempt += 1;
                     tracing::warn!(session = %self.id, error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
                     tokio::time::sleep(Duration::from_millis(25 << (2 * attempt))).await;
-                    self.resend_lost().await;
+                    // Stored after all (the commit's answer was lost, not
+                    // the commit): what the log says is what happened.
+                    self.resend_lost().await.is_some_and(|last| last >= rec.seq)
                 }
                 Err(e) => {
                     tracing::error!(session = %self.id, error = %e, seq = rec.seq, "durable append failed; the session stops");
                     self.failed = Some(crate::SessionFailed::of(&e));
                     return Err(e);
                 }
+            };
+            if stored {
+                // Everything before it committed too (appends commit in
+                // order; a lost one would have failed this one).
+                self.admission_stored();
+                self.committed(rec.seq - 1);
+                self.fan_out(&rec);
+                self.fanned = rec.seq;
+                self.unconfirmed.clear();
+                self.signals.pace.held(0);
+                return Ok(());
             }
         }
     }
