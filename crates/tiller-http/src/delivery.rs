@@ -124,6 +124,16 @@ impl Worker {
         let (Ok(_host), Ok(_all)) = (host.acquire().await, self.all.acquire().await) else {
             return;
         };
+        // It may have waited past its hold (behind a slow host's attempts)
+        // and another node taken it: then that node posts it, not this one.
+        match self.sessions.delivery_start(&d, now_ms()).await {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot start a delivery attempt; it is tried again");
+                return;
+            }
+        }
         // Not the path: some webhooks' is their credential.
         let shown = redact_origin(&d.url);
         let (stop_reason, error_kind) = d.told();

@@ -507,6 +507,12 @@ impl Sessions {
         Ok(self.store.deliveries_due(now_ms).await?)
     }
 
+    /// An attempt of `d` starts now: false when another node took it
+    /// since it was due here (the attempt is not made).
+    pub async fn delivery_start(&self, d: &Delivery, now_ms: i64) -> Result<bool, SessionError> {
+        Ok(self.store.delivery_start(d, now_ms).await?)
+    }
+
     /// A delivery was sent or given up (`retry = None`), or is retried at
     /// a time with a new attempt count.
     pub async fn delivery_done(

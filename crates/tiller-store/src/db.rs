@@ -77,6 +77,8 @@ pub(crate) trait Db: Send {
     fn goals_active(&mut self) -> R<Vec<SessionId>>;
     fn deliveries_due(&mut self, now_ms: i64) -> R<Vec<Delivery>>;
     fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()>;
+    /// Holds delivery `id` until `until` if its row still says `held`.
+    fn delivery_start(&mut self, id: i64, held: i64, until: i64) -> R<bool>;
     /// Whether the database answers (a trivial query).
     fn ping(&mut self) -> R<()>;
     /// Whether the connection was made again since the last call: what
@@ -366,6 +368,9 @@ impl Db for Sqlite {
     }
     fn delivery_done(&mut self, id: i64, retry: Option<(i64, u32)>) -> R<()> {
         Ok(deliveries::done(&self.conn, id, retry)?)
+    }
+    fn delivery_start(&mut self, id: i64, held: i64, until: i64) -> R<bool> {
+        Ok(deliveries::start(&self.conn, id, held, until)?)
     }
     fn ping(&mut self) -> R<()> {
         Ok(self.conn.query_row("SELECT 1", [], |_| Ok(()))?)

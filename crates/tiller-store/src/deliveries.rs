@@ -69,3 +69,13 @@ pub(crate) fn done(conn: &Connection, id: i64, retry: Option<(i64, u32)>) -> rus
     }
     .map(drop)
 }
+
+/// Holds delivery `id` until `until` while its row still says `held` (as
+/// taken); false when another node took it since, or it is gone.
+pub(crate) fn start(conn: &Connection, id: i64, held: i64, until: i64) -> rusqlite::Result<bool> {
+    conn.execute(
+        "UPDATE deliveries SET next_at_ms = ?3 WHERE id = ?1 AND next_at_ms = ?2",
+        params![id, held, until],
+    )
+    .map(|n| n == 1)
+}

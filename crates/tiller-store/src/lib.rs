@@ -903,6 +903,16 @@ impl Store {
         self.call(move |c| c.deliveries_due(now_ms)).await
     }
 
+    /// An attempt of `d` (as [`Store::deliveries_due`] gave it) starts at
+    /// `now_ms`: true, with the delivery held [`DELIVERY_HOLD_MS`] from
+    /// now, while no other node took it since; false when one did (or it
+    /// is gone): the attempt is not made.
+    pub async fn delivery_start(&self, d: &Delivery, now_ms: i64) -> Result<bool, StoreError> {
+        let (id, held) = (d.id, d.next_at_ms);
+        let until = now_ms.saturating_add(DELIVERY_HOLD_MS);
+        self.call(move |c| c.delivery_start(id, held, until)).await
+    }
+
     /// Marks a delivery sent or given up (`retry = None`), or schedules its
     /// next attempt.
     pub async fn delivery_done(

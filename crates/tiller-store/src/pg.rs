@@ -1063,6 +1063,14 @@ impl Db for PgDb {
         Ok(due)
     }
 
+    fn delivery_start(&mut self, id: i64, held: i64, until: i64) -> R<bool> {
+        let n = self.client()?.execute(
+            "UPDATE deliveries SET next_at_ms = $3 WHERE id = $1 AND next_at_ms = $2",
+            &[&id, &held, &until],
+        )?;
+        Ok(n == 1)
+    }
+
     fn ping(&mut self) -> R<()> {
         self.ping_server()
     }

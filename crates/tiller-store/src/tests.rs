@@ -1531,6 +1531,47 @@ mod cluster {
         }
     }
 
+    /// An attempt starts only while its node still holds the delivery: one
+    /// that waited past the hold (behind a slow host's attempts) is not
+    /// made once another node took the row, which would post it twice.
+    #[tokio::test]
+    async fn an_attempt_starts_only_while_its_delivery_is_held() {
+        let (_dir, a, b) = two_nodes();
+        let (s, p) = (SessionId::new(), PromptId::new());
+        let settle = Some(LedgerOp::Settle {
+            prompt: p,
+            delivery: Some(Delivery {
+                id: 0,
+                url: "https://example.invalid/hook".into(),
+                session: s,
+                prompt: p,
+                text: "final".into(),
+                stop_reason: "end_turn".into(),
+                attempts: 0,
+                next_at_ms: 7,
+            }),
+        });
+        a.append_durable(ev(s, 1, "end"), settle).await.unwrap();
+        let mine = a.deliveries_due(1_000).await.unwrap().remove(0);
+        if a_cluster() {
+            // a's attempt waited past its hold; b took the row meanwhile.
+            let later = 1_000 + DELIVERY_HOLD_MS + 1;
+            let theirs = b.deliveries_due(later).await.unwrap().remove(0);
+            assert!(
+                !a.delivery_start(&mine, later + 5).await.unwrap(),
+                "posted twice"
+            );
+            assert!(b.delivery_start(&theirs, later + 5).await.unwrap());
+        } else {
+            assert!(a.delivery_start(&mine, 1_005).await.unwrap());
+        }
+        // Its hold now runs from the start: nobody takes it meanwhile.
+        assert_eq!(
+            b.deliveries_due(1_000 + DELIVERY_HOLD_MS).await.unwrap(),
+            vec![]
+        );
+    }
+
     /// A session its new owner deleted refuses the old owner's writes as
     /// a live one does (the lease row went with the session).
     #[tokio::test]
