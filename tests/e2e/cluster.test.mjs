@@ -350,6 +350,35 @@ describe("cluster over PostgreSQL", { skip }, () => {
     }
   });
 
+  test("a channel request for a session another node serves is carried to it", async () => {
+    const schema = `cluster_${randomBytes(6).toString("hex")}`;
+    const secret = "channel-secret";
+    const channelEnv = { TILLER_CHANNELS__HOOK__SECRET: secret, TILLER_CHANNELS__HOOK__CWD: tempDir() };
+    const a = await startNode(schema, "node-a", tempDir(), channelEnv);
+    const b = await startNode(schema, "node-b", tempDir(), channelEnv);
+    const { createHmac } = await import("node:crypto");
+    const post = async (d, body) => {
+      const ts = String(Math.floor(Date.now() / 1000));
+      const mac = createHmac("sha256", secret).update(`${ts}.${body}`).digest("hex");
+      const res = await fetch(`${d.http}/api/channels/hook/prompts`, {
+        method: "POST",
+        headers: { "content-type": "application/json", "x-tiller-timestamp": ts, "x-tiller-signature": `sha256=${mac}` },
+        body,
+      });
+      return { status: res.status, body: await res.json() };
+    };
+    // The channel's session starts on a.
+    const first = await post(a, JSON.stringify({ text: script([{ say: "on a" }]) }));
+    assert.equal(first.status, 202, JSON.stringify(first.body));
+    const sid = first.body.sessionId;
+    // The sender's next request reaches b (a balancer's choice).
+    const next = await post(b, JSON.stringify({ sessionId: sid, text: script([{ say: "through b" }]) }));
+    assert.equal(next.status, 202, JSON.stringify(next.body));
+    await until("the prompt runs on a", async () =>
+      terminalsOf(await history(a, sid), next.body.promptId).some((e) => e.type === "turn_complete"),
+    );
+  });
+
   test("background notifications: each owner queues and runs its own, one sent through another node too, ids never collide", async () => {
     const schema = `cluster_${randomBytes(6).toString("hex")}`;
     const a = await startNode(schema, "node-a");

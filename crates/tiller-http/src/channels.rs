@@ -165,7 +165,8 @@ pub async fn post_prompt(
     Path(channel): Path<String>,
     headers: HeaderMap,
     body: axum::body::Body,
-) -> Result<(StatusCode, Json<ChannelAccepted>), ApiError> {
+) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse as _;
     let header = |k: &str| headers.get(k).and_then(|v| v.to_str().ok());
     let now = tiller_session::clock::unix_ms() / 1000;
     // Nothing of the body is read for a request that cannot be genuine:
@@ -201,7 +202,53 @@ pub async fn post_prompt(
         // The sender's retry is refused as a replay until the window ends.
         tracing::warn!(%channel, error = %e, "cannot forget a refused channel request");
     }
-    admitted
+    match admitted {
+        Ok(accepted) => Ok(accepted.into_response()),
+        Err(NotHere::Refused(e)) => Err(e),
+        // Another node serves the session: the request, as signed, is
+        // carried to it (once: it does not carry it on).
+        Err(NotHere::Owner { id, node, address })
+            if !headers.contains_key(crate::forward::FORWARDED) =>
+        {
+            let uri = format!("/api/channels/{channel}/prompts");
+            Ok(crate::forward::carry(&st, (headers, uri, body), id, &node, &address).await)
+        }
+        Err(NotHere::Owner { id, node, address }) => {
+            Err(ApiError::from(tiller_session::SessionError::Elsewhere {
+                id,
+                node,
+                address,
+            }))
+        }
+    }
+}
+
+/// Why a verified channel request was not admitted here.
+enum NotHere {
+    Refused(ApiError),
+    /// Another node serves its session.
+    Owner {
+        id: SessionId,
+        node: String,
+        address: String,
+    },
+}
+
+impl From<ApiError> for NotHere {
+    fn from(e: ApiError) -> NotHere {
+        NotHere::Refused(e)
+    }
+}
+
+impl From<tiller_session::SessionError> for NotHere {
+    fn from(e: tiller_session::SessionError) -> NotHere {
+        match e {
+            tiller_session::SessionError::Elsewhere { id, node, address } => {
+                NotHere::Owner { id, node, address }
+            }
+            e => NotHere::Refused(e.into()),
+        }
+    }
 }
 
 /// The prompt of a verified channel request, admitted (or why not).
@@ -209,7 +256,7 @@ async fn admit_prompt(
     st: &AppState,
     channel: &str,
     body: &[u8],
-) -> Result<(StatusCode, Json<ChannelAccepted>), ApiError> {
+) -> Result<(StatusCode, Json<ChannelAccepted>), NotHere> {
     let req: ChannelBody = serde_json::from_slice(body).map_err(|e| {
         ApiError(
             StatusCode::BAD_REQUEST,
@@ -225,14 +272,14 @@ async fn admit_prompt(
         Some(raw) => {
             // Only its own sessions, or ones its config lists: a channel
             // carries third-party text and must not reach a person's session.
-            let id = SessionId::parse(raw).ok_or_else(|| forbidden(channel, raw))?;
+            let id = SessionId::parse(raw).ok_or_else(|| NotHere::from(forbidden(channel, raw)))?;
             let rec = st
                 .sessions
                 .record(id)
                 .await
-                .map_err(|_| forbidden(channel, raw))?;
+                .map_err(|_| NotHere::from(forbidden(channel, raw)))?;
             if rec.channel.as_deref() != Some(channel) && !config.sessions.contains(&id) {
-                return Err(forbidden(channel, raw));
+                return Err(forbidden(channel, raw).into());
             }
             st.sessions.open(id).await?
         }
@@ -249,7 +296,8 @@ async fn admit_prompt(
     };
     let (prompt, _) = handle
         .prompt_with(req.text, Origin::Channel, req.delivery.map(|d| d.webhook))
-        .await??;
+        .await?
+        .map_err(ApiError::from)?;
     Ok((
         StatusCode::ACCEPTED,
         Json(ChannelAccepted {

@@ -49,34 +49,63 @@ pub async fn forward(State(st): State<AppState>, req: Request, next: Next) -> Re
     };
     match send_on(&st, req, &address).await {
         Ok(r) => r,
-        Err(failed) => {
-            tracing::warn!(session = %id, %node, %address, error = %failed.why, "cannot reach the node serving the session");
-            // Not sent at all: safe to retry. Sent and unanswered: the
-            // owner may still carry it out (a paused node that resumes).
-            let message = if failed.sent {
-                format!(
-                    "session {id} is served by node {node} ({address}), which did not answer in time; \
-                     the request may or may not have been carried out"
-                )
-            } else {
-                format!(
-                    "session {id} is served by node {node} ({address}), which this node cannot reach; \
-                     retry there or in a moment"
-                )
-            };
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                axum::Json(json!({ "error": {
-                    "errorKind": "owned_elsewhere",
-                    "retryable": !failed.sent,
-                    "message": message,
-                    "node": node,
-                    "address": address,
-                }})),
-            )
-                .into_response()
-        }
+        Err(failed) => unreachable(id, &node, &address, failed),
     }
+}
+
+/// A request already read (a channel's: its signature covers the body)
+/// carried to the node serving session `id`: its answer, or why not.
+pub(crate) async fn carry(
+    st: &AppState,
+    (headers, uri, body): (axum::http::HeaderMap, String, axum::body::Bytes),
+    id: tiller_core::SessionId,
+    node: &str,
+    address: &str,
+) -> Response {
+    let mut req = Request::new(Body::from(body));
+    *req.method_mut() = axum::http::Method::POST;
+    *req.headers_mut() = headers;
+    let parsed = uri.parse().map_err(|_| Failed {
+        sent: false,
+        why: format!("a path that cannot be sent on: {uri}"),
+    });
+    let sent = match parsed {
+        Ok(u) => {
+            *req.uri_mut() = u;
+            send_on(st, req, address).await
+        }
+        Err(failed) => Err(failed),
+    };
+    match sent {
+        Ok(r) => r,
+        Err(failed) => unreachable(id, node, address, failed),
+    }
+}
+
+/// The answer when the node serving session `id` cannot be reached.
+fn unreachable(id: tiller_core::SessionId, node: &str, address: &str, failed: Failed) -> Response {
+    tracing::warn!(session = %id, %node, %address, error = %failed.why, "cannot reach the node serving the session");
+    // Not sent at all: safe to retry. Sent and unanswered: the owner may
+    // still carry it out (a paused node that resumes).
+    let message = if failed.sent {
+        format!(
+            "session {id} is served by node {node} ({address}), which did not answer in time; \
+             the request may or may not have been carried out"
+        )
+    } else {
+        format!(
+            "session {id} is served by node {node} ({address}), which this node cannot reach; \
+             retry there or in a moment"
+        )
+    };
+    let error = json!({ "error": {
+        "errorKind": "owned_elsewhere",
+        "retryable": !failed.sent,
+        "message": message,
+        "node": node,
+        "address": address,
+    }});
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(error)).into_response()
 }
 
 /// How long the owner may take to answer a request sent on (its headers;
