@@ -332,6 +332,14 @@ describe("cluster over PostgreSQL", { skip }, () => {
       ]);
       assert.equal(result, undefined, `a's client heard: ${JSON.stringify(result)}`);
       assert.equal(error.data?.errorKind, "node_lost", `a's client heard: ${JSON.stringify(error)}`);
+      // Nor does a open it again meanwhile (a new lease of it would be let
+      // go with the old one), and it says so at once.
+      const direct = { "x-tiller-forwarded": "1" };
+      const reopen = await Promise.race([
+        api(a, "GET", `/api/sessions/${sid}`, undefined, direct),
+        sleep(5000).then(() => ({ status: "no answer in 5 s" })),
+      ]);
+      assert.equal(reopen.status, 503, JSON.stringify(reopen.body));
       // b takes the session and settles the prompt left in flight.
       await until("b takes the session", async () => (await api(b, "GET", `/api/sessions/${sid}`)).status === 200);
       const events = await history(b, sid);

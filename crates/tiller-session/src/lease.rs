@@ -37,8 +37,11 @@ impl Sessions {
             })
         };
         loop {
+            // The next renewal, or the moment the leases may no longer
+            // hold, whichever comes first.
+            let wake = (clock::instant() + c.renew_every).min(valid_until);
             tokio::select! {
-                _ = tokio::time::sleep(c.renew_every) => {}
+                _ = tokio::time::sleep_until(wake) => {}
                 _ = self.stop_leases.notified() => {
                     tend.abort();
                     return;
@@ -46,11 +49,19 @@ impl Sessions {
             }
             if !to_release.is_empty() {
                 let only = Some(to_release.clone());
-                match self.store.release_leases(c.node.clone(), only, false).await {
-                    Ok(()) => to_release.clear(),
-                    Err(e) => {
+                let release = self.store.release_leases(c.node.clone(), only, false);
+                match tokio::time::timeout(c.renew_every, release).await {
+                    Ok(Ok(())) => {
+                        let released = std::mem::take(&mut to_release);
+                        let _ = (self.registry).send_message(RegistryMsg::LeasesReleased(released));
+                    }
+                    // Tried again next round; the renewal goes on meanwhile
+                    // (these sessions stay stopped here until let go).
+                    Ok(Err(e)) => {
                         tracing::warn!(error = %e, "cannot let go of the stopped sessions' leases yet");
-                        continue;
+                    }
+                    Err(_) => {
+                        tracing::warn!("letting go of the stopped sessions' leases took too long");
                     }
                 }
             }
@@ -77,7 +88,10 @@ impl Sessions {
                     tracing::warn!("this node's leases were not renewed in time");
                 }
             }
-            // Out of time: every session here stops.
+            // Out of time: every session here stops. (The registry handles
+            // it after the message it is on, which may itself wait for the
+            // store: an open of a session, bounded by the connection's own
+            // timeouts.)
             let (tx, rx) = oneshot::channel();
             if self
                 .registry

@@ -14,6 +14,7 @@ mod goal;
 mod handle;
 #[cfg(feature = "test-hooks")]
 mod hooks;
+mod ingress;
 mod lease;
 mod notify;
 pub mod ports;

@@ -14,6 +14,7 @@ use crate::SessionError;
 use crate::actor::{Automation, SessionActor, SessionArgs, SessionMsg};
 use crate::handle::{Slot, SlotState};
 
+mod leases;
 mod park;
 mod reopen;
 mod spawn;
@@ -66,6 +67,9 @@ pub enum RegistryMsg {
     /// another node take the sessions over. Every live session it holds a
     /// lease for stops here now (as for `LeasesLost`); the answer is them.
     LeasesExpiring(oneshot::Sender<Vec<SessionId>>),
+    /// The leases of sessions `LeasesExpiring` stopped were let go: they
+    /// may be opened here again.
+    LeasesReleased(Vec<SessionId>),
     /// Cancel every running turn and wait (bounded) until all are idle.
     Shutdown(oneshot::Sender<()>),
     /// Ask every running session to park if it has been idle for
@@ -125,6 +129,9 @@ pub struct RegistryState {
     unreconciled: HashMap<SessionId, tiller_core::ErrorKind>,
     /// Sessions being deleted: not opened meanwhile.
     deleting: std::collections::HashSet<SessionId>,
+    /// Sessions stopped because this node's leases may have lapsed, until
+    /// their leases are let go.
+    expiring: std::collections::HashSet<SessionId>,
     /// Failed sessions opened again: how many times, the last when.
     reopening: HashMap<SessionId, (u32, tokio::time::Instant)>,
     /// This node, when the store is shared: a session runs here only
@@ -162,6 +169,7 @@ impl Actor for Registry {
             unreconciled: HashMap::new(),
             deleting: Default::default(),
             reopening: Default::default(),
+            expiring: Default::default(),
             cluster: args.cluster,
         })
     }
@@ -310,18 +318,11 @@ impl RegistryState {
                 }
                 return Some(resumed);
             }
-            RegistryMsg::LeasesExpiring(reply) => {
-                let held: Vec<SessionId> = (self.live.keys())
-                    .filter(|id| self.fences.contains_key(id))
-                    .copied()
-                    .collect();
-                let mut resumed = Vec::new();
-                for &id in &held {
-                    tracing::warn!(session = %id, "this node's lease may lapse (the store is out of reach); the session stops here");
-                    resumed.extend(self.lose(id));
+            RegistryMsg::LeasesExpiring(reply) => return Some(self.expire_all(reply)),
+            RegistryMsg::LeasesReleased(ids) => {
+                for id in ids {
+                    self.expiring.remove(&id);
                 }
-                let _ = reply.send(held);
-                return Some(resumed);
             }
             RegistryMsg::Shutdown(reply) => {
                 let mut waits = Vec::new();
@@ -366,22 +367,6 @@ impl RegistryState {
             }
         }
         None
-    }
-
-    /// Stops a live session whose lease this node lost (or may have): its
-    /// clients hear `node_lost`; what waited for it to park is answered.
-    fn lose(&mut self, id: SessionId) -> Vec<RegistryMsg> {
-        let Some(live) = self.live.get(&id) else {
-            return Vec::new();
-        };
-        let (slot, actor) = (live.slot.clone(), live.run.actor().cloned());
-        let resumed = self.drop_live(id).into_iter().flatten().collect();
-        // Marked before the stop, which its actor reads.
-        *slot.lock() = SlotState::Taken;
-        if let Some(actor) = actor {
-            actor.stop(Some("lease lost".into()));
-        }
-        resumed
     }
 
     /// The session whose actor stopped, forgotten, and what waited for it
@@ -558,6 +543,9 @@ impl RegistryState {
     ) -> Result<Arc<Slot>, SessionError> {
         if self.deleting.contains(&id) {
             return Err(SessionError::Unknown(id));
+        }
+        if self.expiring.contains(&id) {
+            return Err(SessionError::Stopped);
         }
         if let Some(l) = self.live.get(&id) {
             return Ok(l.slot.clone());

@@ -3,12 +3,17 @@
 //! next turn, a notification, a cron fire) must not wait until a client
 //! happens to open it. While it cannot be opened (the store still down)
 //! it is tried again after a pause that grows; one that keeps failing
-//! waits longer each time.
+//! waits longer each time, and after [`TRIES`] failures in a row it is
+//! left for a client to open (a failure its queued work causes would
+//! otherwise run that work again, once a minute, for ever).
 
 use super::*;
 
 /// Failures of one session this long apart start its pauses over.
 const FORGIVEN_AFTER: Duration = Duration::from_secs(600);
+
+/// Failures in a row after which a session is no longer opened by itself.
+const TRIES: u32 = 8;
 
 /// The pause before try `n` (from 0): a second, doubling to a minute.
 fn pause(n: u32) -> Duration {
@@ -34,9 +39,13 @@ impl RegistryState {
 
     fn retry_open(&mut self, myself: &ActorRef<RegistryMsg>, id: SessionId) {
         let now = crate::clock::instant();
+        self.reopening
+            .retain(|_, (_, at)| now.duration_since(*at) <= FORGIVEN_AFTER);
         let (n, at) = self.reopening.entry(id).or_insert((0, now));
-        if now.duration_since(*at) > FORGIVEN_AFTER {
-            *n = 0;
+        if *n >= TRIES {
+            tracing::error!(session = %id, failures = *n, "the session keeps failing; it is not opened again until a client opens it");
+            self.reopening.remove(&id);
+            return;
         }
         let wait = pause(*n);
         (*n, *at) = (n.saturating_add(1), now);
