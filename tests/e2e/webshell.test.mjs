@@ -218,11 +218,28 @@ describe("Web Shell", () => {
       '<textarea hidden id="prompt-text">/mode allow-all</textarea>',
       '<dialog id="permission"><p hidden id="permission-text"></p><p>The agent wants to run ls.</p><div id="permission-options"></div></dialog>',
       '<button id="cancel">x</button> <form id="prompt-form" name="send"><input name="state" id="state"><select id="lang-select"><option>x</option></select></form>',
+      // A banner drawn with the page's own classes, role and strings.
+      '<div class="banner banner-error" role="alert" data-i18n="signIn" data-error-kind="loop_detected" id="last-error">Not signed in</div>',
+      "",
+      "- [x] done",
+      "- [ ] to do",
+      "",
+      "```rust\nfn main() {}\n```",
     ].join("\n");
     await send(p, script([{ say: evil }, { say: " the end" }]));
     await p.waitForFunction(() => document.querySelector(".agent")?.textContent.includes("the end"));
-    const left = await p.$$eval(".agent :is([id], [name], textarea, dialog, button, form, input, select, option)", (ns) => ns.map((n) => n.outerHTML));
+    const left = await p.$$eval(
+      ".agent :is([id], [name], [role], [class*=banner], [data-i18n], [data-error-kind], textarea, dialog, button, form, input, select, option)",
+      (ns) => ns.map((n) => n.outerHTML),
+    );
     assert.deepEqual(left, []);
+    // A task list keeps its checks, as text; code is still highlighted.
+    const text = await p.textContent(".agent");
+    assert.ok(text.includes("☑ done") && text.includes("☐ to do"), text);
+    assert.ok(await p.$(".agent pre code.hljs .hljs-keyword"), "the code block is highlighted");
+    // Switching the language touches the page's own strings only.
+    await p.selectOption("#lang-select", "de");
+    assert.ok((await p.textContent(".agent")).includes("Not signed in"));
     // What the user types is what is sent; a request opens the page's own dialog.
     const write = script([{ tool: { name: "write_file", input: { path: "a.txt", content: "hi" }, output: "written" } }]);
     await send(p, write);
@@ -237,13 +254,15 @@ describe("Web Shell", () => {
     const sid = await session();
     const p = await open(sid);
     await send(p, script([
-      { tool: { name: "write_file", input: { path: "notes/a.txt", content: "first line\nsecond line" }, output: "written" } },
+      { tool: { name: "write_file", input: { path: "notes/a.txt", content: `first line\nsecond line\n${"filler\n".repeat(700)}LAST LINE` }, output: "written" } },
       { tool: { name: "shell", input: { command: "rm -rf build" }, output: "" } },
     ]));
     await p.waitForSelector("dialog#permission[open]");
     const first = await p.textContent("dialog#permission");
     assert.match(first, /notes\/a\.txt/, first);
     assert.match(first, /second line/, first);
+    // All of it: a harmful line after 700 harmless ones is shown too.
+    assert.match(first, /LAST LINE/);
     const request = await p.getAttribute("dialog#permission", "data-request");
     // Esc (or anything else that closes it unanswered) brings it back: the
     // call still waits for a decision.

@@ -11,18 +11,29 @@ import hljs from "/vendor/highlight.min.js";
 // always sanitized before it reaches the page (an agent's text is a
 // hostile document: it may echo whatever it read).
 const markdown = new Marked({ gfm: true, breaks: false });
+// A task list's boxes as text (agent HTML gets no form fields: see SANITIZE).
+markdown.use({ renderer: { checkbox: ({ checked }) => (checked ? "☑" : "☐") } });
 // An image in agent text says what it is, or is marked decorative.
 DOMPurify.addHook("afterSanitizeAttributes", (node) => {
   if (node.tagName === "IMG" && !node.hasAttribute("alt")) node.setAttribute("alt", "");
 });
 // Nothing of it may stand in for the page's own elements: no ids or names
 // (`getElementById` and a form's named fields would find them), no forms,
-// fields, buttons or dialogs (a forged prompt box or permission dialog).
+// fields, buttons or dialogs (a forged prompt box or permission dialog), no
+// roles or data attributes (an alert, a string the page translates), and
+// classes only for code (a banner in the page's own style).
 const SANITIZE = {
   USE_PROFILES: { html: true },
-  FORBID_ATTR: ["id", "name", "form", "formaction", "autofocus"],
+  ALLOW_DATA_ATTR: false,
+  FORBID_ATTR: ["id", "name", "form", "formaction", "autofocus", "role"],
   FORBID_TAGS: ["form", "input", "textarea", "select", "option", "optgroup", "button", "dialog", "datalist", "fieldset", "label", "output", "style"],
 };
+DOMPurify.addHook("uponSanitizeAttribute", (_node, data) => {
+  if (data.attrName === "class") {
+    data.attrValue = data.attrValue.split(/\s+/).filter((c) => /^(language-|hljs)/.test(c)).join(" ");
+    if (!data.attrValue) data.keepAttr = false;
+  }
+});
 function renderMarkdown(node, text) {
   node.innerHTML = DOMPurify.sanitize(markdown.parse(text).trim(), SANITIZE);
   for (const code of node.querySelectorAll("pre code")) {
@@ -111,7 +122,10 @@ function setLanguage(lang) {
   localStorage.setItem("tiller.lang", state.lang);
   document.documentElement.lang = state.lang;
   $("lang-select").value = state.lang;
-  for (const node of document.querySelectorAll("[data-i18n]")) node.textContent = state.t(node.dataset.i18n);
+  // The page's own strings only, never agent text's.
+  for (const node of document.querySelectorAll("[data-i18n]")) {
+    if (!node.closest("#transcript")) node.textContent = state.t(node.dataset.i18n);
+  }
   $("session-search").placeholder = state.t("searchSessions");
   $("session-search").setAttribute("aria-label", state.t("searchSessions"));
   if (state.current) $("session-title").textContent = state.current.title;
@@ -650,9 +664,10 @@ function callView(pp) {
   const paths = pp.locations?.length ? pp.locations : typeof input.path === "string" ? [input.path] : [];
   if (paths.length) parts.push(el("p", { class: "call-paths", text: paths.join("\n") }));
   const diff = pp.diff ? [...(pp.diff.oldText == null ? [] : lines("-", pp.diff.oldText)), ...lines("+", pp.diff.newText)] : diffLines(pp.name, input);
-  if (diff) parts.push(diffView(diff.slice(0, 500)));
+  // All of it (the box scrolls): what is decided on is never cut short.
+  if (diff) parts.push(diffView(diff));
   else if (typeof input.command === "string") parts.push(el("pre", { class: "tool-input", text: input.command }));
-  else if (Object.keys(input).length) parts.push(el("pre", { class: "tool-input", text: JSON.stringify(input, null, 2).slice(0, 20000) }));
+  else if (Object.keys(input).length) parts.push(el("pre", { class: "tool-input", text: JSON.stringify(input, null, 2) }));
   return parts;
 }
 
