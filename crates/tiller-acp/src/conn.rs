@@ -1369,6 +1369,7 @@ fn session_error(e: SessionError) -> Reply {
         } => Reply::Error(RpcError::new(code::INTERNAL_ERROR, e.to_string()).with_data(
             json!({ "errorKind": "owned_elsewhere", "retryable": true, "node": node, "address": address }),
         )),
+        SessionError::HandingOver(_) => store_unavailable(e.to_string()),
         SessionError::Stopped => Reply::Error(
             RpcError::new(code::INTERNAL_ERROR, e.to_string())
                 .with_data(json!({ "errorKind": "session_stopped", "retryable": false })),
@@ -1470,7 +1471,10 @@ impl Shared {
             }
             match self.sessions.open(session).await {
                 Ok(h) if self.attach(&h).await.is_ok() => return,
-                Ok(_) | Err(SessionError::Store(_) | SessionError::Stopped) => {}
+                Ok(_)
+                | Err(
+                    SessionError::Store(_) | SessionError::Stopped | SessionError::HandingOver(_),
+                ) => {}
                 Err(_) => return,
             }
             if !warned && wait >= std::time::Duration::from_secs(1) {

@@ -75,6 +75,7 @@ impl From<SessionError> for ApiError {
                 json!({ "errorKind": "owned_elsewhere", "retryable": true, "message": e.to_string(),
                         "node": node, "address": address }),
             ),
+            SessionError::HandingOver(_) => store_unavailable(e.to_string()),
             SessionError::Stopped => ApiError(
                 StatusCode::SERVICE_UNAVAILABLE,
                 json!({ "errorKind": "session_stopped", "retryable": false, "message": e.to_string() }),

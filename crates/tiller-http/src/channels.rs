@@ -163,6 +163,7 @@ fn forbidden(channel: &str, session: &str) -> ApiError {
 pub async fn post_prompt(
     State(st): State<AppState>,
     Path(channel): Path<String>,
+    uri: axum::http::Uri,
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Result<axum::response::Response, ApiError> {
@@ -210,7 +211,8 @@ pub async fn post_prompt(
         Err(NotHere::Owner { id, node, address })
             if !headers.contains_key(crate::forward::FORWARDED) =>
         {
-            let uri = format!("/api/channels/{channel}/prompts");
+            // The path as it came (the channel's name still encoded).
+            let uri = uri.path().to_owned();
             Ok(crate::forward::carry(&st, (headers, uri, body), id, &node, &address).await)
         }
         Err(NotHere::Owner { id, node, address }) => {

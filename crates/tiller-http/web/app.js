@@ -20,12 +20,14 @@ DOMPurify.addHook("afterSanitizeAttributes", (node) => {
 // Nothing of it may stand in for the page's own elements: no ids or names
 // (`getElementById` and a form's named fields would find them), no forms,
 // fields, buttons or dialogs (a forged prompt box or permission dialog), no
-// roles or data attributes (an alert, a string the page translates), and
-// classes only for code (a banner in the page's own style).
+// roles, aria or data attributes (an alert, a label of the page's own
+// controls, a string the page translates), no tab order, and classes only
+// for code (a banner in the page's own style).
 const SANITIZE = {
   USE_PROFILES: { html: true },
   ALLOW_DATA_ATTR: false,
-  FORBID_ATTR: ["id", "name", "form", "formaction", "autofocus", "role"],
+  ALLOW_ARIA_ATTR: false,
+  FORBID_ATTR: ["id", "name", "form", "formaction", "autofocus", "role", "tabindex"],
   FORBID_TAGS: ["form", "input", "textarea", "select", "option", "optgroup", "button", "dialog", "datalist", "fieldset", "label", "output", "style"],
 };
 DOMPurify.addHook("uponSanitizeAttribute", (_node, data) => {

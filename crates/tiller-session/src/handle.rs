@@ -171,8 +171,8 @@ impl SessionHandle {
         self.prompt_with(text, origin, None).await
     }
 
-    /// Like [`SessionHandle::prompt`], with a webhook that receives the
-    /// final text on `end_turn`.
+    /// Like [`SessionHandle::prompt`], with a webhook that hears how its
+    /// turn ended, with the final text.
     pub async fn prompt_with(
         &self,
         text: String,

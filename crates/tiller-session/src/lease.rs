@@ -50,7 +50,8 @@ impl Sessions {
             if !to_release.is_empty() {
                 let only = Some(to_release.clone());
                 let release = self.store.release_leases(c.node.clone(), only, false);
-                match tokio::time::timeout(c.renew_every, release).await {
+                let by = (clock::instant() + c.renew_every).min(valid_until);
+                match tokio::time::timeout_at(by, release).await {
                     Ok(Ok(())) => {
                         let released = std::mem::take(&mut to_release);
                         let _ = (self.registry).send_message(RegistryMsg::LeasesReleased(released));

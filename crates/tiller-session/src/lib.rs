@@ -141,6 +141,13 @@ pub enum SessionError {
     UnknownEngine(String, String),
     #[error("cwd {0} is not a directory this daemon can use: {1}")]
     BadCwd(String, String),
+    /// This node stopped the session because it could not renew its lease
+    /// in time (the store out of reach): nothing was done; retry in a
+    /// moment (here or on another node).
+    #[error(
+        "session {0} is being handed over (this node could not renew its lease); nothing was done: retry in a moment"
+    )]
+    HandingOver(SessionId),
     /// Another live node serves the session.
     #[error("session {id} is served by node {node} ({address}); retry there or in a moment")]
     Elsewhere {

@@ -1120,3 +1120,36 @@ async fn a_terminal_stored_despite_a_failed_commit_is_what_its_owner_hears() {
         Terminal::Completed(StopReason::EndTurn)
     );
 }
+
+/// An admission reported failed though it was stored (its commit's answer
+/// lost, and no retry left for it) is admitted: its caller was refused a
+/// prompt the log holds, which then settled `store_unavailable`.
+#[tokio::test]
+async fn an_admission_stored_despite_a_failed_commit_is_admitted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    store.ambiguous_next_commit();
+    let (prompt, rx) = h
+        .prompt(r#"{"script": [{"say": "hi"}]}"#.into(), Origin::Interactive)
+        .await
+        .unwrap()
+        .expect("admitted");
+    assert_eq!(
+        rx.await.unwrap().terminal,
+        Terminal::Completed(StopReason::EndTurn)
+    );
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let mine: Vec<&str> = log
+        .iter()
+        .filter(|e| e.prompt == Some(prompt))
+        .map(|e| e.body.kind())
+        .filter(|k| ["prompt_started", "turn_complete", "turn_error"].contains(k))
+        .collect();
+    assert_eq!(
+        mine,
+        ["prompt_started", "turn_complete"],
+        "{:?}",
+        kinds(&log)
+    );
+}

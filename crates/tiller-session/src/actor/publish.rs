@@ -367,6 +367,17 @@ impl SessionState {
         Some(head.last_seq)
     }
 
+    /// Whether `rec`, whose append was reported failed, is in the log
+    /// after all, itself (the log reopened, what it lost sent again):
+    /// another node's reconcile may have written at its number.
+    async fn stored_after_all(&mut self, rec: &EventRecord) -> bool {
+        if self.resend_lost().await.is_none_or(|last| last < rec.seq) {
+            return false;
+        }
+        let there = self.store.events_after(self.id, rec.seq - 1, 1).await;
+        there.is_ok_and(|e| e.first() == Some(&rec.to_stored()))
+    }
+
     /// The store committed this session's events up to `seq`: they are
     /// fanned out, in order, and need no re-sending.
     pub(super) fn committed(&mut self, seq: u64) {
@@ -421,13 +432,22 @@ impl SessionState {
                 .await;
             let stored = match r {
                 Ok(()) => true,
-                Err(e) if attempt < retries && e.is_unavailable() => {
-                    attempt += 1;
-                    tracing::warn!(session = %self.id, error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(25 << (2 * attempt))).await;
+                Err(e) if e.is_unavailable() => {
+                    let last_try = attempt >= retries;
+                    if !last_try {
+                        attempt += 1;
+                        tracing::warn!(session = %self.id, error = %e, attempt, seq = rec.seq, "durable append failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(25 << (2 * attempt))).await;
+                    }
                     // Stored after all (the commit's answer was lost, not
                     // the commit): what the log says is what happened.
-                    self.resend_lost().await.is_some_and(|last| last >= rec.seq)
+                    let stored = self.stored_after_all(&rec).await;
+                    if !stored && last_try {
+                        tracing::error!(session = %self.id, error = %e, seq = rec.seq, "durable append failed; the session stops");
+                        self.failed = Some(crate::SessionFailed::of(&e));
+                        return Err(e);
+                    }
+                    stored
                 }
                 Err(e) => {
                     tracing::error!(session = %self.id, error = %e, seq = rec.seq, "durable append failed; the session stops");

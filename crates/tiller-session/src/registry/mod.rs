@@ -133,7 +133,7 @@ pub struct RegistryState {
     /// their leases are let go.
     expiring: std::collections::HashSet<SessionId>,
     /// Failed sessions opened again: how many times, the last when.
-    reopening: HashMap<SessionId, (u32, tokio::time::Instant)>,
+    reopening: HashMap<SessionId, reopen::Reopening>,
     /// This node, when the store is shared: a session runs here only
     /// while this node holds its lease.
     cluster: Option<Arc<crate::ClusterConfig>>,
@@ -545,7 +545,7 @@ impl RegistryState {
             return Err(SessionError::Unknown(id));
         }
         if self.expiring.contains(&id) {
-            return Err(SessionError::Stopped);
+            return Err(SessionError::HandingOver(id));
         }
         if let Some(l) = self.live.get(&id) {
             return Ok(l.slot.clone());

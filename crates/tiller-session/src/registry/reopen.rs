@@ -3,8 +3,8 @@
 //! next turn, a notification, a cron fire) must not wait until a client
 //! happens to open it. While it cannot be opened (the store still down)
 //! it is tried again after a pause that grows; one that keeps failing
-//! waits longer each time, and after [`TRIES`] failures in a row it is
-//! left for a client to open (a failure its queued work causes would
+//! waits longer each time, and after [`TRIES`] failures of its actor in a
+//! row it is left for a client to open (a failure its queued work causes would
 //! otherwise run that work again, once a minute, for ever).
 
 use super::*;
@@ -12,8 +12,19 @@ use super::*;
 /// Failures of one session this long apart start its pauses over.
 const FORGIVEN_AFTER: Duration = Duration::from_secs(600);
 
-/// Failures in a row after which a session is no longer opened by itself.
+/// Failures of its actor in a row after which a session is no longer
+/// opened by itself.
 const TRIES: u32 = 8;
+
+/// A failed session being opened again.
+pub(super) struct Reopening {
+    /// Failures of its actor.
+    failures: u32,
+    /// Failed opens since it last opened.
+    tries: u32,
+    /// The last of either.
+    at: tokio::time::Instant,
+}
 
 /// The pause before try `n` (from 0): a second, doubling to a minute.
 fn pause(n: u32) -> Duration {
@@ -34,21 +45,34 @@ impl RegistryState {
         if matches!(err.downcast_ref(), Some(Damaged | LeaseLost)) {
             return;
         }
-        self.retry_open(myself, id);
+        self.retry_open(myself, id, true);
     }
 
-    fn retry_open(&mut self, myself: &ActorRef<RegistryMsg>, id: SessionId) {
+    /// Opens it again after a pause: after a failure of its actor
+    /// (`failed`: counted, [`TRIES`] in a row at most), or of an open (the
+    /// store still down: tried for as long as it takes, once a minute at
+    /// most, or its prompts would stay unsettled and its lease held).
+    fn retry_open(&mut self, myself: &ActorRef<RegistryMsg>, id: SessionId, failed: bool) {
         let now = crate::clock::instant();
         self.reopening
-            .retain(|_, (_, at)| now.duration_since(*at) <= FORGIVEN_AFTER);
-        let (n, at) = self.reopening.entry(id).or_insert((0, now));
-        if *n >= TRIES {
-            tracing::error!(session = %id, failures = *n, "the session keeps failing; it is not opened again until a client opens it");
-            self.reopening.remove(&id);
-            return;
+            .retain(|_, r| now.duration_since(r.at) <= FORGIVEN_AFTER);
+        let r = self.reopening.entry(id).or_insert(Reopening {
+            failures: 0,
+            tries: 0,
+            at: now,
+        });
+        if failed {
+            if r.failures >= TRIES {
+                tracing::error!(session = %id, failures = r.failures, "the session keeps failing; it is not opened again until a client opens it");
+                self.reopening.remove(&id);
+                return;
+            }
+            r.failures += 1;
+        } else {
+            r.tries = r.tries.saturating_add(1);
         }
-        let wait = pause(*n);
-        (*n, *at) = (n.saturating_add(1), now);
+        r.at = now;
+        let wait = pause(r.failures.saturating_add(r.tries).saturating_sub(1));
         myself.send_after(wait, move || RegistryMsg::Reopen(id));
     }
 
@@ -56,11 +80,14 @@ impl RegistryState {
     pub(super) async fn reopen(&mut self, myself: &ActorRef<RegistryMsg>, id: SessionId) {
         match self.open(myself, id).await {
             Ok(slot) => {
+                if let Some(r) = self.reopening.get_mut(&id) {
+                    r.tries = 0;
+                }
                 let _ = slot.send(SessionMsg::Kick);
             }
             Err(e @ (SessionError::Store(_) | SessionError::TooManySessions(_))) => {
                 tracing::warn!(session = %id, error = %e, "cannot open the failed session yet; it is tried again");
-                self.retry_open(myself, id);
+                self.retry_open(myself, id, false);
             }
             // Deleted, or another node serves it.
             Err(e) => {
