@@ -368,12 +368,22 @@ impl SessionState {
     }
 
     /// Whether `rec`, whose append was reported failed, is in the log
-    /// after all, itself (the log reopened, what it lost sent again):
-    /// another node's reconcile may have written at its number.
-    async fn stored_after_all(&mut self, rec: &EventRecord) -> bool {
+    /// after all, itself (another node's reconcile may have written at
+    /// its number). Before another try the log is reopened and what it
+    /// lost sent again; on the last, it is only looked at (the session
+    /// fails with nothing more stored) and reopened if `rec` is there.
+    async fn stored_after_all(&mut self, rec: &EventRecord, last_try: bool) -> bool {
+        if last_try {
+            return self.holds(rec).await && self.resend_lost().await.is_some();
+        }
         if self.resend_lost().await.is_none_or(|last| last < rec.seq) {
             return false;
         }
+        self.holds(rec).await
+    }
+
+    /// Whether the log holds `rec` at its number.
+    async fn holds(&mut self, rec: &EventRecord) -> bool {
         let there = self.store.events_after(self.id, rec.seq - 1, 1).await;
         there.is_ok_and(|e| e.first() == Some(&rec.to_stored()))
     }
@@ -441,7 +451,7 @@ impl SessionState {
                     }
                     // Stored after all (the commit's answer was lost, not
                     // the commit): what the log says is what happened.
-                    let stored = self.stored_after_all(&rec).await;
+                    let stored = self.stored_after_all(&rec, last_try).await;
                     if !stored && last_try {
                         tracing::error!(session = %self.id, error = %e, seq = rec.seq, "durable append failed; the session stops");
                         self.failed = Some(crate::SessionFailed::of(&e));
