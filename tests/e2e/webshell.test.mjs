@@ -295,6 +295,30 @@ describe("Web Shell", () => {
     await p.context().close();
   });
 
+  test("a link in agent text to an address on this machine asks first (the page's cookie would go with it)", async () => {
+    const sid = await session();
+    const p = await open(sid);
+    await send(p, script([{ say: "see [the docs](http://127.0.0.1:9/admin) and [more](https://example.invalid/x)" }]));
+    await p.waitForSelector(".agent a");
+    // The real address is shown, whatever the text says.
+    assert.deepEqual(
+      await p.$$eval(".agent a", (as) => as.map((a) => a.title)),
+      ["http://127.0.0.1:9/admin", "https://example.invalid/x"],
+    );
+    const asked = [];
+    p.on("dialog", (d) => {
+      asked.push(d.message());
+      d.dismiss();
+    });
+    const before = p.context().pages().length;
+    await p.click(".agent a >> nth=0");
+    await p.waitForTimeout(300);
+    assert.equal(asked.length, 1, "asked before opening a local address");
+    assert.match(asked[0], /127\.0\.0\.1:9/);
+    assert.equal(p.context().pages().length, before, "declined: nothing opened");
+    await p.context().close();
+  });
+
   test("images in agent text never reach the daemon's API", async () => {
     const sid = await session();
     const p = await open(sid);

@@ -49,7 +49,16 @@ function renderMarkdown(node, text) {
   for (const a of node.querySelectorAll("a[href]")) {
     a.target = "_blank";
     a.rel = "noopener noreferrer";
+    a.title = a.href; // the real address, whatever the text says
   }
+}
+
+/** Whether `url` is on this machine (or this page's host, any port): the
+ * browser sends this page's cookie with a visit there. */
+function local(url) {
+  const h = url.hostname.replace(/^\[|\]$/g, "");
+  return h === location.hostname || h === "localhost" || h.endsWith(".localhost") ||
+    /^127\./.test(h) || h === "::1" || h === "0.0.0.0";
 }
 
 const lines = (sign, text) => String(text ?? "").replace(/\n$/, "").split("\n").map((l) => [sign, l]);
@@ -848,6 +857,20 @@ $("new-session-form").addEventListener("submit", (e) => {
 });
 $("new-close").addEventListener("click", () => $("new-session-dialog").close());
 $("lang-select").addEventListener("change", (e) => setLanguage(e.target.value));
+// A link in agent text to this machine asks first: another port of this
+// host gets the page's cookie with the visit (browsers ignore ports).
+$("transcript").addEventListener("click", (e) => {
+  const a = e.target.closest?.(".markdown a[href]");
+  if (!a) return;
+  let url;
+  try {
+    url = new URL(a.href);
+  } catch {
+    e.preventDefault();
+    return;
+  }
+  if (local(url) && !window.confirm(state.t("openLocal", { url: url.href }))) e.preventDefault();
+});
 $("transcript").addEventListener("scroll", (e) => {
   if (e.target.scrollTop < 20) loadOlder();
 });
