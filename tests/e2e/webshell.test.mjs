@@ -47,6 +47,25 @@ async function send(p, text) {
   await p.click("#send");
 }
 
+/** A TCP proxy in front of the daemon (the network between it and the
+ * browser), listening on a free port, and the sockets it holds open. */
+async function tcpProxy() {
+  const net = await import("node:net");
+  const [host, port] = daemon.listen.split(":");
+  const sockets = new Set();
+  const proxy = net.createServer((client) => {
+    const upstream = net.connect(Number(port), host);
+    client.pipe(upstream).pipe(client);
+    for (const s of [client, upstream]) {
+      sockets.add(s);
+      s.on("error", () => {});
+      s.on("close", () => sockets.delete(s));
+    }
+  });
+  await new Promise((r) => proxy.listen(0, "127.0.0.1", r));
+  return { proxy, sockets };
+}
+
 describe("Web Shell", () => {
   test("a demo prompt streams into the transcript; the page passes an accessibility check", async () => {
     const sid = await session();
@@ -471,19 +490,7 @@ describe("Web Shell", () => {
 
   test("after a network loss the stream resumes from the last event id, without gaps or repeats", async () => {
     // A TCP proxy between the browser and the daemon stands in for the network.
-    const net = await import("node:net");
-    const [host, port] = daemon.listen.split(":");
-    const sockets = new Set();
-    const proxy = net.createServer((client) => {
-      const upstream = net.connect(Number(port), host);
-      client.pipe(upstream).pipe(client);
-      for (const s of [client, upstream]) {
-        sockets.add(s);
-        s.on("error", () => {});
-        s.on("close", () => sockets.delete(s));
-      }
-    });
-    await new Promise((r) => proxy.listen(0, "127.0.0.1", r));
+    const { proxy, sockets } = await tcpProxy();
     const sid = await session();
     const p = await newPage(browser);
     const streams = [];
@@ -504,19 +511,7 @@ describe("Web Shell", () => {
   });
 
   test("the page says when its stream is down, and when the session is gone", async () => {
-    const net = await import("node:net");
-    const [host, port] = daemon.listen.split(":");
-    const sockets = new Set();
-    const proxy = net.createServer((client) => {
-      const upstream = net.connect(Number(port), host);
-      client.pipe(upstream).pipe(client);
-      for (const s of [client, upstream]) {
-        sockets.add(s);
-        s.on("error", () => {});
-        s.on("close", () => sockets.delete(s));
-      }
-    });
-    await new Promise((r) => proxy.listen(0, "127.0.0.1", r));
+    const { proxy, sockets } = await tcpProxy();
     const at = proxy.address().port;
     const sid = await session();
     const p = await newPage(browser);

@@ -91,9 +91,9 @@ impl Retry {
     /// The next try after one more failure at `now`.
     pub fn failed(self, now: i64) -> Retry {
         let failures = self.failures.saturating_add(1);
-        let pause = (1_000i64 << (failures - 1).min(6)).min(60_000);
+        let pause = crate::backoff::doubling(failures - 1, std::time::Duration::from_secs(60));
         Retry {
-            at_ms: now + pause,
+            at_ms: now + pause.as_millis() as i64,
             failures,
         }
     }

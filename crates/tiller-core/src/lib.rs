@@ -8,6 +8,7 @@
 
 #![warn(missing_docs)]
 
+pub mod backoff;
 pub mod cron;
 pub mod goal;
 mod ids;

@@ -33,7 +33,7 @@ fn now_ms() -> i64 {
 
 /// The wait before attempt `n` (1-based): 1 s, 2 s, 4 s ... at most 5 min.
 pub fn backoff(attempt: u32) -> Duration {
-    Duration::from_secs((1u64 << attempt.saturating_sub(1).min(9)).min(300))
+    tiller_core::backoff::doubling(attempt.saturating_sub(1), Duration::from_secs(300))
 }
 
 /// What the worker's attempts share.

@@ -10,6 +10,27 @@ use tiller_core::{ErrorKind, Origin, PromptId, StopReason, Terminal};
 use tiller_session::{Acknowledge, EventBody, PromptRefused, SessionError};
 use tiller_test_support::{Collect, kinds, sessions};
 
+/// The session's log once it holds an event `found` matches (a hang
+/// detector, not a timing: `what` fails the test after 30 s).
+async fn log_once(
+    s: &tiller_session::Sessions,
+    id: tiller_core::SessionId,
+    what: &str,
+    found: impl Fn(&tiller_session::EventRecord) -> bool,
+) -> Vec<tiller_session::EventRecord> {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let log = s.events_after(id, 0, 1000).await.unwrap();
+            if log.iter().any(&found) {
+                return log;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{what}"))
+}
+
 fn contiguous(seqs: &[u64]) -> bool {
     seqs.iter().copied().eq(1..=seqs.len() as u64)
 }
@@ -950,21 +971,10 @@ async fn a_cron_fire_that_cannot_be_stored_is_retried_after_a_pause() {
     let tries = store.cron_fire_calls();
     assert!((1..=6).contains(&tries), "{tries} tries in 2.5 s");
     store.fail_appends(false);
-    // (A hang detector, not a timing.)
-    tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let log = s.events_after(h.id(), 0, 1000).await.unwrap();
-            if log
-                .iter()
-                .any(|e| matches!(e.body, EventBody::CronFired { .. }))
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+    log_once(&s, h.id(), "it fires once the store is back", |e| {
+        matches!(e.body, EventBody::CronFired { .. })
     })
-    .await
-    .expect("it fires once the store is back");
+    .await;
 }
 
 /// A goal replaced while one of the old goal's turns runs starts afresh:
@@ -976,45 +986,24 @@ async fn a_goal_replaced_during_its_turn_is_not_charged_for_the_old_turn() {
     let (s, _store) = sessions(&dir).await;
     let h = s.create("/tmp".into(), None).await.unwrap();
     let id = h.id();
-    let goal_turns = |log: &[tiller_session::EventRecord]| {
-        log.iter()
-            .filter(|e| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "goal"))
-            .count()
-    };
+    let goal_turn = |e: &tiller_session::EventRecord| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "goal");
     s.goal_set(id, r#"{"script": [{"sleep_ms": 800}]}"#.into(), 5)
         .await
         .unwrap();
-    // (Hang detectors, not timings.)
-    tokio::time::timeout(Duration::from_secs(30), async {
-        while goal_turns(&s.events_after(id, 0, 1000).await.unwrap()) == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("the old goal's turn starts");
+    log_once(&s, id, "the old goal's turn starts", goal_turn).await;
     s.goal_set(id, r#"{"script": [{"say": "new"}]}"#.into(), 1)
         .await
         .unwrap();
-    let log = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let log = s.events_after(id, 0, 1000).await.unwrap();
-            if log
-                .iter()
-                .any(|e| matches!(e.body, EventBody::GoalCompleted { .. }))
-            {
-                return log;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    let log = log_once(&s, id, "the new goal completes", |e| {
+        matches!(e.body, EventBody::GoalCompleted { .. })
     })
-    .await
-    .expect("the new goal completes");
+    .await;
     let set = log
         .iter()
         .rposition(|e| matches!(e.body, EventBody::GoalSet { .. }))
         .unwrap();
     assert_eq!(
-        goal_turns(&log[set..]),
+        log[set..].iter().filter(|e| goal_turn(e)).count(),
         1,
         "one turn of the new goal before it completed: {:?}",
         kinds(&log)
@@ -1050,21 +1039,13 @@ async fn work_queued_for_a_failed_session_runs_once_the_store_is_back() {
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     store.fail_appends(false);
-    // (A hang detector, not a timing.)
-    tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let log = s.events_after(id, 0, 1000).await.unwrap();
-            if log
-                .iter()
-                .any(|e| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "notification"))
-            {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the queued notification runs");
+    log_once(
+        &s,
+        id,
+        "the queued notification runs",
+        |e| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "notification"),
+    )
+    .await;
 }
 
 /// A terminal whose commit was reported failed though it was stored (a

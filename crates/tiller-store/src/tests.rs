@@ -1496,13 +1496,10 @@ mod cluster {
         assert_eq!(rec.title, None);
     }
 
-    /// A webhook delivery is attempted by one node at a time; if that
-    /// node dies mid-attempt another one retries it after a while.
-    #[tokio::test]
-    async fn a_delivery_is_attempted_by_one_node_at_a_time() {
-        let (_dir, a, b) = two_nodes();
-        let (s, p) = (SessionId::new(), PromptId::new());
-        let settle = Some(LedgerOp::Settle {
+    /// The terminal of prompt `p` of session `s`, with a webhook delivery
+    /// due at 7.
+    fn settled_with_delivery(s: SessionId, p: PromptId) -> Option<LedgerOp> {
+        Some(LedgerOp::Settle {
             prompt: p,
             delivery: Some(Delivery {
                 id: 0,
@@ -1514,8 +1511,18 @@ mod cluster {
                 attempts: 0,
                 next_at_ms: 7,
             }),
-        });
-        a.append_durable(ev(s, 1, "end"), settle).await.unwrap();
+        })
+    }
+
+    /// A webhook delivery is attempted by one node at a time; if that
+    /// node dies mid-attempt another one retries it after a while.
+    #[tokio::test]
+    async fn a_delivery_is_attempted_by_one_node_at_a_time() {
+        let (_dir, a, b) = two_nodes();
+        let (s, p) = (SessionId::new(), PromptId::new());
+        a.append_durable(ev(s, 1, "end"), settled_with_delivery(s, p))
+            .await
+            .unwrap();
         assert_eq!(a.deliveries_due(1_000).await.unwrap().len(), 1);
         let second = b.deliveries_due(1_000).await.unwrap();
         if a_cluster() {
@@ -1538,20 +1545,9 @@ mod cluster {
     async fn an_attempt_starts_only_while_its_delivery_is_held() {
         let (_dir, a, b) = two_nodes();
         let (s, p) = (SessionId::new(), PromptId::new());
-        let settle = Some(LedgerOp::Settle {
-            prompt: p,
-            delivery: Some(Delivery {
-                id: 0,
-                url: "https://example.invalid/hook".into(),
-                session: s,
-                prompt: p,
-                text: "final".into(),
-                stop_reason: "end_turn".into(),
-                attempts: 0,
-                next_at_ms: 7,
-            }),
-        });
-        a.append_durable(ev(s, 1, "end"), settle).await.unwrap();
+        a.append_durable(ev(s, 1, "end"), settled_with_delivery(s, p))
+            .await
+            .unwrap();
         let mine = a.deliveries_due(1_000).await.unwrap().remove(0);
         if a_cluster() {
             // a's attempt waited past its hold; b took the row meanwhile.

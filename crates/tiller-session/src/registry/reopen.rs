@@ -28,7 +28,7 @@ pub(super) struct Reopening {
 
 /// The pause before try `n` (from 0): a second, doubling to a minute.
 fn pause(n: u32) -> Duration {
-    Duration::from_millis((1_000u64 << n.min(6)).min(60_000))
+    tiller_core::backoff::doubling(n, Duration::from_secs(60))
 }
 
 impl RegistryState {
