@@ -314,6 +314,8 @@ impl Store {
         let mut writer = Writer::new(Box::new(db), shared.clone());
         if beside {
             writer.checkpointer = Some(checkpoint::Checkpointer::start(path, shared.clone())?);
+        } else {
+            writer.set_inline();
         }
         writer.claim = Some(claim);
         Ok((writer, shared))

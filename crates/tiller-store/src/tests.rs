@@ -116,6 +116,33 @@ mod basics {
         }
     }
 
+    /// An inline store's writer (one client, which waits for its
+    /// checkpoints) checkpoints every [`writer::INLINE_CHECKPOINT_FRAMES`],
+    /// not every [`writer::CHECKPOINT_FRAMES`]: a checkpoint's fsyncs are
+    /// its fixed cost.
+    #[tokio::test]
+    async fn an_inline_store_checkpoints_at_its_own_interval() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open_inline(&dir.path().join("t.db")).unwrap();
+        let a = rec(1);
+        store.create_session(a.clone()).await.unwrap();
+        let frames = || store.shared.frames_written.load(Ordering::Relaxed);
+        let checkpoints = || store.shared.checkpoints.load(Ordering::Relaxed);
+        let mut seq = 0;
+        while frames() < writer::INLINE_CHECKPOINT_FRAMES - 10 {
+            seq += 1;
+            store.append_durable(ev(a.id, seq), None).await.unwrap();
+        }
+        assert!(writer::CHECKPOINT_FRAMES < writer::INLINE_CHECKPOINT_FRAMES - 10);
+        assert_eq!(checkpoints(), 0, "checkpointed before {} frames", frames());
+        while frames() < writer::INLINE_CHECKPOINT_FRAMES + 10 {
+            seq += 1;
+            store.append_durable(ev(a.id, seq), None).await.unwrap();
+        }
+        assert_eq!(checkpoints(), 1, "at {} frames", frames());
+        store.close().await;
+    }
+
     /// On the store thread, writes that pause now and then have their log
     /// checkpointed on the checkpoint thread, beside the commits, never by
     /// the writer (whose checkpoint a commit queued meanwhile waited for):
@@ -346,8 +373,8 @@ mod basics {
     const THREAD_BOUND: usize = writer::WAL_CAP_FRAMES + 2 * writer::CHECKPOINT_FRAMES;
 
     /// What the inline store's log stays under: its writer checkpoints
-    /// every [`writer::CHECKPOINT_FRAMES`].
-    const INLINE_BOUND: usize = 2 * writer::CHECKPOINT_FRAMES;
+    /// every [`writer::INLINE_CHECKPOINT_FRAMES`].
+    const INLINE_BOUND: usize = 2 * writer::INLINE_CHECKPOINT_FRAMES;
 
     fn rec(n: i64) -> SessionRecord {
         SessionRecord {
