@@ -133,7 +133,7 @@ mod basics {
             seq += 1;
             store.append_durable(ev(a.id, seq), None).await.unwrap();
         }
-        assert!(writer::CHECKPOINT_FRAMES < writer::INLINE_CHECKPOINT_FRAMES - 10);
+        const { assert!(writer::CHECKPOINT_FRAMES < writer::INLINE_CHECKPOINT_FRAMES - 10) };
         assert_eq!(checkpoints(), 0, "checkpointed before {} frames", frames());
         while frames() < writer::INLINE_CHECKPOINT_FRAMES + 10 {
             seq += 1;
