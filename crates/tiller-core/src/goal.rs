@@ -183,6 +183,58 @@ impl Turns {
     }
 }
 
+/// A session's goal store work that failed: the end of a goal turn not
+/// stored yet, and how many tries in a row failed. While a turn's end
+/// waits, the goal offers nothing (its next turn must not start before the
+/// last one counted), and a goal set or cleared meanwhile drops it (that
+/// turn was not the new goal's). Each try waits a pause doubling from a
+/// second to a minute: a store that is down is not asked again at once,
+/// in a loop, and a read that failed is not taken for "nothing due".
+#[derive(Debug, Default)]
+pub struct Unstored {
+    ends: std::collections::HashMap<crate::SessionId, bool>,
+    failures: std::collections::HashMap<crate::SessionId, u32>,
+}
+
+impl Unstored {
+    /// A read or write of the session's goal failed: the pause before the
+    /// next try.
+    pub fn failed(&mut self, session: crate::SessionId) -> std::time::Duration {
+        let n = self.failures.entry(session).or_insert(0);
+        let pause = crate::backoff::doubling(*n, std::time::Duration::from_secs(60));
+        *n = n.saturating_add(1);
+        pause
+    }
+
+    /// The session's goal was read or written: its failures are forgotten.
+    pub fn succeeded(&mut self, session: crate::SessionId) {
+        self.failures.remove(&session);
+    }
+
+    /// A goal turn of the session ended (`loop_stopped`) and could not be
+    /// stored: it waits to be tried again.
+    pub fn end_waits(&mut self, session: crate::SessionId, loop_stopped: bool) {
+        self.ends.insert(session, loop_stopped);
+    }
+
+    /// Whether a turn's end waits to be stored (the goal offers nothing).
+    pub fn end_waiting(&self, session: crate::SessionId) -> bool {
+        self.ends.contains_key(&session)
+    }
+
+    /// The turn's end that waits, taken to be tried again (`None` once a
+    /// goal set or cleared since dropped it).
+    pub fn take_end(&mut self, session: crate::SessionId) -> Option<bool> {
+        self.ends.remove(&session)
+    }
+
+    /// The session's goal was set or cleared: a turn's end that waits was
+    /// not the new goal's.
+    pub fn replaced(&mut self, session: crate::SessionId) {
+        self.ends.remove(&session);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -206,6 +258,26 @@ mod tests {
         t.offered(b);
         assert!(t.ended(b));
         assert!(!t.ended(b), "no turn was offered");
+    }
+
+    #[test]
+    fn a_failed_goal_store_is_tried_again_after_a_doubling_pause_and_holds_the_goal_back() {
+        let (a, b) = (crate::SessionId::new(), crate::SessionId::new());
+        let mut u = Unstored::default();
+        let pauses: Vec<u64> = (0..8).map(|_| u.failed(a).as_secs()).collect();
+        assert_eq!(pauses, [1, 2, 4, 8, 16, 32, 60, 60]);
+        assert_eq!(u.failed(b).as_secs(), 1, "per session");
+        u.succeeded(a);
+        assert_eq!(u.failed(a).as_secs(), 1, "forgotten once it worked");
+        u.end_waits(a, true);
+        assert!(u.end_waiting(a) && !u.end_waiting(b));
+        assert_eq!(u.take_end(a), Some(true));
+        assert!(!u.end_waiting(a));
+        assert_eq!(u.take_end(a), None, "taken once");
+        u.end_waits(a, false);
+        u.replaced(a);
+        assert!(!u.end_waiting(a), "a new goal drops the old turn's end");
+        assert_eq!(u.take_end(a), None);
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! The goal actor: owns each session's goal (durable) and its pacing
 //! (`tiller_core::goal`). An idle session polls it first; an active goal
 //! offers one continuation turn. Each ended goal turn comes back here, so
-//! three loop-stopped turns in a row pause the goal visibly.
+//! three loop-stopped turns in a row pause the goal visibly. A read or
+//! write the store fails is tried again after a pause
+//! (`tiller_core::goal::Unstored`), never taken for "nothing due".
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use tiller_core::goal::{Goal, GoalChange, GoalStatus, PauseReason, Turns};
+use tiller_core::goal::{Goal, GoalChange, GoalStatus, PauseReason, Turns, Unstored};
 use tiller_core::{Origin, SessionId};
 use tiller_store::{GoalRow, Store, StoreError};
 use tokio::sync::oneshot;
@@ -71,6 +73,13 @@ pub enum GoalMsg {
         loop_stopped: bool,
         inbox: Arc<dyn Inbox>,
     },
+    /// A turn's end that could not be stored is tried again.
+    EndAgain {
+        session: SessionId,
+        inbox: Arc<dyn Inbox>,
+    },
+    /// A session whose goal could not be read looks for work again.
+    Kick(Arc<dyn Inbox>),
 }
 
 /// See the module docs.
@@ -80,6 +89,7 @@ pub struct GoalActor;
 pub struct GoalState {
     store: Store,
     turns: Turns,
+    unstored: Unstored,
 }
 
 fn to_core(row: &GoalRow) -> Goal {
@@ -131,12 +141,13 @@ impl Actor for GoalActor {
         Ok(GoalState {
             store,
             turns: Turns::default(),
+            unstored: Unstored::default(),
         })
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<GoalMsg>,
+        myself: ActorRef<GoalMsg>,
         msg: GoalMsg,
         st: &mut GoalState,
     ) -> Result<(), ActorProcessingErr> {
@@ -153,6 +164,7 @@ impl Actor for GoalActor {
                 let r = store.goal_put(row.clone()).await.map(|()| row);
                 if r.is_ok() {
                     st.turns.set(session);
+                    st.unstored.replaced(session);
                     let set = EventBody::GoalSet {
                         objective,
                         max_turns,
@@ -191,22 +203,32 @@ impl Actor for GoalActor {
                 let r = store.goal_delete(session).await;
                 if let Ok(cleared) = r {
                     st.turns.cleared(session);
+                    st.unstored.replaced(session);
                     publish.send(cleared.then_some((EventBody::GoalCleared, false)));
                 }
                 let _ = reply.send(r);
             }
             GoalMsg::Poll { session, reply } => {
+                if st.unstored.end_waiting(session) {
+                    // Its last turn counts first; the retry kicks it.
+                    reply.offer(None);
+                    return Ok(());
+                }
                 let text = match store.goal_get(session).await {
-                    Ok(Some(row)) => {
-                        let text = to_core(&row).continuation();
+                    Ok(row) => {
+                        st.unstored.succeeded(session);
+                        let text = row.and_then(|row| to_core(&row).continuation());
                         if text.is_some() {
                             st.turns.offered(session);
                         }
                         text
                     }
-                    Ok(None) => None,
                     Err(e) => {
-                        tracing::error!(error = %e, "cannot read a goal");
+                        let pause = st.unstored.failed(session);
+                        tracing::error!(%session, error = %e, ?pause, "cannot read a goal; the session looks again after a pause");
+                        if let Some(inbox) = reply.inbox() {
+                            myself.send_after(pause, move || GoalMsg::Kick(inbox));
+                        }
                         None
                     }
                 };
@@ -217,29 +239,67 @@ impl Actor for GoalActor {
                 loop_stopped,
                 inbox,
             } => {
-                if !st.turns.ended(session) {
-                    return Ok(()); // replaced or cleared meanwhile
+                if st.turns.ended(session) {
+                    end_turn(&myself, st, session, loop_stopped, inbox, false).await;
+                } // else replaced or cleared meanwhile
+            }
+            GoalMsg::EndAgain { session, inbox } => {
+                if let Some(loop_stopped) = st.unstored.take_end(session) {
+                    end_turn(&myself, st, session, loop_stopped, inbox, true).await;
                 }
-                let Ok(Some(row)) = store.goal_get(session).await else {
-                    return Ok(()); // cleared meanwhile
-                };
-                let mut goal = to_core(&row);
-                let change = goal.turn_ended(loop_stopped);
+            }
+            GoalMsg::Kick(inbox) => inbox.kick(),
+        }
+        Ok(())
+    }
+}
+
+/// Counts an ended goal turn in the stored goal and publishes what changed.
+/// A read or write the store fails keeps the end waiting (the goal offers
+/// nothing meanwhile) and tries again after a pause; a retry that stores
+/// it lets the session look for work.
+async fn end_turn(
+    myself: &ActorRef<GoalMsg>,
+    st: &mut GoalState,
+    session: SessionId,
+    loop_stopped: bool,
+    inbox: Arc<dyn Inbox>,
+    again: bool,
+) {
+    let stored = async {
+        let Some(row) = st.store.goal_get(session).await? else {
+            return Ok(None); // cleared meanwhile
+        };
+        let mut goal = to_core(&row);
+        let change = goal.turn_ended(loop_stopped);
+        st.store.goal_put(to_row(session, &goal)).await?;
+        Ok::<_, StoreError>(Some((change, goal.turns_done)))
+    };
+    match stored.await {
+        Ok(done) => {
+            st.unstored.succeeded(session);
+            if let Some((change, turns_done)) = done {
                 metrics::counter!(
                     "tiller_goal_turns_total",
                     "outcome" => if loop_stopped { "loop_stopped" } else { "end_turn" }
                 )
                 .increment(1);
-                if let Err(e) = store.goal_put(to_row(session, &goal)).await {
-                    tracing::error!(error = %e, "cannot store a goal");
-                }
                 if let Some(change) = change {
-                    let (body, kick) = event(change, goal.turns_done);
+                    let (body, kick) = event(change, turns_done);
                     inbox.event(body, kick, None);
+                    return;
                 }
             }
+            if again {
+                inbox.kick(); // it was held back meanwhile
+            }
         }
-        Ok(())
+        Err(e) => {
+            st.unstored.end_waits(session, loop_stopped);
+            let pause = st.unstored.failed(session);
+            tracing::error!(%session, error = %e, ?pause, "cannot count a goal turn; tried again after a pause");
+            myself.send_after(pause, move || GoalMsg::EndAgain { session, inbox });
+        }
     }
 }
 

@@ -119,6 +119,10 @@ impl ports::Inbox for Slot {
     fn event(&self, body: EventBody, kick: bool, ack: Option<ports::Ack>) {
         let _ = self.send(SessionMsg::Automation { body, kick, ack });
     }
+
+    fn kick(&self) {
+        let _ = self.send(SessionMsg::Kick);
+    }
 }
 
 /// A live session.

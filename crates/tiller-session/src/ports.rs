@@ -48,6 +48,8 @@ pub trait Inbox: Send + Sync + 'static {
     /// whether the session should look for work afterwards. `ack`, when
     /// given, is answered once the event is stored (or could not be).
     fn event(&self, body: EventBody, kick: bool, ack: Option<Ack>);
+    /// Lets the session look for work (poll its queues if idle).
+    fn kick(&self);
 }
 
 /// The queues a session polls when idle, in admission order (goal,
@@ -101,6 +103,11 @@ impl PollReply {
             poll,
             inbox: Some(inbox),
         }
+    }
+
+    /// The session's inbox, for a queue that will kick it later.
+    pub fn inbox(&self) -> Option<Arc<dyn Inbox>> {
+        self.inbox.clone()
     }
 
     /// Answers with one item, or nothing due.
@@ -164,6 +171,7 @@ mod tests {
             self.0.lock().unwrap().push((origin, poll, text));
         }
         fn event(&self, _: EventBody, _: bool, _: Option<Ack>) {}
+        fn kick(&self) {}
     }
 
     #[test]

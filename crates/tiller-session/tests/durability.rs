@@ -1010,6 +1010,69 @@ async fn a_goal_replaced_during_its_turn_is_not_charged_for_the_old_turn() {
     );
 }
 
+/// A goal turn whose end the store cannot count is not forgotten: the
+/// goal offers nothing until it is counted (tried again after a pause),
+/// then goes on, each turn counted once. It was taken for a cleared goal:
+/// the turn went uncounted and the session, told "nothing due" by the
+/// failed read of its next poll, waited for a kick that never came.
+#[tokio::test]
+async fn a_goal_turn_the_store_cannot_count_is_counted_once_it_is_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let id = h.id();
+    let goal_turn = |e: &tiller_session::EventRecord| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "goal");
+    s.goal_set(id, r#"{"script": [{"sleep_ms": 300}]}"#.into(), 3)
+        .await
+        .unwrap();
+    log_once(&s, id, "the goal's first turn starts", goal_turn).await;
+    store.fail_goals(true);
+    // The turn ends meanwhile: its count and the next poll fail.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    store.fail_goals(false);
+    let log = log_once(&s, id, "the goal completes", |e| {
+        matches!(e.body, EventBody::GoalCompleted { turns_done: 3 })
+    })
+    .await;
+    assert_eq!(
+        log.iter().filter(|e| goal_turn(e)).count(),
+        3,
+        "{:?}",
+        kinds(&log)
+    );
+}
+
+/// A poll whose read of the goal fails is not "nothing due": the session
+/// looks again after a pause, and the goal runs once the store is back
+/// (it waited for a kick that never came).
+#[tokio::test]
+async fn a_goal_whose_read_fails_at_a_poll_runs_once_the_store_is_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let id = h.id();
+    let (_, rx) = h
+        .prompt(
+            r#"{"script": [{"sleep_ms": 300}]}"#.into(),
+            Origin::Interactive,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    // Set while the user's turn runs; read when it ends, and that fails.
+    s.goal_set(id, r#"{"script": [{"say": "on it"}]}"#.into(), 1)
+        .await
+        .unwrap();
+    store.fail_goals(true);
+    rx.await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    store.fail_goals(false);
+    log_once(&s, id, "the goal completes", |e| {
+        matches!(e.body, EventBody::GoalCompleted { .. })
+    })
+    .await;
+}
+
 /// Work queued for a session whose actor failed (the store went down
 /// mid-turn) runs once the store is back, with nobody opening the session
 /// (it waited until a client happened to).

@@ -146,6 +146,8 @@ pub(crate) struct Shared {
     pub(crate) append_commits: AtomicUsize,
     /// Cron fires the store was asked to record (tests read it).
     pub(crate) cron_fire_calls: AtomicUsize,
+    /// Test switch: goal reads and writes fail.
+    pub(crate) fail_goals: AtomicBool,
     /// Set by a test: the next commit holding an awaited append is
     /// reported failed though it was stored (a connection lost during
     /// `COMMIT`).
@@ -408,6 +410,12 @@ impl Store {
     #[cfg(feature = "test-hooks")]
     pub fn ambiguous_next_commit(&self) {
         self.shared.ambiguous_commit.store(true, Ordering::Relaxed);
+    }
+
+    /// Makes every goal read and write fail until turned off.
+    #[cfg(feature = "test-hooks")]
+    pub fn fail_goals(&self, on: bool) {
+        self.shared.fail_goals.store(on, Ordering::Relaxed);
     }
 
     /// How many cron fires the store was asked to record so far.
@@ -879,12 +887,22 @@ impl Store {
 
     /// A session's goal.
     pub async fn goal_get(&self, session: SessionId) -> Result<Option<GoalRow>, StoreError> {
+        self.goals_failing()?;
         self.call(move |c| c.goal_get(session)).await
     }
 
     /// Stores (replaces) a session's goal.
     pub async fn goal_put(&self, goal: GoalRow) -> Result<(), StoreError> {
+        self.goals_failing()?;
         self.call(move |c| c.goal_put(&goal)).await
+    }
+
+    /// A test made goal reads and writes fail.
+    fn goals_failing(&self) -> Result<(), StoreError> {
+        match self.shared.fail_goals.load(Ordering::Relaxed) {
+            true => Err(StoreError::Injected),
+            false => Ok(()),
+        }
     }
 
     /// Clears a session's goal; false when it had none.
