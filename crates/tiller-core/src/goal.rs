@@ -193,22 +193,19 @@ impl Turns {
 #[derive(Debug, Default)]
 pub struct Unstored {
     ends: std::collections::HashMap<crate::SessionId, bool>,
-    failures: std::collections::HashMap<crate::SessionId, u32>,
+    failures: crate::backoff::Failures<crate::SessionId>,
 }
 
 impl Unstored {
     /// A read or write of the session's goal failed: the pause before the
     /// next try.
     pub fn failed(&mut self, session: crate::SessionId) -> std::time::Duration {
-        let n = self.failures.entry(session).or_insert(0);
-        let pause = crate::backoff::doubling(*n, std::time::Duration::from_secs(60));
-        *n = n.saturating_add(1);
-        pause
+        self.failures.failed(session)
     }
 
     /// The session's goal was read or written: its failures are forgotten.
     pub fn succeeded(&mut self, session: crate::SessionId) {
-        self.failures.remove(&session);
+        self.failures.succeeded(&session);
     }
 
     /// A goal turn of the session ended (`loop_stopped`) and could not be

@@ -17,7 +17,8 @@ use tokio::sync::oneshot;
 
 use crate::SessionError;
 use crate::event::EventBody;
-use crate::ports::{PollReply, Waker, Work, WorkQueue};
+use crate::ports::{Inbox, PollReply, Waker, Work, WorkQueue};
+use tiller_core::backoff::Failures;
 
 /// Why a job could not be added.
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +67,8 @@ pub enum CronMsg {
     /// share (jobs they added, fires they recorded); the answer is the
     /// sessions with a waiting fire.
     Reload(oneshot::Sender<Vec<SessionId>>),
+    /// A session whose fires could not be read looks for work again.
+    Kick(Arc<dyn Inbox>),
 }
 
 /// See the module docs.
@@ -85,6 +88,8 @@ pub struct CronState {
     /// Jobs whose due fire could not be stored, and when they are tried
     /// again.
     retry: HashMap<String, Retry>,
+    /// Sessions whose fires could not be read again (a shared store).
+    failures: Failures<SessionId>,
 }
 
 fn now_ms() -> i64 {
@@ -109,6 +114,7 @@ impl Actor for CronActor {
             sessions: None,
             timer: None,
             retry: HashMap::new(),
+            failures: Failures::default(),
         })
     }
 
@@ -155,12 +161,20 @@ impl Actor for CronActor {
                 // again first (see the notification actor's poll).
                 if st.store.shared_by_nodes() {
                     match st.store.cron_fires_of(session).await {
-                        Ok(rows) => st.fires.put_back(
-                            session,
-                            (!rows.is_empty()).then(|| rows.into_iter().map(waiting).collect()),
-                        ),
+                        Ok(rows) => {
+                            st.failures.succeeded(&session);
+                            st.fires.put_back(
+                                session,
+                                (!rows.is_empty()).then(|| rows.into_iter().map(waiting).collect()),
+                            );
+                        }
                         Err(e) => {
-                            tracing::warn!(%session, error = %e, "cannot read the session's cron fires");
+                            // Not "nothing due": the session looks again.
+                            let pause = st.failures.failed(session);
+                            tracing::warn!(%session, error = %e, ?pause, "cannot read the session's cron fires; it looks again after a pause");
+                            if let Some(inbox) = reply.inbox() {
+                                myself.send_after(pause, move || CronMsg::Kick(inbox));
+                            }
                             reply.offer(None);
                             return Ok(());
                         }
@@ -180,6 +194,7 @@ impl Actor for CronActor {
                 reply.offer(work);
             }
             CronMsg::Started { session, id } => st.fires.consumed(session, id),
+            CronMsg::Kick(inbox) => inbox.kick(),
             CronMsg::Reload(reply) => {
                 match st.reload().await {
                     Ok(()) => {

@@ -11,7 +11,9 @@ use tiller_core::{Origin, SessionId};
 use tiller_store::{Enqueued, Notification, Store, StoreError};
 use tokio::sync::oneshot;
 
-use crate::ports::{PollReply, Work, WorkQueue};
+use crate::ports::{Inbox, PollReply, Work, WorkQueue};
+use std::sync::Arc;
+use tiller_core::backoff::Failures;
 
 /// The closed set of messages the notification actor handles.
 pub enum NotifyMsg {
@@ -35,6 +37,8 @@ pub enum NotifyMsg {
     /// queued for sessions this node now serves); the answer is the
     /// sessions with a queued notification.
     Reload(oneshot::Sender<Vec<SessionId>>),
+    /// A session whose queue could not be read looks for work again.
+    Kick(Arc<dyn Inbox>),
 }
 
 /// See the module docs.
@@ -62,6 +66,8 @@ pub struct NotifyState {
     queues: Queues,
     /// Most notifications queued per session.
     cap: usize,
+    /// Sessions whose queue could not be read again (a shared store).
+    failures: Failures<SessionId>,
 }
 
 impl NotifyState {
@@ -81,14 +87,19 @@ impl Actor for NotifyActor {
         (store, cap): (Store, usize),
     ) -> Result<NotifyState, ActorProcessingErr> {
         let queues = load(&store, cap).await?;
-        let st = NotifyState { store, queues, cap };
+        let st = NotifyState {
+            store,
+            queues,
+            cap,
+            failures: Failures::default(),
+        };
         st.gauge();
         Ok(st)
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<NotifyMsg>,
+        myself: ActorRef<NotifyMsg>,
         msg: NotifyMsg,
         st: &mut NotifyState,
     ) -> Result<(), ActorProcessingErr> {
@@ -136,12 +147,20 @@ impl Actor for NotifyActor {
                 // lease, so nobody else consumes its rows meanwhile.
                 if st.store.shared_by_nodes() {
                     match st.store.notifications_of(session).await {
-                        Ok(rows) => st.queues.put_back(
-                            session,
-                            (!rows.is_empty()).then(|| rows.into_iter().map(queued).collect()),
-                        ),
+                        Ok(rows) => {
+                            st.failures.succeeded(&session);
+                            st.queues.put_back(
+                                session,
+                                (!rows.is_empty()).then(|| rows.into_iter().map(queued).collect()),
+                            );
+                        }
                         Err(e) => {
-                            tracing::warn!(%session, error = %e, "cannot read the session's notifications");
+                            // Not "nothing due": the session looks again.
+                            let pause = st.failures.failed(session);
+                            tracing::warn!(%session, error = %e, ?pause, "cannot read the session's notifications; it looks again after a pause");
+                            if let Some(inbox) = reply.inbox() {
+                                myself.send_after(pause, move || NotifyMsg::Kick(inbox));
+                            }
                             reply.offer(None);
                             return Ok(());
                         }
@@ -174,6 +193,7 @@ impl Actor for NotifyActor {
                 }
                 Err(e) => tracing::warn!(error = %e, "cannot reload the notification queues"),
             },
+            NotifyMsg::Kick(inbox) => inbox.kick(),
         }
         Ok(())
     }

@@ -1073,6 +1073,68 @@ async fn a_goal_whose_read_fails_at_a_poll_runs_once_the_store_is_back() {
     .await;
 }
 
+/// On a store nodes share, a session's queued notification and cron fire
+/// are read again at each poll; a read that fails is not "nothing due":
+/// the session looks again after a pause, and the work runs once the
+/// store is back (it waited for a kick that never came).
+#[tokio::test]
+async fn queued_work_whose_read_fails_at_a_poll_runs_once_the_store_is_back() {
+    for origin in ["notification", "cron"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (s, store) = sessions(&dir).await;
+        let h = s.create("/tmp".into(), None).await.unwrap();
+        let id = h.id();
+        let (_, rx) = h
+            .prompt(
+                r#"{"script": [{"sleep_ms": 3000}]}"#.into(),
+                Origin::Interactive,
+            )
+            .await
+            .unwrap()
+            .unwrap();
+        // Queued while the user's turn runs.
+        if origin == "notification" {
+            s.notify(id, "t".into(), r#"{"script": [{"say": "noted"}]}"#.into())
+                .await
+                .unwrap();
+        } else {
+            // Once, a second from now (no later fire kicks the session).
+            let at = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs()
+                + 1;
+            let (sec, min, hour) = (at % 60, at / 60 % 60, at / 3600 % 24);
+            s.cron_add(
+                id,
+                format!("{sec} {min} {hour} * * *"),
+                "UTC".into(),
+                "tick".into(),
+            )
+            .await
+            .unwrap()
+            .unwrap();
+            log_once(&s, id, "the job fires", |e| {
+                matches!(e.body, EventBody::CronFired { .. })
+            })
+            .await;
+        }
+        store.read_queues_as_if_shared();
+        // Only this queue's reads fail (another's retry would kick it).
+        store.fail_queue_reads(origin == "notification", origin == "cron");
+        rx.await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        store.fail_queue_reads(false, false);
+        log_once(
+            &s,
+            id,
+            origin,
+            |e| matches!(&e.body, EventBody::PromptStarted { origin: o } if o == origin),
+        )
+        .await;
+    }
+}
+
 /// Work queued for a session whose actor failed (the store went down
 /// mid-turn) runs once the store is back, with nobody opening the session
 /// (it waited until a client happened to).

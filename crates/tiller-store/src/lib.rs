@@ -148,6 +148,10 @@ pub(crate) struct Shared {
     pub(crate) cron_fire_calls: AtomicUsize,
     /// Test switch: goal reads and writes fail.
     pub(crate) fail_goals: AtomicBool,
+    /// Test switches: reads of a session's notifications, of its cron
+    /// fires, fail.
+    pub(crate) fail_notification_reads: AtomicBool,
+    pub(crate) fail_cron_reads: AtomicBool,
     /// Set by a test: the next commit holding an awaited append is
     /// reported failed though it was stored (a connection lost during
     /// `COMMIT`).
@@ -416,6 +420,23 @@ impl Store {
     #[cfg(feature = "test-hooks")]
     pub fn fail_goals(&self, on: bool) {
         self.shared.fail_goals.store(on, Ordering::Relaxed);
+    }
+
+    /// Makes every read of one session's notifications, and of its cron
+    /// fires, fail (or not) until changed.
+    #[cfg(feature = "test-hooks")]
+    pub fn fail_queue_reads(&self, notifications: bool, cron_fires: bool) {
+        let s = &self.shared;
+        s.fail_notification_reads
+            .store(notifications, Ordering::Relaxed);
+        s.fail_cron_reads.store(cron_fires, Ordering::Relaxed);
+    }
+
+    /// Makes the queue actors read a session's queue again at each poll,
+    /// as they do when nodes share the store.
+    #[cfg(feature = "test-hooks")]
+    pub fn read_queues_as_if_shared(&self) {
+        self.shared.clustered.store(true, Ordering::Relaxed);
     }
 
     /// How many cron fires the store was asked to record so far.
@@ -817,6 +838,7 @@ impl Store {
         &self,
         session: SessionId,
     ) -> Result<Vec<Notification>, StoreError> {
+        Self::failing(&self.shared.fail_notification_reads)?;
         self.call(move |c| c.notifications(Some(session))).await
     }
 
@@ -877,6 +899,7 @@ impl Store {
 
     /// One session's waiting fires, oldest first.
     pub async fn cron_fires_of(&self, session: SessionId) -> Result<Vec<CronFire>, StoreError> {
+        Self::failing(&self.shared.fail_cron_reads)?;
         self.call(move |c| c.cron_fires(Some(session))).await
     }
 
@@ -887,19 +910,19 @@ impl Store {
 
     /// A session's goal.
     pub async fn goal_get(&self, session: SessionId) -> Result<Option<GoalRow>, StoreError> {
-        self.goals_failing()?;
+        Self::failing(&self.shared.fail_goals)?;
         self.call(move |c| c.goal_get(session)).await
     }
 
     /// Stores (replaces) a session's goal.
     pub async fn goal_put(&self, goal: GoalRow) -> Result<(), StoreError> {
-        self.goals_failing()?;
+        Self::failing(&self.shared.fail_goals)?;
         self.call(move |c| c.goal_put(&goal)).await
     }
 
-    /// A test made goal reads and writes fail.
-    fn goals_failing(&self) -> Result<(), StoreError> {
-        match self.shared.fail_goals.load(Ordering::Relaxed) {
+    /// A test switch made this fail.
+    fn failing(switch: &AtomicBool) -> Result<(), StoreError> {
+        match switch.load(Ordering::Relaxed) {
             true => Err(StoreError::Injected),
             false => Ok(()),
         }
