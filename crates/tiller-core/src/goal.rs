@@ -183,31 +183,17 @@ impl Turns {
     }
 }
 
-/// A session's goal store work that failed: the end of a goal turn not
-/// stored yet, and how many tries in a row failed. While a turn's end
-/// waits, the goal offers nothing (its next turn must not start before the
-/// last one counted), and a goal set or cleared meanwhile drops it (that
-/// turn was not the new goal's). Each try waits a pause doubling from a
-/// second to a minute: a store that is down is not asked again at once,
-/// in a loop, and a read that failed is not taken for "nothing due".
+/// The ends of goal turns the store could not count yet, per session.
+/// While a turn's end waits, the goal offers nothing (its next turn must
+/// not start before the last one counted); a goal set or cleared meanwhile
+/// drops it (that turn was not the new goal's). The tries again are the
+/// queue actors' (`crate::backoff::Failures`).
 #[derive(Debug, Default)]
 pub struct Unstored {
     ends: std::collections::HashMap<crate::SessionId, bool>,
-    failures: crate::backoff::Failures<crate::SessionId>,
 }
 
 impl Unstored {
-    /// A read or write of the session's goal failed: the pause before the
-    /// next try.
-    pub fn failed(&mut self, session: crate::SessionId) -> std::time::Duration {
-        self.failures.failed(session)
-    }
-
-    /// The session's goal was read or written: its failures are forgotten.
-    pub fn succeeded(&mut self, session: crate::SessionId) {
-        self.failures.succeeded(&session);
-    }
-
     /// A goal turn of the session ended (`loop_stopped`) and could not be
     /// stored: it waits to be tried again.
     pub fn end_waits(&mut self, session: crate::SessionId, loop_stopped: bool) {
@@ -258,14 +244,9 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_goal_store_is_tried_again_after_a_doubling_pause_and_holds_the_goal_back() {
+    fn an_uncounted_turn_end_holds_the_goal_back_until_taken_or_replaced() {
         let (a, b) = (crate::SessionId::new(), crate::SessionId::new());
         let mut u = Unstored::default();
-        let pauses: Vec<u64> = (0..8).map(|_| u.failed(a).as_secs()).collect();
-        assert_eq!(pauses, [1, 2, 4, 8, 16, 32, 60, 60]);
-        assert_eq!(u.failed(b).as_secs(), 1, "per session");
-        u.succeeded(a);
-        assert_eq!(u.failed(a).as_secs(), 1, "forgotten once it worked");
         u.end_waits(a, true);
         assert!(u.end_waiting(a) && !u.end_waiting(b));
         assert_eq!(u.take_end(a), Some(true));

@@ -17,8 +17,7 @@ use tokio::sync::oneshot;
 
 use crate::SessionError;
 use crate::event::EventBody;
-use crate::ports::{Inbox, PollReply, Waker, Work, WorkQueue};
-use tiller_core::backoff::Failures;
+use crate::ports::{PollReply, Retries, Waker, Work, WorkQueue};
 
 /// Why a job could not be added.
 #[derive(Debug, thiserror::Error)]
@@ -67,8 +66,9 @@ pub enum CronMsg {
     /// share (jobs they added, fires they recorded); the answer is the
     /// sessions with a waiting fire.
     Reload(oneshot::Sender<Vec<SessionId>>),
-    /// A session whose fires could not be read looks for work again.
-    Kick(Arc<dyn Inbox>),
+    /// The try again after a failed read of the session's fires is due:
+    /// the session looks for work again.
+    Retry(SessionId),
 }
 
 /// See the module docs.
@@ -89,7 +89,7 @@ pub struct CronState {
     /// again.
     retry: HashMap<String, Retry>,
     /// Sessions whose fires could not be read again (a shared store).
-    failures: Failures<SessionId>,
+    retries: Retries,
 }
 
 fn now_ms() -> i64 {
@@ -114,7 +114,7 @@ impl Actor for CronActor {
             sessions: None,
             timer: None,
             retry: HashMap::new(),
-            failures: Failures::default(),
+            retries: Retries::default(),
         })
     }
 
@@ -162,7 +162,7 @@ impl Actor for CronActor {
                 if st.store.shared_by_nodes() {
                     match st.store.cron_fires_of(session).await {
                         Ok(rows) => {
-                            st.failures.succeeded(&session);
+                            st.retries.succeeded(session);
                             st.fires.put_back(
                                 session,
                                 (!rows.is_empty()).then(|| rows.into_iter().map(waiting).collect()),
@@ -170,10 +170,9 @@ impl Actor for CronActor {
                         }
                         Err(e) => {
                             // Not "nothing due": the session looks again.
-                            let pause = st.failures.failed(session);
-                            tracing::warn!(%session, error = %e, ?pause, "cannot read the session's cron fires; it looks again after a pause");
-                            if let Some(inbox) = reply.inbox() {
-                                myself.send_after(pause, move || CronMsg::Kick(inbox));
+                            tracing::warn!(%session, error = %e, "cannot read the session's cron fires; it looks again after a pause");
+                            if let Some(pause) = st.retries.failed(session, reply.inbox()) {
+                                myself.send_after(pause, move || CronMsg::Retry(session));
                             }
                             reply.offer(None);
                             return Ok(());
@@ -194,7 +193,11 @@ impl Actor for CronActor {
                 reply.offer(work);
             }
             CronMsg::Started { session, id } => st.fires.consumed(session, id),
-            CronMsg::Kick(inbox) => inbox.kick(),
+            CronMsg::Retry(session) => {
+                if let Some(inbox) = st.retries.due(session) {
+                    inbox.kick();
+                }
+            }
             CronMsg::Reload(reply) => {
                 match st.reload().await {
                     Ok(()) => {
@@ -207,6 +210,7 @@ impl Actor for CronActor {
             CronMsg::Forget(session) => {
                 st.jobs.retain(|_, (job, _)| job.session != session);
                 st.fires.put_back(session, None);
+                st.retries.forget(session);
             }
         }
         Ok(())

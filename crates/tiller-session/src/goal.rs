@@ -2,8 +2,9 @@
 //! (`tiller_core::goal`). An idle session polls it first; an active goal
 //! offers one continuation turn. Each ended goal turn comes back here, so
 //! three loop-stopped turns in a row pause the goal visibly. A read or
-//! write the store fails is tried again after a pause
-//! (`tiller_core::goal::Unstored`), never taken for "nothing due".
+//! write the store fails is tried again after a pause (`ports::Retries`;
+//! an uncounted turn's end holds the goal back, `tiller_core::goal::Unstored`),
+//! never taken for "nothing due".
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tiller_core::goal::{Goal, GoalChange, GoalStatus, PauseReason, Turns, Unstored};
@@ -14,7 +15,7 @@ use tokio::sync::oneshot;
 use std::sync::Arc;
 
 use crate::event::EventBody;
-use crate::ports::{Ack, Inbox, PollReply, Work, WorkQueue};
+use crate::ports::{Ack, Inbox, PollReply, Retries, Work, WorkQueue};
 
 /// Where a change's event goes: the session's inbox, and the answer the
 /// caller waits for once the event is stored. A change publishes its event
@@ -73,13 +74,9 @@ pub enum GoalMsg {
         loop_stopped: bool,
         inbox: Arc<dyn Inbox>,
     },
-    /// A turn's end that could not be stored is tried again.
-    EndAgain {
-        session: SessionId,
-        inbox: Arc<dyn Inbox>,
-    },
-    /// A session whose goal could not be read looks for work again.
-    Kick(Arc<dyn Inbox>),
+    /// The try again after the store failed the session's goal is due:
+    /// a turn's end waiting is stored, else the session looks for work.
+    Retry(SessionId),
 }
 
 /// See the module docs.
@@ -90,6 +87,7 @@ pub struct GoalState {
     store: Store,
     turns: Turns,
     unstored: Unstored,
+    retries: Retries,
 }
 
 fn to_core(row: &GoalRow) -> Goal {
@@ -142,6 +140,7 @@ impl Actor for GoalActor {
             store,
             turns: Turns::default(),
             unstored: Unstored::default(),
+            retries: Retries::default(),
         })
     }
 
@@ -165,6 +164,7 @@ impl Actor for GoalActor {
                 if r.is_ok() {
                     st.turns.set(session);
                     st.unstored.replaced(session);
+                    st.retries.succeeded(session);
                     let set = EventBody::GoalSet {
                         objective,
                         max_turns,
@@ -204,19 +204,21 @@ impl Actor for GoalActor {
                 if let Ok(cleared) = r {
                     st.turns.cleared(session);
                     st.unstored.replaced(session);
+                    st.retries.succeeded(session);
                     publish.send(cleared.then_some((EventBody::GoalCleared, false)));
                 }
                 let _ = reply.send(r);
             }
             GoalMsg::Poll { session, reply } => {
                 if st.unstored.end_waiting(session) {
-                    // Its last turn counts first; the retry kicks it.
+                    // Its last turn counts first; the try again kicks it.
+                    st.retries.waiting(session, reply.inbox());
                     reply.offer(None);
                     return Ok(());
                 }
                 let text = match store.goal_get(session).await {
                     Ok(row) => {
-                        st.unstored.succeeded(session);
+                        st.retries.succeeded(session);
                         let text = row.and_then(|row| to_core(&row).continuation());
                         if text.is_some() {
                             st.turns.offered(session);
@@ -224,10 +226,9 @@ impl Actor for GoalActor {
                         text
                     }
                     Err(e) => {
-                        let pause = st.unstored.failed(session);
-                        tracing::error!(%session, error = %e, ?pause, "cannot read a goal; the session looks again after a pause");
-                        if let Some(inbox) = reply.inbox() {
-                            myself.send_after(pause, move || GoalMsg::Kick(inbox));
+                        tracing::error!(%session, error = %e, "cannot read a goal; the session looks again after a pause");
+                        if let Some(pause) = st.retries.failed(session, reply.inbox()) {
+                            myself.send_after(pause, move || GoalMsg::Retry(session));
                         }
                         None
                     }
@@ -243,12 +244,17 @@ impl Actor for GoalActor {
                     end_turn(&myself, st, session, loop_stopped, inbox, false).await;
                 } // else replaced or cleared meanwhile
             }
-            GoalMsg::EndAgain { session, inbox } => {
-                if let Some(loop_stopped) = st.unstored.take_end(session) {
-                    end_turn(&myself, st, session, loop_stopped, inbox, true).await;
+            GoalMsg::Retry(session) => {
+                let Some(inbox) = st.retries.due(session) else {
+                    return Ok(());
+                };
+                match st.unstored.take_end(session) {
+                    Some(loop_stopped) => {
+                        end_turn(&myself, st, session, loop_stopped, inbox, true).await;
+                    }
+                    None => inbox.kick(),
                 }
             }
-            GoalMsg::Kick(inbox) => inbox.kick(),
         }
         Ok(())
     }
@@ -256,8 +262,8 @@ impl Actor for GoalActor {
 
 /// Counts an ended goal turn in the stored goal and publishes what changed.
 /// A read or write the store fails keeps the end waiting (the goal offers
-/// nothing meanwhile) and tries again after a pause; a retry that stores
-/// it lets the session look for work.
+/// nothing meanwhile) and tries again after a pause; a try again that
+/// stores it lets the session (its latest inbox) look for work.
 async fn end_turn(
     myself: &ActorRef<GoalMsg>,
     st: &mut GoalState,
@@ -277,7 +283,7 @@ async fn end_turn(
     };
     match stored.await {
         Ok(done) => {
-            st.unstored.succeeded(session);
+            st.retries.succeeded(session);
             if let Some((change, turns_done)) = done {
                 metrics::counter!(
                     "tiller_goal_turns_total",
@@ -296,9 +302,10 @@ async fn end_turn(
         }
         Err(e) => {
             st.unstored.end_waits(session, loop_stopped);
-            let pause = st.unstored.failed(session);
-            tracing::error!(%session, error = %e, ?pause, "cannot count a goal turn; tried again after a pause");
-            myself.send_after(pause, move || GoalMsg::EndAgain { session, inbox });
+            tracing::error!(%session, error = %e, "cannot count a goal turn; tried again after a pause");
+            if let Some(pause) = st.retries.failed(session, Some(inbox)) {
+                myself.send_after(pause, move || GoalMsg::Retry(session));
+            }
         }
     }
 }

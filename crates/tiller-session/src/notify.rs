@@ -11,9 +11,7 @@ use tiller_core::{Origin, SessionId};
 use tiller_store::{Enqueued, Notification, Store, StoreError};
 use tokio::sync::oneshot;
 
-use crate::ports::{Inbox, PollReply, Work, WorkQueue};
-use std::sync::Arc;
-use tiller_core::backoff::Failures;
+use crate::ports::{PollReply, Retries, Work, WorkQueue};
 
 /// The closed set of messages the notification actor handles.
 pub enum NotifyMsg {
@@ -37,8 +35,9 @@ pub enum NotifyMsg {
     /// queued for sessions this node now serves); the answer is the
     /// sessions with a queued notification.
     Reload(oneshot::Sender<Vec<SessionId>>),
-    /// A session whose queue could not be read looks for work again.
-    Kick(Arc<dyn Inbox>),
+    /// The try again after a failed read of the session's queue is due:
+    /// the session looks for work again.
+    Retry(SessionId),
 }
 
 /// See the module docs.
@@ -67,7 +66,7 @@ pub struct NotifyState {
     /// Most notifications queued per session.
     cap: usize,
     /// Sessions whose queue could not be read again (a shared store).
-    failures: Failures<SessionId>,
+    retries: Retries,
 }
 
 impl NotifyState {
@@ -91,7 +90,7 @@ impl Actor for NotifyActor {
             store,
             queues,
             cap,
-            failures: Failures::default(),
+            retries: Retries::default(),
         };
         st.gauge();
         Ok(st)
@@ -148,7 +147,7 @@ impl Actor for NotifyActor {
                 if st.store.shared_by_nodes() {
                     match st.store.notifications_of(session).await {
                         Ok(rows) => {
-                            st.failures.succeeded(&session);
+                            st.retries.succeeded(session);
                             st.queues.put_back(
                                 session,
                                 (!rows.is_empty()).then(|| rows.into_iter().map(queued).collect()),
@@ -156,10 +155,9 @@ impl Actor for NotifyActor {
                         }
                         Err(e) => {
                             // Not "nothing due": the session looks again.
-                            let pause = st.failures.failed(session);
-                            tracing::warn!(%session, error = %e, ?pause, "cannot read the session's notifications; it looks again after a pause");
-                            if let Some(inbox) = reply.inbox() {
-                                myself.send_after(pause, move || NotifyMsg::Kick(inbox));
+                            tracing::warn!(%session, error = %e, "cannot read the session's notifications; it looks again after a pause");
+                            if let Some(pause) = st.retries.failed(session, reply.inbox()) {
+                                myself.send_after(pause, move || NotifyMsg::Retry(session));
                             }
                             reply.offer(None);
                             return Ok(());
@@ -183,6 +181,7 @@ impl Actor for NotifyActor {
             }
             NotifyMsg::Forget(session) => {
                 st.queues.put_back(session, None);
+                st.retries.forget(session);
                 st.gauge();
             }
             NotifyMsg::Reload(reply) => match load(&st.store, st.cap).await {
@@ -193,7 +192,11 @@ impl Actor for NotifyActor {
                 }
                 Err(e) => tracing::warn!(error = %e, "cannot reload the notification queues"),
             },
-            NotifyMsg::Kick(inbox) => inbox.kick(),
+            NotifyMsg::Retry(session) => {
+                if let Some(inbox) = st.retries.due(session) {
+                    inbox.kick();
+                }
+            }
         }
         Ok(())
     }

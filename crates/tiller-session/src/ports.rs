@@ -128,6 +128,54 @@ impl Drop for PollReply {
     }
 }
 
+/// A queue actor's tries again after the store failed it, per session:
+/// at most one armed at a time ([`tiller_core::backoff::Failures`]), and
+/// the inbox to kick when it is due: the latest one a poll came from (a
+/// session opened again since has a new one).
+#[derive(Default)]
+pub struct Retries {
+    failures: tiller_core::backoff::Failures<SessionId>,
+    inboxes: std::collections::HashMap<SessionId, Arc<dyn Inbox>>,
+}
+
+impl Retries {
+    /// The store failed a read or write for `session`, on behalf of
+    /// `inbox`: the pause before the try again, when one is to be armed.
+    pub fn failed(
+        &mut self,
+        session: SessionId,
+        inbox: Option<Arc<dyn Inbox>>,
+    ) -> Option<std::time::Duration> {
+        self.waiting(session, inbox);
+        self.failures.failed(session)
+    }
+
+    /// A poll of `session` held back while a try is armed: its inbox is
+    /// the one to kick.
+    pub fn waiting(&mut self, session: SessionId, inbox: Option<Arc<dyn Inbox>>) {
+        if let Some(inbox) = inbox {
+            self.inboxes.insert(session, inbox);
+        }
+    }
+
+    /// The armed try is due: the inbox to kick (or to try for).
+    pub fn due(&mut self, session: SessionId) -> Option<Arc<dyn Inbox>> {
+        self.failures.due(&session);
+        self.inboxes.remove(&session)
+    }
+
+    /// The store worked for `session`.
+    pub fn succeeded(&mut self, session: SessionId) {
+        self.failures.succeeded(&session);
+    }
+
+    /// `session` was deleted.
+    pub fn forget(&mut self, session: SessionId) {
+        self.failures.forget(&session);
+        self.inboxes.remove(&session);
+    }
+}
+
 /// Answered once an event is stored: what a caller waits for before it
 /// acknowledges the change the event records.
 pub type Ack = tokio::sync::oneshot::Sender<Result<(), crate::SessionError>>;

@@ -1026,10 +1026,10 @@ async fn a_goal_turn_the_store_cannot_count_is_counted_once_it_is_back() {
         .await
         .unwrap();
     log_once(&s, id, "the goal's first turn starts", goal_turn).await;
-    store.fail_goals(true);
+    store.fail_goals(true, true);
     // The turn ends meanwhile: its count and the next poll fail.
     tokio::time::sleep(Duration::from_millis(600)).await;
-    store.fail_goals(false);
+    store.fail_goals(false, false);
     let log = log_once(&s, id, "the goal completes", |e| {
         matches!(e.body, EventBody::GoalCompleted { turns_done: 3 })
     })
@@ -1037,6 +1037,38 @@ async fn a_goal_turn_the_store_cannot_count_is_counted_once_it_is_back() {
     assert_eq!(
         log.iter().filter(|e| goal_turn(e)).count(),
         3,
+        "{:?}",
+        kinds(&log)
+    );
+}
+
+/// While a goal turn's end waits to be counted (its write failed), the
+/// goal offers no next turn: a goal of one turn runs one, even though its
+/// reads work meanwhile.
+#[tokio::test]
+async fn a_goal_offers_nothing_while_its_last_turn_waits_to_be_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let id = h.id();
+    let goal_turn = |e: &tiller_session::EventRecord| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "goal");
+    s.goal_set(id, r#"{"script": [{"sleep_ms": 300}]}"#.into(), 1)
+        .await
+        .unwrap();
+    log_once(&s, id, "the goal's turn starts", goal_turn).await;
+    store.fail_goals(false, true);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    store.fail_goals(false, false);
+    log_once(&s, id, "the goal completes", |e| {
+        matches!(e.body, EventBody::GoalCompleted { turns_done: 1 })
+    })
+    .await;
+    // A second turn offered before the count would have started by now.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let log = s.events_after(id, 0, 1000).await.unwrap();
+    assert_eq!(
+        log.iter().filter(|e| goal_turn(e)).count(),
+        1,
         "{:?}",
         kinds(&log)
     );
@@ -1063,10 +1095,10 @@ async fn a_goal_whose_read_fails_at_a_poll_runs_once_the_store_is_back() {
     s.goal_set(id, r#"{"script": [{"say": "on it"}]}"#.into(), 1)
         .await
         .unwrap();
-    store.fail_goals(true);
+    store.fail_goals(true, true);
     rx.await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    store.fail_goals(false);
+    store.fail_goals(false, false);
     log_once(&s, id, "the goal completes", |e| {
         matches!(e.body, EventBody::GoalCompleted { .. })
     })

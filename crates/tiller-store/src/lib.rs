@@ -132,8 +132,9 @@ pub(crate) struct Shared {
     pub(crate) clustered: AtomicBool,
     /// Frames in SQLite's write-ahead log after the last commit (set by
     /// the connection's WAL hook; 0 on PostgreSQL): a checkpoint is due
-    /// once there are [`writer::CHECKPOINT_FRAMES`] (after a failed
-    /// checkpoint, that many more); see [`checkpoint`].
+    /// once there are [`writer::CHECKPOINT_FRAMES`] (inline
+    /// [`writer::INLINE_CHECKPOINT_FRAMES`]; after a failed checkpoint,
+    /// that many more); see [`checkpoint`].
     pub(crate) wal_frames: AtomicUsize,
     /// Frames written to SQLite's write-ahead log in all (tests read it).
     pub(crate) frames_written: AtomicUsize,
@@ -146,8 +147,9 @@ pub(crate) struct Shared {
     pub(crate) append_commits: AtomicUsize,
     /// Cron fires the store was asked to record (tests read it).
     pub(crate) cron_fire_calls: AtomicUsize,
-    /// Test switch: goal reads and writes fail.
-    pub(crate) fail_goals: AtomicBool,
+    /// Test switches: goal reads, goal writes fail.
+    pub(crate) fail_goal_reads: AtomicBool,
+    pub(crate) fail_goal_writes: AtomicBool,
     /// Test switches: reads of a session's notifications, of its cron
     /// fires, fail.
     pub(crate) fail_notification_reads: AtomicBool,
@@ -416,10 +418,14 @@ impl Store {
         self.shared.ambiguous_commit.store(true, Ordering::Relaxed);
     }
 
-    /// Makes every goal read and write fail until turned off.
+    /// Makes every goal read, and every goal write, fail (or not) until
+    /// changed.
     #[cfg(feature = "test-hooks")]
-    pub fn fail_goals(&self, on: bool) {
-        self.shared.fail_goals.store(on, Ordering::Relaxed);
+    pub fn fail_goals(&self, reads: bool, writes: bool) {
+        self.shared.fail_goal_reads.store(reads, Ordering::Relaxed);
+        self.shared
+            .fail_goal_writes
+            .store(writes, Ordering::Relaxed);
     }
 
     /// Makes every read of one session's notifications, and of its cron
@@ -432,8 +438,9 @@ impl Store {
         s.fail_cron_reads.store(cron_fires, Ordering::Relaxed);
     }
 
-    /// Makes the queue actors read a session's queue again at each poll,
-    /// as they do when nodes share the store.
+    /// Makes the store behave as one nodes share, as far as the queue
+    /// actors can tell (they read a session's queue again at each poll;
+    /// `fresh_id` asks the backend, which SQLite cannot answer): for good.
     #[cfg(feature = "test-hooks")]
     pub fn read_queues_as_if_shared(&self) {
         self.shared.clustered.store(true, Ordering::Relaxed);
@@ -910,13 +917,13 @@ impl Store {
 
     /// A session's goal.
     pub async fn goal_get(&self, session: SessionId) -> Result<Option<GoalRow>, StoreError> {
-        Self::failing(&self.shared.fail_goals)?;
+        Self::failing(&self.shared.fail_goal_reads)?;
         self.call(move |c| c.goal_get(session)).await
     }
 
     /// Stores (replaces) a session's goal.
     pub async fn goal_put(&self, goal: GoalRow) -> Result<(), StoreError> {
-        Self::failing(&self.shared.fail_goals)?;
+        Self::failing(&self.shared.fail_goal_writes)?;
         self.call(move |c| c.goal_put(&goal)).await
     }
 

@@ -202,8 +202,8 @@ pub(crate) struct Writer {
     /// The sessions reopened since `all_broken` was set.
     pub(crate) reopened: HashSet<SessionId>,
     /// The log's length in frames that makes a checkpoint due: after one
-    /// failed, [`CHECKPOINT_FRAMES`] more (not every commit) before the
-    /// next try.
+    /// failed, as many more as make one due (see `checkpoint_every`; not
+    /// every commit) before the next try.
     checkpoint_at: usize,
     /// The thread that checkpoints beside the commits (SQLite's store
     /// thread; none inline or on PostgreSQL). Dropped after the
@@ -535,7 +535,7 @@ impl Writer {
     }
 
     /// Checkpoints SQLite's write-ahead log once it holds
-    /// [`CHECKPOINT_FRAMES`], after the commit that filled it was
+    /// [`CHECKPOINT_FRAMES`] ([`INLINE_CHECKPOINT_FRAMES`] inline), after the commit that filled it was
     /// answered: after each batch of appends and each command (not
     /// between a command's preceding writes and the command), so a burst
     /// taken off the channel at once is checkpointed as it goes. With a
