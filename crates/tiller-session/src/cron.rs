@@ -290,7 +290,11 @@ impl CronState {
         self.store
             .cron_add(job.clone())
             .await
-            .map_err(SessionError::from)?;
+            .map_err(|e| match e {
+                // Deleted since the caller found it: no job outlives it.
+                tiller_store::StoreError::SessionGone(s) => SessionError::Unknown(s),
+                e => SessionError::from(e),
+            })?;
         self.jobs.insert(job.id.clone(), (job.clone(), parsed));
         Ok(job)
     }

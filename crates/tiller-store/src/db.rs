@@ -57,6 +57,8 @@ pub(crate) trait Db: Send {
     /// Every queued notification, or `only` one session's.
     fn notifications(&mut self, only: Option<SessionId>) -> R<Vec<Notification>>;
     fn notification_backlog(&mut self) -> R<(Vec<SessionId>, usize)>;
+    /// Adds a job; [`StoreError::SessionGone`] when its session was
+    /// deleted meanwhile.
     fn cron_add(&mut self, job: &CronJob) -> R<()>;
     fn cron_list(&mut self) -> R<Vec<CronJob>>;
     fn cron_remove(&mut self, id: &str) -> R<bool>;
@@ -326,7 +328,10 @@ impl Db for Sqlite {
         Ok(queues::notification_backlog(&self.conn)?)
     }
     fn cron_add(&mut self, job: &CronJob) -> R<()> {
-        Ok(queues::cron_add(&self.conn, job)?)
+        match queues::cron_add(&self.conn, job)? {
+            true => Ok(()),
+            false => Err(StoreError::SessionGone(job.session)),
+        }
     }
     fn cron_list(&mut self) -> R<Vec<CronJob>> {
         Ok(queues::cron_list(&self.conn)?)

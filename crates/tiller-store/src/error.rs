@@ -78,6 +78,9 @@ pub enum StoreError {
     /// was written.
     #[error("session {0} is now served by another node (this node's lease on it was taken over)")]
     Fenced(tiller_core::SessionId),
+    /// The session is gone (deleted meanwhile): nothing was written for it.
+    #[error("session {0} no longer exists")]
+    SessionGone(tiller_core::SessionId),
     /// A claimed queue row was gone: another node started that work.
     #[error("queued work was already started elsewhere")]
     AlreadyClaimed,
@@ -155,6 +158,7 @@ impl StoreError {
             | StoreError::Corrupt(_)
             | StoreError::Damaged { .. }
             | StoreError::Fenced(_)
+            | StoreError::SessionGone(_)
             | StoreError::AlreadyClaimed => false,
             StoreError::Append(e) => e.is_unavailable(),
             StoreError::Io { .. }

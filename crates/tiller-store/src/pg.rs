@@ -870,9 +870,10 @@ impl Db for PgDb {
     }
 
     fn cron_add(&mut self, j: &CronJob) -> R<()> {
-        self.client()?.execute(
+        let n = self.client()?.execute(
             "INSERT INTO cron_jobs (id, session_id, schedule, tz, prompt, next_fire_ms, created_ms)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+             SELECT $1::TEXT, $2::TEXT, $3::TEXT, $4::TEXT, $5::TEXT, $6::BIGINT, $7::BIGINT
+             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT)",
             &[
                 &j.id,
                 &j.session.to_string(),
@@ -883,7 +884,10 @@ impl Db for PgDb {
                 &j.created_ms,
             ],
         )?;
-        Ok(())
+        match n {
+            1 => Ok(()),
+            _ => Err(StoreError::SessionGone(j.session)),
+        }
     }
 
     fn cron_list(&mut self) -> R<Vec<CronJob>> {

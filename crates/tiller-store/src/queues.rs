@@ -169,10 +169,13 @@ pub(crate) fn cron_fires(
     )
 }
 
-pub(crate) fn cron_add(conn: &Connection, j: &CronJob) -> rusqlite::Result<()> {
+/// Adds a job for a session that still exists (false, nothing written,
+/// when it was deleted meanwhile: a job would outlive it).
+pub(crate) fn cron_add(conn: &Connection, j: &CronJob) -> rusqlite::Result<bool> {
     conn.execute(
         "INSERT INTO cron_jobs (id, session_id, schedule, tz, prompt, next_fire_ms, created_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+         SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7
+         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?2)",
         params![
             j.id,
             j.session.to_string(),
@@ -183,7 +186,7 @@ pub(crate) fn cron_add(conn: &Connection, j: &CronJob) -> rusqlite::Result<()> {
             j.created_ms
         ],
     )
-    .map(drop)
+    .map(|n| n == 1)
 }
 
 /// Removes a job and its waiting fire; false when there was no job.

@@ -15,6 +15,24 @@ pub(crate) fn open_store(path: &Path) -> Result<crate::Store, crate::StoreError>
     }
 }
 
+/// A session the store holds (a cron job needs one).
+pub(crate) async fn stored_session(store: &crate::Store) -> tiller_core::SessionId {
+    let id = tiller_core::SessionId::new();
+    store
+        .create_session(crate::SessionRecord {
+            id,
+            cwd: "/tmp".into(),
+            title: None,
+            created_ms: 1,
+            updated_ms: 1,
+            closed: false,
+            channel: None,
+        })
+        .await
+        .unwrap();
+    id
+}
+
 /// The PostgreSQL schema a test's store path stands for.
 pub(crate) fn pg_schema(path: &Path) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -1219,7 +1237,7 @@ mod durability {
     #[tokio::test]
     async fn a_cron_fire_leaves_its_queue_with_the_start_that_runs_it() {
         let (_dir, store) = open();
-        let s = SessionId::new();
+        let s = super::stored_session(&store).await;
         let job = CronJob {
             id: "j".into(),
             session: s,
@@ -1684,13 +1702,37 @@ mod stale {
         })
     }
 
+    /// A job is added only for a session the store still holds: one added
+    /// while its session was being deleted outlived it (firing for nothing
+    /// for good).
+    #[tokio::test]
+    async fn a_cron_job_for_a_deleted_session_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
+        let s = super::stored_session(&store).await;
+        let job = |id: &str| CronJob {
+            id: id.into(),
+            session: s,
+            schedule: "* * * * *".into(),
+            tz: "UTC".into(),
+            prompt: "tick".into(),
+            next_fire_ms: 0,
+            created_ms: 0,
+        };
+        store.cron_add(job("kept")).await.unwrap();
+        assert!(store.delete_session(s).await.unwrap());
+        let e = store.cron_add(job("late")).await.unwrap_err();
+        assert!(matches!(e, StoreError::SessionGone(g) if g == s), "{e}");
+        assert!(store.cron_list().await.unwrap().is_empty());
+    }
+
     /// A fire coalesced into a waiting fire that another node already
     /// started is a waiting fire again, not an update of nothing.
     #[tokio::test]
     async fn a_fire_coalesced_into_a_fire_run_elsewhere_waits() {
         let dir = tempfile::tempdir().unwrap();
         let store = super::open_store(&dir.path().join("t.db")).unwrap();
-        let s = SessionId::new();
+        let s = super::stored_session(&store).await;
         store
             .cron_add(CronJob {
                 id: "j".into(),
@@ -1774,7 +1816,7 @@ mod errors {
         let store = super::open_store(&dir.path().join("t.db")).unwrap();
         let job = CronJob {
             id: "j".into(),
-            session: SessionId::new(),
+            session: super::stored_session(&store).await,
             schedule: "* * * * *".into(),
             tz: "UTC".into(),
             prompt: "tick".into(),
