@@ -40,7 +40,11 @@ impl<K: std::hash::Hash + Eq + Clone> Failures<K> {
             return None;
         }
         if self.counts.len() >= Self::MAX && !self.counts.contains_key(&key) {
-            self.counts.clear();
+            // Only those with no try armed (those are bounded by the
+            // timers in flight): a long outage of many keys keeps
+            // doubling.
+            let armed = &self.armed;
+            self.counts.retain(|k, _| armed.contains(k));
         }
         let n = self.counts.entry(key.clone()).or_insert(0);
         let pause = doubling(*n, Duration::from_secs(60));
@@ -104,9 +108,18 @@ mod tests {
         );
         assert_eq!(f.failed("b").map(|p| p.as_secs()), Some(2));
         let mut f = Failures::default();
-        for k in 0..Failures::<usize>::MAX + 1 {
+        for k in 0..Failures::<usize>::MAX {
             f.failed(k);
+            f.due(&k);
         }
-        assert!(f.counts.len() <= Failures::<usize>::MAX, "bounded");
+        f.failed(0); // armed: kept past the bound
+        f.failed(Failures::<usize>::MAX);
+        assert_eq!(f.counts.len(), 2, "bounded: only the armed ones kept");
+        f.due(&0);
+        assert_eq!(
+            f.failed(0).map(|p| p.as_secs()),
+            Some(4),
+            "an armed key keeps doubling"
+        );
     }
 }

@@ -167,6 +167,12 @@ impl Turns {
         self.current.remove(&session);
     }
 
+    /// The session was deleted: nothing of it is kept.
+    pub fn forget(&mut self, session: crate::SessionId) {
+        self.current.remove(&session);
+        self.offered.remove(&session);
+    }
+
     /// A continuation of the session's stored goal was offered (one stored
     /// before this daemon started is numbered now).
     pub fn offered(&mut self, session: crate::SessionId) {
@@ -241,6 +247,11 @@ mod tests {
         t.offered(b);
         assert!(t.ended(b));
         assert!(!t.ended(b), "no turn was offered");
+        t.set(b);
+        t.offered(b);
+        t.forget(b);
+        assert!(!t.current.contains_key(&b) && !t.offered.contains_key(&b));
+        assert!(!t.ended(b), "a deleted session's turn counts for nothing");
     }
 
     #[test]

@@ -384,6 +384,7 @@ impl Sessions {
         *end = true;
         let _ = self.notify.send_message(notify::NotifyMsg::Forget(id));
         let _ = self.cron.send_message(cron::CronMsg::Forget(id));
+        let _ = self.goal.send_message(goal::GoalMsg::Forget(id));
         let _ = self.deleted.send(id);
         metrics::counter!("tiller_sessions_deleted_total").increment(1);
         Ok(())

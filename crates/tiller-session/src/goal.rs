@@ -77,6 +77,8 @@ pub enum GoalMsg {
     /// The try again after the store failed the session's goal is due:
     /// a turn's end waiting is stored, else the session looks for work.
     Retry(SessionId),
+    /// The session was deleted: nothing of it is kept.
+    Forget(SessionId),
 }
 
 /// See the module docs.
@@ -254,6 +256,11 @@ impl Actor for GoalActor {
                     }
                     None => inbox.kick(),
                 }
+            }
+            GoalMsg::Forget(session) => {
+                st.turns.forget(session);
+                st.unstored.replaced(session);
+                st.retries.forget(session);
             }
         }
         Ok(())

@@ -222,6 +222,40 @@ mod tests {
         fn kick(&self) {}
     }
 
+    /// Counts kicks.
+    #[derive(Default)]
+    struct Kicks(std::sync::atomic::AtomicUsize);
+
+    impl Inbox for Kicks {
+        fn offer(&self, _: Origin, _: u64, _: Option<Work>) {}
+        fn event(&self, _: EventBody, _: bool, _: Option<Ack>) {}
+        fn kick(&self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn a_try_again_is_armed_once_and_kicks_the_latest_inbox() {
+        use std::sync::atomic::Ordering::Relaxed;
+        use std::time::Duration;
+        let (old, new) = (Arc::new(Kicks::default()), Arc::new(Kicks::default()));
+        let s = SessionId::new();
+        let mut r = Retries::default();
+        assert_eq!(r.failed(s, Some(old.clone())), Some(Duration::from_secs(1)));
+        assert_eq!(r.failed(s, Some(new.clone())), None, "one armed at a time");
+        r.due(s).unwrap().kick();
+        assert_eq!(
+            (old.0.load(Relaxed), new.0.load(Relaxed)),
+            (0, 1),
+            "the latest inbox"
+        );
+        assert!(r.due(s).is_none(), "kicked once");
+        assert_eq!(r.failed(s, Some(new.clone())), Some(Duration::from_secs(2)));
+        r.forget(s);
+        assert!(r.due(s).is_none(), "forgotten");
+        assert_eq!(r.failed(s, Some(new)), Some(Duration::from_secs(1)));
+    }
+
     #[test]
     fn a_poll_is_answered_exactly_once_however_its_reply_ends() {
         let inbox = Arc::new(Answers::default());

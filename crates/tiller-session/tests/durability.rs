@@ -1030,6 +1030,7 @@ async fn a_goal_turn_the_store_cannot_count_is_counted_once_it_is_back() {
     // The turn ends meanwhile: its count and the next poll fail.
     tokio::time::sleep(Duration::from_millis(600)).await;
     store.fail_goals(false, false);
+    assert!(store.switched_failures() > 0, "the store never failed");
     let log = log_once(&s, id, "the goal completes", |e| {
         matches!(e.body, EventBody::GoalCompleted { turns_done: 3 })
     })
@@ -1059,6 +1060,7 @@ async fn a_goal_offers_nothing_while_its_last_turn_waits_to_be_counted() {
     store.fail_goals(false, true);
     tokio::time::sleep(Duration::from_millis(600)).await;
     store.fail_goals(false, false);
+    assert!(store.switched_failures() > 0, "the store never failed");
     log_once(&s, id, "the goal completes", |e| {
         matches!(e.body, EventBody::GoalCompleted { turns_done: 1 })
     })
@@ -1099,6 +1101,7 @@ async fn a_goal_whose_read_fails_at_a_poll_runs_once_the_store_is_back() {
     rx.await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     store.fail_goals(false, false);
+    assert!(store.switched_failures() > 0, "the store never failed");
     log_once(&s, id, "the goal completes", |e| {
         matches!(e.body, EventBody::GoalCompleted { .. })
     })
@@ -1130,12 +1133,13 @@ async fn queued_work_whose_read_fails_at_a_poll_runs_once_the_store_is_back() {
                 .await
                 .unwrap();
         } else {
-            // Once, a second from now (no later fire kicks the session).
+            // Once, within two seconds, inside the turn (no later fire kicks
+            // the session).
             let at = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .as_secs()
-                + 1;
+                + 2;
             let (sec, min, hour) = (at % 60, at / 60 % 60, at / 3600 % 24);
             s.cron_add(
                 id,
@@ -1156,7 +1160,9 @@ async fn queued_work_whose_read_fails_at_a_poll_runs_once_the_store_is_back() {
         store.fail_queue_reads(origin == "notification", origin == "cron");
         rx.await.unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
+        let failed = store.switched_failures();
         store.fail_queue_reads(false, false);
+        assert!(failed > 0, "{origin}: the store never failed");
         log_once(
             &s,
             id,

@@ -154,6 +154,8 @@ pub(crate) struct Shared {
     /// fires, fail.
     pub(crate) fail_notification_reads: AtomicBool,
     pub(crate) fail_cron_reads: AtomicBool,
+    /// How many calls those switches failed.
+    pub(crate) switched_failures: AtomicUsize,
     /// Set by a test: the next commit holding an awaited append is
     /// reported failed though it was stored (a connection lost during
     /// `COMMIT`).
@@ -436,6 +438,13 @@ impl Store {
         s.fail_notification_reads
             .store(notifications, Ordering::Relaxed);
         s.fail_cron_reads.store(cron_fires, Ordering::Relaxed);
+    }
+
+    /// How many goal or queue reads and writes `fail_goals` and
+    /// `fail_queue_reads` failed so far (a test checks it was hit).
+    #[cfg(feature = "test-hooks")]
+    pub fn switched_failures(&self) -> usize {
+        self.shared.switched_failures.load(Ordering::Relaxed)
     }
 
     /// Makes the store behave as one nodes share, as far as the queue
@@ -845,7 +854,7 @@ impl Store {
         &self,
         session: SessionId,
     ) -> Result<Vec<Notification>, StoreError> {
-        Self::failing(&self.shared.fail_notification_reads)?;
+        self.failing(&self.shared.fail_notification_reads)?;
         self.call(move |c| c.notifications(Some(session))).await
     }
 
@@ -906,7 +915,7 @@ impl Store {
 
     /// One session's waiting fires, oldest first.
     pub async fn cron_fires_of(&self, session: SessionId) -> Result<Vec<CronFire>, StoreError> {
-        Self::failing(&self.shared.fail_cron_reads)?;
+        self.failing(&self.shared.fail_cron_reads)?;
         self.call(move |c| c.cron_fires(Some(session))).await
     }
 
@@ -917,20 +926,25 @@ impl Store {
 
     /// A session's goal.
     pub async fn goal_get(&self, session: SessionId) -> Result<Option<GoalRow>, StoreError> {
-        Self::failing(&self.shared.fail_goal_reads)?;
+        self.failing(&self.shared.fail_goal_reads)?;
         self.call(move |c| c.goal_get(session)).await
     }
 
     /// Stores (replaces) a session's goal.
     pub async fn goal_put(&self, goal: GoalRow) -> Result<(), StoreError> {
-        Self::failing(&self.shared.fail_goal_writes)?;
+        self.failing(&self.shared.fail_goal_writes)?;
         self.call(move |c| c.goal_put(&goal)).await
     }
 
     /// A test switch made this fail.
-    fn failing(switch: &AtomicBool) -> Result<(), StoreError> {
+    fn failing(&self, switch: &AtomicBool) -> Result<(), StoreError> {
         match switch.load(Ordering::Relaxed) {
-            true => Err(StoreError::Injected),
+            true => {
+                self.shared
+                    .switched_failures
+                    .fetch_add(1, Ordering::Relaxed);
+                Err(StoreError::Injected)
+            }
             false => Ok(()),
         }
     }
