@@ -4,13 +4,9 @@
 //! notification actor keeps this in memory, rebuilt from the store at
 //! start, and writes what it decides ([`Change`]); the store decides
 //! nothing. Reading the next item never removes it: the session's stored
-//! start consumes it ([`Queues::consumed`]). An item offered to its
-//! session ([`Queues::offered`]) may be starting: a notification for its
-//! task queues anew instead of changing its text (the start consumes the
-//! row: the newer text was lost with it, or its row was written again and
-//! never offered), and the cap neither counts nor evicts it.
+//! start consumes it ([`Queues::consumed`]).
 
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use crate::SessionId;
 
@@ -71,8 +67,6 @@ pub struct Queues {
     by_session: BTreeMap<SessionId, VecDeque<Queued>>,
     /// The next id to hand out.
     next_id: i64,
-    /// Items offered to their session, until consumed or forgotten.
-    offered: HashSet<i64>,
 }
 
 impl Queues {
@@ -82,7 +76,6 @@ impl Queues {
             cap: cap.max(1),
             by_session: BTreeMap::new(),
             next_id: 1,
-            offered: HashSet::new(),
         }
     }
 
@@ -113,12 +106,8 @@ impl Queues {
         text: &str,
         now_ms: i64,
     ) -> Enqueued {
-        let offered = &self.offered;
         let queue = self.by_session.entry(session).or_default();
-        if let Some(item) = queue
-            .iter_mut()
-            .find(|i| i.task_id == task_id && !offered.contains(&i.id))
-        {
+        if let Some(item) = queue.iter_mut().find(|i| i.task_id == task_id) {
             item.text = text.to_owned();
             return Enqueued {
                 deduplicated: true,
@@ -142,12 +131,8 @@ impl Queues {
         }];
         queue.push_back(item);
         let mut evicted = Vec::new();
-        while queue.iter().filter(|i| !offered.contains(&i.id)).count() > self.cap {
-            let at = queue
-                .iter()
-                .position(|i| !offered.contains(&i.id))
-                .expect("over the cap, so one is not offered");
-            let old = queue.remove(at).expect("found");
+        while queue.len() > self.cap {
+            let old = queue.pop_front().expect("over the cap, so not empty");
             changes.push(Change::Evict { id: old.id });
             evicted.push(old.task_id);
         }
@@ -163,14 +148,8 @@ impl Queues {
         self.by_session.get(&session)?.front()
     }
 
-    /// Item `id` was offered to its session (it may be starting).
-    pub fn offered(&mut self, id: i64) {
-        self.offered.insert(id);
-    }
-
     /// A started prompt consumed item `id` (its row goes with the start).
     pub fn consumed(&mut self, session: SessionId, id: i64) {
-        self.offered.remove(&id);
         if let Some(q) = self.by_session.get_mut(&session) {
             q.retain(|i| i.id != id);
             if q.is_empty() {
@@ -186,17 +165,10 @@ impl Queues {
 
     /// Puts a session's queue back as it was (see [`Queues::session`]).
     pub fn put_back(&mut self, session: SessionId, queue: Option<VecDeque<Queued>>) {
-        let old = match queue {
+        match queue {
             Some(q) => self.by_session.insert(session, q),
             None => self.by_session.remove(&session),
         };
-        // Offers of items no longer queued are forgotten.
-        let now = self.by_session.get(&session);
-        for item in old.iter().flatten() {
-            if now.is_none_or(|q| q.iter().all(|i| i.id != item.id)) {
-                self.offered.remove(&item.id);
-            }
-        }
     }
 
     /// Sessions with queued notifications.
@@ -224,7 +196,6 @@ mod tests {
     #[derive(Clone, Debug)]
     enum Op {
         Enqueue(u8, u8),
-        Offer(u8),
         Consume(u8),
     }
 
@@ -232,7 +203,6 @@ mod tests {
         proptest::collection::vec(
             prop_oneof![
                 3 => (0u8..3, 0u8..6).prop_map(|(s, t)| Op::Enqueue(s, t)),
-                1 => (0u8..3).prop_map(Op::Offer),
                 1 => (0u8..3).prop_map(Op::Consume),
             ],
             0..60,
@@ -247,8 +217,7 @@ mod tests {
         fn queues_match_the_model_and_their_stored_changes(ops in ops(), cap in 1usize..5) {
             let sid = |s: u8| SessionId::from_u128(u128::from(s) + 1);
             let mut q = Queues::new(cap);
-            // Per session: (task, text, offered).
-            let mut model: BTreeMap<u8, Vec<(u8, u32, bool)>> = BTreeMap::new();
+            let mut model: BTreeMap<u8, Vec<(u8, u32)>> = BTreeMap::new();
             let mut rows: BTreeMap<i64, (SessionId, Queued)> = BTreeMap::new();
             for (n, op) in ops.into_iter().enumerate() {
                 match op {
@@ -257,14 +226,13 @@ mod tests {
                         let out = q.enqueue(sid(s), &format!("t{t}"), &text, n as i64);
                         let m = model.entry(s).or_default();
                         let mut evicted = Vec::new();
-                        if let Some(e) = m.iter_mut().find(|(task, _, o)| *task == t && !o) {
+                        if let Some(e) = m.iter_mut().find(|(task, _)| *task == t) {
                             e.1 = n as u32;
                             prop_assert!(out.deduplicated);
                         } else {
-                            m.push((t, n as u32, false));
-                            while m.iter().filter(|e| !e.2).count() > cap {
-                                let at = m.iter().position(|e| !e.2).unwrap();
-                                evicted.push(format!("t{}", m.remove(at).0));
+                            m.push((t, n as u32));
+                            while m.len() > cap {
+                                evicted.push(format!("t{}", m.remove(0).0));
                             }
                             prop_assert!(!out.deduplicated);
                         }
@@ -286,16 +254,10 @@ mod tests {
                             }
                         }
                     }
-                    Op::Offer(s) => {
-                        if let Some(item) = q.next(sid(s)).cloned() {
-                            q.offered(item.id);
-                            model.entry(s).or_default()[0].2 = true;
-                        }
-                    }
                     Op::Consume(s) => {
                         let next = q.next(sid(s)).cloned();
                         let m = model.entry(s).or_default();
-                        prop_assert_eq!(next.as_ref().map(|i| i.task_id.clone()), m.first().map(|(t, _, _)| format!("t{t}")));
+                        prop_assert_eq!(next.as_ref().map(|i| i.task_id.clone()), m.first().map(|(t, _)| format!("t{t}")));
                         if let Some(item) = next {
                             q.consumed(sid(s), item.id);
                             m.remove(0);
@@ -311,9 +273,9 @@ mod tests {
                         .map(|i| (i.task_id, i.text))
                         .collect();
                     let want: Vec<(String, String)> =
-                        m.iter().map(|(t, n, _)| (format!("t{t}"), format!("{n}"))).collect();
+                        m.iter().map(|(t, n)| (format!("t{t}"), format!("{n}"))).collect();
                     prop_assert_eq!(&got, &want);
-                    prop_assert!(m.iter().filter(|e| !e.2).count() <= cap);
+                    prop_assert!(got.len() <= cap);
                 }
                 let restored = Queues::restore(cap, rows.values().cloned());
                 for s in 0u8..3 {

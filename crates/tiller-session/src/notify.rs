@@ -164,11 +164,6 @@ impl Actor for NotifyActor {
                         }
                     }
                 }
-                let next = st.queues.next(session).map(|q| q.id);
-                if let Some(id) = next {
-                    // It may be starting from now on (see the core).
-                    st.queues.offered(id);
-                }
                 let work = st.queues.next(session).map(|q| {
                     Work::Notification(Notification {
                         id: q.id,
