@@ -182,7 +182,14 @@ impl Sessions {
         self.goal
             .send_message(make(publish, tx))
             .map_err(|_| SessionError::Stopped)?;
-        let r = rx.await.map_err(|_| SessionError::Stopped)??;
+        let r = rx
+            .await
+            .map_err(|_| SessionError::Stopped)?
+            .map_err(|e| match e {
+                // Deleted since it was opened: no goal outlives it.
+                StoreError::SessionGone(s) => SessionError::Unknown(s),
+                e => SessionError::from(e),
+            })?;
         stored.await.map_err(|_| SessionError::Stopped)??;
         Ok(r)
     }

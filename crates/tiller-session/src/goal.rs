@@ -307,6 +307,11 @@ async fn end_turn(
                 inbox.kick(); // it was held back meanwhile
             }
         }
+        Err(StoreError::SessionGone(_)) => {
+            // Deleted meanwhile: nothing to count, nothing kept.
+            st.turns.forget(session);
+            st.retries.forget(session);
+        }
         Err(e) => {
             st.unstored.end_waits(session, loop_stopped);
             tracing::error!(%session, error = %e, "cannot count a goal turn; tried again after a pause");

@@ -74,6 +74,8 @@ pub(crate) trait Db: Send {
     fn cron_fires(&mut self, only: Option<SessionId>) -> R<Vec<CronFire>>;
     fn cron_backlog(&mut self) -> R<Vec<SessionId>>;
     fn goal_get(&mut self, session: SessionId) -> R<Option<GoalRow>>;
+    /// Stores a goal; [`StoreError::SessionGone`] when its session was
+    /// deleted meanwhile.
     fn goal_put(&mut self, goal: &GoalRow) -> R<()>;
     fn goal_delete(&mut self, session: SessionId) -> R<bool>;
     fn goals_active(&mut self) -> R<Vec<SessionId>>;
@@ -360,7 +362,10 @@ impl Db for Sqlite {
         Ok(queues::goal_get(&self.conn, session)?)
     }
     fn goal_put(&mut self, goal: &GoalRow) -> R<()> {
-        Ok(queues::goal_put(&self.conn, goal)?)
+        match queues::goal_put(&self.conn, goal)? {
+            true => Ok(()),
+            false => Err(StoreError::SessionGone(goal.session)),
+        }
     }
     fn goal_delete(&mut self, session: SessionId) -> R<bool> {
         Ok(queues::goal_delete(&self.conn, session)?)

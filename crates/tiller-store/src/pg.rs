@@ -1000,10 +1000,11 @@ impl Db for PgDb {
     }
 
     fn goal_put(&mut self, g: &GoalRow) -> R<()> {
-        self.client()?.execute(
+        let n = self.client()?.execute(
             "INSERT INTO goals
              (session_id, objective, max_turns, turns_done, status, pause_reason, loop_stops)
-             VALUES ($1, $2, $3, $4, $5, $6, $7)
+             SELECT $1::TEXT, $2::TEXT, $3::BIGINT, $4::BIGINT, $5::TEXT, $6::TEXT, $7::BIGINT
+             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $1::TEXT)
              ON CONFLICT (session_id) DO UPDATE SET objective = excluded.objective,
                  max_turns = excluded.max_turns, turns_done = excluded.turns_done,
                  status = excluded.status, pause_reason = excluded.pause_reason,
@@ -1018,7 +1019,10 @@ impl Db for PgDb {
                 &i64::from(g.loop_stops),
             ],
         )?;
-        Ok(())
+        match n {
+            1 => Ok(()),
+            _ => Err(StoreError::SessionGone(g.session)),
+        }
     }
 
     fn goal_delete(&mut self, session: SessionId) -> R<bool> {

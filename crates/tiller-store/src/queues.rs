@@ -239,11 +239,14 @@ pub(crate) fn goal_get(conn: &Connection, session: SessionId) -> rusqlite::Resul
     .optional()
 }
 
-pub(crate) fn goal_put(conn: &Connection, g: &GoalRow) -> rusqlite::Result<()> {
+/// Stores a goal for a session that still exists (false, nothing
+/// written, when it was deleted meanwhile: a goal would outlive it).
+pub(crate) fn goal_put(conn: &Connection, g: &GoalRow) -> rusqlite::Result<bool> {
     conn.execute(
         "INSERT OR REPLACE INTO goals
          (session_id, objective, max_turns, turns_done, status, pause_reason, loop_stops)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+         SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7
+         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?1)",
         params![
             g.session.to_string(),
             g.objective,
@@ -254,7 +257,7 @@ pub(crate) fn goal_put(conn: &Connection, g: &GoalRow) -> rusqlite::Result<()> {
             g.loop_stops
         ],
     )
-    .map(drop)
+    .map(|n| n == 1)
 }
 
 pub(crate) fn goal_delete(conn: &Connection, session: SessionId) -> rusqlite::Result<bool> {

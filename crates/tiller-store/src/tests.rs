@@ -1726,6 +1726,39 @@ mod stale {
         assert!(store.cron_list().await.unwrap().is_empty());
     }
 
+    /// A goal is stored only for a session the store still holds: a goal
+    /// turn counted while its session was being deleted wrote the deleted
+    /// session's goal back (listed as active at every start).
+    #[tokio::test]
+    async fn a_goal_for_a_deleted_session_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
+        let s = super::stored_session(&store).await;
+        let goal = GoalRow {
+            session: s,
+            objective: "o".into(),
+            max_turns: 3,
+            turns_done: 0,
+            status: "active".into(),
+            pause_reason: None,
+            loop_stops: 0,
+        };
+        store.goal_put(goal.clone()).await.unwrap();
+        store
+            .goal_put(GoalRow {
+                turns_done: 1,
+                ..goal.clone()
+            })
+            .await
+            .unwrap();
+        assert_eq!(store.goal_get(s).await.unwrap().unwrap().turns_done, 1);
+        assert!(store.delete_session(s).await.unwrap());
+        let e = store.goal_put(goal).await.unwrap_err();
+        assert!(matches!(e, StoreError::SessionGone(g) if g == s), "{e}");
+        assert!(store.goal_get(s).await.unwrap().is_none());
+        assert!(store.goals_active().await.unwrap().is_empty());
+    }
+
     /// A fire coalesced into a waiting fire that another node already
     /// started is a waiting fire again, not an update of nothing.
     #[tokio::test]
