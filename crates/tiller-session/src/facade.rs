@@ -287,7 +287,14 @@ impl Sessions {
                 reply: tx,
             })
             .map_err(|_| SessionError::Stopped)?;
-        let enqueued = rx.await.map_err(|_| SessionError::Stopped)??;
+        let enqueued = rx
+            .await
+            .map_err(|_| SessionError::Stopped)?
+            .map_err(|e| match e {
+                // Deleted since it was opened: no notification outlives it.
+                StoreError::SessionGone(s) => SessionError::Unknown(s),
+                e => SessionError::from(e),
+            })?;
         handle.send(SessionMsg::NotificationQueued {
             task_id,
             text,

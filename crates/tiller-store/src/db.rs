@@ -321,7 +321,10 @@ impl Db for Sqlite {
         Ok(open)
     }
     fn notification_changes(&mut self, changes: &[tiller_core::notify::Change]) -> R<()> {
-        Ok(queues::notification_changes(&mut self.conn, changes)?)
+        match queues::notification_changes(&mut self.conn, changes)? {
+            None => Ok(()),
+            Some(gone) => Err(StoreError::SessionGone(gone)),
+        }
     }
     fn notifications(&mut self, only: Option<SessionId>) -> R<Vec<Notification>> {
         Ok(queues::notifications(&self.conn, only)?)

@@ -818,9 +818,10 @@ impl Db for PgDb {
                 // A replaced row may be gone (another node ran it): queued
                 // again. One that another node queued meanwhile is updated.
                 Change::Insert { session, item } | Change::Replace { session, item } => {
-                    tx.execute(
+                    let n = tx.execute(
                         "INSERT INTO notifications (n, session_id, task_id, text, created_ms)
-                         VALUES ($1, $2, $3, $4, $5)
+                         SELECT $1::BIGINT, $2::TEXT, $3::TEXT, $4::TEXT, $5::BIGINT
+                         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT)
                          ON CONFLICT (session_id, task_id) DO UPDATE SET text = excluded.text",
                         &[
                             &item.id,
@@ -830,6 +831,9 @@ impl Db for PgDb {
                             &item.created_ms,
                         ],
                     )?;
+                    if n == 0 {
+                        return Err(StoreError::SessionGone(*session)); // rolled back
+                    }
                 }
                 Change::Evict { id } => {
                     tx.execute("DELETE FROM notifications WHERE n = $1", &[id])?;

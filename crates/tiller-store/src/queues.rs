@@ -8,20 +8,23 @@ use tiller_core::SessionId;
 
 use crate::{CronFire, CronJob, GoalRow, Notification};
 
-/// Writes what the notification core decided, in one transaction.
+/// Writes what the notification core decided, in one transaction. The
+/// session it is for, when it was deleted meanwhile (nothing written: a
+/// notification would outlive it).
 pub(crate) fn notification_changes(
     conn: &mut Connection,
     changes: &[tiller_core::notify::Change],
-) -> rusqlite::Result<()> {
+) -> rusqlite::Result<Option<SessionId>> {
     use tiller_core::notify::Change;
     let tx = conn.transaction()?;
     for c in changes {
         match c {
             // A replaced row may be gone (run meanwhile): queued again.
             Change::Insert { session, item } | Change::Replace { session, item } => {
-                tx.execute(
+                let n = tx.execute(
                     "INSERT INTO notifications (n, session_id, task_id, text, created_ms)
-                     VALUES (?1, ?2, ?3, ?4, ?5)
+                     SELECT ?1, ?2, ?3, ?4, ?5
+                     WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?2)
                      ON CONFLICT (session_id, task_id) DO UPDATE SET text = excluded.text",
                     params![
                         item.id,
@@ -31,13 +34,16 @@ pub(crate) fn notification_changes(
                         item.created_ms
                     ],
                 )?;
+                if n == 0 {
+                    return Ok(Some(*session)); // rolled back
+                }
             }
             Change::Evict { id } => {
                 tx.execute("DELETE FROM notifications WHERE n = ?1", params![id])?;
             }
         }
     }
-    tx.commit()
+    tx.commit().map(|()| None)
 }
 
 /// Every queued notification (the core is rebuilt from them at start),

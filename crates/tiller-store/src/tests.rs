@@ -969,17 +969,17 @@ mod ledger {
 }
 
 mod notifications {
-    use crate::*;
     use tiller_core::notify::Queues;
 
     #[tokio::test]
     async fn what_the_core_decides_is_stored_and_restores_the_same_queues() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.db");
-        let s = SessionId::new();
         let mut q = Queues::new(3);
+        let s;
         {
             let store = super::open_store(&path).unwrap();
+            s = super::stored_session(&store).await;
             for (t, text) in [("a", "1"), ("b", "2"), ("a", "3"), ("c", "4"), ("d", "5")] {
                 let out = q.enqueue(s, t, text, 1);
                 store.notification_changes(out.changes).await.unwrap();
@@ -1206,7 +1206,7 @@ mod durability {
     #[tokio::test]
     async fn a_failed_start_leaves_its_notification_queued_and_unadmitted() {
         let (_dir, store) = open();
-        let s = SessionId::new();
+        let s = super::stored_session(&store).await;
         let mut q = tiller_core::notify::Queues::new(10);
         let out = q.enqueue(s, "t", "done", 1);
         store.notification_changes(out.changes).await.unwrap();
@@ -1644,7 +1644,7 @@ mod cluster {
     #[tokio::test]
     async fn queued_work_starts_once_across_nodes() {
         let (_dir, a, b) = two_nodes();
-        let s = SessionId::new();
+        let s = super::stored_session(&a).await;
         let mut q = tiller_core::notify::Queues::new(10);
         let out = q.enqueue(s, "t", "done", 1);
         a.notification_changes(out.changes).await.unwrap();
@@ -1724,6 +1724,28 @@ mod stale {
         let e = store.cron_add(job("late")).await.unwrap_err();
         assert!(matches!(e, StoreError::SessionGone(g) if g == s), "{e}");
         assert!(store.cron_list().await.unwrap().is_empty());
+    }
+
+    /// A notification is queued only for a session the store still holds:
+    /// one enqueued while its session was being deleted was written after
+    /// the delete (and started the session's queue again at the next start).
+    #[tokio::test]
+    async fn a_notification_for_a_deleted_session_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
+        let s = super::stored_session(&store).await;
+        let mut q = tiller_core::notify::Queues::new(10);
+        store
+            .notification_changes(q.enqueue(s, "a", "1", 1).changes)
+            .await
+            .unwrap();
+        assert!(store.delete_session(s).await.unwrap());
+        let e = store
+            .notification_changes(q.enqueue(s, "b", "2", 2).changes)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, StoreError::SessionGone(g) if g == s), "{e}");
+        assert!(store.notifications().await.unwrap().is_empty());
     }
 
     /// A goal is stored only for a session the store still holds: a goal
@@ -1813,7 +1835,7 @@ mod stale {
     async fn a_notification_replacing_one_run_elsewhere_is_queued() {
         let dir = tempfile::tempdir().unwrap();
         let store = super::open_store(&dir.path().join("t.db")).unwrap();
-        let s = SessionId::new();
+        let s = super::stored_session(&store).await;
         let mut q = tiller_core::notify::Queues::new(10);
         store
             .notification_changes(q.enqueue(s, "build", "failed", 1).changes)

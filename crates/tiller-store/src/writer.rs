@@ -535,8 +535,8 @@ impl Writer {
     }
 
     /// Checkpoints SQLite's write-ahead log once it holds
-    /// [`CHECKPOINT_FRAMES`] ([`INLINE_CHECKPOINT_FRAMES`] inline), after the commit that filled it was
-    /// answered: after each batch of appends and each command (not
+    /// [`CHECKPOINT_FRAMES`] ([`INLINE_CHECKPOINT_FRAMES`] inline), after
+    /// the commit that filled it was answered: after each batch of appends and each command (not
     /// between a command's preceding writes and the command), so a burst
     /// taken off the channel at once is checkpointed as it goes. With a
     /// checkpoint thread (the store thread's) the thread is asked (see
