@@ -290,11 +290,7 @@ impl CronState {
         self.store
             .cron_add(job.clone())
             .await
-            .map_err(|e| match e {
-                // Deleted since the caller found it: no job outlives it.
-                tiller_store::StoreError::SessionGone(s) => SessionError::Unknown(s),
-                e => SessionError::from(e),
-            })?;
+            .map_err(SessionError::from)?;
         self.jobs.insert(job.id.clone(), (job.clone(), parsed));
         Ok(job)
     }

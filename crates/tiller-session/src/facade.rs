@@ -182,14 +182,7 @@ impl Sessions {
         self.goal
             .send_message(make(publish, tx))
             .map_err(|_| SessionError::Stopped)?;
-        let r = rx
-            .await
-            .map_err(|_| SessionError::Stopped)?
-            .map_err(|e| match e {
-                // Deleted since it was opened: no goal outlives it.
-                StoreError::SessionGone(s) => SessionError::Unknown(s),
-                e => SessionError::from(e),
-            })?;
+        let r = rx.await.map_err(|_| SessionError::Stopped)??;
         stored.await.map_err(|_| SessionError::Stopped)??;
         Ok(r)
     }
@@ -287,14 +280,7 @@ impl Sessions {
                 reply: tx,
             })
             .map_err(|_| SessionError::Stopped)?;
-        let enqueued = rx
-            .await
-            .map_err(|_| SessionError::Stopped)?
-            .map_err(|e| match e {
-                // Deleted since it was opened: no notification outlives it.
-                StoreError::SessionGone(s) => SessionError::Unknown(s),
-                e => SessionError::from(e),
-            })?;
+        let enqueued = rx.await.map_err(|_| SessionError::Stopped)??;
         handle.send(SessionMsg::NotificationQueued {
             task_id,
             text,

@@ -125,8 +125,9 @@ pub enum SessionError {
     Unknown(SessionId),
     #[error("too many live sessions (limit {0}); close some or raise limits.max_sessions")]
     TooManySessions(usize),
+    /// A store failure (a session deleted meanwhile is `Unknown`).
     #[error(transparent)]
-    Store(#[from] StoreError),
+    Store(StoreError),
     /// The session's actor went away while it handled the request (its
     /// lease moved to another node, or it failed and reloads): the request
     /// may or may not have been carried out.
@@ -155,6 +156,17 @@ pub enum SessionError {
         node: String,
         address: String,
     },
+}
+
+/// A session deleted since the caller found it is unknown (no cron job,
+/// goal or notification outlives it); any other failure is the store's.
+impl From<StoreError> for SessionError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::SessionGone(s) => SessionError::Unknown(s),
+            e => SessionError::Store(e),
+        }
+    }
 }
 
 /// The engines this daemon has, by name, and the default one.
