@@ -119,6 +119,11 @@ pub(crate) struct Shared {
     pub(crate) fail_appends: AtomicBool,
     /// Set by a test to hold appends back (a store that falls behind).
     pub(crate) pause_appends: AtomicBool,
+    /// Set by a test to hold the store thread at its next upkeep.
+    pub(crate) hold_upkeep: AtomicBool,
+    /// Set while the store thread waits at a test's hold (appends paused
+    /// or an upkeep held).
+    pub(crate) held: AtomicBool,
     /// Set by a test to make every checkpoint fail.
     pub(crate) fail_checkpoints: AtomicBool,
     /// Set by a test: milliseconds each of the checkpoint thread's passes
@@ -172,6 +177,18 @@ impl Shared {
         let now = self.backlog.fetch_sub(n, Ordering::AcqRel) - n;
         metrics::gauge!("tiller_store_backlog_events").set(now as f64);
     }
+
+    /// Waits on the store thread while a test's hold (`switch`) is on.
+    pub(crate) fn hold_while(&self, switch: &AtomicBool) {
+        if !switch.load(Ordering::Relaxed) {
+            return;
+        }
+        self.held.store(true, Ordering::Relaxed);
+        while switch.load(Ordering::Relaxed) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        self.held.store(false, Ordering::Relaxed);
+    }
 }
 
 /// The store thread's channel, or the connection itself (inline).
@@ -213,7 +230,8 @@ impl Store {
 
     /// Opens (creating if needed) the database at `path` and starts its thread.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
-        let (writer, shared) = Self::connect(path, true)?;
+        let (mut writer, shared) = Self::connect(path, true)?;
+        writer.courier = writer::Courier::spawn();
         let (tx, rx) = std_mpsc::channel();
         std::thread::Builder::new()
             .name("tiller-store".into())
@@ -239,6 +257,7 @@ impl Store {
         shared.clustered.store(true, Ordering::Relaxed);
         let thread_shared = shared.clone();
         let (url, schema) = (url.to_owned(), schema.to_owned());
+        let courier = writer::Courier::spawn();
         // The client blocks on its own runtime: connect on the store
         // thread, never on an async worker.
         std::thread::Builder::new()
@@ -246,7 +265,9 @@ impl Store {
             .spawn(move || match pg::PgDb::connect(&url, &schema) {
                 Ok(db) => {
                     let _ = ready_tx.send(Ok(()));
-                    writer::run(Writer::new(Box::new(db), thread_shared), rx);
+                    let mut w = Writer::new(Box::new(db), thread_shared);
+                    w.courier = courier;
+                    writer::run(w, rx);
                 }
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
@@ -472,6 +493,20 @@ impl Store {
     #[cfg(feature = "test-hooks")]
     pub fn pause_appends(&self, on: bool) {
         self.shared.pause_appends.store(on, Ordering::Relaxed);
+    }
+
+    /// Holds the store thread at its next upkeep (the work between
+    /// commits) until turned off.
+    #[cfg(feature = "test-hooks")]
+    pub fn hold_upkeep(&self, on: bool) {
+        self.shared.hold_upkeep.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the store thread waits at a hold ([`Store::pause_appends`],
+    /// [`Store::hold_upkeep`]).
+    #[cfg(feature = "test-hooks")]
+    pub fn writer_held(&self) -> bool {
+        self.shared.held.load(Ordering::Relaxed)
     }
 
     /// Events sent to be appended and not yet committed (nor failed).

@@ -45,6 +45,7 @@ pub(crate) fn pg_schema(path: &Path) -> String {
 
 mod basics {
     use crate::*;
+    use std::time::Duration;
     use tiller_core::{PromptId, TurnId};
 
     /// One process owns a store: a second open is refused with a clear
@@ -180,7 +181,7 @@ mod basics {
                     seq += 1;
                     store.append_durable(ev(a.id, seq), None).await.unwrap();
                 }
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
             // More than the cap in all: had the log not started over in
             // the pauses, the writer would have checkpointed it.
@@ -205,7 +206,7 @@ mod basics {
                 if now < writer::CHECKPOINT_FRAMES {
                     break;
                 }
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
             assert!(
                 now < writer::CHECKPOINT_FRAMES,
@@ -704,6 +705,111 @@ mod basics {
             vec![recs[1].id, recs[0].id]
         );
         assert_eq!(p2.next_cursor, None);
+    }
+
+    /// An awaited append (a cancel's terminal) sent while the store thread
+    /// is in an upkeep commits right after it, before the streamed
+    /// appends the thread had queued before the upkeep.
+    #[tokio::test]
+    async fn an_awaited_append_sent_during_an_upkeep_goes_before_the_queued_streams() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let store = Store::open(&path).unwrap();
+        let (a, b, urgent) = (rec(1), rec(2), rec(3));
+        for s in [&a, &b, &urgent] {
+            store.create_session(s.clone()).await.unwrap();
+        }
+        // `a`'s batch is held while `b`'s append queues behind it; then
+        // the thread takes `b`'s off its channel and is held in the upkeep.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let until = |what: &str, ok: &dyn Fn() -> bool| {
+            while !ok() {
+                assert!(std::time::Instant::now() < deadline, "{what}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        store.pause_appends(true);
+        store.append(ev(a.id, 1), None, None);
+        until("`a` never held", &|| store.writer_held());
+        store.hold_upkeep(true);
+        store.append(ev(b.id, 1), None, None);
+        store.pause_appends(false);
+        until("never held in an upkeep after `a`", &|| {
+            store.writer_held() && store.backlog() == 1
+        });
+        let durable = tokio::spawn({
+            let store = store.clone();
+            async move { store.append_durable(ev(urgent.id, 1), None).await }
+        });
+        while store.backlog() < 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the awaited append was not sent"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        store.hold_upkeep(false);
+        durable.await.unwrap().unwrap();
+        store.flush().await.unwrap();
+        let db = Connection::open(&path).unwrap();
+        let order: Vec<String> = db
+            .prepare("SELECT session_id FROM log ORDER BY n")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        let ids: Vec<String> = [a.id, urgent.id, b.id]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(order, ids, "committed in this order");
+        store.close().await;
+    }
+
+    /// On a multi-thread runtime the sessions hear of their commits from
+    /// a task on the runtime (one wake of it a batch), not from the store
+    /// thread (a wake through the runtime's shared queue per session);
+    /// without a runtime, from the store thread.
+    #[test]
+    fn commit_notices_come_from_the_runtime_when_there_is_one() {
+        fn told_on(store: &Store, session: SessionId) -> std::sync::mpsc::Receiver<Option<String>> {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let tx = std::sync::Mutex::new(tx);
+            let tell: OnCommit = Arc::new(move |r| {
+                assert_eq!(r.ok(), Some(1));
+                let name = std::thread::current().name().map(str::to_owned);
+                let _ = tx.lock().unwrap().send(name);
+            });
+            store.append(ev(session, 1), None, Some(tell));
+            rx
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("runtime-worker")
+            .build()
+            .unwrap();
+        let a = rec(1);
+        let store = rt.block_on(async {
+            let store = Store::open(&dir.path().join("a.db")).unwrap();
+            store.create_session(a.clone()).await.unwrap();
+            store
+        });
+        let heard = told_on(&store, a.id).recv_timeout(Duration::from_secs(10));
+        assert_eq!(heard.unwrap().as_deref(), Some("runtime-worker"));
+        rt.block_on(store.close());
+        drop(rt);
+
+        let b = rec(2);
+        let store = Store::open(&dir.path().join("b.db")).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(store.create_session(b.clone())).unwrap();
+        let heard = told_on(&store, b.id).recv_timeout(Duration::from_secs(10));
+        assert_eq!(heard.unwrap().as_deref(), Some("tiller-store"));
+        rt.block_on(store.close());
     }
 }
 

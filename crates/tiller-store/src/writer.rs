@@ -214,6 +214,59 @@ pub(crate) struct Writer {
     pub(crate) claim: Option<Claim>,
     /// An inline store's writer (see [`INLINE_CHECKPOINT_FRAMES`]).
     inline: bool,
+    /// Carries each batch's commit notices to the async runtime (see
+    /// [`Courier`]); none inline or without a runtime.
+    pub(crate) courier: Option<Courier>,
+}
+
+/// One session's commit notice: what its [`OnCommit`] is told.
+type Notice = (OnCommit, Result<u64, Arc<StoreError>>);
+
+/// Hands a batch's commit notices to a task on the async runtime, which
+/// tells each session. Called on the store thread, each notice would wake
+/// its session's actor through the runtime's shared injection queue, a
+/// FIFO: a few hundred streaming sessions a commit put a millisecond of
+/// work there, and an awaited append's answer (a cancel's terminal,
+/// woken the same way) waited behind the previous commits' notices, up to
+/// 1.5 ms. Told from a worker, the wakes go to that worker's own queue;
+/// the injection queue keeps only the answers, which a worker takes up
+/// between tasks. One wake a batch, not one a session.
+pub(crate) struct Courier(tokio::sync::mpsc::UnboundedSender<Vec<Notice>>);
+
+impl Courier {
+    /// A courier on the caller's runtime, none outside one. Unbounded: it
+    /// holds what commits told and the runtime has not run yet (a notice
+    /// is a pointer and a number, and the store's backlog bounds commits).
+    pub(crate) fn spawn() -> Option<Courier> {
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<Notice>>();
+        rt.spawn(async move {
+            while let Some(notices) = rx.recv().await {
+                for (tell, r) in notices {
+                    tell(r);
+                }
+            }
+        });
+        Some(Courier(tx))
+    }
+}
+
+/// Tells each session of its commit (or failure), through the courier
+/// when there is one and its runtime still runs, else here.
+fn tell_all(courier: Option<&Courier>, notices: Vec<Notice>) {
+    if notices.is_empty() {
+        return;
+    }
+    let notices = match courier {
+        Some(c) => match c.0.send(notices) {
+            Ok(()) => return,
+            Err(back) => back.0,
+        },
+        None => notices,
+    };
+    for (tell, r) in notices {
+        tell(r);
+    }
 }
 
 /// Frames in SQLite's write-ahead log that make a checkpoint due (the
@@ -329,6 +382,10 @@ pub(crate) fn run(mut w: Writer, rx: std_mpsc::Receiver<Cmd>) {
         // was one (the streams' turn then): only then is it worth waiting for.
         if upkeep.now(!urgent_last && !queued.urgent.is_empty()) {
             w.upkeep();
+            // What came meanwhile is taken first: an awaited append sent
+            // during the upkeep goes in the next batch, not after one more
+            // slice of the streams.
+            continue;
         }
         if queued.lingers(streamed_at, slice).is_some() {
             continue;
@@ -493,6 +550,7 @@ impl Writer {
             checkpointer: None,
             claim: None,
             inline: false,
+            courier: None,
         }
     }
 
@@ -524,6 +582,7 @@ impl Writer {
     /// Deferred work that failed is tried again after the next commit; it
     /// loses nothing (see [`crate::index`]).
     pub(crate) fn upkeep(&mut self) {
+        self.shared.hold_while(&self.shared.hold_upkeep);
         let started = Instant::now();
         match self.conn.upkeep() {
             Ok(true) => metrics::histogram!("tiller_store_write_seconds")
@@ -608,9 +667,7 @@ impl Writer {
 
     fn append_timed(&mut self, batch: Vec<Pending>) {
         let n = batch.len();
-        while self.shared.pause_appends.load(Ordering::Relaxed) {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        self.shared.hold_while(&self.shared.pause_appends);
         let started = Instant::now();
         self.append(batch);
         metrics::histogram!("tiller_store_write_seconds").record(started.elapsed().as_secs_f64());
@@ -708,7 +765,7 @@ impl Writer {
     /// Counts a committed batch and answers its waiters.
     fn committed(&self, batch: Vec<Pending>) {
         self.shared.append_commits.fetch_add(1, Ordering::Relaxed);
-        reply_ok(batch);
+        tell_all(self.courier.as_ref(), reply_ok(batch));
     }
 
     /// Marks the batch's sessions broken and answers every waiter.
@@ -746,13 +803,13 @@ impl Writer {
             tracing::warn!(session = %named, error = %e, events, "append refused: the session's log is damaged");
         }
         reply_err(batch, || StoreError::Append(e.clone()));
-        for tell in told.into_values().flatten() {
-            tell(Err(e.clone()));
-        }
+        let notices = told.into_values().flatten().map(|t| (t, Err(e.clone())));
+        tell_all(self.courier.as_ref(), notices.collect());
     }
 }
 
-fn reply_ok(batch: Vec<Pending>) {
+/// Answers the batch's waiters; returns its sessions' commit notices.
+fn reply_ok(batch: Vec<Pending>) -> Vec<Notice> {
     // Each session hears its commit once per batch, with its highest
     // sequence number.
     let mut committed: HashMap<SessionId, (OnCommit, u64)> = HashMap::new();
@@ -764,9 +821,10 @@ fn reply_ok(batch: Vec<Pending>) {
             committed.insert(p.event.session, (tell, p.event.seq));
         }
     }
-    for (tell, seq) in committed.into_values() {
-        tell(Ok(seq));
-    }
+    committed
+        .into_values()
+        .map(|(tell, seq)| (tell, Ok(seq)))
+        .collect()
 }
 
 fn reply_err(batch: Vec<Pending>, err: impl Fn() -> StoreError) {
