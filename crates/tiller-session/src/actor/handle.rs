@@ -15,6 +15,28 @@ impl SessionState {
             .map_or(EngineStop::Answered, |r| r.stop)
     }
 
+    /// Handles at once the frequent messages that await nothing (a
+    /// commit's report, a flush's second round): as [`Self::handle`] does.
+    /// Returns the others, for it.
+    pub(super) fn handle_now(&mut self, msg: SessionMsg) -> Option<SessionMsg> {
+        match msg {
+            SessionMsg::Committed(seq) => {
+                self.input_at = crate::clock::instant();
+                self.committed(seq);
+                None
+            }
+            SessionMsg::Flush
+                if (self.flush_deferred || self.unsent == 0) && self.admitting.is_none() =>
+            {
+                self.input_at = crate::clock::instant();
+                self.flush_deferred = false;
+                self.flush();
+                None
+            }
+            msg => Some(msg),
+        }
+    }
+
     pub(super) async fn handle(&mut self, myself: &ActorRef<SessionMsg>, msg: SessionMsg) {
         // Not input: the registry asking.
         match msg {

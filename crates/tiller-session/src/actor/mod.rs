@@ -559,8 +559,11 @@ impl Actor for SessionActor {
     ) -> Result<(), ActorProcessingErr> {
         // Boxed: an idle session's task stays small. Not in the session's
         // span (entered per message, 4% of the CPU under load): the log
-        // lines name the session (`session = %self.id`).
-        Box::pin(st.handle(&myself, msg)).await;
+        // lines name the session (`session = %self.id`). The messages that
+        // await nothing skip the box (2.8 KB, allocated and copied).
+        if let Some(msg) = st.handle_now(msg) {
+            Box::pin(st.handle(&myself, msg)).await;
+        }
         match st.failed {
             Some(why) => Err(Box::new(why)),
             None => Ok(()),
