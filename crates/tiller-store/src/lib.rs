@@ -91,10 +91,14 @@ fn read_only(path: &Path) -> Result<Connection, StoreError> {
     Ok(conn)
 }
 
-/// Called on the store thread (the caller's, inline) once appends of a session committed, with
-/// the highest sequence number among them (what the session may now show),
-/// or once a commit of them failed (`Err`: they are lost, and the
-/// session's log stays broken until it is reopened).
+/// Called once appends of a session committed, with the highest sequence
+/// number among them (what the session may now show), on a task of the
+/// runtime the store was opened on (`writer::Courier`; on the store thread
+/// without one, the caller's inline), so possibly after later calls to the
+/// store were answered; or at once on the store thread when a commit of
+/// them failed (`Err`: they are lost, and the session's log stays broken
+/// until it is reopened; a session reads its reopen count when told, which
+/// must be the failure's moment).
 pub type OnCommit = Arc<dyn Fn(Result<u64, Arc<StoreError>>) + Send + Sync>;
 use db::Db;
 pub use rows::*;

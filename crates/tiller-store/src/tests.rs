@@ -770,45 +770,65 @@ mod basics {
     /// On a multi-thread runtime the sessions hear of their commits from
     /// a task on the runtime (one wake of it a batch), not from the store
     /// thread (a wake through the runtime's shared queue per session);
-    /// without a runtime, from the store thread.
+    /// without a runtime, from the store thread. A failed commit is told
+    /// at once, from the store thread, either way (a session reads its
+    /// reopen count when told).
     #[test]
     fn commit_notices_come_from_the_runtime_when_there_is_one() {
-        fn told_on(store: &Store, session: SessionId) -> std::sync::mpsc::Receiver<Option<String>> {
+        type Heard = (Option<String>, bool);
+        fn told_on(
+            store: &Store,
+            session: SessionId,
+            seq: u64,
+        ) -> std::sync::mpsc::Receiver<Heard> {
             let (tx, rx) = std::sync::mpsc::channel();
             let tx = std::sync::Mutex::new(tx);
             let tell: OnCommit = Arc::new(move |r| {
-                assert_eq!(r.ok(), Some(1));
                 let name = std::thread::current().name().map(str::to_owned);
-                let _ = tx.lock().unwrap().send(name);
+                let _ = tx.lock().unwrap().send((name, r.is_ok()));
             });
-            store.append(ev(session, 1), None, Some(tell));
+            store.append(ev(session, seq), None, Some(tell));
             rx
         }
+        let heard = |rx: std::sync::mpsc::Receiver<Heard>| {
+            let (name, ok) = rx.recv_timeout(Duration::from_secs(10)).expect("told");
+            (name.unwrap_or_default(), ok)
+        };
         let dir = tempfile::tempdir().unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("runtime-worker")
             .build()
             .unwrap();
-        let a = rec(1);
+        let (a, b) = (rec(1), rec(2));
         let store = rt.block_on(async {
             let store = Store::open(&dir.path().join("a.db")).unwrap();
             store.create_session(a.clone()).await.unwrap();
+            store.create_session(b.clone()).await.unwrap();
             store
         });
-        let heard = told_on(&store, a.id).recv_timeout(Duration::from_secs(10));
-        assert_eq!(heard.unwrap().as_deref(), Some("runtime-worker"));
+        assert_eq!(
+            heard(told_on(&store, a.id, 1)),
+            ("runtime-worker".into(), true)
+        );
+        store.fail_appends(true);
+        assert_eq!(
+            heard(told_on(&store, b.id, 1)),
+            ("tiller-store".into(), false)
+        );
         rt.block_on(store.close());
         drop(rt);
 
-        let b = rec(2);
+        let c = rec(3);
         let store = Store::open(&dir.path().join("b.db")).unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        rt.block_on(store.create_session(b.clone())).unwrap();
-        let heard = told_on(&store, b.id).recv_timeout(Duration::from_secs(10));
-        assert_eq!(heard.unwrap().as_deref(), Some("tiller-store"));
+        rt.block_on(store.create_session(c.clone())).unwrap();
+        assert_eq!(
+            heard(told_on(&store, c.id, 1)),
+            ("tiller-store".into(), true)
+        );
         rt.block_on(store.close());
     }
 }

@@ -219,8 +219,9 @@ pub(crate) struct Writer {
     pub(crate) courier: Option<Courier>,
 }
 
-/// One session's commit notice: what its [`OnCommit`] is told.
-type Notice = (OnCommit, Result<u64, Arc<StoreError>>);
+/// One session's commit notice: its [`OnCommit`] and its highest
+/// committed sequence number.
+type Notice = (OnCommit, u64);
 
 /// Hands a batch's commit notices to a task on the async runtime, which
 /// tells each session. Called on the store thread, each notice would wake
@@ -242,8 +243,8 @@ impl Courier {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<Notice>>();
         rt.spawn(async move {
             while let Some(notices) = rx.recv().await {
-                for (tell, r) in notices {
-                    tell(r);
+                for (tell, seq) in notices {
+                    tell(Ok(seq));
                 }
             }
         });
@@ -251,8 +252,8 @@ impl Courier {
     }
 }
 
-/// Tells each session of its commit (or failure), through the courier
-/// when there is one and its runtime still runs, else here.
+/// Tells each session of its commit, through the courier when there is
+/// one and its runtime still runs, else here.
 fn tell_all(courier: Option<&Courier>, notices: Vec<Notice>) {
     if notices.is_empty() {
         return;
@@ -264,8 +265,8 @@ fn tell_all(courier: Option<&Courier>, notices: Vec<Notice>) {
         },
         None => notices,
     };
-    for (tell, r) in notices {
-        tell(r);
+    for (tell, seq) in notices {
+        tell(Ok(seq));
     }
 }
 
@@ -803,8 +804,13 @@ impl Writer {
             tracing::warn!(session = %named, error = %e, events, "append refused: the session's log is damaged");
         }
         reply_err(batch, || StoreError::Append(e.clone()));
-        let notices = told.into_values().flatten().map(|t| (t, Err(e.clone())));
-        tell_all(self.courier.as_ref(), notices.collect());
+        // Told here, at once, not through the courier: a session takes a
+        // failure reported after its log was reopened for stale, and reads
+        // its reopen count when told (a courier that lagged behind a
+        // reopen would make an old failure look current).
+        for tell in told.into_values().flatten() {
+            tell(Err(e.clone()));
+        }
     }
 }
 
@@ -821,10 +827,7 @@ fn reply_ok(batch: Vec<Pending>) -> Vec<Notice> {
             committed.insert(p.event.session, (tell, p.event.seq));
         }
     }
-    committed
-        .into_values()
-        .map(|(tell, seq)| (tell, Ok(seq)))
-        .collect()
+    committed.into_values().collect()
 }
 
 fn reply_err(batch: Vec<Pending>, err: impl Fn() -> StoreError) {
