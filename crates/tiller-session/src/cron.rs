@@ -59,7 +59,7 @@ pub enum CronMsg {
         session: SessionId,
         reply: PollReply,
     },
-    /// The session was deleted (its rows are gone): forget its jobs and
+    /// The session was closed or deleted (its queued rows are gone): forget its jobs and
     /// fires.
     Forget(SessionId),
     /// Reads the jobs and waiting fires again from a store other nodes
@@ -399,5 +399,9 @@ impl WorkQueue for ActorRef<CronMsg> {
         if let Work::Cron(f) = work {
             let _ = self.send_message(CronMsg::Started { session, id: f.id });
         }
+    }
+
+    fn forget(&self, session: SessionId) {
+        let _ = self.send_message(CronMsg::Forget(session));
     }
 }

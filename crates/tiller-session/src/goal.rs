@@ -77,7 +77,7 @@ pub enum GoalMsg {
     /// The try again after the store failed the session's goal is due:
     /// a turn's end waiting is stored, else the session looks for work.
     Retry(SessionId),
-    /// The session was deleted: nothing of it is kept.
+    /// The session was closed or deleted: nothing of it is kept.
     Forget(SessionId),
 }
 
@@ -370,5 +370,9 @@ impl WorkQueue for ActorRef<GoalMsg> {
             loop_stopped,
             inbox,
         });
+    }
+
+    fn forget(&self, session: SessionId) {
+        let _ = self.send_message(GoalMsg::Forget(session));
     }
 }

@@ -29,7 +29,7 @@ pub enum NotifyMsg {
     },
     /// The session started the notification `id` (its start consumes it).
     Started { session: SessionId, id: i64 },
-    /// The session was deleted (its rows are gone): forget its queue.
+    /// The session was closed or deleted (its queued rows are gone): forget its queue.
     Forget(SessionId),
     /// Reads the queues again from a store other nodes share (what they
     /// queued for sessions this node now serves); the answer is the
@@ -216,5 +216,9 @@ impl WorkQueue for ActorRef<NotifyMsg> {
         if let Work::Notification(n) = work {
             let _ = self.send_message(NotifyMsg::Started { session, id: n.id });
         }
+    }
+
+    fn forget(&self, session: SessionId) {
+        let _ = self.send_message(NotifyMsg::Forget(session));
     }
 }

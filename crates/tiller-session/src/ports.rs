@@ -193,6 +193,9 @@ pub trait WorkQueue: Send + Sync + 'static {
     /// A turn of this origin ended (`loop_stopped`: loop protection ended
     /// it).
     fn turn_ended(&self, _session: SessionId, _loop_stopped: bool, _inbox: Arc<dyn Inbox>) {}
+    /// The session was closed or deleted (the store removed its queued
+    /// work): the queue forgets what it holds of it.
+    fn forget(&self, _session: SessionId) {}
 }
 
 /// How a queue wakes a session that is not asking (a cron fire).

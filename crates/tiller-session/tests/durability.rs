@@ -954,6 +954,32 @@ async fn a_cron_removal_that_cannot_be_stored_is_an_error_and_the_job_stays() {
     assert!(!s.cron_remove(job.id).await.unwrap(), "gone: no such job");
 }
 
+/// Closing a session ends its automatic work: its cron jobs go with it
+/// (they stayed, and fired for nothing for good) and no new one is taken.
+#[tokio::test]
+async fn a_closed_sessions_cron_jobs_go_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _store) = sessions(&dir).await;
+    let (h, other) = (
+        s.create("/tmp".into(), None).await.unwrap(),
+        s.create("/tmp".into(), None).await.unwrap(),
+    );
+    let add = |id| s.cron_add(id, "0 3 * * *".into(), "UTC".into(), "nightly".into());
+    add(h.id()).await.unwrap().unwrap();
+    let kept = add(other.id()).await.unwrap().unwrap();
+    h.close().await.unwrap();
+    let ids: Vec<String> = s
+        .cron_list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|j| j.id)
+        .collect();
+    assert_eq!(ids, [kept.id]);
+    let late = add(h.id()).await;
+    assert!(late.is_err(), "{late:?}");
+}
+
 /// A cron fire that cannot be stored (a full disk) is tried again after a
 /// pause that grows, not at once in a loop (the cron actor spun on the
 /// store, logging an error each time); it fires once the store is back.

@@ -274,7 +274,7 @@ impl Db for Sqlite {
         Ok(sessions::set_title(&self.conn, id, title)?)
     }
     fn close_session(&mut self, id: SessionId) -> R<()> {
-        Ok(sessions::close(&self.conn, id)?)
+        Ok(sessions::close(&mut self.conn, id)?)
     }
     fn delete_session(&mut self, id: SessionId) -> R<bool> {
         let deleted = sessions::delete(&mut self.conn, id, self.tail.of(id))?;

@@ -78,7 +78,7 @@ pub enum StoreError {
     /// was written.
     #[error("session {0} is now served by another node (this node's lease on it was taken over)")]
     Fenced(tiller_core::SessionId),
-    /// The session is gone (deleted meanwhile): nothing was written for it.
+    /// The session is gone (deleted or closed meanwhile): nothing was written for it.
     #[error("session {0} no longer exists")]
     SessionGone(tiller_core::SessionId),
     /// A claimed queue row was gone: another node started that work.

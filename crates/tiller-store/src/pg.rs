@@ -239,6 +239,7 @@ impl PgDb {
         for m in &MIGRATIONS[have as usize..] {
             tx.batch_execute(m)?;
         }
+        tx.batch_execute(&crate::sessions::sweep_closed())?;
         tx.execute(
             "UPDATE tiller_schema SET version = $1",
             &[&(MIGRATIONS.len() as i64)],
@@ -675,7 +676,18 @@ impl Db for PgDb {
     }
 
     fn close_session(&mut self, id: SessionId) -> R<()> {
-        self.fenced_update(id, "UPDATE sessions SET closed = $2 WHERE id = $1", true)
+        // Its queued automatic work goes with it (see `sessions::close`).
+        self.fenced(id, |tx, _| {
+            let id = id.to_string();
+            tx.execute("UPDATE sessions SET closed = true WHERE id = $1", &[&id])?;
+            for table in crate::sessions::QUEUE_TABLES {
+                tx.execute(
+                    &format!("DELETE FROM {table} WHERE session_id = $1"),
+                    &[&id],
+                )?;
+            }
+            Ok(())
+        })
     }
 
     fn delete_session(&mut self, id: SessionId) -> R<bool> {
@@ -821,7 +833,7 @@ impl Db for PgDb {
                     let n = tx.execute(
                         "INSERT INTO notifications (n, session_id, task_id, text, created_ms)
                          SELECT $1::BIGINT, $2::TEXT, $3::TEXT, $4::TEXT, $5::BIGINT
-                         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT)
+                         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT AND NOT closed)
                          ON CONFLICT (session_id, task_id) DO UPDATE SET text = excluded.text",
                         &[
                             &item.id,
@@ -877,7 +889,7 @@ impl Db for PgDb {
         let n = self.client()?.execute(
             "INSERT INTO cron_jobs (id, session_id, schedule, tz, prompt, next_fire_ms, created_ms)
              SELECT $1::TEXT, $2::TEXT, $3::TEXT, $4::TEXT, $5::TEXT, $6::BIGINT, $7::BIGINT
-             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT)",
+             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT AND NOT closed)",
             &[
                 &j.id,
                 &j.session.to_string(),
@@ -1008,7 +1020,7 @@ impl Db for PgDb {
             "INSERT INTO goals
              (session_id, objective, max_turns, turns_done, status, pause_reason, loop_stops)
              SELECT $1::TEXT, $2::TEXT, $3::BIGINT, $4::BIGINT, $5::TEXT, $6::TEXT, $7::BIGINT
-             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $1::TEXT)
+             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $1::TEXT AND NOT closed)
              ON CONFLICT (session_id) DO UPDATE SET objective = excluded.objective,
                  max_turns = excluded.max_turns, turns_done = excluded.turns_done,
                  status = excluded.status, pause_reason = excluded.pause_reason,

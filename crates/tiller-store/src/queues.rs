@@ -9,7 +9,7 @@ use tiller_core::SessionId;
 use crate::{CronFire, CronJob, GoalRow, Notification};
 
 /// Writes what the notification core decided, in one transaction. The
-/// session it is for, when it was deleted meanwhile (nothing written: a
+/// session it is for, when it was deleted or closed meanwhile (nothing written: a
 /// notification would outlive it).
 pub(crate) fn notification_changes(
     conn: &mut Connection,
@@ -24,7 +24,7 @@ pub(crate) fn notification_changes(
                 let n = tx.execute(
                     "INSERT INTO notifications (n, session_id, task_id, text, created_ms)
                      SELECT ?1, ?2, ?3, ?4, ?5
-                     WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?2)
+                     WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?2 AND closed = 0)
                      ON CONFLICT (session_id, task_id) DO UPDATE SET text = excluded.text",
                     params![
                         item.id,
@@ -175,13 +175,13 @@ pub(crate) fn cron_fires(
     )
 }
 
-/// Adds a job for a session that still exists (false, nothing written,
-/// when it was deleted meanwhile: a job would outlive it).
+/// Adds a job for a session that is still open (false, nothing written,
+/// when it was deleted or closed meanwhile: a job would outlive it).
 pub(crate) fn cron_add(conn: &Connection, j: &CronJob) -> rusqlite::Result<bool> {
     conn.execute(
         "INSERT INTO cron_jobs (id, session_id, schedule, tz, prompt, next_fire_ms, created_ms)
          SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7
-         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?2)",
+         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?2 AND closed = 0)",
         params![
             j.id,
             j.session.to_string(),
@@ -245,14 +245,14 @@ pub(crate) fn goal_get(conn: &Connection, session: SessionId) -> rusqlite::Resul
     .optional()
 }
 
-/// Stores a goal for a session that still exists (false, nothing
-/// written, when it was deleted meanwhile: a goal would outlive it).
+/// Stores a goal for a session that is still open (false, nothing
+/// written, when it was deleted or closed meanwhile: a goal would outlive it).
 pub(crate) fn goal_put(conn: &Connection, g: &GoalRow) -> rusqlite::Result<bool> {
     conn.execute(
         "INSERT OR REPLACE INTO goals
          (session_id, objective, max_turns, turns_done, status, pause_reason, loop_stops)
          SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7
-         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?1)",
+         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = ?1 AND closed = 0)",
         params![
             g.session.to_string(),
             g.objective,

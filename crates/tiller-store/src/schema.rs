@@ -273,5 +273,7 @@ pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
         tx.pragma_update(None, "user_version", (SCHEMA.len() + i) as i64 + 1)?;
         tx.commit()?;
     }
-    Ok(())
+    let tx = conn.unchecked_transaction()?;
+    tx.execute_batch(&crate::sessions::sweep_closed())?;
+    tx.commit()
 }

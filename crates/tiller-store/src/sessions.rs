@@ -135,12 +135,36 @@ pub(crate) fn set_title(
     .map(drop)
 }
 
-pub(crate) fn close(conn: &Connection, id: SessionId) -> rusqlite::Result<()> {
-    conn.execute(
-        "UPDATE sessions SET closed = 1 WHERE id = ?1",
-        params![id.to_string()],
-    )
-    .map(drop)
+/// The tables of a session's queued automatic work: closing the session
+/// removes its rows, since nothing runs for a closed session (its cron
+/// jobs would fire, and a goal or notification wait, for ever).
+pub(crate) const QUEUE_TABLES: [&str; 4] = ["notifications", "cron_fires", "cron_jobs", "goals"];
+
+/// Removes the queued automatic work of sessions closed before their close
+/// removed it (an older version's): run at every start, on both backends
+/// (it finds nothing once done).
+pub(crate) fn sweep_closed() -> String {
+    QUEUE_TABLES
+        .iter()
+        .map(|t| {
+            format!("DELETE FROM {t} WHERE session_id IN (SELECT id FROM sessions WHERE closed);")
+        })
+        .collect()
+}
+
+/// Marks a session closed and removes its queued automatic work, in one
+/// transaction.
+pub(crate) fn close(conn: &mut Connection, id: SessionId) -> rusqlite::Result<()> {
+    let id = id.to_string();
+    let tx = conn.transaction()?;
+    tx.execute("UPDATE sessions SET closed = 1 WHERE id = ?1", params![id])?;
+    for table in QUEUE_TABLES {
+        tx.execute(
+            &format!("DELETE FROM {table} WHERE session_id = ?1"),
+            params![id],
+        )?;
+    }
+    tx.commit()
 }
 
 /// Every table that keeps rows of a session (besides `sessions`).

@@ -1907,6 +1907,105 @@ mod stale {
         assert!(store.goals_active().await.unwrap().is_empty());
     }
 
+    /// Closing a session removes its queued automatic work with it, and
+    /// nothing is queued for it afterwards: a closed session's cron jobs
+    /// fired for nothing for good, its goal stayed active and its
+    /// notifications waited for ever.
+    #[tokio::test]
+    async fn a_closed_sessions_queued_work_goes_with_its_close() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::open_store(&dir.path().join("t.db")).unwrap();
+        let (s, other) = (
+            super::stored_session(&store).await,
+            super::stored_session(&store).await,
+        );
+        let job = |id: &str, session| CronJob {
+            id: id.into(),
+            session,
+            schedule: "* * * * *".into(),
+            tz: "UTC".into(),
+            prompt: "tick".into(),
+            next_fire_ms: 0,
+            created_ms: 0,
+        };
+        let goal = |session| GoalRow {
+            session,
+            objective: "o".into(),
+            max_turns: 3,
+            turns_done: 0,
+            status: "active".into(),
+            pause_reason: None,
+            loop_stops: 0,
+        };
+        let mut q = tiller_core::notify::Queues::new(10);
+        let mut fires = tiller_core::cron::Fires::default();
+        for (session, id) in [(s, "closed"), (other, "kept")] {
+            store.cron_add(job(id, session)).await.unwrap();
+            let change = fires.fire(session, id, "tick", 5);
+            store.cron_fire(change, id.into(), (0, 60)).await.unwrap();
+            store.goal_put(goal(session)).await.unwrap();
+            store
+                .notification_changes(q.enqueue(session, "a", "1", 1).changes)
+                .await
+                .unwrap();
+        }
+        store.close_session(s).await.unwrap();
+        let jobs = store.cron_list().await.unwrap();
+        assert_eq!(jobs.iter().map(|j| j.session).collect::<Vec<_>>(), [other]);
+        let waiting = store.cron_fires().await.unwrap();
+        assert_eq!(
+            waiting.iter().map(|f| f.session).collect::<Vec<_>>(),
+            [other]
+        );
+        let queued = store.notifications().await.unwrap();
+        assert_eq!(
+            queued.iter().map(|n| n.session).collect::<Vec<_>>(),
+            [other]
+        );
+        assert!(store.goal_get(s).await.unwrap().is_none());
+        assert_eq!(store.goals_active().await.unwrap(), [other]);
+        // Nothing is queued for it afterwards.
+        let e = store.cron_add(job("late", s)).await.unwrap_err();
+        assert!(matches!(e, StoreError::SessionGone(g) if g == s), "{e}");
+        let e = store.goal_put(goal(s)).await.unwrap_err();
+        assert!(matches!(e, StoreError::SessionGone(g) if g == s), "{e}");
+        let e = store
+            .notification_changes(q.enqueue(s, "b", "2", 2).changes)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, StoreError::SessionGone(g) if g == s), "{e}");
+    }
+
+    /// A session an older version closed kept its queued work: the store
+    /// removes it when it opens.
+    #[tokio::test]
+    async fn work_queued_for_a_session_closed_before_is_removed_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let store = Store::open(&path).unwrap();
+        let s = super::stored_session(&store).await;
+        store
+            .cron_add(CronJob {
+                id: "j".into(),
+                session: s,
+                schedule: "* * * * *".into(),
+                tz: "UTC".into(),
+                prompt: "tick".into(),
+                next_fire_ms: 0,
+                created_ms: 0,
+            })
+            .await
+            .unwrap();
+        store.close().await;
+        // Closed as an older version did: the flag only.
+        Connection::open(&path)
+            .unwrap()
+            .execute("UPDATE sessions SET closed = 1", [])
+            .unwrap();
+        let store = Store::open(&path).unwrap();
+        assert!(store.cron_list().await.unwrap().is_empty());
+    }
+
     /// A fire coalesced into a waiting fire that another node already
     /// started is a waiting fire again, not an update of nothing.
     #[tokio::test]

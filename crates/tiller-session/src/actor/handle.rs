@@ -314,6 +314,12 @@ impl SessionState {
                         }
                         .map_err(crate::SessionError::from),
                     };
+                    if stored.is_ok() {
+                        // Its queued work went with the close.
+                        for q in self.automation.queues.iter() {
+                            q.forget(self.id);
+                        }
+                    }
                     let _ = reply.send(stored);
                 } else {
                     let _ = reply.send(Ok(()));
