@@ -152,6 +152,8 @@ impl Goal {
 pub struct Turns {
     current: std::collections::HashMap<crate::SessionId, u64>,
     offered: std::collections::HashMap<crate::SessionId, u64>,
+    /// Sessions whose offered turn was offered before a resume.
+    resumed: std::collections::HashSet<crate::SessionId>,
     last: u64,
 }
 
@@ -171,6 +173,16 @@ impl Turns {
     pub fn forget(&mut self, session: crate::SessionId) {
         self.current.remove(&session);
         self.offered.remove(&session);
+        self.resumed.remove(&session);
+    }
+
+    /// The user resumed the session's goal: the turn offered before, if
+    /// one runs, no longer counts as a loop stop (a resume starts the
+    /// count over; that turn's stop would count against the resumed goal).
+    pub fn resumed(&mut self, session: crate::SessionId) {
+        if self.offered.contains_key(&session) {
+            self.resumed.insert(session);
+        }
     }
 
     /// A continuation of the session's stored goal was offered (one stored
@@ -180,12 +192,17 @@ impl Turns {
             self.set(session);
         }
         self.offered.insert(session, self.current[&session]);
+        self.resumed.remove(&session);
     }
 
-    /// A goal turn of `session` ended: whether it counts for its goal.
-    pub fn ended(&mut self, session: crate::SessionId) -> bool {
+    /// A goal turn of `session` ended, stopped by loop protection or not:
+    /// `None` when it does not count for its goal, else whether it counts
+    /// as a loop stop (not when the goal was resumed since its offer).
+    pub fn ended(&mut self, session: crate::SessionId, loop_stopped: bool) -> Option<bool> {
         let offered = self.offered.remove(&session);
-        offered.is_some() && offered == self.current.get(&session).copied()
+        let before_resume = self.resumed.remove(&session);
+        (offered.is_some() && offered == self.current.get(&session).copied())
+            .then_some(loop_stopped && !before_resume)
     }
 }
 
@@ -222,6 +239,15 @@ impl Unstored {
     pub fn replaced(&mut self, session: crate::SessionId) {
         self.ends.remove(&session);
     }
+
+    /// The user resumed the session's goal: a turn's end that waits still
+    /// counts as a turn, no longer as a loop stop (it came before the
+    /// resume, which starts that count over).
+    pub fn resumed(&mut self, session: crate::SessionId) {
+        if let Some(loop_stopped) = self.ends.get_mut(&session) {
+            *loop_stopped = false;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -234,24 +260,28 @@ mod tests {
         let mut t = Turns::default();
         t.set(a);
         t.offered(a);
-        assert!(t.ended(a), "the goal's own turn");
-        assert!(!t.ended(a), "once");
+        assert_eq!(t.ended(a, false), Some(false), "the goal's own turn");
+        assert_eq!(t.ended(a, false), None, "once");
         t.offered(a);
         t.set(a); // replaced while its turn ran
-        assert!(!t.ended(a));
+        assert_eq!(t.ended(a, true), None);
         t.offered(a);
         t.cleared(a);
         t.set(a); // cleared and set again: a new goal too
-        assert!(!t.ended(a));
+        assert_eq!(t.ended(a, false), None);
         // Stored before the daemon started: numbered at its first offer.
         t.offered(b);
-        assert!(t.ended(b));
-        assert!(!t.ended(b), "no turn was offered");
+        assert_eq!(t.ended(b, true), Some(true));
+        assert_eq!(t.ended(b, false), None, "no turn was offered");
         t.set(b);
         t.offered(b);
         t.forget(b);
         assert!(!t.current.contains_key(&b) && !t.offered.contains_key(&b));
-        assert!(!t.ended(b), "a deleted session's turn counts for nothing");
+        assert_eq!(
+            t.ended(b, false),
+            None,
+            "a deleted session's turn counts for nothing"
+        );
     }
 
     #[test]
@@ -267,6 +297,34 @@ mod tests {
         u.replaced(a);
         assert!(!u.end_waiting(a), "a new goal drops the old turn's end");
         assert_eq!(u.take_end(a), None);
+    }
+
+    /// A resume starts the loop-stop count over: a turn offered before
+    /// it, or one whose end waits to be counted, still counts as a turn
+    /// but not as a loop stop of the resumed goal.
+    #[test]
+    fn a_resume_drops_the_loop_stop_of_a_turn_from_before_it() {
+        let s = crate::SessionId::new();
+        let mut t = Turns::default();
+        t.set(s);
+        t.offered(s);
+        t.resumed(s);
+        assert_eq!(t.ended(s, true), Some(false), "offered before the resume");
+        t.offered(s);
+        assert_eq!(t.ended(s, true), Some(true), "offered after it");
+        t.resumed(s); // nothing offered: the next turn's stop counts
+        t.offered(s);
+        assert_eq!(t.ended(s, true), Some(true));
+        let mut u = Unstored::default();
+        u.end_waits(s, true);
+        u.resumed(s);
+        assert_eq!(
+            u.take_end(s),
+            Some(false),
+            "its end waited across the resume"
+        );
+        u.resumed(s);
+        assert!(!u.end_waiting(s), "a resume makes no end wait");
     }
 
     #[test]

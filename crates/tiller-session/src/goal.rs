@@ -189,6 +189,10 @@ impl Actor for GoalActor {
                     change = if resume { g.resume() } else { g.pause() };
                 })
                 .await;
+                if let (Ok(Some(_)), Some(GoalChange::Resumed)) = (&r, change) {
+                    st.turns.resumed(session);
+                    st.unstored.resumed(session);
+                }
                 match &r {
                     Ok(Some(row)) => publish.send(change.map(|c| event(c, row.turns_done))),
                     // No goal: nothing to publish, the caller hears `None`.
@@ -242,9 +246,10 @@ impl Actor for GoalActor {
                 loop_stopped,
                 inbox,
             } => {
-                if st.turns.ended(session) {
+                // None: replaced or cleared meanwhile.
+                if let Some(loop_stopped) = st.turns.ended(session, loop_stopped) {
                     end_turn(&myself, st, session, loop_stopped, inbox, false).await;
-                } // else replaced or cleared meanwhile
+                }
             }
             GoalMsg::Retry(session) => {
                 let Some(inbox) = st.retries.due(session) else {

@@ -1036,6 +1036,49 @@ async fn a_goal_replaced_during_its_turn_is_not_charged_for_the_old_turn() {
     );
 }
 
+/// A resume starts a goal's loop-stop count over: a turn stopped by loop
+/// protection that was offered before the resume does not count against
+/// the resumed goal (it did: one loop stop fewer to its next pause, and
+/// its next turn told "the last turn was stopped by loop protection").
+#[tokio::test]
+async fn a_loop_stop_from_before_a_resume_does_not_count_against_the_resumed_goal() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let id = h.id();
+    let goal_turn = |e: &tiller_session::EventRecord| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "goal");
+    let tool = r#"{"name": "read", "input": {"p": 1}, "output": "same"}"#;
+    let looping = format!(
+        r#"{{"script": [{{"sleep_ms": 400}}, {{"tools": [{}]}}, {{"say": "never said"}}]}}"#,
+        [tool; 6].join(", ")
+    );
+    s.goal_set(id, looping, 5).await.unwrap();
+    log_once(&s, id, "the goal's turn starts", goal_turn).await;
+    s.goal_pause_resume(id, false).await.unwrap().unwrap();
+    s.goal_pause_resume(id, true).await.unwrap().unwrap();
+    let counted = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let g = s.goal_get(id).await.unwrap().unwrap();
+            if g.turns_done >= 1 {
+                return g;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the turn is counted");
+    let log = s.events_after(id, 0, 1000).await.unwrap();
+    assert!(
+        log.iter().any(|e| matches!(
+            e.body,
+            EventBody::TurnError { .. } | EventBody::TurnComplete { .. }
+        )),
+        "{:?}",
+        kinds(&log)
+    );
+    assert_eq!((counted.turns_done, counted.loop_stops), (1, 0));
+}
+
 /// A goal turn whose end the store cannot count is not forgotten: the
 /// goal offers nothing until it is counted (tried again after a pause),
 /// then goes on, each turn counted once. It was taken for a cleared goal:
