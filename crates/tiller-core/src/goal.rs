@@ -213,14 +213,77 @@ impl Turns {
 /// queue actors' (`crate::backoff::Failures`).
 #[derive(Debug, Default)]
 pub struct Unstored {
-    ends: std::collections::HashMap<crate::SessionId, bool>,
+    ends: std::collections::HashMap<crate::SessionId, End>,
+}
+
+/// A goal turn's end on its way to the stored goal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct End {
+    /// Loop protection stopped the turn.
+    pub loop_stopped: bool,
+    /// The write an earlier try made, when one was made: it may have
+    /// landed though its answer was lost (a connection to PostgreSQL that
+    /// drops during `COMMIT`), and counting the end again would count it
+    /// twice.
+    pub tried: Option<Tried>,
+}
+
+/// What a tried write made of the goal.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tried {
+    /// The turn count it wrote (one more than the goal had).
+    pub turns_done: u32,
+    /// The status it wrote.
+    pub status: GoalStatus,
+    /// The change it made.
+    pub change: Option<GoalChange>,
+}
+
+/// How an end counts in the goal the store holds now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Counted {
+    /// An earlier try's write landed: nothing to write; the change it
+    /// made, to publish (none when the goal moved on since: a pause).
+    Landed(Option<GoalChange>),
+    /// Counted in the goal, which is to be written; the change it made.
+    Write(Option<GoalChange>),
+}
+
+impl End {
+    /// A turn's end not tried yet.
+    pub fn new(loop_stopped: bool) -> Self {
+        Self {
+            loop_stopped,
+            tried: None,
+        }
+    }
+
+    /// Counts the end in `goal`, as the store holds it now. An earlier
+    /// try's write landed when the stored count is the one it wrote (only
+    /// a goal set or cleared, which drops the end, resets the count).
+    pub fn count(&self, goal: &mut Goal) -> Counted {
+        match self.tried {
+            Some(t) if t.turns_done == goal.turns_done => {
+                Counted::Landed(t.change.filter(|_| goal.status == t.status))
+            }
+            _ => Counted::Write(goal.turn_ended(self.loop_stopped)),
+        }
+    }
+
+    /// Records the write about to be tried (`goal` as counted).
+    pub fn trying(&mut self, goal: &Goal, change: Option<GoalChange>) {
+        self.tried = Some(Tried {
+            turns_done: goal.turns_done,
+            status: goal.status,
+            change,
+        });
+    }
 }
 
 impl Unstored {
-    /// A goal turn of the session ended (`loop_stopped`) and could not be
-    /// stored: it waits to be tried again.
-    pub fn end_waits(&mut self, session: crate::SessionId, loop_stopped: bool) {
-        self.ends.insert(session, loop_stopped);
+    /// A goal turn's end could not be stored: it waits to be tried again.
+    pub fn end_waits(&mut self, session: crate::SessionId, end: End) {
+        self.ends.insert(session, end);
     }
 
     /// Whether a turn's end waits to be stored (the goal offers nothing).
@@ -230,7 +293,7 @@ impl Unstored {
 
     /// The turn's end that waits, taken to be tried again (`None` once a
     /// goal set or cleared since dropped it).
-    pub fn take_end(&mut self, session: crate::SessionId) -> Option<bool> {
+    pub fn take_end(&mut self, session: crate::SessionId) -> Option<End> {
         self.ends.remove(&session)
     }
 
@@ -244,8 +307,8 @@ impl Unstored {
     /// counts as a turn, no longer as a loop stop (it came before the
     /// resume, which starts that count over).
     pub fn resumed(&mut self, session: crate::SessionId) {
-        if let Some(loop_stopped) = self.ends.get_mut(&session) {
-            *loop_stopped = false;
+        if let Some(end) = self.ends.get_mut(&session) {
+            end.loop_stopped = false;
         }
     }
 }
@@ -288,12 +351,12 @@ mod tests {
     fn an_uncounted_turn_end_holds_the_goal_back_until_taken_or_replaced() {
         let (a, b) = (crate::SessionId::new(), crate::SessionId::new());
         let mut u = Unstored::default();
-        u.end_waits(a, true);
+        u.end_waits(a, End::new(true));
         assert!(u.end_waiting(a) && !u.end_waiting(b));
-        assert_eq!(u.take_end(a), Some(true));
+        assert_eq!(u.take_end(a), Some(End::new(true)));
         assert!(!u.end_waiting(a));
         assert_eq!(u.take_end(a), None, "taken once");
-        u.end_waits(a, false);
+        u.end_waits(a, End::new(false));
         u.replaced(a);
         assert!(!u.end_waiting(a), "a new goal drops the old turn's end");
         assert_eq!(u.take_end(a), None);
@@ -316,15 +379,53 @@ mod tests {
         t.offered(s);
         assert_eq!(t.ended(s, true), Some(true));
         let mut u = Unstored::default();
-        u.end_waits(s, true);
+        u.end_waits(s, End::new(true));
         u.resumed(s);
         assert_eq!(
             u.take_end(s),
-            Some(false),
+            Some(End::new(false)),
             "its end waited across the resume"
         );
         u.resumed(s);
         assert!(!u.end_waiting(s), "a resume makes no end wait");
+    }
+
+    /// An end whose write landed though its answer was lost is not
+    /// counted again; one whose write did not land is.
+    #[test]
+    fn an_end_is_counted_once_whatever_its_write_answered() {
+        let mut stored = Goal::new("obj".into(), 2);
+        let mut end = End::new(false);
+        let mut goal = stored.clone();
+        assert_eq!(end.count(&mut goal), Counted::Write(None));
+        end.trying(&goal, None);
+        // The write did not land: counted again, in the goal as it was.
+        assert_eq!(end.count(&mut stored.clone()), Counted::Write(None));
+        // It landed: found, nothing written again.
+        stored = goal.clone();
+        assert_eq!(end.count(&mut stored), Counted::Landed(None));
+        assert_eq!(stored.turns_done, 1);
+        // The last turn: its change is published once found.
+        let mut last = End::new(false);
+        let mut goal = stored.clone();
+        let change = match last.count(&mut goal) {
+            Counted::Write(c) => c,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(change, Some(GoalChange::Completed));
+        last.trying(&goal, change);
+        assert_eq!(last.count(&mut goal.clone()), Counted::Landed(change));
+        // Not when the goal moved on since (a pause of a loop-stopped goal).
+        let mut looped = Goal::new("obj".into(), 9);
+        looped.loop_stops = LOOP_STOPS_BEFORE_PAUSE - 1;
+        let mut end = End::new(true);
+        let change = match end.count(&mut looped) {
+            Counted::Write(c) => c,
+            other => panic!("{other:?}"),
+        };
+        end.trying(&looped, change);
+        looped.status = GoalStatus::Active; // resumed since
+        assert_eq!(end.count(&mut looped), Counted::Landed(None));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! never taken for "nothing due".
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
-use tiller_core::goal::{Goal, GoalChange, GoalStatus, PauseReason, Turns, Unstored};
+use tiller_core::goal::{Counted, End, Goal, GoalChange, GoalStatus, PauseReason, Turns, Unstored};
 use tiller_core::{Origin, SessionId};
 use tiller_store::{GoalRow, Store, StoreError};
 use tokio::sync::oneshot;
@@ -248,7 +248,7 @@ impl Actor for GoalActor {
             } => {
                 // None: replaced or cleared meanwhile.
                 if let Some(loop_stopped) = st.turns.ended(session, loop_stopped) {
-                    end_turn(&myself, st, session, loop_stopped, inbox, false).await;
+                    end_turn(&myself, st, session, End::new(loop_stopped), inbox, false).await;
                 }
             }
             GoalMsg::Retry(session) => {
@@ -256,9 +256,7 @@ impl Actor for GoalActor {
                     return Ok(());
                 };
                 match st.unstored.take_end(session) {
-                    Some(loop_stopped) => {
-                        end_turn(&myself, st, session, loop_stopped, inbox, true).await;
-                    }
+                    Some(end) => end_turn(&myself, st, session, end, inbox, true).await,
                     None => inbox.kick(),
                 }
             }
@@ -275,22 +273,31 @@ impl Actor for GoalActor {
 /// Counts an ended goal turn in the stored goal and publishes what changed.
 /// A read or write the store fails keeps the end waiting (the goal offers
 /// nothing meanwhile) and tries again after a pause; a try again that
-/// stores it lets the session (its latest inbox) look for work.
+/// stores it lets the session (its latest inbox) look for work. A try
+/// again finds a write of the try before that landed though its answer
+/// was lost ([`End::count`]): the turn counts once.
 async fn end_turn(
     myself: &ActorRef<GoalMsg>,
     st: &mut GoalState,
     session: SessionId,
-    loop_stopped: bool,
+    mut end: End,
     inbox: Arc<dyn Inbox>,
     again: bool,
 ) {
+    let loop_stopped = end.loop_stopped;
     let stored = async {
         let Some(row) = st.store.goal_get(session).await? else {
             return Ok(None); // cleared meanwhile
         };
         let mut goal = to_core(&row);
-        let change = goal.turn_ended(loop_stopped);
-        st.store.goal_put(to_row(session, &goal)).await?;
+        let change = match end.count(&mut goal) {
+            Counted::Landed(change) => change,
+            Counted::Write(change) => {
+                end.trying(&goal, change);
+                st.store.goal_put(to_row(session, &goal)).await?;
+                change
+            }
+        };
         Ok::<_, StoreError>(Some((change, goal.turns_done)))
     };
     match stored.await {
@@ -318,7 +325,7 @@ async fn end_turn(
             st.retries.forget(session);
         }
         Err(e) => {
-            st.unstored.end_waits(session, loop_stopped);
+            st.unstored.end_waits(session, end);
             tracing::error!(%session, error = %e, "cannot count a goal turn; tried again after a pause");
             if let Some(pause) = st.retries.failed(session, Some(inbox)) {
                 myself.send_after(pause, move || GoalMsg::Retry(session));

@@ -1112,6 +1112,44 @@ async fn a_goal_turn_the_store_cannot_count_is_counted_once_it_is_back() {
     );
 }
 
+/// A goal turn's count whose write landed though its answer was lost (a
+/// connection to PostgreSQL dropped during `COMMIT`) is not counted again
+/// when it is tried again: the goal of three turns runs three (it ran two,
+/// the first counted twice).
+#[tokio::test]
+async fn a_goal_turn_whose_counts_answer_was_lost_counts_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    let id = h.id();
+    let goal_turn = |e: &tiller_session::EventRecord| matches!(&e.body, EventBody::PromptStarted { origin } if origin == "goal");
+    s.goal_set(id, r#"{"script": [{"sleep_ms": 300}]}"#.into(), 3)
+        .await
+        .unwrap();
+    log_once(&s, id, "the goal's first turn starts", goal_turn).await;
+    store.lose_goal_answers(true);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    store.lose_goal_answers(false);
+    assert!(store.switched_failures() > 0, "no answer was lost");
+    let log = log_once(&s, id, "the goal completes", |e| {
+        matches!(e.body, EventBody::GoalCompleted { .. })
+    })
+    .await;
+    let completed = log
+        .iter()
+        .find_map(|e| match e.body {
+            EventBody::GoalCompleted { turns_done } => Some(turns_done),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(
+        (log.iter().filter(|e| goal_turn(e)).count(), completed),
+        (3, 3),
+        "{:?}",
+        kinds(&log)
+    );
+}
+
 /// While a goal turn's end waits to be counted (its write failed), the
 /// goal offers no next turn: a goal of one turn runs one, even though its
 /// reads work meanwhile.

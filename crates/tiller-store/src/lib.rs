@@ -159,6 +159,9 @@ pub(crate) struct Shared {
     /// Test switches: goal reads, goal writes fail.
     pub(crate) fail_goal_reads: AtomicBool,
     pub(crate) fail_goal_writes: AtomicBool,
+    /// Test switch: goal writes are stored but answered as failed (an
+    /// answer lost after the commit).
+    pub(crate) lose_goal_answers: AtomicBool,
     /// Test switches: reads of a session's notifications, of its cron
     /// fires, fail.
     pub(crate) fail_notification_reads: AtomicBool,
@@ -453,6 +456,14 @@ impl Store {
         self.shared
             .fail_goal_writes
             .store(writes, Ordering::Relaxed);
+    }
+
+    /// Makes every goal write be stored but answered as failed (what a
+    /// connection lost during `COMMIT` leaves the caller with), or not,
+    /// until changed.
+    #[cfg(feature = "test-hooks")]
+    pub fn lose_goal_answers(&self, on: bool) {
+        self.shared.lose_goal_answers.store(on, Ordering::Relaxed);
     }
 
     /// Makes every read of one session's notifications, and of its cron
@@ -972,7 +983,8 @@ impl Store {
     /// Stores (replaces) a session's goal.
     pub async fn goal_put(&self, goal: GoalRow) -> Result<(), StoreError> {
         self.failing(&self.shared.fail_goal_writes)?;
-        self.call(move |c| c.goal_put(&goal)).await
+        self.call(move |c| c.goal_put(&goal)).await?;
+        self.failing(&self.shared.lose_goal_answers)
     }
 
     /// A test switch made this fail.
