@@ -247,8 +247,14 @@ impl Actor for GoalActor {
                 inbox,
             } => {
                 // None: replaced or cleared meanwhile.
-                if let Some(loop_stopped) = st.turns.ended(session, loop_stopped) {
-                    end_turn(&myself, st, session, End::new(loop_stopped), inbox, false).await;
+                if let Some(counts_as_stop) = st.turns.ended(session, loop_stopped) {
+                    metrics::counter!(
+                        "tiller_goal_turns_total",
+                        "outcome" => if loop_stopped { "loop_stopped" } else { "end_turn" }
+                    )
+                    .increment(1);
+                    let end = End::new(counts_as_stop);
+                    end_turn(&myself, st, session, end, inbox, false).await;
                 }
             }
             GoalMsg::Retry(session) => {
@@ -284,7 +290,6 @@ async fn end_turn(
     inbox: Arc<dyn Inbox>,
     again: bool,
 ) {
-    let loop_stopped = end.loop_stopped;
     let stored = async {
         let Some(row) = st.store.goal_get(session).await? else {
             return Ok(None); // cleared meanwhile
@@ -303,17 +308,10 @@ async fn end_turn(
     match stored.await {
         Ok(done) => {
             st.retries.succeeded(session);
-            if let Some((change, turns_done)) = done {
-                metrics::counter!(
-                    "tiller_goal_turns_total",
-                    "outcome" => if loop_stopped { "loop_stopped" } else { "end_turn" }
-                )
-                .increment(1);
-                if let Some(change) = change {
-                    let (body, kick) = event(change, turns_done);
-                    inbox.event(body, kick, None);
-                    return;
-                }
+            if let Some((Some(change), turns_done)) = done {
+                let (body, kick) = event(change, turns_done);
+                inbox.event(body, kick, None);
+                return;
             }
             if again {
                 inbox.kick(); // it was held back meanwhile

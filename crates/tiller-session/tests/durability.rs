@@ -244,6 +244,14 @@ async fn a_close_the_store_cannot_record_is_an_error() {
     // Not closed: it is still listed and opens.
     let listed = s.list(None, 10).await.unwrap();
     assert!(listed.sessions.iter().any(|r| r.id == h.id()));
+    // Closed again once the store is back, it is closed.
+    let h = s.open(h.id()).await.unwrap();
+    h.close().await.unwrap();
+    let listed = s.list(None, 10).await.unwrap();
+    assert!(
+        !listed.sessions.iter().any(|r| r.id == h.id()),
+        "closed, yet listed"
+    );
 }
 
 #[tokio::test]

@@ -694,7 +694,10 @@ impl Db for PgDb {
         let id = id.to_string();
         let mut tx = self.client()?.transaction()?;
         // True when anything of it was there, as for SQLite.
-        let mut removed = 0;
+        // The session's row first: a node queueing work for it meanwhile
+        // holds that row (`FOR SHARE`), so either its work is committed
+        // before the deletes below, which see it, or it finds no session.
+        let mut removed = tx.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
         for table in crate::sessions::SESSION_TABLES {
             removed += tx.execute(
                 &format!("DELETE FROM {table} WHERE session_id = $1"),
@@ -702,7 +705,6 @@ impl Db for PgDb {
             )?;
         }
         removed += tx.execute("DELETE FROM leases WHERE session_id = $1", &[&id])?;
-        removed += tx.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
         tx.commit()?;
         self.held.remove(&id);
         Ok(removed > 0)
@@ -833,7 +835,7 @@ impl Db for PgDb {
                     let n = tx.execute(
                         "INSERT INTO notifications (n, session_id, task_id, text, created_ms)
                          SELECT $1::BIGINT, $2::TEXT, $3::TEXT, $4::TEXT, $5::BIGINT
-                         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT AND NOT closed)
+                         WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT AND NOT closed FOR SHARE)
                          ON CONFLICT (session_id, task_id) DO UPDATE SET text = excluded.text",
                         &[
                             &item.id,
@@ -889,7 +891,7 @@ impl Db for PgDb {
         let n = self.client()?.execute(
             "INSERT INTO cron_jobs (id, session_id, schedule, tz, prompt, next_fire_ms, created_ms)
              SELECT $1::TEXT, $2::TEXT, $3::TEXT, $4::TEXT, $5::TEXT, $6::BIGINT, $7::BIGINT
-             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT AND NOT closed)",
+             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $2::TEXT AND NOT closed FOR SHARE)",
             &[
                 &j.id,
                 &j.session.to_string(),
@@ -1020,7 +1022,7 @@ impl Db for PgDb {
             "INSERT INTO goals
              (session_id, objective, max_turns, turns_done, status, pause_reason, loop_stops)
              SELECT $1::TEXT, $2::TEXT, $3::BIGINT, $4::BIGINT, $5::TEXT, $6::TEXT, $7::BIGINT
-             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $1::TEXT AND NOT closed)
+             WHERE EXISTS (SELECT 1 FROM sessions WHERE id = $1::TEXT AND NOT closed FOR SHARE)
              ON CONFLICT (session_id) DO UPDATE SET objective = excluded.objective,
                  max_turns = excluded.max_turns, turns_done = excluded.turns_done,
                  status = excluded.status, pause_reason = excluded.pause_reason,

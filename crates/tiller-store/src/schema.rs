@@ -273,6 +273,9 @@ pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
         tx.pragma_update(None, "user_version", (SCHEMA.len() + i) as i64 + 1)?;
         tx.commit()?;
     }
+    if version > latest() {
+        return Ok(()); // a newer version's file: refused by the caller, untouched
+    }
     let tx = conn.unchecked_transaction()?;
     tx.execute_batch(&crate::sessions::sweep_closed())?;
     tx.commit()

@@ -138,7 +138,10 @@ pub(crate) fn set_title(
 /// The tables of a session's queued automatic work: closing the session
 /// removes its rows, since nothing runs for a closed session (its cron
 /// jobs would fire, and a goal or notification wait, for ever).
-pub(crate) const QUEUE_TABLES: [&str; 4] = ["notifications", "cron_fires", "cron_jobs", "goals"];
+/// Jobs before their fires: on PostgreSQL a node firing a job holds the
+/// job's row, so the close's delete of the fires, after that of the jobs,
+/// sees a fire that node committed meanwhile.
+pub(crate) const QUEUE_TABLES: [&str; 4] = ["cron_jobs", "cron_fires", "notifications", "goals"];
 
 /// Removes the queued automatic work of sessions closed before their close
 /// removed it (an older version's): run at every start, on both backends

@@ -2006,6 +2006,41 @@ mod stale {
         assert!(store.cron_list().await.unwrap().is_empty());
     }
 
+    /// A newer version's file is refused untouched: the sweep of closed
+    /// sessions' work does not run on it (an older binary deleted rows
+    /// the newer one's rules keep, before refusing the file).
+    #[tokio::test]
+    async fn a_newer_versions_file_is_refused_without_the_sweep() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        let store = Store::open(&path).unwrap();
+        let s = super::stored_session(&store).await;
+        store
+            .cron_add(CronJob {
+                id: "j".into(),
+                session: s,
+                schedule: "* * * * *".into(),
+                tz: "UTC".into(),
+                prompt: "tick".into(),
+                next_fire_ms: 0,
+                created_ms: 0,
+            })
+            .await
+            .unwrap();
+        store.close().await;
+        let raw = Connection::open(&path).unwrap();
+        raw.execute("UPDATE sessions SET closed = 1", []).unwrap();
+        raw.pragma_update(None, "user_version", crate::schema::latest() + 1)
+            .unwrap();
+        drop(raw);
+        assert!(Store::open(&path).is_err(), "a newer version's file");
+        let jobs: i64 = Connection::open(&path)
+            .unwrap()
+            .query_row("SELECT COUNT(*) FROM cron_jobs", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(jobs, 1);
+    }
+
     /// A fire coalesced into a waiting fire that another node already
     /// started is a waiting fire again, not an update of nothing.
     #[tokio::test]

@@ -301,33 +301,40 @@ impl SessionState {
                     }
                     self.feed(myself, Input::Close(self.engine_stop()), None)
                         .await;
-                    // Answered only once the close is stored. A session its
-                    // step failed writes nothing more.
-                    let stored = match self.failed {
-                        Some(f) => Err(f.error(self.id)),
-                        None => match self
-                            .publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
-                            .await
-                        {
-                            Ok(()) => self.store.close_session(self.id).await,
-                            Err(e) => Err(e),
-                        }
-                        .map_err(crate::SessionError::from),
-                    };
-                    if stored.is_ok() {
-                        // Its queued work went with the close.
-                        for q in self.automation.queues.iter() {
-                            q.forget(self.id);
-                        }
-                    }
-                    let _ = reply.send(stored);
-                } else {
-                    let _ = reply.send(Ok(()));
                 }
+                // Answered only once the close is stored (a close after one
+                // that failed stores what it did not). A session its step
+                // failed writes nothing more.
+                let stored = match self.failed {
+                    Some(f) => Err(f.error(self.id)),
+                    None => self.store_close().await.map_err(crate::SessionError::from),
+                };
+                if stored.is_ok() {
+                    // Its queued work went with the close.
+                    for q in self.automation.queues.iter() {
+                        q.forget(self.id);
+                    }
+                }
+                let _ = reply.send(stored);
                 if !self.core.busy() {
                     myself.stop(Some("closed".into()));
                 }
             }
         }
+    }
+
+    /// Stores the close: its event, then the session's row (its queued
+    /// work removed with it), each once.
+    async fn store_close(&mut self) -> Result<(), StoreError> {
+        if !self.close_stored.0 {
+            self.publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
+                .await?;
+            self.close_stored.0 = true;
+        }
+        if !self.close_stored.1 {
+            self.store.close_session(self.id).await?;
+            self.close_stored.1 = true;
+        }
+        Ok(())
     }
 }

@@ -410,6 +410,8 @@ pub struct SessionState {
     cancel_at: Option<tokio::time::Instant>,
     /// Set by `Close`: refuse prompts, stop when idle.
     closing: bool,
+    /// What of the close is stored: its event, the session's row.
+    close_stored: (bool, bool),
     /// The session's title (set from the first prompt unless given).
     title: Option<Box<str>>,
     /// Model usage so far (none until the first request).
@@ -532,6 +534,7 @@ impl Actor for SessionActor {
             input_at: crate::clock::instant(),
             cancel_at: None,
             closing: false,
+            close_stored: (false, false),
             title: args.title.map(String::into_boxed_str),
             usage: settings.usage.map(Box::new),
             switches: settings.switches,
