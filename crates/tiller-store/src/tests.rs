@@ -2030,7 +2030,7 @@ mod stale {
         store.close().await;
         let raw = Connection::open(&path).unwrap();
         raw.execute("UPDATE sessions SET closed = 1", []).unwrap();
-        raw.pragma_update(None, "user_version", crate::schema::latest() + 1)
+        raw.pragma_update(None, "user_version", schema::latest() + 1)
             .unwrap();
         drop(raw);
         assert!(Store::open(&path).is_err(), "a newer version's file");
