@@ -254,6 +254,42 @@ async fn a_close_the_store_cannot_record_is_an_error() {
     );
 }
 
+/// A close whose event was stored but not the session's closed mark is
+/// an error; closed again (by the actor started afresh), the log says
+/// `session_closed` once and the session is closed (the event was
+/// published twice).
+#[tokio::test]
+async fn a_close_stored_half_is_finished_by_the_next_without_a_second_event() {
+    let dir = tempfile::tempdir().unwrap();
+    let (s, store) = sessions(&dir).await;
+    let h = s.create("/tmp".into(), None).await.unwrap();
+    store.fail_closes(true);
+    assert!(h.close().await.is_err());
+    store.fail_closes(false);
+    assert!(store.switched_failures() > 0, "the close never failed");
+    let listed = s.list(None, 10).await.unwrap();
+    assert!(listed.sessions.iter().any(|r| r.id == h.id()), "not closed");
+    let again = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match s.open(h.id()).await.unwrap().close().await {
+                Err(SessionError::Stopped) => tokio::time::sleep(Duration::from_millis(10)).await,
+                r => return r,
+            }
+        }
+    })
+    .await
+    .expect("closed again");
+    assert!(again.is_ok(), "{again:?}");
+    let log = s.events_after(h.id(), 0, 1000).await.unwrap();
+    let closes = log
+        .iter()
+        .filter(|e| matches!(e.body, EventBody::SessionClosed))
+        .count();
+    assert_eq!(closes, 1, "{:?}", kinds(&log));
+    let listed = s.list(None, 10).await.unwrap();
+    assert!(!listed.sessions.iter().any(|r| r.id == h.id()), "closed");
+}
+
 #[tokio::test]
 async fn a_notification_whose_start_was_never_stored_is_still_queued_and_runs() {
     let dir = tempfile::tempdir().unwrap();

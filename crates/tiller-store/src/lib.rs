@@ -162,6 +162,8 @@ pub(crate) struct Shared {
     /// Test switch: goal writes are stored but answered as failed (an
     /// answer lost after the commit).
     pub(crate) lose_goal_answers: AtomicBool,
+    /// Test switch: marking a session closed fails.
+    pub(crate) fail_closes: AtomicBool,
     /// Test switches: reads of a session's notifications, of its cron
     /// fires, fail.
     pub(crate) fail_notification_reads: AtomicBool,
@@ -458,6 +460,13 @@ impl Store {
             .store(writes, Ordering::Relaxed);
     }
 
+    /// Makes marking a session closed fail (or not) until changed (its
+    /// `session_closed` event is still stored).
+    #[cfg(feature = "test-hooks")]
+    pub fn fail_closes(&self, on: bool) {
+        self.shared.fail_closes.store(on, Ordering::Relaxed);
+    }
+
     /// Makes every goal write be stored but answered as failed (what a
     /// connection lost during `COMMIT` leaves the caller with), or not,
     /// until changed.
@@ -714,6 +723,7 @@ impl Store {
 
     /// Marks a session closed.
     pub async fn close_session(&self, id: SessionId) -> Result<(), StoreError> {
+        self.failing(&self.shared.fail_closes)?;
         self.call_for(id, move |c| c.close_session(id)).await
     }
 

@@ -693,18 +693,21 @@ impl Db for PgDb {
     fn delete_session(&mut self, id: SessionId) -> R<bool> {
         let id = id.to_string();
         let mut tx = self.client()?.transaction()?;
-        // True when anything of it was there, as for SQLite.
-        // The session's row first: a node queueing work for it meanwhile
-        // holds that row (`FOR SHARE`), so either its work is committed
-        // before the deletes below, which see it, or it finds no session.
-        let mut removed = tx.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
+        // True when anything of it was there, as for SQLite. Rows are
+        // locked in the order every other writer takes them: the lease
+        // (a fenced write holds it, then the session's row), then the
+        // session's row (a node queueing work for it holds that row, `FOR
+        // SHARE`), then its tables. So the deletes after wait for those
+        // writers and see what they committed, or the writers find no
+        // session; and none deadlocks with the delete.
+        let mut removed = tx.execute("DELETE FROM leases WHERE session_id = $1", &[&id])?;
+        removed += tx.execute("DELETE FROM sessions WHERE id = $1", &[&id])?;
         for table in crate::sessions::SESSION_TABLES {
             removed += tx.execute(
                 &format!("DELETE FROM {table} WHERE session_id = $1"),
                 &[&id],
             )?;
         }
-        removed += tx.execute("DELETE FROM leases WHERE session_id = $1", &[&id])?;
         tx.commit()?;
         self.held.remove(&id);
         Ok(removed > 0)
@@ -932,8 +935,9 @@ impl Db for PgDb {
 
     fn cron_remove(&mut self, id: &str) -> R<bool> {
         let mut tx = self.client()?.transaction()?;
-        tx.execute("DELETE FROM cron_fires WHERE job_id = $1", &[&id])?;
+        // The job before its fire, as a fire and a close take them.
         let n = tx.execute("DELETE FROM cron_jobs WHERE id = $1", &[&id])?;
+        tx.execute("DELETE FROM cron_fires WHERE job_id = $1", &[&id])?;
         tx.commit()?;
         Ok(n > 0)
     }

@@ -274,7 +274,7 @@ pub(crate) fn migrate(conn: &Connection) -> rusqlite::Result<()> {
         tx.commit()?;
     }
     if version > latest() {
-        return Ok(()); // a newer version's file: refused by the caller, untouched
+        return Ok(()); // a newer version's file: refused by the caller, no row changed
     }
     let tx = conn.unchecked_transaction()?;
     tx.execute_batch(&crate::sessions::sweep_closed())?;

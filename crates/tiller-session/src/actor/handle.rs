@@ -327,6 +327,15 @@ impl SessionState {
     /// work removed with it), each once.
     async fn store_close(&mut self) -> Result<(), StoreError> {
         if !self.close_stored.0 {
+            // A close that failed before this actor started may have
+            // stored its event: last in the log, it is not published again.
+            let last = self
+                .store
+                .last_of_kinds(self.id, &["session_closed"])
+                .await?;
+            self.close_stored.0 = last.is_some_and(|e| e.seq == self.seq);
+        }
+        if !self.close_stored.0 {
             self.publish_durable(None, None, EventBody::SessionClosed, Ledger::Plain)
                 .await?;
             self.close_stored.0 = true;
