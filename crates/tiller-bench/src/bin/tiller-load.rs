@@ -12,7 +12,8 @@
 //! never reads; `session/load` replay of a long session;
 //! `session/cancel` -> `cancelled` latency while every session streams,
 //! at a model's pace (100 chunks a second each) and flat out (both cores
-//! saturated); the daemon's graceful stop.
+//! saturated), with the daemon's CPU per update meanwhile; the daemon's
+//! graceful stop.
 
 #![allow(clippy::print_stdout)]
 
@@ -695,7 +696,7 @@ async fn main() {
     ] {
         let c = cancel_latency(&d, &groups, background, a.cancels).await;
         println!(
-            "cancel -> answer with {created} sessions streaming {label}: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms over {} ({} not answered cancelled; meanwhile {:.0} session/update/s delivered, daemon busy {:.2} of {} cores) (goal p99 < 2 ms)",
+            "cancel -> answer with {created} sessions streaming {label}: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms over {} ({} not answered cancelled; meanwhile {:.0} session/update/s delivered, daemon busy {:.2} of {} cores, {:.1} us of its CPU an update) (goal p99 < 2 ms)",
             pct(&c.times, 50),
             pct(&c.times, 99),
             c.times[c.times.len() - 1],
@@ -704,6 +705,7 @@ async fn main() {
             c.updates_per_s,
             c.cores,
             std::thread::available_parallelism().map_or(0, usize::from),
+            1e6 * c.cores / c.updates_per_s.max(1.0),
         );
         println!(
             "  the same prompts' first chunk: p50 {:.2} ms, p99 {:.2} ms after it was sent",
