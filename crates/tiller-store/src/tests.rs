@@ -1820,6 +1820,27 @@ mod stale {
         }
     }
 
+    /// A job of `session` firing every minute.
+    fn job(id: &str, session: SessionId) -> CronJob {
+        CronJob {
+            id: id.into(),
+            session,
+            schedule: "* * * * *".into(),
+            tz: "UTC".into(),
+            prompt: "tick".into(),
+            next_fire_ms: 0,
+            created_ms: 0,
+        }
+    }
+
+    /// A SQLite store at `path` whose one session has a cron job, closed.
+    async fn a_file_with_a_job(path: &Path) {
+        let store = Store::open(path).unwrap();
+        let s = super::stored_session(&store).await;
+        store.cron_add(job("j", s)).await.unwrap();
+        store.close().await;
+    }
+
     fn start(claim: Claim) -> Option<LedgerOp> {
         Some(LedgerOp::Admit {
             prompt: PromptId::new(),
@@ -1836,18 +1857,9 @@ mod stale {
         let dir = tempfile::tempdir().unwrap();
         let store = super::open_store(&dir.path().join("t.db")).unwrap();
         let s = super::stored_session(&store).await;
-        let job = |id: &str| CronJob {
-            id: id.into(),
-            session: s,
-            schedule: "* * * * *".into(),
-            tz: "UTC".into(),
-            prompt: "tick".into(),
-            next_fire_ms: 0,
-            created_ms: 0,
-        };
-        store.cron_add(job("kept")).await.unwrap();
+        store.cron_add(job("kept", s)).await.unwrap();
         assert!(store.delete_session(s).await.unwrap());
-        let e = store.cron_add(job("late")).await.unwrap_err();
+        let e = store.cron_add(job("late", s)).await.unwrap_err();
         assert!(matches!(e, StoreError::SessionGone(g) if g == s), "{e}");
         assert!(store.cron_list().await.unwrap().is_empty());
     }
@@ -1919,15 +1931,6 @@ mod stale {
             super::stored_session(&store).await,
             super::stored_session(&store).await,
         );
-        let job = |id: &str, session| CronJob {
-            id: id.into(),
-            session,
-            schedule: "* * * * *".into(),
-            tz: "UTC".into(),
-            prompt: "tick".into(),
-            next_fire_ms: 0,
-            created_ms: 0,
-        };
         let goal = |session| GoalRow {
             session,
             objective: "o".into(),
@@ -1982,21 +1985,7 @@ mod stale {
     async fn work_queued_for_a_session_closed_before_is_removed_at_start() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.db");
-        let store = Store::open(&path).unwrap();
-        let s = super::stored_session(&store).await;
-        store
-            .cron_add(CronJob {
-                id: "j".into(),
-                session: s,
-                schedule: "* * * * *".into(),
-                tz: "UTC".into(),
-                prompt: "tick".into(),
-                next_fire_ms: 0,
-                created_ms: 0,
-            })
-            .await
-            .unwrap();
-        store.close().await;
+        a_file_with_a_job(&path).await;
         // Closed as an older version did: the flag only.
         Connection::open(&path)
             .unwrap()
@@ -2013,21 +2002,7 @@ mod stale {
     async fn a_newer_versions_file_is_refused_without_the_sweep() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.db");
-        let store = Store::open(&path).unwrap();
-        let s = super::stored_session(&store).await;
-        store
-            .cron_add(CronJob {
-                id: "j".into(),
-                session: s,
-                schedule: "* * * * *".into(),
-                tz: "UTC".into(),
-                prompt: "tick".into(),
-                next_fire_ms: 0,
-                created_ms: 0,
-            })
-            .await
-            .unwrap();
-        store.close().await;
+        a_file_with_a_job(&path).await;
         let raw = Connection::open(&path).unwrap();
         raw.execute("UPDATE sessions SET closed = 1", []).unwrap();
         raw.pragma_update(None, "user_version", schema::latest() + 1)
@@ -2048,18 +2023,7 @@ mod stale {
         let dir = tempfile::tempdir().unwrap();
         let store = super::open_store(&dir.path().join("t.db")).unwrap();
         let s = super::stored_session(&store).await;
-        store
-            .cron_add(CronJob {
-                id: "j".into(),
-                session: s,
-                schedule: "* * * * *".into(),
-                tz: "UTC".into(),
-                prompt: "tick".into(),
-                next_fire_ms: 0,
-                created_ms: 0,
-            })
-            .await
-            .unwrap();
+        store.cron_add(job("j", s)).await.unwrap();
         let mut fires = tiller_core::cron::Fires::default();
         let change = fires.fire(s, "j", "tick", 5);
         store.cron_fire(change, "j".into(), (0, 60)).await.unwrap();
